@@ -1,0 +1,35 @@
+"""`pdserve-bench`: one command, one subcommand per benchmark.
+
+    pdserve-bench load      colocated vs disaggregated under load (bench/load.py)
+    pdserve-bench transfer  the KV transfer table (bench/transfer.py)
+    pdserve-bench engine    prefill and decode step times against transformers (bench/engine_bench.py)
+
+Each module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "load": ("bench.load", "load generator: colocated vs disaggregated latency under the same load"),
+    "transfer": ("bench.transfer", "KV transfer table: prefill, transfer and first decode step per length"),
+    "engine": ("bench.engine_bench", "engine prefill and decode step times against transformers"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve-bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    return importlib.import_module(args._module).run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

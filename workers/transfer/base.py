@@ -1,0 +1,156 @@
+"""Moving one request's KV cache from a prefill worker's pool into blocks a decode worker reserved.
+
+Decode side (receiver), one per decode worker, made once at start:
+    KVReceiver(kv, cfg)                     bind the endpoint senders reach; register/export the pool once
+    .address                                the endpoint (e.g. tcp://10.0.0.2:7300) to give to senders
+    .expect(request_id, block_ids, deadline_s)   blocks are reserved and wait for this request's KV
+    .poll() -> list[Arrival]                transfers that finished, failed or missed their deadline (non-blocking)
+    .cancel(request_id)                     stop waiting for a request (router gave up)
+    .close()
+
+Prefill side (sender), one per prefill worker:
+    KVSender(kv, cfg)
+    .open(request_id, peer, src_blocks, dst_blocks, num_tokens) -> Transfer
+                                            handshake with `peer` on first use (version + layout + transport metadata)
+    Transfer.layer_done(layer)              layer mode: that layer's K/V are in the pool; start moving it, return at once
+    Transfer.finish(first_token, deadline_s) -> TransferStats
+                                            move what is left, wait for it, then tell the receiver "kv done"
+    Transfer.abort(reason)                  give up; the receiver is told when it can be
+    .close()
+
+States of a transfer: OPENED -> TRANSFERRING -> DONE | FAILED. Every wait has a deadline;
+NIXL, CUDA and ZMQ have none of their own. A failure raises TransferError naming the
+request, the peer and what to check.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from workers.engine.kv_cache import KVCache
+
+PROTOCOL_VERSION = 1
+TRANSPORTS = ("ipc", "nixl", "zmq")
+MODES = ("bulk", "layer")
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class LayoutMismatch(TransferError):
+    pass
+
+
+class State(enum.Enum):
+    OPENED = "opened"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class TransferConfig:
+    transport: str = "ipc"  # one of TRANSPORTS
+    mode: str = "bulk"  # one of MODES
+    host: str = "127.0.0.1"  # receiver: interface to bind; also the address it advertises
+    port: int = 0  # receiver: 0 picks a free port
+    deadline_s: float = 30.0  # default for handshakes and transfers
+    # Tests only: "stall" (sender stops before the done notice), "drop_done" (no done notice).
+    fault: str | None = None
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown transfer mode {self.mode!r}; choose one of {', '.join(MODES)}")
+
+
+@dataclass
+class Arrival:
+    """What the receiver reports for one expected request."""
+
+    request_id: str
+    ok: bool
+    first_token: int = -1
+    error: str | None = None
+    num_bytes: int = 0
+    # Sender-side wall-clock (time.time()) of the first byte leaving and the last landing.
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+
+@dataclass
+class TransferStats:
+    num_bytes: int
+    started_at: float  # time.time() when the first copy was issued
+    finished_at: float  # time.time() when the last copy was complete
+    copies: int  # copy calls or descriptors issued
+    layers_sent_before_finish: int = 0  # layer mode: layers already moving when finish() was called
+    extra: dict = field(default_factory=dict)
+
+
+class Transfer(ABC):
+    state: State
+
+    @abstractmethod
+    def layer_done(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def finish(self, first_token: int, deadline_s: float | None = None) -> TransferStats: ...
+
+    @abstractmethod
+    def abort(self, reason: str) -> None: ...
+
+
+class KVReceiver(ABC):
+    address: str
+
+    def __init__(self, kv: KVCache, cfg: TransferConfig):
+        self.kv, self.cfg = kv, cfg
+
+    @abstractmethod
+    def expect(self, request_id: str, block_ids: list[int], deadline_s: float | None = None) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> list[Arrival]: ...
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class KVSender(ABC):
+    def __init__(self, kv: KVCache, cfg: TransferConfig):
+        self.kv, self.cfg = kv, cfg
+
+    @abstractmethod
+    def open(self, request_id: str, peer: str, src_blocks: list[int], dst_blocks: list[int],
+             num_tokens: int) -> Transfer: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def make_receiver(kv: KVCache, cfg: TransferConfig) -> KVReceiver:
+    return _module(cfg.transport).Receiver(kv, cfg)
+
+
+def make_sender(kv: KVCache, cfg: TransferConfig) -> KVSender:
+    return _module(cfg.transport).Sender(kv, cfg)
+
+
+def _module(name: str):
+    if name == "ipc":
+        from workers.transfer import ipc as mod
+    elif name == "nixl":
+        from workers.transfer import nixl as mod
+    elif name == "zmq":
+        from workers.transfer import zmq as mod
+    else:
+        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
+    return mod
