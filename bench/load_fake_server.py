@@ -1,0 +1,213 @@
+"""A stand-in OpenAI-compatible server with no model, for testing the client and the load generator.
+
+It answers /v1/models, /v1/completions and /v1/chat/completions (streaming and not) with
+" tok0 tok1 ..." and pdserve's `timings` object. Time is simulated with sleeps: prefills run one at a
+time (one "GPU"), so requests queue behind each other; each token then takes `itl_ms`;
+`disaggregated` requests add a KV transfer. Prompt tokens are counted as whitespace-separated words.
+
+    with FakeServer(FakeConfig(itl_ms=2)) as srv:
+        Client(srv.base_url).complete("hi")
+    python -m bench.load_fake_server --port 8000     # to point pdserve-bench load at by hand
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+POLICIES = ("colocated", "disaggregated", "auto")
+
+
+@dataclass
+class FakeConfig:
+    model: str = "fake-model"
+    prefill_ms_per_token: float = 0.01
+    itl_ms: float = 2.0
+    transfer_ms_per_token: float = 0.002
+    kv_bytes_per_token: int = 57_344
+    default_policy: str = "colocated"
+    emit_timings: bool = True
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": None}}, status_code=status)
+
+
+def make_app(cfg: FakeConfig) -> FastAPI:
+    app = FastAPI()
+    gpu = asyncio.Lock()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model, "object": "model"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    async def handle(request: Request, chat: bool):
+        body = await request.json()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:12]
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return _error(400, "messages must be a non-empty list", "messages")
+            prompt = " ".join(str(m.get("content", "")) for m in messages)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                return _error(400, "prompt must be a string", "prompt")
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _error(400, f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        policy = body.get("policy") or cfg.default_policy
+        if policy not in POLICIES:
+            return _error(400, f"policy must be one of {POLICIES}, got {policy!r}", "policy")
+        if policy == "auto":
+            policy = "colocated"
+        n_prompt = len(prompt.split())
+        arrived = time.perf_counter()
+
+        async def prefill() -> dict:
+            async with gpu:
+                started = time.perf_counter()
+                await asyncio.sleep(cfg.prefill_ms_per_token * n_prompt / 1e3)
+            ended = time.perf_counter()
+            t = {"policy": policy, "queue_ms": (started - arrived) * 1e3, "prefill_ms": (ended - started) * 1e3,
+                 "transfer_ms": None, "transfer_exposed_ms": None, "kv_bytes": 0, "transport": None,
+                 "mode": None, "prefill_worker": None, "decode_worker": None, "worker": "fake-colocated-0",
+                 "prompt_tokens": n_prompt}
+            if policy == "disaggregated":
+                transfer = cfg.transfer_ms_per_token * n_prompt
+                await asyncio.sleep(transfer / 1e3)
+                t.update(transfer_ms=transfer, transfer_exposed_ms=transfer,
+                         kv_bytes=cfg.kv_bytes_per_token * n_prompt, transport="fake", mode="bulk",
+                         prefill_worker="fake-prefill-0", decode_worker="fake-decode-0", worker="fake-decode-0")
+            return t
+
+        def finish(t: dict, first: float, step_ms: float | None, n_out: int) -> dict:
+            end = time.perf_counter()
+            decode_s = end - first
+            t.update(first_decode_step_ms=step_ms, ttft_ms=(first - arrived) * 1e3, e2e_ms=(end - arrived) * 1e3,
+                     decode_tokens_per_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+                     completion_tokens=n_out)
+            return t
+
+        usage = lambda n_out: {"prompt_tokens": n_prompt, "completion_tokens": n_out,  # noqa: E731
+                               "total_tokens": n_prompt + n_out}
+        words = [f" tok{i}" for i in range(max_tokens)]
+        headers = {"x-request-id": rid}
+
+        if not body.get("stream"):
+            t = await prefill()
+            first = time.perf_counter()
+            await asyncio.sleep(cfg.itl_ms * (max_tokens - 1) / 1e3)
+            t = finish(t, first, cfg.itl_ms if max_tokens > 1 else None, max_tokens)
+            choice = {"index": 0, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(words)}
+            else:
+                choice["text"] = "".join(words)
+            out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "model": cfg.model,
+                   "choices": [choice], "usage": usage(max_tokens)}
+            if cfg.emit_timings:
+                out["timings"] = t
+            return JSONResponse(out, headers=headers)
+
+        def event(text: str, finish_reason: str | None, extra: dict | None = None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": text} if role else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": finish_reason}
+            data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                    "model": cfg.model, "choices": [choice], **(extra or {})}
+            return f"data: {json.dumps(data)}\n\n"
+
+        async def events():
+            t = await prefill()
+            if chat:
+                yield event("", None, role=True)
+            first = time.perf_counter()
+            yield event(words[0], None)
+            step_ms = None
+            for i in range(1, max_tokens):
+                step_start = time.perf_counter()
+                await asyncio.sleep(cfg.itl_ms / 1e3)
+                if i == 1:
+                    step_ms = (time.perf_counter() - step_start) * 1e3
+                yield event(words[i], None)
+            extra = {"usage": usage(max_tokens)}
+            if cfg.emit_timings:
+                extra["timings"] = finish(t, first, step_ms, max_tokens)
+            yield event("", "length", extra)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeServer:
+    """Runs the app with uvicorn in a background thread of this process."""
+
+    def __init__(self, cfg: FakeConfig | None = None, port: int | None = None):
+        self.cfg = cfg or FakeConfig()
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(make_app(self.cfg), host="127.0.0.1", port=self.port,
+                                                     log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> "FakeServer":
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the fake server did not start on port {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="a model-free OpenAI-compatible server that reports pdserve timings")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--itl-ms", type=float, default=FakeConfig.itl_ms)
+    p.add_argument("--prefill-ms-per-token", type=float, default=FakeConfig.prefill_ms_per_token)
+    args = p.parse_args(argv)
+    cfg = FakeConfig(itl_ms=args.itl_ms, prefill_ms_per_token=args.prefill_ms_per_token)
+    uvicorn.run(make_app(cfg), host="127.0.0.1", port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
