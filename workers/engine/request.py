@@ -66,6 +66,8 @@ class Request:
     prefill_end: float | None = None
     first_step_start: float | None = None  # first decode step (the one that makes token 2)
     first_step_end: float | None = None
+    num_computed: int = 0  # tokens whose K/V sit in the cache
+    return_logits: bool = False  # tests and the transfer check: StepOutput carries the logits
     # set when the request was adopted with its KV already in block_ids
     adopted: bool = False
 
@@ -75,9 +77,8 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_cached(self) -> int:
-        """Tokens whose K/V sit in the cache: all but the last generated token."""
-        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def finished(self) -> bool:

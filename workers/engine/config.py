@@ -1,0 +1,55 @@
+"""One config object for an engine (the worker CLI fills it from its flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.kv_cache import DTYPES
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"  # a name in models.MODEL_NAMES or a local checkpoint directory
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV pool size in blocks; or give kv_memory_gb
+    kv_memory_gb: float | None = None  # KV pool size in GiB; default 1 GiB on CPU, 30% of free memory on CUDA
+    max_num_seqs: int = 64  # running requests at once
+    max_batched_tokens: int = 8192  # prompt tokens per prefill step (a longer prompt runs alone)
+    kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
+    max_model_len: int | None = None  # default: the model's own limit
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_memory_gb is not None and self.kv_memory_gb <= 0:
+            raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
+        if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_batched_tokens must be positive")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device} asked for, but this machine has no CUDA GPU; use --device cpu")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+    def kv_budget_bytes(self) -> int:
+        if self.kv_memory_gb is not None:
+            return int(self.kv_memory_gb * 2**30)
+        dev = torch.device(self.device)
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            return int(0.3 * free)
+        return 2**30

@@ -1,0 +1,287 @@
+"""The engine every worker role runs: one model, one KV pool, continuous batching.
+
+For the roles:
+    colocated  add_request() + step() until finished
+    prefill    prefill_only(req, on_layer)  -> first token, logits, block ids; release() after the transfer
+    decode     reserve(id, n) -> block ids for a transfer to fill; adopt(req, first_token) once it
+               landed: the request joins the running batch at decode step 2, no prompt token recomputed
+
+The step (see STYLE: scheduler decides, runner computes, engine records):
+    reqs, is_prefill = scheduler.schedule()
+    logits = runner.prefill(reqs) or runner.decode(reqs)
+    tokens = sampler.sample(logits, reqs); then append, detokenize, stop checks, free finished blocks
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from workers.engine.block_pool import BlockPool, OutOfBlocks, blocks_for
+from workers.engine.config import EngineConfig
+from workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
+from workers.engine.request import InvalidRequest, Request, SamplingParams, Status
+from workers.engine.runner import ModelRunner
+from workers.engine.sampler import Sampler
+from workers.engine.scheduler import Scheduler
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_id: int
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    logits: torch.Tensor | None = None  # [vocab] float32 on CPU, when the request asked for it
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    logits: torch.Tensor  # [vocab] float32, on the engine's device
+    block_ids: list[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded=None):
+        self.config = config
+        if loaded is None:
+            from workers.engine.models import load_model
+
+            loaded = load_model(config.model, config.torch_dtype, config.device)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.max_model_len = config.max_model_len or loaded.max_model_len
+        self.device = torch.device(config.device)
+        self.layout = self._layout(config)
+        self.kv = KVCache(self.layout, self.device, shared=config.kv_shared)
+        self.blocks = BlockPool(self.layout.num_blocks)
+        self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, config.block_size)
+        self.sampler = Sampler(self.device)
+        self.vocab_size = self.model.config.vocab_size
+        self.requests: dict[str, Request] = {}  # waiting or running in the scheduler
+        self.held: dict[str, Request] = {}  # prefilled by prefill_only, blocks kept until release()
+        self.reserved: dict[str, list[int]] = {}  # reserved for an incoming transfer
+
+    def _layout(self, config: EngineConfig) -> KVLayout:
+        cfg = self.model.config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        dtype = config.torch_dtype
+        num_blocks = config.num_blocks or blocks_for_budget(
+            config.kv_budget_bytes(), cfg.num_hidden_layers, kv_heads, head_dim, dtype, config.block_size
+        )
+        return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, num_blocks)
+
+    # ---- prompts -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, req: Request) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise InvalidRequest(f"request {req.request_id}: the prompt is empty")
+        bad = [t for t in req.prompt_ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequest(f"request {req.request_id}: token ids {bad[:5]} outside the vocabulary (0..{self.vocab_size - 1})")
+        req.params.validate(self.max_model_len, n)
+        need = blocks_for(n + req.params.max_tokens, self.layout.block_size)
+        if need > self.layout.num_blocks:
+            raise InvalidRequest(
+                f"request {req.request_id}: {n} prompt tokens + max_tokens {req.params.max_tokens} need {need} "
+                f"KV blocks, the pool has {self.layout.num_blocks}; lower max_tokens or give the worker more KV memory"
+            )
+
+    # ---- colocated -----------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests or req.request_id in self.held or req.request_id in self.reserved:
+            raise InvalidRequest(f"request id {req.request_id} is already in use")
+        self.validate(req)
+        req.arrived = time.monotonic()
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        reqs, is_prefill = self.scheduler.schedule()
+        if not reqs:
+            return []
+        start = time.monotonic()
+        if is_prefill:
+            for r in reqs:
+                r.prefill_start = r.prefill_start or start
+            logits = self.runner.prefill(reqs)
+        else:
+            for r in reqs:
+                if len(r.output_ids) == 1 and r.first_step_start is None:
+                    r.first_step_start = start
+            logits = self.runner.decode(reqs)
+        tokens = self.sampler.sample(logits, reqs)  # reads the tokens back: the step is complete
+        end = time.monotonic()
+        outs = []
+        for i, (r, tok) in enumerate(zip(reqs, tokens)):
+            if is_prefill and r.prefill_end is None:
+                r.prefill_end = end
+            elif not is_prefill and r.first_step_start == start:
+                r.first_step_end = end
+            outs.append(self._append(r, tok, logits[i] if r.return_logits else None))
+        return outs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
+                 return_logits: bool = False) -> list[Request]:
+        reqs = [Request(f"gen-{id(self)}-{i}-{time.monotonic_ns()}", list(p), params or SamplingParams(),
+                        return_logits=return_logits) for i, p in enumerate(prompts)]
+        for r in reqs:
+            self.add_request(r)
+        self.run_until_done(reqs)
+        return reqs
+
+    def run_until_done(self, reqs: list[Request]) -> None:
+        while not all(r.finished for r in reqs):
+            if not self.has_work():
+                raise RuntimeError("requests unfinished but the scheduler is idle")
+            self.step()
+
+    def stream(self, req: Request) -> Iterator[StepOutput]:
+        """Add one request and yield its outputs (other requests step along)."""
+        self.add_request(req)
+        while not req.finished:
+            for out in self.step():
+                if out.request_id == req.request_id:
+                    yield out
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, "abort")
+        self.release(request_id)
+
+    # ---- prefill role --------------------------------------------------------------------
+
+    def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:
+        """Prefill one request now, sample its first token; its blocks stay until release()."""
+        if req.request_id in self.held or req.request_id in self.requests:
+            raise InvalidRequest(f"request id {req.request_id} is already in use")
+        self.validate(req)
+        need = blocks_for(len(req.prompt_ids), self.layout.block_size)
+        if not self.blocks.can_allocate(need):
+            raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
+        req.block_ids = self.blocks.allocate(need)
+        req.status = Status.RUNNING
+        self.held[req.request_id] = req
+        try:
+            req.prefill_start = time.monotonic()
+            logits = self.runner.prefill([req], on_layer)
+            token = self.sampler.sample(logits, [req])[0]
+            req.prefill_end = time.monotonic()
+        except BaseException:
+            self.release(req.request_id)
+            raise
+        req.output_ids = [token]
+        return PrefillResult(first_token=token, logits=logits[0], block_ids=list(req.block_ids))
+
+    def release(self, request_id: str) -> None:
+        """Give back the blocks of a prefilled (held) or reserved request; no-op if none."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+            req.status = Status.FINISHED
+        blocks = self.reserved.pop(request_id, None)
+        if blocks is not None:
+            self.blocks.free(blocks)
+
+    # ---- decode role ---------------------------------------------------------------------
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        if request_id in self.reserved or request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id} is already in use")
+        need = blocks_for(num_tokens, self.layout.block_size)
+        if not self.blocks.can_allocate(need):
+            return None
+        self.reserved[request_id] = self.blocks.allocate(need)
+        return list(self.reserved[request_id])
+
+    def adopt(self, req: Request, first_token: int) -> StepOutput:
+        """Continue a request whose prompt KV sits in its reserved blocks; returns the output of
+        its first token (which may already finish it)."""
+        blocks = self.reserved.pop(req.request_id, None) or req.block_ids
+        if len(blocks) * self.layout.block_size < len(req.prompt_ids):
+            raise InvalidRequest(
+                f"request {req.request_id}: {len(blocks)} blocks cannot hold {len(req.prompt_ids)} prompt tokens"
+            )
+        try:
+            self.validate(req)
+        except InvalidRequest:
+            self.blocks.free(blocks)
+            raise
+        req.block_ids = list(blocks)
+        req.num_computed = len(req.prompt_ids)
+        req.output_ids = []
+        req.adopted = True
+        self.requests[req.request_id] = req
+        self.scheduler.adopt(req)
+        return self._append(req, first_token, None)
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> StepOutput:
+        req.output_ids.append(token)
+        p = req.params
+        reason = None
+        if token in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        delta = self._detokenize(req)
+        if reason is None and p.stop:
+            hit = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                before = len(req.text) - len(delta)
+                req.text = req.text[:hit]
+                delta = req.text[before:] if hit > before else ""
+                reason = "stop"
+        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+        return StepOutput(req.request_id, token, delta, reason is not None, reason,
+                          None if logits is None else logits.detach().float().cpu())
+
+    def _detokenize(self, req: Request) -> str:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        delta = text[len(req.text):] if text.startswith(req.text) else text
+        req.text = text
+        return delta
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "free_blocks": self.blocks.num_free,
+            "total_blocks": self.layout.num_blocks,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "held": len(self.held),
+            "reserved": len(self.reserved),
+        }
