@@ -67,10 +67,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     gathered = pool_layer[step.block_tables]  # [B, MB, 2, bs, KVH, D]
     k = gathered[:, :, 0].reshape(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
     v = gathered[:, :, 1].reshape(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=step.mask,
-                                         scale=scaling, enable_gqa=True)
-    return out.squeeze(2).unsqueeze(0), None  # [1, B, H, D]
+    # Grouped-query trick: the G query heads that share a KV head become G "query positions"
+    # of that head, so no backend has to repeat K/V (query head h reads KV head h // G).
+    num_heads = query.shape[1]
+    q = query[0].transpose(0, 1).reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=step.mask, scale=scaling)
+    return out.reshape(batch, num_heads, head_dim).unsqueeze(0), None  # [1, B, H, D]
 
 
 def _no_mask(*args, **kwargs):

@@ -1,0 +1,231 @@
+"""The engine against transformers' own generate(), and its bookkeeping contract."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.models import load_model
+from workers.engine.request import InvalidRequest, Request, SamplingParams
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
+    "Paris is the capital of France, and Berlin is the capital of Germany. "
+    "Continuous batching lets a server run many requests in one forward pass, "
+    "and a paged cache keeps each request's keys and values in small blocks of memory."
+)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str):
+    return load_model(name, torch.float32, "cpu")
+
+
+def make_engine(name: str, **kw) -> Engine:
+    cfg = dict(model=name, device="cpu", dtype="float32", block_size=16, num_blocks=128)
+    cfg.update(kw)
+    return Engine(EngineConfig(**cfg))
+
+
+def prompts_of_lengths(tokenizer, lengths: list[int]) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT * 4)
+    return [ids[i : i + n] for i, n in enumerate(lengths)]
+
+
+def run_collect(engine: Engine, reqs: list[Request]) -> dict[str, list[torch.Tensor]]:
+    logits: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while not all(r.finished for r in reqs):
+        for out in engine.step():
+            if out.logits is not None:
+                logits[out.request_id].append(out.logits)
+    return logits
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2-135m"])
+def test_batched_greedy_equals_transformers_generate(name):
+    engine = make_engine(name)
+    ref = reference(name)
+    # shorter than a block, exactly one block, several blocks, and two in between
+    lengths = [5, 16, 53, 1, 33, 40]
+    prompts = prompts_of_lengths(engine.tokenizer, lengths)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, params, return_logits=True) for i, p in enumerate(prompts)]
+    logits = run_collect(engine, reqs)
+    for prompt, req in zip(prompts, reqs):
+        out = ref.model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+        )
+        want = out.sequences[0, len(prompt):].tolist()
+        got = req.output_ids
+        assert got == want, (
+            f"{name}, prompt of {len(prompt)} tokens:\n engine: {engine.tokenizer.decode(got)!r}\n"
+            f" transformers: {engine.tokenizer.decode(want)!r}"
+        )
+        for step, (mine, theirs) in enumerate(zip(logits[req.request_id], out.logits)):
+            diff = (mine - theirs[0]).abs().max().item()
+            assert diff < 1e-4, f"{name}: logits differ by {diff} at generated position {step}"
+    assert engine.blocks.num_free == engine.layout.num_blocks
+
+
+def test_smollm2_answers_in_real_text():
+    engine = make_engine("smollm2-135m")
+    prompt = engine.encode_prompt("What is the capital of France?", chat=True)
+    [req] = engine.generate([prompt], SamplingParams(max_tokens=20))
+    assert "Paris" in req.text, req.text
+
+
+def test_same_tokens_alone_and_batched_with_seven_others():
+    engine = make_engine("tiny")
+    prompts = prompts_of_lengths(engine.tokenizer, [21, 3, 17, 40, 8, 16, 29, 50])
+    params = SamplingParams(max_tokens=15, ignore_eos=True)
+    [alone] = engine.generate([prompts[0]], params)
+    batched = engine.generate(prompts, params)
+    assert batched[0].output_ids == alone.output_ids
+    seeded = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    [s_alone] = engine.generate([prompts[0]], seeded)
+    s_batched = engine.generate(prompts, seeded)
+    assert s_batched[0].output_ids == s_alone.output_ids
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2-135m"])
+def test_prefill_only_then_adopt_is_bitwise_identical(name):
+    engine = make_engine(name)
+    for n in (7, 16, 45):
+        prompt = prompts_of_lengths(engine.tokenizer, [n])[0]
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        whole = Request(f"whole-{n}", prompt, params, return_logits=True)
+        whole_logits = run_collect(engine, [whole])[whole.request_id]
+
+        layers_seen: list[int] = []
+        first = engine.prefill_only(Request(f"p-{n}", prompt, params), on_layer=layers_seen.append)
+        assert layers_seen == list(range(engine.layout.num_layers))
+        reserved = engine.reserve(f"d-{n}", len(prompt))
+        # move the KV the way a transfer would: block by block into the reserved blocks
+        engine.kv.pool[:, reserved] = engine.kv.pool[:, first.block_ids]
+        engine.release(f"p-{n}")
+        adopted = Request(f"d-{n}", prompt, params, return_logits=True)
+        out = engine.adopt(adopted, first.first_token)
+        rest = run_collect_running(engine, adopted)
+        assert adopted.output_ids == whole.output_ids
+        assert torch.equal(first.logits.cpu(), whole_logits[0])
+        assert out.token_id == whole.output_ids[0]
+        for mine, theirs in zip(rest, whole_logits[1:]):
+            assert torch.equal(mine, theirs)
+        assert len(rest) == len(whole_logits) - 1
+    assert engine.blocks.num_free == engine.layout.num_blocks
+
+
+def run_collect_running(engine: Engine, req: Request) -> list[torch.Tensor]:
+    got = []
+    while not req.finished:
+        for out in engine.step():
+            if out.request_id == req.request_id:
+                got.append(out.logits)
+    return got
+
+
+def test_pool_full_again_after_finish_and_abort():
+    engine = make_engine("tiny", num_blocks=64)
+    prompts = prompts_of_lengths(engine.tokenizer, [10, 30, 50, 5])
+    reqs = [Request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    engine.step()
+    engine.abort("a1")
+    engine.abort("never-existed")
+    engine.reserve("res", 40)
+    engine.prefill_only(Request("held", prompts[0], SamplingParams(max_tokens=4)))
+    assert engine.blocks.num_free < 64
+    engine.abort("res")
+    engine.release("held")
+    engine.run_until_done([r for r in reqs if r.request_id != "a1"])
+    assert reqs[1].finish_reason == "abort"
+    assert engine.blocks.num_free == 64 and not engine.requests and not engine.held and not engine.reserved
+
+
+def test_small_pool_makes_requests_wait_and_all_complete():
+    # 8 blocks of 16 tokens = 128 slots; eight requests of ~60 tokens cannot all fit at once
+    engine = make_engine("tiny", num_blocks=8)
+    prompts = prompts_of_lengths(engine.tokenizer, [40] * 8)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    [alone] = make_engine("tiny").generate([prompts[3]], params)
+    reqs = [Request(f"s{i}", p, params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    peak_running = 0
+    while not all(r.finished for r in reqs):
+        engine.step()
+        peak_running = max(peak_running, len(engine.scheduler.running))
+        assert engine.blocks.num_free >= 0
+    assert peak_running < 8
+    assert all(len(r.output_ids) == 20 and r.finish_reason == "length" for r in reqs)
+    assert reqs[3].output_ids == alone.output_ids
+    assert engine.blocks.num_free == 8
+
+
+def test_stop_strings_eos_and_max_tokens():
+    engine = make_engine("smollm2-135m")
+    prompt = engine.encode_prompt("What is the capital of France?", chat=True)
+    [full] = engine.generate([prompt], SamplingParams(max_tokens=20))
+    assert "Paris" in full.text
+    cut = full.text.index("Paris")
+    [stopped] = engine.generate([prompt], SamplingParams(max_tokens=20, stop=["Paris"]))
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[:cut]
+    [short] = engine.generate([prompt], SamplingParams(max_tokens=3))
+    assert short.finish_reason == "length" and len(short.output_ids) == 3
+    # the chat model ends its answer with an EOS token unless told to ignore it
+    [long] = engine.generate([prompt], SamplingParams(max_tokens=200))
+    assert long.finish_reason == "stop" and long.output_ids[-1] in engine.eos_token_ids
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
+        (SamplingParams(max_tokens=10**6), "exceeds the model's context"),
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(top_p=0), "top_p"),
+        (SamplingParams(top_k=-3), "top_k"),
+        (SamplingParams(seed=-1), "seed"),
+        (SamplingParams(stop=[""]), "stop"),
+    ],
+)
+def test_invalid_parameters_are_rejected_clearly(params, message):
+    engine = make_engine("tiny")
+    with pytest.raises(InvalidRequest, match=message):
+        engine.add_request(Request("bad", [1, 2, 3], params))
+    assert not engine.has_work()
+
+
+def test_invalid_prompts_are_rejected_clearly():
+    engine = make_engine("tiny", num_blocks=4)
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request(Request("e", [], SamplingParams()))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.add_request(Request("v", [10**9], SamplingParams()))
+    with pytest.raises(InvalidRequest, match="KV blocks"):
+        engine.add_request(Request("big", [1] * 100, SamplingParams(max_tokens=10)))
+    engine.add_request(Request("ok", [1, 2], SamplingParams(max_tokens=2)))
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request(Request("ok", [1, 2], SamplingParams(max_tokens=2)))
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy():
+    engine = make_engine("tiny")
+    prompt = prompts_of_lengths(engine.tokenizer, [12])[0]
+    p = SamplingParams(max_tokens=10, temperature=1.5, seed=123, ignore_eos=True)
+    a = engine.generate([prompt], p)[0].output_ids
+    b = engine.generate([prompt], p)[0].output_ids
+    c = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.5, seed=124, ignore_eos=True))[0].output_ids
+    assert a == b and a != c
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_ids
+    topk1 = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=5, ignore_eos=True))[0].output_ids
+    assert topk1 == greedy
