@@ -1,0 +1,148 @@
+"""Sending the planned requests and timing every token.
+
+    send_one          one streamed /v1/completions request -> RequestRecord (TTFT, every gap, E2E, timings)
+    run_open_loop     each request at its planned time, whether or not earlier ones have answered
+    run_closed_loop   a fixed number of requests in flight; the next goes when one finishes
+    warmup            a few unrecorded requests per policy, one at a time; any failure stops the run
+
+A failed request (server error, timeout, broken stream) becomes a record with success=False and the
+error's message; anything else is a bug and propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from bench.metrics import RequestRecord
+from bench.workload import Sample
+from client import AsyncClient, ClientError
+
+
+@dataclass(frozen=True)
+class SendOptions:
+    ignore_eos: bool = True  # generate exactly max_tokens, so output lengths are the planned ones
+    stream_usage: bool = False  # ask for usage in the stream (stream_options.include_usage)
+    extra_body: dict | None = None
+
+
+@dataclass(frozen=True)
+class Planned:
+    index: int
+    sample: Sample
+    policy: str | None
+    send_at_s: float | None = None  # open loop: seconds after the run start
+
+
+class WarmupFailed(RuntimeError):
+    pass
+
+
+def _body_extra(opts: SendOptions) -> dict:
+    extra = dict(opts.extra_body or {})
+    if opts.stream_usage:
+        extra["stream_options"] = {"include_usage": True}
+    return extra
+
+
+async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions) -> RequestRecord:
+    rec = RequestRecord(index=p.index, policy=p.policy, prompt_len=p.sample.prompt_len,
+                        expected_output_len=p.sample.output_len, kind=p.sample.kind,
+                        scheduled_s=p.send_at_s if p.send_at_s is not None else time.perf_counter() - t0)
+    start = time.perf_counter()
+    rec.start_s = start - t0
+    last = None
+    events = 0
+    try:
+        async with client.stream_complete(p.sample.prompt, policy=p.policy, max_tokens=p.sample.output_len,
+                                          ignore_eos=True if opts.ignore_eos else None,
+                                          extra=_body_extra(opts)) as stream:
+            async for delta in stream:
+                if not delta.is_token:
+                    continue
+                events += 1
+                if last is None:
+                    rec.ttft_s = delta.arrival - start
+                else:
+                    rec.itls_s.append(delta.arrival - last)
+                last = delta.arrival
+        rec.e2e_s = time.perf_counter() - start
+        result = stream.result
+    except ClientError as e:
+        rec.e2e_s = time.perf_counter() - start
+        rec.error = str(e)
+        rec.request_id = e.request_id
+        return rec
+    rec.request_id = result.id
+    rec.timings = result.timings.to_dict() if result.timings is not None else None
+    usage = result.usage
+    if usage is not None and usage.prompt_tokens is not None:
+        rec.prompt_len = usage.prompt_tokens
+    elif result.timings is not None and result.timings.prompt_tokens is not None:
+        rec.prompt_len = result.timings.prompt_tokens
+    if usage is not None and usage.completion_tokens is not None:
+        rec.output_len = usage.completion_tokens
+    elif result.timings is not None and result.timings.completion_tokens is not None:
+        rec.output_len = result.timings.completion_tokens
+    else:
+        rec.output_len = events
+    if events == 0:
+        rec.error = f"the stream carried no tokens (finish_reason={result.finish_reason})"
+    elif result.finish_reason is None:
+        rec.error = "the stream ended without a finish_reason (the server stopped mid-answer?)"
+    else:
+        rec.success = True
+    return rec
+
+
+async def run_open_loop(client: AsyncClient, planned: list[Planned], opts: SendOptions,
+                        on_done: Callable[[RequestRecord], None] = lambda r: None) -> tuple[list[RequestRecord], float]:
+    """Returns the records (in plan order) and the run's duration in seconds."""
+    async def go(p: Planned) -> RequestRecord:
+        rec = await send_one(client, p, t0, opts)
+        on_done(rec)
+        return rec
+
+    t0 = time.perf_counter()
+    tasks = []
+    for p in sorted(planned, key=lambda p: p.send_at_s):
+        delay = t0 + p.send_at_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(go(p)))
+    records = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    return sorted(records, key=lambda r: r.index), duration
+
+
+async def run_closed_loop(client: AsyncClient, planned: list[Planned], concurrency: int, opts: SendOptions,
+                          on_done: Callable[[RequestRecord], None] = lambda r: None
+                          ) -> tuple[list[RequestRecord], float]:
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    todo = list(planned)
+    todo.reverse()  # pop() from the end hands them out in plan order
+    records: list[RequestRecord] = []
+
+    async def worker():
+        while todo:
+            rec = await send_one(client, todo.pop(), t0, opts)
+            records.append(rec)
+            on_done(rec)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(planned)))))
+    duration = time.perf_counter() - t0
+    return sorted(records, key=lambda r: r.index), duration
+
+
+async def warmup(client: AsyncClient, samples: list[Sample], policies: list[str | None], opts: SendOptions) -> None:
+    t0 = time.perf_counter()
+    for i, sample in enumerate(samples):
+        for policy in policies:
+            rec = await send_one(client, Planned(-1 - i, sample, policy), t0, opts)
+            if not rec.success:
+                raise WarmupFailed(f"warmup request ({policy or 'no policy'}, {sample.prompt_len} prompt tokens) "
+                                   f"failed: {rec.error}; fix the server or the arguments before measuring")

@@ -1,0 +1,173 @@
+"""Per-request records and the numbers made from them.
+
+Definitions (those of `vllm bench serve`, so results compare):
+    TTFT   send -> first token event                       (client clock)
+    ITL    gap between consecutive token events; pooled over all requests
+    TPOT   (E2E - TTFT) / (output_len - 1), per request with output_len > 1
+    E2EL   send -> end of the stream
+    throughput   completed requests (tokens) / duration of the whole run (first send -> last answer)
+    goodput      requests meeting every given SLO / duration (a 1-token answer meets any TPOT SLO)
+Percentiles interpolate linearly (numpy's default). Empty sets give None, not 0.
+
+Server phases (from pdserve's `timings`, where present) are summarised the same way: queue, prefill,
+transfer, transfer_exposed, first_decode_step, and the server's own ttft and e2e.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
+SLO_METRICS = ("ttft", "tpot", "e2el")
+SERVER_PHASES = {  # summary name -> timings field
+    "queue": "queue_ms",
+    "prefill": "prefill_ms",
+    "transfer": "transfer_ms",
+    "transfer_exposed": "transfer_exposed_ms",
+    "first_decode_step": "first_decode_step_ms",
+    "server_ttft": "ttft_ms",
+    "server_e2e": "e2e_ms",
+}
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    policy: str | None
+    prompt_len: int  # the server's count when it reported usage, else the generator's
+    expected_output_len: int  # max_tokens asked for
+    output_len: int = 0  # tokens generated (usage, else token events)
+    scheduled_s: float = 0.0  # when it was due, seconds after the run start
+    start_s: float = 0.0  # when it went
+    ttft_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    success: bool = False
+    error: str | None = None
+    request_id: str | None = None
+    timings: dict | None = None  # Timings.to_dict()
+    kind: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.success or self.output_len < 2 or self.e2e_s is None or self.ttft_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tpot_s": self.tpot_s}
+
+
+def parse_slos(items: list[str] | None) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    slos: dict[str, float] = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in SLO_METRICS:
+            raise ValueError(f"unknown SLO {name!r} in {item!r}; use {', '.join(m + ':MS' for m in SLO_METRICS)}")
+        try:
+            slos[name] = float(value)
+        except ValueError as e:
+            raise ValueError(f"SLO {item!r}: the limit must be a number of milliseconds") from e
+        if slos[name] <= 0:
+            raise ValueError(f"SLO {item!r}: the limit must be > 0 ms")
+    return slos
+
+
+def meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
+    if not r.success:
+        return False
+    values_ms = {"ttft": r.ttft_s, "tpot": r.tpot_s if r.tpot_s is not None else 0.0, "e2el": r.e2e_s}
+    return all(values_ms[m] is not None and values_ms[m] * 1e3 <= limit for m, limit in slos.items())
+
+
+def pct_name(p: float) -> str:
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
+
+
+def stats_ms(name: str, values_ms: list[float], percentiles=DEFAULT_PERCENTILES) -> dict:
+    """mean_/median_/std_/pXX_<name>_ms; None everywhere for an empty list."""
+    arr = np.asarray(values_ms, dtype=float)
+    empty = arr.size == 0
+    out = {
+        f"mean_{name}_ms": None if empty else float(arr.mean()),
+        f"median_{name}_ms": None if empty else float(np.median(arr)),
+        f"std_{name}_ms": None if empty else float(arr.std()),
+    }
+    for p in percentiles:
+        out[f"{pct_name(p)}_{name}_ms"] = None if empty else float(np.percentile(arr, p))
+    return out
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, float] | None = None,
+              percentiles=DEFAULT_PERCENTILES) -> dict:
+    """One result block in `vllm bench serve`'s field names (plus server phases and our records)."""
+    ok = [r for r in records if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_len for r in ok)
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)
+    out = {
+        "duration": duration_s,
+        "num_prompts": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": per_s(len(ok)),
+        "request_goodput": per_s(sum(meets_slos(r, slos) for r in ok)) if slos else None,
+        "goodput_fraction": (sum(meets_slos(r, slos) for r in ok) / len(records)) if slos and records else None,
+        "output_throughput": per_s(total_out),
+        "total_token_throughput": per_s(total_in + total_out),
+    }
+    out.update(stats_ms("ttft", [r.ttft_s * 1e3 for r in ok], percentiles))
+    out.update(stats_ms("tpot", [r.tpot_s * 1e3 for r in ok if r.tpot_s is not None], percentiles))
+    out.update(stats_ms("itl", [g * 1e3 for r in ok for g in r.itls_s], percentiles))
+    out.update(stats_ms("e2el", [r.e2e_s * 1e3 for r in ok], percentiles))
+    with_timings = [r.timings for r in ok if r.timings]
+    out["timings_reported"] = len(with_timings)
+    for name, key in SERVER_PHASES.items():
+        values = [t[key] for t in with_timings if t.get(key) is not None]
+        out.update(stats_ms(name, values, percentiles))
+    out["ttft_split_ms"] = ttft_split_ms(records)
+    # per-request arrays, vllm's units: seconds for ttfts / itls
+    out["input_lens"] = [r.prompt_len for r in records]
+    out["output_lens"] = [r.output_len for r in records]
+    out["ttfts"] = [r.ttft_s if r.success else 0.0 for r in records]
+    out["itls"] = [r.itls_s for r in records]
+    out["errors"] = [r.error or "" for r in records]
+    out["requests"] = [r.to_dict() for r in records]
+    return out
+
+
+def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
+    """Means over the successful requests with timings: the server's queue, prefill, the transfer
+    TTFT pays (exposed, else whole) and first decode step; `other` = client TTFT minus those four
+    (HTTP, router, streaming; negative when the first decode step lies after the first token);
+    the client's and the server's TTFT. Parts a policy does not have count as 0. All None without
+    timings."""
+    rows = [r for r in records if r.success and r.timings and r.ttft_s is not None]
+    keys = ("queue", "prefill", "transfer", "first_step", "other", "ttft", "server_ttft")
+    if not rows:
+        return dict.fromkeys(keys)
+    sums = dict.fromkeys(keys, 0.0)
+    server_ttfts = []
+    for r in rows:
+        t = r.timings
+        transfer = t.get("transfer_exposed_ms")
+        parts = {
+            "queue": t.get("queue_ms") or 0.0,
+            "prefill": t.get("prefill_ms") or 0.0,
+            "transfer": (t.get("transfer_ms") or 0.0) if transfer is None else transfer,
+            "first_step": t.get("first_decode_step_ms") or 0.0,
+        }
+        for k, v in parts.items():
+            sums[k] += v
+        sums["ttft"] += r.ttft_s * 1e3
+        sums["other"] += r.ttft_s * 1e3 - sum(parts.values())
+        if t.get("ttft_ms") is not None:
+            server_ttfts.append(t["ttft_ms"])
+    out = {k: v / len(rows) for k, v in sums.items()}
+    out["server_ttft"] = float(np.mean(server_ttfts)) if server_ttfts else None
+    return out

@@ -1,0 +1,160 @@
+"""PNG plots of a load run, drawn from the result blocks alone (so `python -m bench.plots results.json`
+redraws them): CDFs of TTFT and ITL per policy (one panel per load point), p50/p99 TTFT and ITL
+against the load, and the TTFT split into server phases per policy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+SPLIT_PARTS = (("queue", "queue"), ("prefill", "prefill"), ("transfer", "transfer (exposed)"),
+               ("first_step", "first decode step"), ("other", "other (HTTP, router, stream)"))
+
+
+def policy_name(block: dict) -> str:
+    return block.get("policy") or "default"
+
+
+def _points(blocks: list[dict]) -> list[str]:
+    return list(dict.fromkeys(b["load_label"] for b in blocks))
+
+
+def _policies(blocks: list[dict]) -> list[str]:
+    return list(dict.fromkeys(policy_name(b) for b in blocks))
+
+
+def _colors(policies: list[str]) -> dict[str, str]:
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {p: cycle[i % len(cycle)] for i, p in enumerate(policies)}
+
+
+def _cdf(blocks: list[dict], values_of, xlabel: str, title: str, path: Path) -> None:
+    points, policies = _points(blocks), _policies(blocks)
+    colors = _colors(policies)
+    fig, axes = plt.subplots(1, len(points), figsize=(5 * len(points), 4), squeeze=False)
+    for ax, point in zip(axes[0], points):
+        for b in blocks:
+            if b["load_label"] != point:
+                continue
+            values = np.sort(np.asarray(values_of(b), dtype=float))
+            if values.size:
+                ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
+                        label=f"{policy_name(b)} (n={values.size})", color=colors[policy_name(b)])
+        ax.set_title(point)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction of requests" if "TTFT" in xlabel else "fraction of gaps")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ok_requests(b: dict) -> list[dict]:
+    return [r for r in b["requests"] if r["success"]]
+
+
+def plot_cdfs(blocks: list[dict], out_dir: Path) -> list[Path]:
+    ttft, itl = out_dir / "cdf_ttft.png", out_dir / "cdf_itl.png"
+    _cdf(blocks, lambda b: [r["ttft_s"] * 1e3 for r in _ok_requests(b)], "TTFT (ms)", "CDF of time to first token",
+         ttft)
+    _cdf(blocks, lambda b: [g * 1e3 for r in _ok_requests(b) for g in r["itls_s"]], "inter-token gap (ms)",
+         "CDF of inter-token latency", itl)
+    return [ttft, itl]
+
+
+def plot_latency_vs_load(blocks: list[dict], out_dir: Path) -> Path:
+    points, policies = _points(blocks), _policies(blocks)
+    colors = _colors(policies)
+    x = np.arange(len(points))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, label in ((axes[0], "ttft", "TTFT (ms)"), (axes[1], "itl", "ITL (ms)")):
+        for policy in policies:
+            by_point = {b["load_label"]: b for b in blocks if policy_name(b) == policy}
+            for stat, style in (("median", "-o"), ("p99", "--s")):
+                y = [by_point[p].get(f"{stat}_{metric}_ms") if p in by_point else None for p in points]
+                y = [np.nan if v is None else v for v in y]
+                ax.plot(x, y, style, color=colors[policy], label=f"{policy} {'p50' if stat == 'median' else stat}")
+        ax.set_xticks(x, points)
+        ax.set_xlabel(blocks[0]["load_kind"])
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("TTFT p50 / p99 against load")
+    axes[1].set_title("ITL p50 / p99 against load")
+    fig.tight_layout()
+    path = out_dir / "latency_vs_load.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
+    """Stacked mean TTFT parts per (point, policy); a black tick marks the client's mean TTFT and a
+    grey one the server's (a first decode step above the black tick comes after the first token)."""
+    points, policies = _points(blocks), _policies(blocks)
+    width = 0.8 / max(1, len(policies))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(points) * len(policies)), 4.5))
+    part_colors = plt.get_cmap("tab10").colors
+    labels, positions = [], []
+    for i, point in enumerate(points):
+        for j, policy in enumerate(policies):
+            b = next((b for b in blocks if b["load_label"] == point and policy_name(b) == policy), None)
+            pos = i + (j - (len(policies) - 1) / 2) * width
+            positions.append(pos)
+            labels.append(f"{policy}\n{point}")
+            split = (b or {}).get("ttft_split_ms") or {}
+            if split.get("ttft") is None:
+                continue
+            bottom = 0.0
+            for k, (key, label) in enumerate(SPLIT_PARTS):
+                value = max(0.0, split[key])
+                ax.bar(pos, value, width * 0.9, bottom=bottom, color=part_colors[k],
+                       label=label if (i, j) == (0, 0) else None)
+                bottom += value
+            ax.hlines(split["ttft"], pos - width * 0.45, pos + width * 0.45, colors="black", linewidth=2,
+                      label="client TTFT" if (i, j) == (0, 0) else None)
+            if split.get("server_ttft") is not None:
+                ax.hlines(split["server_ttft"], pos - width * 0.45, pos + width * 0.45, colors="grey",
+                          linestyles="dashed", linewidth=2, label="server TTFT" if (i, j) == (0, 0) else None)
+    ax.set_xticks(positions, labels, fontsize=8)
+    ax.set_ylabel("mean time (ms)")
+    ax.set_title("TTFT split: server phases per policy (means over requests with timings)")
+    ax.grid(axis="y", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "ttft_split.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(blocks: list[dict], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [*plot_cdfs(blocks, out_dir), plot_latency_vs_load(blocks, out_dir), plot_ttft_split(blocks, out_dir)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m bench.plots RESULTS_JSON  (redraws the PNGs next to it)", file=sys.stderr)
+        return 2
+    path = Path(argv[0])
+    for p in plot_all(json.loads(path.read_text())["results"], path.parent):
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
