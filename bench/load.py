@@ -252,7 +252,6 @@ def run(args) -> int:
     percentiles = sorted(set(args.percentiles) | {50.0, 99.0})
     env = environment()
     out = Path(args.out) if args.out else Path("bench") / "results" / f"load-{env['date']}"
-    out.mkdir(parents=True, exist_ok=True)
 
     from bench.load_runner import WarmupFailed
     from client import ClientError
@@ -275,6 +274,7 @@ def run(args) -> int:
         "args": {k: _jsonable(v) for k, v in vars(args).items() if not k.startswith("_")},
         "results": blocks,
     }
+    out.mkdir(parents=True, exist_ok=True)
     if not args.no_plots:
         from bench.plots import plot_all
         run_record["plots"] = [p.name for p in plot_all(blocks, out)]

@@ -44,7 +44,8 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
                                    "code": None}}, status_code=status)
 
 
-def make_app(cfg: FakeConfig) -> FastAPI:
+def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
+    """`bodies`, when given, collects every request body (tests check what the client sent)."""
     app = FastAPI()
     gpu = asyncio.Lock()
 
@@ -58,6 +59,8 @@ def make_app(cfg: FakeConfig) -> FastAPI:
 
     async def handle(request: Request, chat: bool):
         body = await request.json()
+        if bodies is not None:
+            bodies.append(body)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:12]
         if chat:
             messages = body.get("messages")
@@ -180,7 +183,8 @@ class FakeServer:
         self.cfg = cfg or FakeConfig()
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(make_app(self.cfg), host="127.0.0.1", port=self.port,
+        self.bodies: list[dict] = []
+        self._server = uvicorn.Server(uvicorn.Config(make_app(self.cfg, self.bodies), host="127.0.0.1", port=self.port,
                                                      log_level="warning", lifespan="off"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
