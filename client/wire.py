@@ -147,6 +147,7 @@ class StreamState:
         self.usage: Usage | None = None
         self.timings: Timings | None = None
         self.done = False  # saw [DONE]
+        self.token_events = 0
 
     def feed(self, payload: str, arrival: float) -> Delta | None:
         if payload.strip() == DONE:
@@ -179,9 +180,11 @@ class StreamState:
             text = text or ""
         else:
             text = choice.get("text") or ""
-            # a token may decode to "" (half of a UTF-8 character); an empty event that only
-            # carries finish_reason is the end marker
-            is_token = bool(text) or not finish
+            # a token may decode to "" (half of a UTF-8 character); an empty event with finish_reason
+            # is a bare end marker unless usage counts one more token than the events carried
+            is_token = bool(text) or not finish or (
+                self.usage is not None and (self.usage.completion_tokens or 0) > self.token_events)
+        self.token_events += is_token
         self.parts.append(text)
         return Delta(text=text, arrival=arrival, is_token=is_token, finish_reason=finish)
 

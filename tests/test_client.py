@@ -85,6 +85,10 @@ def test_stream_state_counts_tokens_not_end_markers():
 def test_stream_state_last_token_may_carry_the_finish_reason():
     s = StreamState(chat=False)
     assert s.feed(_chunk("x", "stop"), 1.0).is_token
+    # the last token decoded to "" and rides on the final event: usage says it is one more token
+    s = StreamState(chat=False)
+    s.feed(_chunk("a"), 1.0)
+    assert s.feed(_chunk("", "length", usage={"prompt_tokens": 1, "completion_tokens": 2}), 2.0).is_token
 
 
 def test_stream_state_chat_role_header_is_not_a_token():
