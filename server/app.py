@@ -1,0 +1,201 @@
+"""The router's HTTP API (FastAPI): OpenAI-compatible completions and chat, models, health, metrics.
+
+    POST /v1/completions        prompt -> text (stream: SSE, last event carries usage and timings)
+    POST /v1/chat/completions   messages -> assistant message
+    GET  /v1/models             the one model served
+    GET  /health                200 when some policy can be served, 503 otherwise; lists the workers
+    GET  /metrics               Prometheus
+
+The router talks to workers over ZMQ only (server/pool.py); the pool starts and stops with the app.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server import schemas as S
+from server.config import RouterConfig
+from server.dispatch import Dispatcher, Done, Job, Token
+from server.errors import APIError, bad_request, unknown_model
+from server.metrics import CONTENT_TYPE, Metrics
+from server.pool import WorkerPool
+from server.tokenizer import PromptEncoder
+
+log = logging.getLogger("pdserve.router")
+
+
+class Router:
+    """Everything one router holds: config, tokenizer, worker pool, dispatcher, metrics."""
+
+    def __init__(self, cfg: RouterConfig, tokenizer):
+        self.cfg = cfg
+        self.encoder = PromptEncoder(tokenizer)
+        self.metrics = Metrics()
+        self.pool = WorkerPool(cfg, self.metrics)
+        self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
+        self.created = S.now_s()
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        await self.dispatcher.close()
+        await self.pool.stop()
+
+    # ---- one request ------------------------------------------------------------------------------
+
+    def prepare(self, kind: str, req: S.CompletionRequest | S.ChatRequest, request_id: str) -> Job:
+        req.check()
+        if req.model is not None and req.model != self.cfg.model:
+            raise unknown_model(req.model, self.cfg.model)
+        prompt = req.prompt_input()
+        param = "messages" if kind == "chat" else "prompt"
+        if kind == "chat":
+            ids = self.encoder.chat(prompt)
+        elif isinstance(prompt, str):
+            ids = self.encoder.text(prompt)
+        else:
+            ids = self.encoder.check_ids(prompt)
+        if not ids:
+            raise bad_request(f"`{param}` encodes to no tokens; send some text", param, "empty_prompt")
+        n = len(ids)
+        context = self.pool.max_model_len()
+        max_tokens = req.max_tokens
+        if context is not None:
+            if n >= context:
+                raise bad_request(f"the prompt is {n} tokens; the model's context is {context} tokens, and at least "
+                                  f"one must be left for the answer; shorten the prompt", param,
+                                  "context_length_exceeded")
+            if max_tokens is not None and n + max_tokens > context:
+                raise bad_request(f"`max_tokens` is {max_tokens}, but the prompt already takes {n} of the model's "
+                                  f"{context} tokens of context; ask for at most {context - n}", "max_tokens",
+                                  "context_length_exceeded")
+        if max_tokens is None:
+            default = self.cfg.default_chat_max_tokens if kind == "chat" else self.cfg.default_max_tokens
+            max_tokens = default if context is None else min(default, context - n)
+        policy = self.dispatcher.resolve_policy(req.policy, n)
+        return Job(request_id, ids, req.sampling(max_tokens), policy)
+
+    async def handle(self, kind: str, http: Request) -> Response:
+        cls = S.ChatRequest if kind == "chat" else S.CompletionRequest
+        req = S.parse_body(await http.body(), cls)
+        rid = S.new_id(kind)
+        job = self.prepare(kind, req, rid)
+        plan = self.dispatcher.plan(job)
+        ids = req.return_token_ids
+        if req.stream:
+            return StreamingResponse(self._sse(kind, job, plan, ids), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        parts: list[str] = []
+        done: Done | None = None
+        async for event in self.dispatcher.execute(plan):
+            if isinstance(event, Token):
+                parts.append(event.text)
+            else:
+                done = event
+        return JSONResponse(S.response_body(
+            kind, rid, S.now_s(), self.cfg.model, "".join(parts), done.finish_reason, len(job.prompt_ids),
+            len(done.token_ids), done.timings, done.token_ids if ids else None))
+
+    async def _sse(self, kind: str, job: Job, plan, with_ids: bool):
+        rid, created, model = job.request_id, S.now_s(), self.cfg.model
+        first = True
+        held: Token | None = None
+        try:
+            async for event in self.dispatcher.execute(plan):
+                if isinstance(event, Token) and not event.last:
+                    yield _event(S.chunk_body(kind, rid, created, model, event.text, first,
+                                              token_ids=[event.token_id] if with_ids else None))
+                    first = False
+                elif isinstance(event, Token):
+                    held = event  # the Done follows at once: one final event carries both
+                else:
+                    body = S.chunk_body(kind, rid, created, model, held.text if held else "", first,
+                                        event.finish_reason, [held.token_id] if with_ids and held else None)
+                    body["usage"] = S.usage(len(job.prompt_ids), len(event.token_ids))
+                    body["timings"] = event.timings
+                    yield _event(body)
+        except APIError as e:
+            log.warning("request %s failed mid-stream: %s", rid, e.message)
+            yield _event(e.body())
+        except Exception as e:  # the stream has started: the error can only travel as an event
+            log.exception("request %s failed mid-stream", rid)
+            yield _event(APIError(500, f"request {rid}: internal error: {type(e).__name__}: {e}",
+                                  "server_error", None, "internal_error").body())
+        yield "data: [DONE]\n\n"
+
+    # ---- read-only endpoints ----------------------------------------------------------------------
+
+    def health(self) -> JSONResponse:
+        policies = {p: self.dispatcher.servable(p) for p in ("colocated", "disaggregated")}
+        ok = any(policies.values())
+        body = {"status": "ok" if ok else "unavailable", "model": self.cfg.model, "policy": self.cfg.policy,
+                "policies": policies, "register": self.pool.address,
+                "workers": [w.describe() for w in self.pool.workers.values()]}
+        if not ok:
+            body["message"] = (f"no worker can serve requests yet; start workers with --router {self.pool.address}")
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
+    router = Router(cfg, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        hint = f"{request.method} {request.url.path}: {e.detail}"
+        if e.status_code == 404:
+            hint += "; endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+        return APIError(e.status_code, hint, "invalid_request_error", None, None).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, e: Exception):
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None,
+                        "internal_error").response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.handle("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.handle("chat", request)
+
+    @app.get("/v1/models")
+    async def models():
+        return S.models_body(cfg.model, router.created)
+
+    @app.get("/health")
+    async def health():
+        return router.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

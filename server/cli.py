@@ -1,0 +1,259 @@
+"""`pdserve`: the router, with its workers on this machine (default) or alone.
+
+    pdserve                          router on 127.0.0.1:8000 + one prefill, one decode and one colocated
+                                     worker (smollm2-135m, GPUs when present, transport ipc); prints
+                                     "pdserve ready: <url>" once every worker registered
+    pdserve --transport nixl --mode layer --devices cuda:0,cuda:1 --no-colocated
+    pdserve router --register tcp://0.0.0.0:7100 --host 0.0.0.0
+                                     only the router; workers started elsewhere register at --register
+
+Ctrl-C or SIGTERM stops the router and every worker it started (no orphans).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+
+from workers.transfer.base import MODES, TRANSPORTS
+
+log = logging.getLogger("pdserve")
+
+
+def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> None:
+    from server.schemas import POLICIES
+
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, qwen2.5-7b or a checkpoint dir")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, when the model's is not on this machine")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port; the ready line says which)")
+    p.add_argument("--register", default=register_default, help="ZMQ endpoint workers register at")
+    p.add_argument("--policy", default="auto", choices=POLICIES, help="default routing policy (a request's "
+                   "\"policy\" field overrides it)")
+    p.add_argument("--auto-threshold", type=int, default=256,
+                   help="auto policy: prompts shorter than this many tokens stay colocated")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats")
+    p.add_argument("--heartbeat-misses", type=int, default=3, help="missed heartbeats before a worker is dropped")
+    p.add_argument("--kv-deadline", type=float, default=60.0, help="seconds a decode reservation waits for its KV")
+    p.add_argument("--token-timeout", type=float, default=120.0,
+                   help="seconds of silence from a worker before its request fails")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workers started on this machine")
+    g.add_argument("--transport", default="ipc", choices=TRANSPORTS, help="KV transport between prefill and decode")
+    g.add_argument("--mode", default="bulk", choices=MODES, help="bulk: after prefill; layer: layer by layer")
+    g.add_argument("--devices", default=None,
+                   help="comma-separated devices dealt to prefill, decode, colocated workers in turn "
+                        "(default: every GPU, else cpu)")
+    g.add_argument("--device", default=None, help="one device for every worker (e.g. cpu)")
+    g.add_argument("--prefill-workers", type=int, default=1)
+    g.add_argument("--decode-workers", type=int, default=1)
+    g.add_argument("--colocated-workers", type=int, default=1)
+    g.add_argument("--no-colocated", action="store_true", help="no colocated worker (same as --colocated-workers 0)")
+    g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size per worker in blocks")
+    g.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool size per worker in GiB")
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every worker (repeat: --worker-arg=--kv-deadline --worker-arg=10)")
+    g.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds to wait for every worker to register (the first start converts the model)")
+
+
+def router_config(args):
+    from server.config import RouterConfig
+
+    return RouterConfig(model=args.model, tokenizer=args.tokenizer, register=args.register, policy=args.policy,
+                        auto_threshold=args.auto_threshold, heartbeat_interval_s=args.heartbeat_interval,
+                        heartbeat_misses=args.heartbeat_misses, kv_deadline_s=args.kv_deadline,
+                        token_timeout_s=args.token_timeout)
+
+
+def worker_args(args) -> list[str]:
+    out = ["--model", args.model, "--transport", args.transport, "--mode", args.mode,
+           "--log-level", args.log_level]
+    for flag in ("dtype", "block_size", "num_blocks", "kv_memory_gb", "max_num_seqs", "max_model_len", "threads"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    return out + list(args.worker_arg)
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sys.exit(f"pdserve: cannot listen on {host}:{port}: {e.strerror}; pick another --port (0: any free port)")
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_server(app, args):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its own signal handling: pdserve's handler stops the workers too."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def install_signal_handlers(self) -> None:  # uvicorn < 0.29 calls this instead
+            pass
+
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    return Server(config)
+
+
+async def serve(app, sock: socket.socket, args, after_start) -> int:
+    """Run uvicorn on `sock`; once it is up, `await after_start(stop_event)`; Ctrl-C/SIGTERM stop it all
+    (a second one kills at once)."""
+    server = _uvicorn_server(app, args)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            print(f"pdserve: second {sig.name}; exiting now", file=sys.stderr, flush=True)
+            os._exit(130)  # workers follow: PR_SET_PDEATHSIG and their parent-watch
+        print(f"pdserve: {sig.name}; shutting down", file=sys.stderr, flush=True)
+        stop.set()
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serve_task.done():
+        await asyncio.sleep(0.02)
+    if serve_task.done():
+        await serve_task
+        return 1
+    rc = await after_start(stop)
+    if rc:
+        server.should_exit = True
+    await serve_task
+    return rc or 0
+
+
+def run_embedded(args) -> int:
+    from server.app import create_app
+    from server.launcher import Launcher, default_devices, plan_workers
+    from server.tokenizer import load_tokenizer
+
+    counts = {"prefill": args.prefill_workers, "decode": args.decode_workers,
+              "colocated": 0 if args.no_colocated else args.colocated_workers}
+    if counts["prefill"] != counts["decode"] and 0 in (counts["prefill"], counts["decode"]):
+        sys.exit("pdserve: disaggregated serving needs prefill and decode workers both (or neither)")
+    if not any(counts.values()):
+        sys.exit("pdserve: no workers to start; drop --no-colocated or ask for prefill/decode workers")
+    devices = [args.device] if args.device else (args.devices.split(",") if args.devices else default_devices())
+    specs = plan_workers(counts, devices, worker_args(args))
+    cfg = router_config(args)
+    sock = bind_http(args.host, args.port)
+    url = url_of(sock)
+    app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
+    router = app.state.router
+    launcher: Launcher | None = None
+
+    async def after_start(stop: asyncio.Event) -> int:
+        nonlocal launcher
+        launcher = Launcher(specs, router.pool.address)
+        launcher.start()
+        want = {s.worker_id for s in specs}
+        loop = asyncio.get_running_loop()
+        end = loop.time() + args.startup_timeout
+        while not want <= set(router.pool.workers):
+            dead = launcher.exited()
+            if dead:
+                for wid, rc in dead:
+                    print(f"pdserve: worker {wid} exited with code {rc} before registering (its log is above); "
+                          f"stopping", file=sys.stderr, flush=True)
+                return 1
+            if stop.is_set():
+                return 0
+            if loop.time() > end:
+                missing = ", ".join(sorted(want - set(router.pool.workers)))
+                print(f"pdserve: workers {missing} did not register within {args.startup_timeout:.0f}s; stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+            await router.pool.wait_for(lambda pool: want <= set(pool.workers), timeout=0.2)
+        where = ", ".join(f"{s.worker_id} on {s.device}" for s in specs)
+        disagg = f"; KV {args.transport}/{args.mode}" if counts["prefill"] else ""
+        print(f"pdserve ready: {url} (model {cfg.model}; {where}{disagg}; policy {cfg.policy})", flush=True)
+        asyncio.create_task(_watch(launcher, stop))
+        return 0
+
+    try:
+        return asyncio.run(serve(app, sock, args, after_start))
+    finally:
+        if launcher is not None:
+            launcher.stop()
+
+
+async def _watch(launcher, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for wid, rc in launcher.exited():
+            log.error("worker %s exited with code %d; the router stops routing to it", wid, rc)
+        await asyncio.sleep(1.0)
+
+
+def run_router(args) -> int:
+    from server.app import create_app
+    from server.tokenizer import load_tokenizer
+
+    cfg = router_config(args)
+    sock = bind_http(args.host, args.port)
+    url = url_of(sock)
+    app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
+
+    async def after_start(_stop: asyncio.Event) -> int:
+        print(f"pdserve router ready: {url} (model {cfg.model}; workers register at {app.state.router.pool.address}; "
+              f"policy {cfg.policy})", flush=True)
+        return 0
+
+    return asyncio.run(serve(app, sock, args, after_start))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "router":
+        p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
+                                    "elsewhere (pdserve-worker --router ...) register with it.")
+        add_router_arguments(p, register_default="tcp://0.0.0.0:7100")
+        args = p.parse_args(argv[1:])
+        run = run_router
+    else:
+        p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
+                                    epilog="`pdserve router --help`: the router alone.")
+        add_router_arguments(p, register_default="tcp://127.0.0.1:0")
+        add_worker_arguments(p)
+        args = p.parse_args(argv)
+        run = run_embedded
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

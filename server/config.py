@@ -1,0 +1,34 @@
+"""The router's settings (the `pdserve` CLI fills them from its flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.schemas import POLICIES
+
+
+@dataclass
+class RouterConfig:
+    model: str = "smollm2-135m"  # the one model this router serves (workers must register the same)
+    tokenizer: str | None = None  # default: the model's own tokenizer
+    register: str = "tcp://127.0.0.1:7100"  # ZMQ endpoint workers register at (port 0: any free port)
+    policy: str = "auto"  # default routing policy; a request's "policy" field overrides it
+    auto_threshold: int = 256  # auto: prompts shorter than this many tokens stay colocated
+    heartbeat_interval_s: float = 1.0  # told to workers at registration
+    heartbeat_misses: int = 3  # a worker silent for this many intervals is dropped
+    kv_deadline_s: float = 60.0  # a decode reservation waits this long for its KV
+    token_timeout_s: float = 120.0  # longest silence from a worker during a request before it fails
+    default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
+    default_chat_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
+            raise ValueError("heartbeat interval must be positive and misses at least 1")
+        if self.kv_deadline_s <= 1.0:
+            raise ValueError(f"kv deadline must exceed 1 s, got {self.kv_deadline_s}")
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses

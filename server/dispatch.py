@@ -1,0 +1,323 @@
+"""Routing one request: pick its workers (policy, least loaded), drive them, stream its tokens back.
+
+Colocated:
+    Generate -> worker W ............ Tokens ... (last one: finished + W's timeline)
+
+Disaggregated:
+    Reserve(prompt) -> decode D ..... Reserved(block ids, D's KV receiver address)
+    Prefill(prompt, D's address, D's blocks) -> prefill P
+    P ............................... PrefillDone(timings, bytes)   (or RequestFailed: D's blocks cancelled)
+    D ............................... Tokens: token 1 (came with the KV), then one per decode step
+
+Every wait has a deadline; a worker that fails, times out or is dropped ends the request with an
+error (APIError), and whatever it still holds elsewhere is aborted. D's reservation is only
+cancelled once P can no longer write into it (P reported, P is gone, or P's deadline passed):
+the KV write is one-sided, and blocks D hands to another request must not receive late bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from server.config import RouterConfig
+from server.errors import APIError, bad_request, no_worker, timed_out, worker_failed
+from server.metrics import Metrics
+from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
+from server.timeline import Clock, timings
+from workers import protocol as P
+from workers.engine.block_pool import blocks_for
+
+log = logging.getLogger("pdserve.router")
+
+PREFILL_DEADLINE_MARGIN_S = 1.0  # P's deadline ends at least this long before D's reservation does
+PREFILL_REPORT_GRACE_S = 10.0  # after D finished, how long to wait for P's (already sent) report
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: P.Sampling
+    policy: str  # "colocated" | "disaggregated" (auto already resolved)
+    clock: Clock = field(default_factory=Clock.start)
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+    text: str
+    last: bool  # a Done follows at once (streaming puts both in one event)
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str
+    timings: dict
+    token_ids: list[int]
+
+
+@dataclass
+class Plan:
+    job: Job
+    worker: WorkerState | None = None  # colocated
+    prefill: WorkerState | None = None
+    decode: WorkerState | None = None
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, pool: WorkerPool, metrics: Metrics):
+        self.cfg, self.pool, self.metrics = cfg, pool, metrics
+        self._background: set[asyncio.Task] = set()
+
+    # ---- choosing ---------------------------------------------------------------------------------
+
+    def resolve_policy(self, requested: str | None, prompt_tokens: int) -> str:
+        policy = requested or self.cfg.policy
+        if policy != "auto":
+            return policy
+        preferred = "colocated" if prompt_tokens < self.cfg.auto_threshold else "disaggregated"
+        other = "disaggregated" if preferred == "colocated" else "colocated"
+        if not self.servable(preferred) and self.servable(other):
+            return other
+        return preferred
+
+    def servable(self, policy: str) -> bool:
+        if policy == "colocated":
+            return bool(self.pool.alive("colocated"))
+        return any(self._prefill_for(d) for d in self.pool.alive("decode"))
+
+    def _prefill_for(self, d: WorkerState) -> list[WorkerState]:
+        return [p for p in self.pool.alive("prefill", d.info.transport) if p.info.mode == d.info.mode]
+
+    def plan(self, job: Job) -> Plan:
+        try:
+            if job.policy == "colocated":
+                return Plan(job, worker=self.pool.pick("colocated"))
+            decodes = self.pool.alive("decode")
+            if not decodes:
+                self.pool.pick("decode")  # raises NoWorker with the message
+            paired = [d for d in decodes if self._prefill_for(d)]
+            if not paired:
+                have = ", ".join(f"{d.id} ({d.info.transport}/{d.info.mode})" for d in decodes)
+                raise NoWorker(f"no prefill worker matches a decode worker's transport and mode (decode: {have}); "
+                               f"start prefill workers with the same --transport and --mode")
+            need = blocks_for(len(job.prompt_ids), min(d.info.block_size for d in paired))
+            roomy = [d for d in paired if d.free_blocks >= need]
+            d = min(roomy or paired, key=WorkerState.load)
+            p = min(self._prefill_for(d), key=WorkerState.load)
+            return Plan(job, prefill=p, decode=d)
+        except NoWorker as e:
+            self.metrics.requests.labels(job.policy, "no_worker").inc()
+            raise no_worker(f"request {job.request_id} ({job.policy}): {e}") from None
+
+    # ---- running ----------------------------------------------------------------------------------
+
+    async def execute(self, plan: Plan) -> AsyncIterator[Token | Done]:
+        job = plan.job
+        self.metrics.in_flight.inc()
+        outcome = "cancelled"
+        try:
+            run = self._colocated(plan) if job.policy == "colocated" else self._disaggregated(plan)
+            async for event in run:
+                if isinstance(event, Done):
+                    outcome = "ok"
+                    self.metrics.observe_timings(event.timings)
+                yield event
+        except APIError as e:
+            outcome = e.code or e.type
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(job.policy, outcome).inc()
+
+    async def _colocated(self, plan: Plan) -> AsyncIterator[Token | Done]:
+        job, w = plan.job, plan.worker
+        rid = job.request_id
+        inbox = self.pool.open_inbox(rid)
+        finished = False
+        try:
+            self._attach(rid, w)
+            job.clock.dispatched = time.monotonic()
+            await self.pool.send(w, P.Generate(rid, job.prompt_ids, job.sampling))
+            stream = _TokenStream(job, self.metrics)
+            while not finished:
+                msg = await self._next(inbox, job, w.id, self.cfg.token_timeout_s, "tokens")
+                if isinstance(msg, P.TokenOut):
+                    yield stream.add(msg)
+                    finished = msg.finished
+                    if finished:
+                        yield stream.done(msg, timings(
+                            policy="colocated", clock=job.clock, prompt_tokens=len(job.prompt_ids),
+                            completion_tokens=stream.count, worker=w.id, prefilled_by=msg.timeline,
+                            decoded_by=msg.timeline))
+                else:
+                    self._raise_for(msg, job)
+        finally:
+            if not finished:
+                self._send_later(w, P.Abort(rid, "the router gave up on the request"))
+            self.pool.close_inbox(rid)
+
+    async def _disaggregated(self, plan: Plan) -> AsyncIterator[Token | Done]:
+        job, d, p = plan.job, plan.decode, plan.prefill
+        rid = job.request_id
+        inbox = self.pool.open_inbox(rid)
+        finished = prefill_sent = prefill_reported = False
+        prefill_deadline = 0.0
+        report: P.PrefillDone | None = None
+        try:
+            self._attach(rid, d)
+            self._attach(rid, p)
+            reserve_sent = time.monotonic()
+            await self.pool.send(d, P.Reserve(rid, job.prompt_ids, job.sampling, self.cfg.kv_deadline_s))
+            while True:
+                msg = await self._next(inbox, job, d.id, self.cfg.kv_deadline_s + 5.0, "a KV reservation")
+                if isinstance(msg, P.Reserved):
+                    break
+                self._raise_for(msg, job)
+            prefill_deadline = self.cfg.kv_deadline_s - (time.monotonic() - reserve_sent) - PREFILL_DEADLINE_MARGIN_S
+            if prefill_deadline <= 0:
+                raise timed_out(f"request {rid}: the KV reservation on {d.id} took the whole deadline "
+                                f"({self.cfg.kv_deadline_s:.0f}s); add decode workers or raise --kv-deadline")
+            job.clock.dispatched = time.monotonic()
+            await self.pool.send(p, P.Prefill(rid, job.prompt_ids, job.sampling, d.id, msg.kv_address,
+                                              msg.block_ids, prefill_deadline))
+            prefill_sent = True
+            stream = _TokenStream(job, self.metrics)
+            while not finished:
+                waiting_for = "tokens" if stream.count else "prefill and KV transfer"
+                timeout = self.cfg.token_timeout_s if stream.count else self.cfg.kv_deadline_s + 5.0
+                msg = await self._next(inbox, job, f"{p.id}/{d.id}", timeout, waiting_for)
+                if isinstance(msg, P.PrefillDone):
+                    report, prefill_reported = msg, True
+                    self.pool.detach(rid, p.id)  # P's part is over: losing P no longer matters
+                elif isinstance(msg, P.TokenOut):
+                    yield stream.add(msg)
+                    finished = msg.finished
+                elif isinstance(msg, P.RequestFailed) and msg.worker_id == p.id:
+                    prefill_reported = True
+                    self._raise_for(msg, job)
+                elif isinstance(msg, WorkerLost) and msg.worker_id == p.id and prefill_reported:
+                    continue
+                else:
+                    self._raise_for(msg, job)
+            while report is None:  # D can finish (max_tokens=1) before P's report arrives
+                msg = await self._next(inbox, job, p.id, PREFILL_REPORT_GRACE_S, "the prefill report")
+                if isinstance(msg, P.PrefillDone):
+                    report = msg
+                elif not isinstance(msg, P.TokenOut):
+                    self._raise_for(msg, job)
+            yield stream.done(stream.last, timings(
+                policy="disaggregated", clock=job.clock, prompt_tokens=len(job.prompt_ids),
+                completion_tokens=stream.count, worker=d.id, prefilled_by=report.timeline,
+                decoded_by=stream.last.timeline, prefill=report, prefill_worker=p.id,
+                transport=p.info.transport, mode=p.info.mode))
+        finally:
+            if not finished:
+                self._cancel_disaggregated(rid, inbox, p, d, prefill_sent, prefill_reported, prefill_deadline)
+            else:
+                self.pool.close_inbox(rid)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+
+    def _attach(self, rid: str, w: WorkerState) -> None:
+        try:
+            self.pool.attach(rid, w)
+        except NoWorker as e:
+            raise no_worker(f"request {rid}: {e}") from None
+
+    async def _next(self, inbox: asyncio.Queue, job: Job, who: str, timeout: float, what: str):
+        try:
+            return await asyncio.wait_for(inbox.get(), timeout)
+        except asyncio.TimeoutError:
+            raise timed_out(f"request {job.request_id}: no {what} from {who} within {timeout:.0f}s; "
+                            f"the worker may be overloaded or stuck (see GET /health)") from None
+
+    def _raise_for(self, msg, job: Job):
+        rid = job.request_id
+        if isinstance(msg, WorkerLost):
+            raise worker_failed(f"request {rid}: worker {msg.worker_id} was lost mid-request ({msg.reason}); "
+                                f"retry: the router no longer routes to it", code="worker_lost")
+        if isinstance(msg, P.RequestFailed):
+            text = f"request {rid}: {msg.error}"
+            if msg.kind == "invalid":
+                raise bad_request(text)
+            if msg.kind == "capacity":
+                raise APIError(503, text, "service_unavailable", None, "no_capacity")
+            if msg.kind == "timeout":
+                raise timed_out(text)
+            raise worker_failed(text, code=f"{msg.kind}_error")
+        raise worker_failed(f"request {rid}: unexpected {type(msg).__name__} from a worker", code="protocol_error")
+
+    def _send_later(self, w: WorkerState, msg) -> None:
+        if self.pool.is_alive(w.id):
+            self._spawn(self.pool.send(w, msg))
+
+    def _cancel_disaggregated(self, rid, inbox, p, d, prefill_sent, prefill_reported, prefill_deadline) -> None:
+        abort = P.Abort(rid, "the router gave up on the request")
+        if not prefill_sent or prefill_reported or not self.pool.is_alive(p.id):
+            self._send_later(p, abort)
+            self._send_later(d, abort)
+            self.pool.close_inbox(rid)
+            return
+        self._send_later(p, abort)
+        self._spawn(self._release_after_prefill(rid, inbox, p, d, abort, prefill_deadline))
+
+    async def _release_after_prefill(self, rid, inbox, p, d, abort, prefill_deadline) -> None:
+        """Cancel D's reservation once P can no longer write into it."""
+        end = time.monotonic() + prefill_deadline + PREFILL_DEADLINE_MARGIN_S
+        try:
+            while time.monotonic() < end and self.pool.is_alive(p.id):
+                try:
+                    msg = await asyncio.wait_for(inbox.get(), max(0.0, end - time.monotonic()))
+                except asyncio.TimeoutError:
+                    break
+                if isinstance(msg, (P.PrefillDone, P.RequestFailed)) and msg.worker_id == p.id:
+                    break
+                if isinstance(msg, WorkerLost) and msg.worker_id == p.id:
+                    break
+            if self.pool.is_alive(d.id):
+                await self.pool.send(d, abort)
+        finally:
+            self.pool.close_inbox(rid)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class _TokenStream:
+    """Tokens of one request as they reach the router: stamps, inter-token latency, the last message."""
+
+    def __init__(self, job: Job, metrics: Metrics):
+        self.job, self.metrics = job, metrics
+        self.token_ids: list[int] = []
+        self.last: P.TokenOut | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.token_ids)
+
+    def add(self, out: P.TokenOut) -> Token:
+        now = time.monotonic()
+        clock = self.job.clock
+        if clock.first_token is None:
+            clock.first_token = now
+        else:
+            self.metrics.itl.labels(self.job.policy).observe(now - clock.last_token)
+        clock.last_token = now
+        self.token_ids.append(out.token_id)
+        self.last = out
+        return Token(out.token_id, out.text, out.finished)
+
+    def done(self, out: P.TokenOut, t: dict) -> Done:
+        return Done(out.finish_reason or "stop", t, list(self.token_ids))

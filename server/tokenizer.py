@@ -1,0 +1,45 @@
+"""The router's tokenizer: it counts prompt tokens (policy, context checks) and applies chat templates,
+so workers receive token ids. The same tokenizer the workers' engines load for the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server.errors import bad_request
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None):
+    from workers.engine.models import MODEL_NAMES, load_smollm2_tokenizer
+
+    source = tokenizer or model
+    if source in MODEL_NAMES:
+        return load_smollm2_tokenizer()  # tiny and qwen2.5-7b use SmolLM2's tokenizer too
+    if Path(source).is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    raise ValueError(f"no tokenizer for {source!r}: give one of {', '.join(MODEL_NAMES)} or a local checkpoint "
+                     f"directory (--tokenizer DIR when the model directory is not on the router's machine)")
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+
+    def text(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise bad_request("this model has no chat template; use /v1/completions with a plain prompt",
+                              "messages", "no_chat_template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"`prompt` token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                              "prompt", "invalid_token_ids")
+        return ids

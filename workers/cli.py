@@ -1,0 +1,169 @@
+"""`pdserve-worker`: run one worker process, or generate locally from the command line.
+
+    pdserve-worker --role decode --model smollm2-135m --device cuda:1 --transport nixl \\
+        --router tcp://10.0.0.1:7100 --control tcp://10.0.0.2:7201 --kv-host 10.0.0.2 --kv-port 7300
+    pdserve-worker generate "What is the capital of France?" --chat --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+from workers.protocol import ROLES
+from workers.transfer.base import MODES, TRANSPORTS
+
+PR_SET_PDEATHSIG = 1
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, qwen2.5-7b or a local checkpoint dir")
+    g.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (or --kv-memory-gb)")
+    g.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool size in GiB")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at once")
+    g.add_argument("--max-batched-tokens", type=int, default=8192, help="prompt tokens per prefill step")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def engine_config(args, kv_shared: bool = False):
+    from workers.engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                        num_blocks=args.num_blocks, kv_memory_gb=args.kv_memory_gb, max_num_seqs=args.max_num_seqs,
+                        max_batched_tokens=args.max_batched_tokens, kv_shared=kv_shared,
+                        max_model_len=args.max_model_len)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve-worker", description="Run one pdserve worker process "
+                                "(or `pdserve-worker generate PROMPT` to generate locally).")
+    p.add_argument("--role", required=True, choices=ROLES)
+    add_engine_arguments(p)
+    g = p.add_argument_group("KV transfer (prefill and decode roles)")
+    g.add_argument("--transport", default="ipc", choices=TRANSPORTS,
+                   help="ipc: same host; nixl: NIXL/UCX; zmq: host-staged TCP, works anywhere")
+    g.add_argument("--mode", default="bulk", choices=MODES, help="bulk: after prefill; layer: each layer as it is done")
+    g.add_argument("--kv-host", default="127.0.0.1", help="decode: interface the KV receiver binds and advertises")
+    g.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver port (0: any free port)")
+    g.add_argument("--kv-deadline", type=float, default=30.0, help="seconds for a transport handshake")
+    g = p.add_argument_group("control plane")
+    g.add_argument("--router", default="tcp://127.0.0.1:7100", help="the router's registration endpoint")
+    g.add_argument("--control", default="tcp://127.0.0.1:0",
+                   help="endpoint this worker binds for router messages (port 0: any free port)")
+    g.add_argument("--advertise-host", default=None, help="host to give the router when --control binds 0.0.0.0")
+    g.add_argument("--worker-id", default=None, help="default: <role>-<hostname>-<pid>")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process dies (set by `pdserve`, which starts its workers with it)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve-worker generate", description="Generate from one prompt on this "
+                                "machine (no router, no other process) and print the text.")
+    p.add_argument("prompt")
+    add_engine_arguments(p)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def die_with_parent(parent_pid: int, on_parent_death) -> None:
+    """Get SIGTERM when the parent dies (Linux), and watch it from a thread as well (any OS, and the
+    case where the parent died before prctl ran)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            logging.getLogger("pdserve.worker").warning("prctl(PR_SET_PDEATHSIG) failed: errno %d",
+                                                        ctypes.get_errno())
+    if os.getppid() != parent_pid:
+        sys.exit(f"pdserve-worker: parent process {parent_pid} is already gone; exiting")
+
+    def watch():
+        while os.getppid() == parent_pid:
+            threading.Event().wait(0.5)
+        on_parent_death()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def serve(argv: list[str]) -> int:
+    args = serve_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stopper = {"worker": None}
+    if args.parent_pid is not None:
+        def on_parent_death():
+            worker = stopper["worker"]
+            if worker is not None:
+                worker.stop("parent process died")
+            else:
+                os._exit(1)
+
+        die_with_parent(args.parent_pid, on_parent_death)
+
+    from workers.transfer.base import TransferConfig
+    from workers.worker import Worker, WorkerConfig
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    disaggregated = args.role in ("prefill", "decode")
+    cfg = WorkerConfig(
+        role=args.role,
+        engine=engine_config(args, kv_shared=disaggregated and args.transport == "ipc"),
+        transfer=TransferConfig(transport=args.transport, mode=args.mode, host=args.kv_host, port=args.kv_port,
+                                deadline_s=args.kv_deadline),
+        control=args.control, router=args.router, advertise_host=args.advertise_host, worker_id=args.worker_id,
+    )
+    worker = Worker(cfg)
+    stopper["worker"] = worker
+    worker.install_signal_handlers()
+    return worker.run()
+
+
+def generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from workers.engine.engine import Engine
+    from workers.engine.request import InvalidRequest, SamplingParams
+
+    engine = Engine(engine_config(args))
+    ids = engine.encode_prompt(args.prompt, chat=args.chat)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        [req] = engine.generate([ids], params)
+    except InvalidRequest as e:
+        print(f"pdserve-worker generate: {e}", file=sys.stderr)
+        return 2
+    print(req.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "generate":
+        return generate(argv[1:])
+    return serve(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

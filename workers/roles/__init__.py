@@ -1,0 +1,15 @@
+"""The three worker roles; each module opens with the life cycle of a request on it."""
+
+from __future__ import annotations
+
+
+def make_role(name: str, worker):
+    if name == "colocated":
+        from workers.roles.colocated import ColocatedRole as cls
+    elif name == "prefill":
+        from workers.roles.prefill import PrefillRole as cls
+    elif name == "decode":
+        from workers.roles.decode import DecodeRole as cls
+    else:
+        raise ValueError(f"unknown role {name!r}; choose prefill, decode or colocated")
+    return cls(worker)

@@ -1,0 +1,72 @@
+"""Colocated role: prefill and decode of a request on one engine, sharing its steps with the others.
+
+Life cycle of a request:
+    Generate  -> engine.add_request()        [scheduler.waiting]   (InvalidRequest -> RequestFailed invalid)
+              -> prefill step, token 1        [scheduler.running]   -> Tokens
+              -> decode steps, a token each                         -> Tokens (the last carries the timeline)
+              -> finished: the engine frees its blocks
+    Abort     -> engine.abort(): blocks freed, nothing more is sent
+
+Queues: the engine's `scheduler.waiting` (not prefilled yet) and `scheduler.running`; `live` maps
+each of our request ids to its Request and the time its Generate arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from workers import protocol as P
+from workers.engine.request import InvalidRequest, Request
+from workers.roles.base import Role, now
+
+log = logging.getLogger("pdserve.worker")
+
+
+class ColocatedRole(Role):
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.live: dict[str, tuple[Request, float]] = {}
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, P.Generate):
+            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling.to_params())
+            try:
+                self.engine.add_request(req)
+            except InvalidRequest as e:
+                self.fail(msg.request_id, "invalid", str(e))
+                return
+            self.live[msg.request_id] = (req, now())
+        elif isinstance(msg, P.Abort):
+            if self.live.pop(msg.request_id, None) is not None:
+                self.engine.abort(msg.request_id)
+        else:
+            log.error("%s: colocated worker got %s; only Generate and Abort go to colocated workers",
+                      self.worker_id, type(msg).__name__)
+
+    def tick(self) -> None:
+        if not self.engine.has_work():
+            return
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the whole batch is lost: tell the router about every request in it
+            log.exception("%s: engine step failed", self.worker_id)
+            for rid in list(self.live):
+                self.live.pop(rid)
+                self.engine.abort(rid)
+                self.fail(rid, "internal", f"engine step failed on {self.worker_id}: {type(e).__name__}: {e}")
+            return
+        out = []
+        for o in outputs:
+            timeline = None
+            if o.finished:
+                entry = self.live.pop(o.request_id, None)
+                if entry is not None:
+                    timeline = self.timeline(*entry)
+            out.append(P.TokenOut(o.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason, timeline))
+        self.send_tokens(out)
+
+    def poll_timeout_ms(self, idle_ms: int) -> int:
+        return 0 if self.engine.has_work() else idle_ms
+
+    def queue_depth(self) -> int:
+        return len(self.engine.scheduler.waiting)

@@ -1,0 +1,160 @@
+"""Decode role: reserve blocks, receive a request's KV into them, continue it from decode step 2.
+
+Life cycle of a request:
+    Reserve   -> engine.reserve(n prompt tokens)   no room now: [reserving] until blocks free up or the
+                                                   deadline passes (-> RequestFailed capacity)
+              -> receiver.expect(blocks, deadline) [expecting] -> Reserved(blocks, our KV receiver address)
+    receiver.poll() -> Arrival ok   -> engine.adopt(req, first_token) [scheduler.running]
+                                       -> Tokens(token 1: it travelled with the KV, we emit it first)
+                    -> Arrival failed or past its deadline -> engine.release() -> RequestFailed transfer
+    decode steps -> Tokens, a token each; the last carries the timeline; the engine frees the blocks
+    Abort     -> out of whichever queue holds it: receiver.cancel() + engine.release(), or engine.abort()
+
+Queues: `reserving` (waiting for free blocks), `expecting` (blocks reserved, KV in flight), then the
+engine's `scheduler.running`. Every reservation has a deadline; blocks come back on completion,
+abort, transfer failure and timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from workers import protocol as P
+from workers.engine.request import InvalidRequest, Request
+from workers.roles.base import Role, now
+from workers.transfer.base import make_receiver
+
+log = logging.getLogger("pdserve.worker")
+
+EXPECTING_POLL_MS = 1  # KV in flight: check the receiver this often
+
+
+class DecodeRole(Role):
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.receiver = make_receiver(self.engine.kv, worker.cfg.transfer)
+        self.kv_address = self.receiver.address
+        self.reserving: deque[tuple[P.Reserve, float]] = deque()  # (message, received)
+        self.expecting: dict[str, Request] = {}
+        self.live: dict[str, Request] = {}  # adopted, decoding
+
+    # ---- control messages -----------------------------------------------------------------------
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, P.Reserve):
+            if self.reserving or not self._try_reserve(msg, now()):
+                self.reserving.append((msg, now()))
+        elif isinstance(msg, P.Abort):
+            self._abort(msg.request_id)
+        else:
+            log.error("%s: decode worker got %s; only Reserve and Abort go to decode workers",
+                      self.worker_id, type(msg).__name__)
+
+    def _try_reserve(self, msg: P.Reserve, received: float) -> bool:
+        rid = msg.request_id
+        try:
+            blocks = self.engine.reserve(rid, len(msg.prompt_ids))
+        except InvalidRequest as e:
+            self.fail(rid, "invalid", str(e))
+            return True
+        if blocks is None:
+            return False
+        req = Request(rid, list(msg.prompt_ids), msg.sampling.to_params())
+        req.block_ids = blocks
+        remaining = max(0.0, received + msg.deadline_s - now())
+        self.receiver.expect(rid, blocks, remaining)
+        self.expecting[rid] = req
+        self.worker.send(P.Reserved(self.worker_id, rid, blocks, self.kv_address))
+        return True
+
+    def _abort(self, rid: str) -> None:
+        for item in self.reserving:
+            if item[0].request_id == rid:
+                self.reserving.remove(item)
+                return
+        if self.expecting.pop(rid, None) is not None:
+            self.receiver.cancel(rid)
+            self.engine.release(rid)
+        elif self.live.pop(rid, None) is not None:
+            self.engine.abort(rid)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self._retry_reservations()
+        if self.expecting:
+            self._collect_arrivals()
+        if self.engine.has_work():
+            self._step()
+
+    def _retry_reservations(self) -> None:
+        while self.reserving:
+            msg, received = self.reserving[0]
+            if now() - received >= msg.deadline_s:
+                self.reserving.popleft()
+                self.fail(msg.request_id, "capacity",
+                          f"decode worker {self.worker_id} had no room for {len(msg.prompt_ids)} prompt tokens "
+                          f"within {msg.deadline_s:.1f}s ({self.engine.blocks.num_free} blocks free); add decode "
+                          f"workers or KV memory (--kv-memory-gb)")
+                continue
+            if not self._try_reserve(msg, received):
+                return  # keep arrival order: later reservations wait behind this one
+            self.reserving.popleft()
+
+    def _collect_arrivals(self) -> None:
+        out = []
+        for arrival in self.receiver.poll():
+            req = self.expecting.pop(arrival.request_id, None)
+            if req is None:
+                continue  # cancelled (Abort) before its transfer reported
+            if not arrival.ok:
+                self.engine.release(req.request_id)
+                self.fail(req.request_id, "transfer", f"KV for request {req.request_id} did not arrive at "
+                          f"{self.worker_id}: {arrival.error}")
+                continue
+            try:
+                first = self.engine.adopt(req, arrival.first_token)
+            except InvalidRequest as e:
+                self.engine.release(req.request_id)
+                self.fail(req.request_id, "invalid", str(e))
+                continue
+            timeline = None
+            if first.finished:
+                timeline = self.timeline(req, None)
+            else:
+                self.live[req.request_id] = req
+            out.append(P.TokenOut(req.request_id, first.token_id, first.text_delta, first.finished,
+                                  first.finish_reason, timeline))
+        self.send_tokens(out)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("%s: engine step failed", self.worker_id)
+            for rid in list(self.live):
+                self.live.pop(rid)
+                self.engine.abort(rid)
+                self.fail(rid, "internal", f"engine step failed on {self.worker_id}: {type(e).__name__}: {e}")
+            return
+        out = []
+        for o in outputs:
+            timeline = None
+            if o.finished:
+                req = self.live.pop(o.request_id, None)
+                if req is not None:
+                    timeline = self.timeline(req, None)
+            out.append(P.TokenOut(o.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason, timeline))
+        self.send_tokens(out)
+
+    def poll_timeout_ms(self, idle_ms: int) -> int:
+        if self.engine.has_work() or self.reserving:
+            return 0
+        return EXPECTING_POLL_MS if self.expecting else idle_ms
+
+    def queue_depth(self) -> int:
+        return len(self.reserving) + len(self.expecting) + len(self.engine.scheduler.waiting)
+
+    def close(self) -> None:
+        self.receiver.close()

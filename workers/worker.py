@@ -1,0 +1,216 @@
+"""One worker process: control sockets, registration, heartbeats, and the loop that drives a role.
+
+    Worker(cfg).run()
+      main thread     poll the control socket -> role.handle(msg); role.tick() (engine steps,
+                      prefills, transfers); every engine and transport call happens here
+      heartbeat thread  Register until the router acknowledges, then Heartbeat every interval
+                      (free KV blocks, queue depth); it only reads counters, never the engine
+
+The roles (workers/roles/) hold the per-request state; this module knows nothing about requests.
+Stops on SIGTERM/SIGINT (or the parent's death, see workers/cli.py): Goodbye to the router,
+close transports, free the KV pool (and its /dev/shm file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import zmq
+
+from workers import protocol as P
+from workers.engine.config import EngineConfig
+from workers.transfer.base import TransferConfig
+
+log = logging.getLogger("pdserve.worker")
+
+IDLE_POLL_MS = 50  # nothing to do: wake up this often to notice a stop request
+
+
+@dataclass
+class WorkerConfig:
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    control: str = "tcp://127.0.0.1:0"  # endpoint this worker binds for router messages (port 0: any)
+    router: str = "tcp://127.0.0.1:7100"  # the router's registration endpoint
+    advertise_host: str | None = None  # host the router should use when `control` binds a wildcard
+    worker_id: str | None = None  # default: <role>-<host>-<pid>
+
+    def __post_init__(self):
+        if self.role not in P.ROLES:
+            raise ValueError(f"unknown role {self.role!r}; choose one of {', '.join(P.ROLES)}")
+        if self.worker_id is None:
+            self.worker_id = f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+
+class RouterLink:
+    """The PUSH socket to the router; sends never block the loop (a gone router drops messages)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.connect(endpoint)
+        self.endpoint = endpoint
+
+    def send(self, msg) -> bool:
+        try:
+            self.sock.send(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.error("router at %s is not taking messages (queue full); dropped %s", self.endpoint,
+                      type(msg).__name__)
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def bind_endpoint(sock: zmq.Socket, endpoint: str, advertise_host: str | None) -> str:
+    """Bind (port 0 = any free port) and return the endpoint peers should connect to."""
+    parts = urlsplit(endpoint)
+    if parts.scheme == "tcp" and parts.port == 0:
+        endpoint = f"tcp://{parts.hostname}:*"
+    sock.bind(endpoint)
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    parts = urlsplit(bound)
+    if parts.scheme == "tcp" and parts.hostname in ("0.0.0.0", "::", "*"):
+        host = advertise_host or socket.gethostbyname(socket.gethostname())
+        bound = f"tcp://{host}:{parts.port}"
+    return bound
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, engine=None):
+        from workers.roles import make_role
+
+        self.cfg = cfg
+        self.worker_id: str = cfg.worker_id
+        if engine is None:
+            from workers.engine.engine import Engine
+
+            engine = Engine(cfg.engine)
+        self.engine = engine
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.address = bind_endpoint(self.control, cfg.control, cfg.advertise_host)
+        self.router = RouterLink(self.ctx, cfg.router)
+        self.role = make_role(cfg.role, self)
+        self.registered = threading.Event()
+        self.heartbeat_interval_s = 1.0
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self.fatal_error: str | None = None
+
+    # ---- what the router learns about us ----------------------------------------------------
+
+    def registration(self) -> P.Register:
+        eng = self.engine
+        transfer = self.cfg.transfer if self.cfg.role != "colocated" else None
+        return P.Register(
+            version=P.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.cfg.role, address=self.address,
+            model=eng.model_name, max_model_len=eng.max_model_len, block_size=eng.layout.block_size,
+            num_blocks=eng.layout.num_blocks, free_blocks=eng.blocks.num_free, device=str(eng.device),
+            dtype=eng.layout.dtype, pid=os.getpid(),
+            transport=transfer.transport if transfer else None, mode=transfer.mode if transfer else None,
+            kv_address=self.role.kv_address,
+        )
+
+    def heartbeat(self) -> P.Heartbeat:
+        return P.Heartbeat(worker_id=self.worker_id, address=self.address,
+                           free_blocks=self.engine.blocks.num_free, queue_depth=self.role.queue_depth(),
+                           running=self.role.running(), sent_at=time.time())
+
+    def send(self, msg) -> None:
+        self.router.send(msg)
+
+    # ---- life cycle ---------------------------------------------------------------------------
+
+    def stop(self, reason: str = "stopped") -> None:
+        self._stop_reason = reason
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum, _frame):
+            self.stop(f"signal {signal.Signals(signum).name}")
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def run(self) -> int:
+        log.info("%s: control %s, router %s, model %s on %s", self.worker_id, self.address, self.cfg.router,
+                 self.engine.model_name, self.engine.device)
+        self._heartbeat.start()
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                timeout = self.role.poll_timeout_ms(IDLE_POLL_MS)
+                if poller.poll(timeout):
+                    self._drain_control()
+                self.role.tick()
+        finally:
+            self.close()
+        if self.fatal_error:
+            log.error("%s: %s", self.worker_id, self.fatal_error)
+            return 2
+        return 0
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                frame = self.control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode_to_worker(frame)
+            except P.ProtocolError as e:
+                log.error("%s: dropped a message: %s", self.worker_id, e)
+                continue
+            if isinstance(msg, P.RegisterAck):
+                self._on_register_ack(msg)
+            else:
+                self.role.handle(msg)
+
+    def _on_register_ack(self, ack: P.RegisterAck) -> None:
+        if ack.ok:
+            self.heartbeat_interval_s = ack.heartbeat_interval_s
+            if not self.registered.is_set():
+                log.info("%s: registered with the router (heartbeat every %.2fs)", self.worker_id,
+                         ack.heartbeat_interval_s)
+            self.registered.set()
+        elif ack.retry:  # the router restarted and forgot us: register again
+            log.warning("%s: router asks to register again (%s)", self.worker_id, ack.error)
+            self.registered.clear()
+        else:
+            self.fatal_error = f"the router refused this worker: {ack.error}"
+            self.stop(self.fatal_error)
+
+    def _heartbeat_loop(self) -> None:
+        link = RouterLink(self.ctx, self.cfg.router)
+        try:
+            while not self._stop.is_set():
+                link.send(self.heartbeat() if self.registered.is_set() else self.registration())
+                self._stop.wait(self.heartbeat_interval_s)
+            link.send(P.Goodbye(self.worker_id, getattr(self, "_stop_reason", "stopped")))
+        finally:
+            link.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=5)
+        self.role.close()
+        self.control.close()
+        self.router.close()
+        self.ctx.term()
+        self.engine.kv.close()
+
