@@ -49,7 +49,8 @@ def _body_extra(opts: SendOptions) -> dict:
 
 async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions) -> RequestRecord:
     rec = RequestRecord(index=p.index, policy=p.policy, prompt_len=p.sample.prompt_len,
-                        expected_output_len=p.sample.output_len, kind=p.sample.kind,
+                        expected_output_len=p.sample.output_len, planned_prompt_len=p.sample.prompt_len,
+                        kind=p.sample.kind,
                         scheduled_s=p.send_at_s if p.send_at_s is not None else time.perf_counter() - t0)
     start = time.perf_counter()
     rec.start_s = start - t0

@@ -38,6 +38,7 @@ class RequestRecord:
     policy: str | None
     prompt_len: int  # the server's count when it reported usage, else the generator's
     expected_output_len: int  # max_tokens asked for
+    planned_prompt_len: int | None = None  # the generator's count (exact with --tokenizer)
     output_len: int = 0  # tokens generated (usage, else token events)
     scheduled_s: float = 0.0  # when it was due, seconds after the run start
     start_s: float = 0.0  # when it went
@@ -142,13 +143,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
 
 
 def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
-    """Means over the successful requests with timings: the server's queue, prefill, the transfer
-    TTFT pays (exposed, else whole) and first decode step; `other` = client TTFT minus those four
-    (HTTP, router, streaming; negative when the first decode step lies after the first token);
-    the client's and the server's TTFT. Parts a policy does not have count as 0. All None without
-    timings."""
+    """Means over the successful requests with timings. The client's TTFT splits into the server's
+    queue, prefill and the transfer it pays (exposed, else whole), and `other` (the rest: router,
+    HTTP, streaming, control messages). The first decode step makes token 2, so it lies after the
+    first token: reported beside the split (`first_step`), not inside it. Parts a policy does not
+    have count as 0. All None without timings."""
     rows = [r for r in records if r.success and r.timings and r.ttft_s is not None]
-    keys = ("queue", "prefill", "transfer", "first_step", "other", "ttft", "server_ttft")
+    keys = ("queue", "prefill", "transfer", "other", "first_step", "ttft", "server_ttft")
     if not rows:
         return dict.fromkeys(keys)
     sums = dict.fromkeys(keys, 0.0)
@@ -160,12 +161,12 @@ def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
             "queue": t.get("queue_ms") or 0.0,
             "prefill": t.get("prefill_ms") or 0.0,
             "transfer": (t.get("transfer_ms") or 0.0) if transfer is None else transfer,
-            "first_step": t.get("first_decode_step_ms") or 0.0,
         }
         for k, v in parts.items():
             sums[k] += v
-        sums["ttft"] += r.ttft_s * 1e3
         sums["other"] += r.ttft_s * 1e3 - sum(parts.values())
+        sums["first_step"] += t.get("first_decode_step_ms") or 0.0
+        sums["ttft"] += r.ttft_s * 1e3
         if t.get("ttft_ms") is not None:
             server_ttfts.append(t["ttft_ms"])
     out = {k: v / len(rows) for k, v in sums.items()}

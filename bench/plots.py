@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 SPLIT_PARTS = (("queue", "queue"), ("prefill", "prefill"), ("transfer", "transfer (exposed)"),
-               ("first_step", "first decode step"), ("other", "other (HTTP, router, stream)"))
+               ("other", "rest: messaging, router, HTTP"))
 
 
 def policy_name(block: dict) -> str:
@@ -100,13 +100,15 @@ def plot_latency_vs_load(blocks: list[dict], out_dir: Path) -> Path:
 
 
 def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
-    """Stacked mean TTFT parts per (point, policy); a black tick marks the client's mean TTFT and a
-    grey one the server's (a first decode step above the black tick comes after the first token)."""
+    """Per (point, policy): the mean client TTFT stacked as queue / prefill / exposed transfer / rest,
+    then the first decode step (hatched: it makes token 2, after the first token). A grey tick marks
+    the server's own mean TTFT."""
     points, policies = _points(blocks), _policies(blocks)
     width = 0.8 / max(1, len(policies))
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(points) * len(policies)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.8 * len(points) * len(policies) + 3), 4.8))
     part_colors = plt.get_cmap("tab10").colors
     labels, positions = [], []
+    first = True
     for i, point in enumerate(points):
         for j, policy in enumerate(policies):
             b = next((b for b in blocks if b["load_label"] == point and policy_name(b) == policy), None)
@@ -119,20 +121,20 @@ def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
             bottom = 0.0
             for k, (key, label) in enumerate(SPLIT_PARTS):
                 value = max(0.0, split[key])
-                ax.bar(pos, value, width * 0.9, bottom=bottom, color=part_colors[k],
-                       label=label if (i, j) == (0, 0) else None)
+                ax.bar(pos, value, width * 0.9, bottom=bottom, color=part_colors[k], label=label if first else None)
                 bottom += value
-            ax.hlines(split["ttft"], pos - width * 0.45, pos + width * 0.45, colors="black", linewidth=2,
-                      label="client TTFT" if (i, j) == (0, 0) else None)
+            ax.bar(pos, split["first_step"], width * 0.9, bottom=bottom, color="white", edgecolor=part_colors[4],
+                   hatch="//", label="first decode step (token 2)" if first else None)
             if split.get("server_ttft") is not None:
-                ax.hlines(split["server_ttft"], pos - width * 0.45, pos + width * 0.45, colors="grey",
-                          linestyles="dashed", linewidth=2, label="server TTFT" if (i, j) == (0, 0) else None)
+                ax.hlines(split["server_ttft"], pos - width * 0.45, pos + width * 0.45, colors="dimgrey",
+                          linestyles="dashed", linewidth=2, label="server TTFT" if first else None)
+            first = False
     ax.set_xticks(positions, labels, fontsize=8)
     ax.set_ylabel("mean time (ms)")
-    ax.set_title("TTFT split: server phases per policy (means over requests with timings)")
+    ax.set_title("Where the time to first token goes")
     ax.grid(axis="y", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path = out_dir / "ttft_split.png"
     fig.savefig(path, dpi=110)
