@@ -1,0 +1,110 @@
+"""The client and the load generator against a real `pdserve --model tiny` (CPU, both policies)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import load
+from client import Client, ServerError
+from client import cli
+from tests.test_load_run import PNGS, check_block_against_records
+
+REPO = Path(__file__).resolve().parent.parent
+READY = re.compile(r"pdserve ready: (http://\S+)")
+START_TIMEOUT_S = 400  # three workers load the model; a busy 2-core CI box is slow
+
+
+@pytest.fixture(scope="module")
+def pdserve():
+    cmd = [sys.executable, "-m", "server.cli", "--model", "tiny", "--port", "0", "--device", "cpu",
+           "--threads", "1", "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue = queue.Queue()
+    log: list[str] = []
+
+    def pump():
+        for line in proc.stdout:
+            log.append(line)
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    url = None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while url is None:
+            if proc.poll() is not None:
+                pytest.fail(f"pdserve exited with {proc.returncode} before it was ready:\n{''.join(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"pdserve not ready within {START_TIMEOUT_S} s:\n{''.join(log)}")
+            try:
+                match = READY.search(lines.get(timeout=1.0))
+            except queue.Empty:
+                continue
+            url = match.group(1) if match else None
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_client_and_cli_against_pdserve(pdserve, capsys):
+    with Client(pdserve) as c:
+        assert c.models() == ["tiny"]
+        out = c.complete("The capital of France is", max_tokens=4, ignore_eos=True, policy="disaggregated")
+        assert out.usage.completion_tokens == 4 and out.finish_reason == "length"
+        t = out.timings
+        assert t.policy == "disaggregated" and t.transport == "ipc" and t.kv_bytes > 0
+        assert t.prefill_worker and t.decode_worker and t.prompt_tokens == out.usage.prompt_tokens
+        with c.stream_chat("Hi", max_tokens=3, ignore_eos=True, policy="colocated") as s:
+            tokens = [d for d in s if d.is_token]
+        assert len(tokens) == 3 and s.result.timings.policy == "colocated" and s.result.timings.transfer_ms is None
+        with pytest.raises(ServerError) as e:
+            c.complete("x", max_tokens=1, policy="sideways")
+        assert e.value.status == 400 and e.value.param == "policy"
+    assert cli.main(["Hello", "--base-url", pdserve, "--max-tokens", "3", "--stream", "--ignore-eos",
+                     "--policy", "disaggregated"]) == 0
+    printed = capsys.readouterr().out
+    assert "server timings:" in printed and "transfer_exposed_ms" in printed and "kv_bytes" in printed
+
+
+def test_load_run_both_policies_against_pdserve(pdserve, tmp_path):
+    out = tmp_path / "pdserve-load"
+    rc = load.main(["--base-url", pdserve, "--policies", "colocated,disaggregated", "--request-rate", "4",
+                    "--num-prompts", "5", "--input-len", "uniform:16:200", "--output-len", "6",
+                    "--tokenizer", "tiny", "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000",
+                    "--out", str(out), "--no-progress"])
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())
+    assert run["model"] == "tiny"
+    colo, disagg = run["results"]
+    assert (colo["policy"], disagg["policy"]) == ("colocated", "disaggregated")
+    for block in (colo, disagg):
+        assert block["completed"] == 5 and block["failed"] == 0 and block["timings_reported"] == 5
+        check_block_against_records(block, {"ttft": 60000.0, "tpot": 60000.0})
+        assert all(r["output_len"] == 6 for r in block["requests"])  # ignore_eos honoured
+        assert {r["timings"]["policy"] for r in block["requests"]} == {block["policy"]}
+        assert block["mean_prefill_ms"] > 0 and block["ttft_split_ms"]["prefill"] > 0
+    # both policies got the same prompt lengths, and the server counted what the generator planned
+    assert [r["prompt_len"] for r in colo["requests"]] == [r["prompt_len"] for r in disagg["requests"]]
+    assert all(r["prompt_len"] == r["planned_prompt_len"] for b in (colo, disagg) for r in b["requests"])
+    assert colo["mean_transfer_ms"] is None and disagg["mean_transfer_ms"] is not None
+    assert all(r["timings"]["kv_bytes"] > 0 and r["timings"]["transport"] == "ipc" for r in disagg["requests"])
+    for name in PNGS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| rate 4/s | disaggregated | 5 | 0 |" in (out / "summary.md").read_text()
