@@ -261,6 +261,7 @@ def run(args) -> int:
         print(f"pdserve-bench load: {e}", file=sys.stderr)
         return 1
     run_record = {
+        "date": env["date"],
         "environment": env,
         "command": _command_line(),
         "base_url": args.base_url,

@@ -18,7 +18,7 @@ import pytest
 from bench import load
 from client import Client, ServerError
 from client import cli
-from tests.test_load_run import PNGS, check_block_against_records
+from test_load_run import PNGS, check_block_against_records  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
 REPO = Path(__file__).resolve().parent.parent
 READY = re.compile(r"pdserve ready: (http://\S+)")
