@@ -18,8 +18,10 @@ import contextlib
 import logging
 import os
 import signal
+import shutil
 import socket
 import sys
+import tempfile
 
 from workers.transfer.base import MODES, TRANSPORTS
 
@@ -33,7 +35,9 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, when the model's is not on this machine")
     p.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port; the ready line says which)")
-    p.add_argument("--register", default=register_default, help="ZMQ endpoint workers register at")
+    p.add_argument("--register", default=register_default,
+                   help="ZMQ endpoint workers register at (port 0: any free port)"
+                        + ("" if register_default else "; default: an ipc:// socket in a temporary directory"))
     p.add_argument("--policy", default="auto", choices=POLICIES, help="default routing policy (a request's "
                    "\"policy\" field overrides it)")
     p.add_argument("--auto-threshold", type=int, default=256,
@@ -104,6 +108,12 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -170,46 +180,50 @@ def run_embedded(args) -> int:
         sys.exit("pdserve: no workers to start; drop --no-colocated or ask for prefill/decode workers")
     devices = [args.device] if args.device else (args.devices.split(",") if args.devices else default_devices())
     specs = plan_workers(counts, devices, worker_args(args))
+    rundir = tempfile.mkdtemp(prefix="pdserve-")
+    # the endpoint is fixed before the router binds it, so the workers start loading at once
+    if args.register is None:
+        args.register = f"ipc://{rundir}/register"
+    elif args.register.startswith("tcp://") and args.register.endswith(":0"):
+        args.register = f"{args.register[:-2]}:{free_port(args.register[6:-2])}"
     cfg = router_config(args)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
-    app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
-    router = app.state.router
-    launcher: Launcher | None = None
-
-    async def after_start(stop: asyncio.Event) -> int:
-        nonlocal launcher
-        launcher = Launcher(specs, router.pool.address)
-        launcher.start()
-        want = {s.worker_id for s in specs}
-        loop = asyncio.get_running_loop()
-        end = loop.time() + args.startup_timeout
-        while not want <= set(router.pool.workers):
-            dead = launcher.exited()
-            if dead:
-                for wid, rc in dead:
-                    print(f"pdserve: worker {wid} exited with code {rc} before registering (its log is above); "
-                          f"stopping", file=sys.stderr, flush=True)
-                return 1
-            if stop.is_set():
-                return 0
-            if loop.time() > end:
-                missing = ", ".join(sorted(want - set(router.pool.workers)))
-                print(f"pdserve: workers {missing} did not register within {args.startup_timeout:.0f}s; stopping",
-                      file=sys.stderr, flush=True)
-                return 1
-            await router.pool.wait_for(lambda pool: want <= set(pool.workers), timeout=0.2)
-        where = ", ".join(f"{s.worker_id} on {s.device}" for s in specs)
-        disagg = f"; KV {args.transport}/{args.mode}" if counts["prefill"] else ""
-        print(f"pdserve ready: {url} (model {cfg.model}; {where}{disagg}; policy {cfg.policy})", flush=True)
-        asyncio.create_task(_watch(launcher, stop))
-        return 0
-
+    launcher = Launcher(specs, cfg.register)
     try:
+        launcher.start()
+        app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
+        router = app.state.router
+
+        async def after_start(stop: asyncio.Event) -> int:
+            want = {s.worker_id for s in specs}
+            loop = asyncio.get_running_loop()
+            end = loop.time() + args.startup_timeout
+            while not want <= set(router.pool.workers):
+                dead = launcher.exited()
+                if dead:
+                    for wid, rc in dead:
+                        print(f"pdserve: worker {wid} exited with code {rc} before registering (its log is "
+                              f"above); stopping", file=sys.stderr, flush=True)
+                    return 1
+                if stop.is_set():
+                    return 0
+                if loop.time() > end:
+                    missing = ", ".join(sorted(want - set(router.pool.workers)))
+                    print(f"pdserve: workers {missing} did not register within {args.startup_timeout:.0f}s; "
+                          f"stopping", file=sys.stderr, flush=True)
+                    return 1
+                await router.pool.wait_for(lambda pool: want <= set(pool.workers), timeout=0.2)
+            where = ", ".join(f"{s.worker_id} on {s.device}" for s in specs)
+            disagg = f"; KV {args.transport}/{args.mode}" if counts["prefill"] else ""
+            print(f"pdserve ready: {url} (model {cfg.model}; {where}{disagg}; policy {cfg.policy})", flush=True)
+            asyncio.create_task(_watch(launcher, stop))
+            return 0
+
         return asyncio.run(serve(app, sock, args, after_start))
     finally:
-        if launcher is not None:
-            launcher.stop()
+        launcher.stop()
+        shutil.rmtree(rundir, ignore_errors=True)
 
 
 async def _watch(launcher, stop: asyncio.Event) -> None:
@@ -247,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
                                     epilog="`pdserve router --help`: the router alone.")
-        add_router_arguments(p, register_default="tcp://127.0.0.1:0")
+        add_router_arguments(p, register_default=None)
         add_worker_arguments(p)
         args = p.parse_args(argv)
         run = run_embedded

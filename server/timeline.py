@@ -5,7 +5,7 @@ No timestamp crosses a process boundary, so clock offsets between hosts cannot b
     queue_ms             router: arrival -> Generate/Prefill sent   +  worker: message received -> prefill start
     prefill_ms           prefill (or colocated) worker, one forward over the prompt
     transfer_ms          prefill worker: first copy issued -> last copy complete
-    transfer_exposed_ms  prefill worker: prefill end -> transfer finished and "kv done" sent (what TTFT pays)
+    transfer_exposed_ms  prefill worker: prefill end -> last copy complete, before "kv done" is sent (what TTFT pays)
     first_decode_step_ms decode (or colocated) worker: the step that makes token 2
     ttft_ms, e2e_ms      router: arrival -> first token received, -> last token received
     decode_tokens_per_s  router: tokens after the first / (last token - first token)

@@ -113,7 +113,7 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     first_token: int
     timeline: Timeline
     transfer_ms: float  # first copy issued -> last copy complete (sender's clock)
-    transfer_exposed_ms: float  # prefill end -> transfer finished, "kv done" sent: what TTFT pays
+    transfer_exposed_ms: float  # prefill end -> last copy complete (this worker's clock): what TTFT pays
     kv_bytes: int
     copies: int
 

@@ -8,7 +8,8 @@ Life cycle of a request:
               -> transfer.finish(first_token)           bulk mode: everything moves now; then the decode
                                                         worker is told "kv done" with the first token
               -> engine.release()                       our blocks go back at once
-              -> PrefillDone (timings, bytes)   or RequestFailed (invalid | capacity | transfer | timeout
+              -> PrefillDone (timings, bytes; exposed transfer = last copy complete - prefill end,
+                                                both on this process's clock)   or RequestFailed (invalid | capacity | transfer | timeout
                                                 | internal; the transfer is aborted, blocks released)
 
 Deadline: the router gives each Prefill a deadline shorter than the decode worker's reservation, so
@@ -21,6 +22,7 @@ Queues: `pending` only; the engine holds a request's blocks just for the duratio
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from workers import protocol as P
@@ -103,7 +105,6 @@ class PrefillRole(Role):
                 raise PrefillDeadline(f"request {rid}: deadline of {msg.deadline_s:.1f}s passed before the "
                                       f"transfer to {msg.decode_worker} could start")
             stats = transfer.finish(result.first_token, remaining)
-            done = now()
         except Exception as e:
             if transfer is not None and transfer.state is not State.DONE:
                 transfer.abort(f"{type(e).__name__}: {e}")
@@ -115,9 +116,14 @@ class PrefillRole(Role):
             worker_id=self.worker_id, request_id=rid, first_token=result.first_token,
             timeline=P.Timeline(wait_ms=ms(received, req.prefill_start), prefill_ms=ms(req.prefill_start, req.prefill_end)),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,
-            transfer_exposed_ms=max(0.0, ms(req.prefill_end, done)),
+            transfer_exposed_ms=max(0.0, (stats.finished_at - wall_clock(req.prefill_end)) * 1e3),
             kv_bytes=stats.num_bytes, copies=stats.copies,
         ))
+
+
+def wall_clock(mono: float) -> float:
+    """A time.monotonic() stamp of this process as time.time(), to compare with the transport's stamps."""
+    return mono + (time.time() - time.monotonic())
 
 
 def _failure_kind(e: Exception) -> str:
