@@ -12,11 +12,15 @@
 # Knobs (environment): RATES (req/s, both policies together), NUM_PROMPTS (per policy and rate),
 # LONG_FRACTION, SHORT_LEN, LONG_LEN, OUTPUT_LEN, TRANSPORT (ipc|nixl|zmq), MODE (bulk|layer),
 # KV_GB (KV pool per worker, GiB; three workers share the GPU with 15 GiB of weights each), PORT,
-# GOODPUT (SLOs), DEVICE, OUT. Results: $OUT/results.json, summary.md, *.png, server.log, gpu.txt.
+# GOODPUT (SLOs), DEVICE, OUT, MODEL. Results: $OUT/results.json, summary.md, *.png, server.log, gpu.txt.
+# A CPU dry run of the script itself (about a minute):
+#   MODEL=tiny DEVICE=cpu KV_GB=0.2 SHORT_LEN=uniform:16:64 LONG_LEN=uniform:200:400 OUTPUT_LEN=4 SMOKE=1 \
+#     bench/run_load_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 
+MODEL=${MODEL:-qwen2.5-7b}
 PORT=${PORT:-8000}
 DEVICE=${DEVICE:-cuda:0}
 TRANSPORT=${TRANSPORT:-ipc}
@@ -35,7 +39,8 @@ mkdir -p "$OUT"
 
 nvidia-smi > "$OUT/gpu.txt" 2>&1 || echo "nvidia-smi not available" > "$OUT/gpu.txt"
 
-pdserve --model qwen2.5-7b --port "$PORT" --devices "$DEVICE" --transport "$TRANSPORT" --mode "$MODE" \
+# `python -m server.cli` is `pdserve` (works without the console script on PATH)
+python -m server.cli --model "$MODEL" --port "$PORT" --devices "$DEVICE" --transport "$TRANSPORT" --mode "$MODE" \
   --kv-memory-gb "$KV_GB" > "$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 stop_server() {
@@ -60,6 +65,6 @@ grep "pdserve ready" "$OUT/server.log" || { echo "pdserve not ready after 600 s"
 python -m bench.load --base-url "http://127.0.0.1:$PORT" --policies colocated,disaggregated \
   --request-rates "$RATES" --num-prompts "$NUM_PROMPTS" \
   --input-len "$SHORT_LEN" --long-fraction "$LONG_FRACTION" --long-input-len "$LONG_LEN" \
-  --output-len "$OUTPUT_LEN" --tokenizer qwen2.5-7b --num-warmups 2 --request-timeout 900 \
+  --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --num-warmups 2 --request-timeout 900 \
   --goodput $GOODPUT --out "$OUT" --no-progress
 echo "results in $OUT"
