@@ -71,7 +71,7 @@ def test_batched_greedy_equals_transformers_generate(name):
         for step, (mine, theirs) in enumerate(zip(logits[req.request_id], out.logits)):
             diff = (mine - theirs[0]).abs().max().item()
             assert diff < 1e-4, f"{name}: logits differ by {diff} at generated position {step}"
-    assert engine.blocks.num_free == engine.layout.num_blocks
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def test_smollm2_answers_in_real_text():
@@ -119,7 +119,7 @@ def test_prefill_only_then_adopt_is_bitwise_identical(name):
         for mine, theirs in zip(rest, whole_logits[1:]):
             assert torch.equal(mine, theirs)
         assert len(rest) == len(whole_logits) - 1
-    assert engine.blocks.num_free == engine.layout.num_blocks
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def run_collect_running(engine: Engine, req: Request) -> list[torch.Tensor]:

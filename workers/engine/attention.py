@@ -7,7 +7,7 @@ step is: slots to write, per-request spans or block tables) before the forward.
 Per layer:
   1. write the step's new K/V into the pool at their slots (two index_copy_ calls);
   2. tell the transfer, if any, that this layer's K/V are in place (`on_layer`);
-  3. attend:
+  3. attend (the `attention_mask` argument is the runner's placeholder and is ignored):
      prefill: each request's fresh K/V, causal (its prompt starts at position 0);
      decode: gather each request's blocks through its block table, mask past its length.
 """
@@ -62,11 +62,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous(), None
 
-    # decode: one new token per request
+    # decode: one new token per request; gather K and V through the block tables
     batch, max_blocks = step.block_tables.shape
-    gathered = pool_layer[step.block_tables]  # [B, MB, 2, bs, KVH, D]
-    k = gathered[:, :, 0].reshape(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    v = gathered[:, :, 1].reshape(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    k = pool_layer[:, 0][step.block_tables]  # [B, MB, bs, KVH, D], contiguous
+    v = pool_layer[:, 1][step.block_tables]
+    k = k.view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, KVH, ctx, D]
+    v = v.view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
     # Grouped-query trick: the G query heads that share a KV head become G "query positions"
     # of that head, so no backend has to repeat K/V (query head h reads KV head h // G).
     num_heads = query.shape[1]
@@ -75,19 +76,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.reshape(batch, num_heads, head_dim).unsqueeze(0), None  # [1, B, H, D]
 
 
-def _no_mask(*args, **kwargs):
-    # The runner describes causality and lengths itself; never build a [T, T] mask.
-    return None
-
-
 def register() -> str:
+    """Register the attention function. No mask function is registered: the runner passes a
+    placeholder 4-D mask, which makes transformers skip mask building (no [T, T] mask, no
+    packed-sequence detection with its host sync) on every version that has AttentionInterface."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, paged_attention)
-    try:
-        from transformers.masking_utils import AttentionMaskInterface
-
-        AttentionMaskInterface.register(ATTN_NAME, _no_mask)
-    except ImportError:  # transformers < 4.53 builds masks only for known implementations
-        pass
     return ATTN_NAME

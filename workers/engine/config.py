@@ -15,12 +15,13 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda:N"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # KV pool size in blocks; or give kv_memory_gb
+    num_blocks: int | None = None  # KV blocks for requests (the pool holds one more, for padding); or kv_memory_gb
     kv_memory_gb: float | None = None  # KV pool size in GiB; default 1 GiB on CPU, 30% of free memory on CUDA
     max_num_seqs: int = 64  # running requests at once
     max_batched_tokens: int = 8192  # prompt tokens per prefill step (a longer prompt runs alone)
     kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
     max_model_len: int | None = None  # default: the model's own limit
+    cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

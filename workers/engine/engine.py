@@ -61,9 +61,11 @@ class Engine:
         self.device = torch.device(config.device)
         self.layout = self._layout(config)
         self.kv = KVCache(self.layout, self.device, shared=config.kv_shared)
-        self.blocks = BlockPool(self.layout.num_blocks)
+        # the pool's last block is scratch space for padding rows; requests get the others
+        self.blocks = BlockPool(self.layout.num_blocks - 1)
         self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
+                                  config.max_num_seqs, self.max_model_len, config.cuda_graphs)
         self.sampler = Sampler(self.device)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # waiting or running in the scheduler
@@ -78,7 +80,8 @@ class Engine:
         dtype = config.torch_dtype
         num_blocks = config.num_blocks or blocks_for_budget(
             config.kv_budget_bytes(), cfg.num_hidden_layers, kv_heads, head_dim, dtype, config.block_size
-        )
+        ) - 1
+        num_blocks += 1  # the scratch block
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, num_blocks)
 
     # ---- prompts -------------------------------------------------------------------------
@@ -101,10 +104,10 @@ class Engine:
             raise InvalidRequest(f"request {req.request_id}: token ids {bad[:5]} outside the vocabulary (0..{self.vocab_size - 1})")
         req.params.validate(self.max_model_len, n)
         need = blocks_for(n + req.params.max_tokens, self.layout.block_size)
-        if need > self.layout.num_blocks:
+        if need > self.blocks.num_blocks:
             raise InvalidRequest(
                 f"request {req.request_id}: {n} prompt tokens + max_tokens {req.params.max_tokens} need {need} "
-                f"KV blocks, the pool has {self.layout.num_blocks}; lower max_tokens or give the worker more KV memory"
+                f"KV blocks, the pool has {self.blocks.num_blocks}; lower max_tokens or give the worker more KV memory"
             )
 
     # ---- colocated -----------------------------------------------------------------------
@@ -257,7 +260,7 @@ class Engine:
                 req.text = req.text[:hit]
                 delta = req.text[before:] if hit > before else ""
                 reason = "stop"
-        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len):
+        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens > self.max_model_len):
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
@@ -279,7 +282,7 @@ class Engine:
     def stats(self) -> dict[str, int]:
         return {
             "free_blocks": self.blocks.num_free,
-            "total_blocks": self.layout.num_blocks,
+            "total_blocks": self.blocks.num_blocks,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "held": len(self.held),

@@ -24,7 +24,8 @@ class SamplingParams:
     def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if max_model_len is not None and prompt_len + self.max_tokens > max_model_len:
+        # the last generated token is never fed back, so it needs no position of its own
+        if max_model_len is not None and prompt_len + self.max_tokens - 1 > max_model_len:
             raise InvalidRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds the model's "
                 f"context of {max_model_len} tokens; shorten the prompt or lower max_tokens"

@@ -3,6 +3,11 @@
 A step's tokens are flattened into one sequence of batch 1 (`input_ids: [1, T]`), with
 explicit positions; the attention function (attention.py) knows from `STEP` where each
 request's tokens start and which blocks hold its past.
+
+On CUDA, decode steps replay CUDA graphs (graphs.py): a decode step of a 7B model is
+launch-bound (hundreds of small kernels), and replaying them costs a fraction of
+launching them from Python. Prefill runs eagerly: it is compute-bound, and its
+per-layer transfer hook must run on the host.
 """
 
 from __future__ import annotations
@@ -17,35 +22,45 @@ from workers.engine.request import Request
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, block_size: int):
+    def __init__(self, model, kv: KVCache, block_size: int, scratch_block: int,
+                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
         self.model = model
         self.kv = kv
         self.block_size = block_size
+        self.scratch_block = scratch_block  # padding rows of a graphed batch write here
         self.device = kv.device
         model.config._attn_implementation = attention.register()
-        for sub in model.modules():  # some models cache the implementation per sub-config
+        for sub in model.modules():  # some models keep a per-sub-module config
             cfg = getattr(sub, "config", None)
             if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
                 cfg._attn_implementation = model.config._attn_implementation
+        # transformers returns a 4-D mask as-is, so it builds none; attention ignores it
+        self.placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from workers.engine.graphs import DecodeGraphs
 
-    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # row of (block, K|V, offset) in a layer viewed as [blocks * 2 * block_size, heads, dim]
+            self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // block_size))
+
+    def slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of K and V for the given positions in a layer viewed as
+        [blocks * 2 * block_size, heads, dim]; block_ids[i] holds positions i*bs .. i*bs+bs-1."""
         bs = self.block_size
-        k = block_table[positions // bs] * (2 * bs) + positions % bs
+        k = block_ids[positions // bs] * (2 * bs) + positions % bs
         return k, k + bs
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Forward every request's uncached tokens; returns [len(reqs), vocab] float32 logits
-        of each request's last token."""
+        """Forward every request's prompt; returns [len(reqs), vocab] float32 logits of each
+        request's last token."""
         ids, k_slots, v_slots, positions, spans, last = [], [], [], [], [], []
         start = 0
         for req in reqs:
-            toks = req.all_ids[req.num_computed:]
             if req.num_computed != 0:
                 raise RuntimeError(f"request {req.request_id}: prefill of a partly cached prompt is not supported")
+            toks = req.all_ids
             pos = torch.arange(len(toks))
-            k, v = self._slots(torch.tensor(req.block_ids), pos)
+            k, v = self.slots(torch.tensor(req.block_ids), pos)
             ids.append(torch.tensor(toks))
             positions.append(pos)
             k_slots.append(k)
@@ -57,7 +72,13 @@ class ModelRunner:
         step.is_prefill = True
         step.spans = spans
         step.on_layer = on_layer
-        logits = self._forward(torch.cat(ids), torch.cat(positions), torch.cat(k_slots), torch.cat(v_slots), last)
+        step.k_slots = torch.cat(k_slots).to(self.device)
+        step.v_slots = torch.cat(v_slots).to(self.device)
+        try:
+            logits = self.forward(torch.cat(ids).to(self.device), torch.cat(positions).to(self.device),
+                                  torch.tensor(last, device=self.device))
+        finally:
+            step.on_layer = None
         for req in reqs:
             req.num_computed = req.num_tokens
         return logits
@@ -65,38 +86,53 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> torch.Tensor:
         """One token per request (its last generated one); returns [len(reqs), vocab] logits."""
-        bs = self.block_size
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        table = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.block_ids)] = torch.tensor(r.block_ids)
-        lens = torch.tensor([r.num_tokens for r in reqs])
-        pos = lens - 1
-        k = table[torch.arange(len(reqs)), pos // bs] * (2 * bs) + pos % bs
-        step = attention.STEP
-        step.is_prefill = False
-        step.on_layer = None
-        step.block_tables = table.to(self.device)
-        step.mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None]).view(len(reqs), 1, 1, -1).to(self.device)
-        ids = torch.tensor([r.output_ids[-1] for r in reqs])
-        logits = self._forward(ids, pos, k, k + bs, list(range(len(reqs))))
+        if self.graphs is not None:
+            logits = self.graphs.decode(reqs)
+        else:
+            logits = self._decode_eager(reqs)
         for r in reqs:
             r.num_computed = r.num_tokens
         return logits
 
-    def _forward(self, ids, positions, k_slots, v_slots, keep: list[int]) -> torch.Tensor:
-        dev = self.device
+    def decode_inputs(self, reqs: list[Request], batch: int, max_blocks: int) -> dict[str, torch.Tensor]:
+        """CPU tensors of a decode step, padded to `batch` rows and `max_blocks` columns."""
+        bs = self.block_size
+        table = torch.zeros(batch, max_blocks, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            table[i, : len(r.block_ids)] = torch.tensor(r.block_ids)
+        lens = torch.ones(batch, dtype=torch.long)
+        lens[: len(reqs)] = torch.tensor([r.num_tokens for r in reqs])
+        ids = torch.zeros(batch, dtype=torch.long)
+        ids[: len(reqs)] = torch.tensor([r.output_ids[-1] for r in reqs])
+        pos = lens - 1
+        k = table[torch.arange(batch), pos // bs] * (2 * bs) + pos % bs
+        k[len(reqs):] = self.scratch_block * 2 * bs  # padding rows write into the scratch block
+        pos[len(reqs):] = 0
+        return {"ids": ids, "pos": pos, "k_slots": k, "v_slots": k + bs, "table": table, "lens": lens}
+
+    def _decode_eager(self, reqs: list[Request]) -> torch.Tensor:
+        n = len(reqs)
+        inp = self.decode_inputs(reqs, n, max(len(r.block_ids) for r in reqs))
+        inp = {k: v.to(self.device) for k, v in inp.items()}
+        self.set_decode_step(inp["k_slots"], inp["v_slots"], inp["table"], inp["lens"])
+        return self.forward(inp["ids"], inp["pos"], torch.arange(n, device=self.device))
+
+    def set_decode_step(self, k_slots, v_slots, table, lens) -> None:
         step = attention.STEP
-        step.pool = self.kv.pool
-        step.k_slots = k_slots.to(dev)
-        step.v_slots = v_slots.to(dev)
-        try:
-            out = self.model(
-                input_ids=ids.to(dev).unsqueeze(0),
-                position_ids=positions.to(dev).unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, device=dev),
-            )
-        finally:
-            step.on_layer = None
-        return out.logits[0].float()  # [len(keep), vocab]
+        step.is_prefill = False
+        step.on_layer = None
+        step.k_slots, step.v_slots, step.block_tables = k_slots, v_slots, table
+        ctx = table.shape[1] * self.block_size
+        step.mask = (torch.arange(ctx, device=table.device)[None, :] < lens[:, None]).view(len(lens), 1, 1, ctx)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32."""
+        attention.STEP.pool = self.kv.pool
+        out = self.model(
+            input_ids=ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            attention_mask=self.placeholder_mask,
+            use_cache=False,
+            logits_to_keep=keep,
+        )
+        return out.logits[0].float()

@@ -1,0 +1,93 @@
+"""CUDA graphs of the decode forward.
+
+One graph per (batch bucket, block-table bucket), captured the first time a step of that
+shape comes (about three forwards' time), then replayed. Inputs go through static
+buffers: a step copies its token ids, positions, slots, block tables and lengths into
+them, replays, and reads the logits out. Rows beyond the real batch are padding: they
+read block 0 with length 1 and write their K/V into the pool's scratch block, which no
+request owns.
+
+Buckets: batch 1, 2, 4, 8, then multiples of 16 up to max_num_seqs; block tables in
+powers of two from 16 blocks up to the model's context. A short context therefore
+gathers at most twice its blocks, never the whole context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.request import Request
+
+
+def _buckets(limit: int, start: list[int], step_fn) -> list[int]:
+    out = [b for b in start if b < limit]
+    b = out[-1] if out else 0
+    while b < limit:
+        b = step_fn(b)
+        out.append(min(b, limit))
+    return sorted(set(out))
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int):
+        self.runner = runner
+        dev = runner.device
+        self.batch_buckets = _buckets(max_num_seqs, [1, 2, 4, 8], lambda b: b + 16 if b >= 16 else 16)
+        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: max(16, b * 2))
+        nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
+        self.ids = torch.zeros(nb, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(nb, dtype=torch.long, device=dev)
+        self.k_slots = torch.zeros(nb, dtype=torch.long, device=dev)
+        self.v_slots = torch.zeros(nb, dtype=torch.long, device=dev)
+        self.table = torch.zeros(nb, nm, dtype=torch.long, device=dev)
+        self.lens = torch.ones(nb, dtype=torch.long, device=dev)
+        self.keep = torch.arange(nb, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.mempool = None
+
+    @staticmethod
+    def _bucket(n: int, buckets: list[int]) -> int:
+        for b in buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} is beyond the largest graph bucket {buckets[-1]}")
+
+    def decode(self, reqs: list[Request]) -> torch.Tensor:
+        n = len(reqs)
+        key = (self._bucket(n, self.batch_buckets), self._bucket(max(len(r.block_ids) for r in reqs), self.block_buckets))
+        batch, blocks = key
+        inp = self.runner.decode_inputs(reqs, batch, blocks)
+        self.ids[:batch].copy_(inp["ids"], non_blocking=True)
+        self.pos[:batch].copy_(inp["pos"], non_blocking=True)
+        self.k_slots[:batch].copy_(inp["k_slots"], non_blocking=True)
+        self.v_slots[:batch].copy_(inp["v_slots"], non_blocking=True)
+        self.table[:batch, :blocks].copy_(inp["table"], non_blocking=True)
+        self.lens[:batch].copy_(inp["lens"], non_blocking=True)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(batch, blocks)
+        graph.replay()
+        return self.outputs[key][:n]
+
+    def _forward(self, batch: int, blocks: int) -> torch.Tensor:
+        r = self.runner
+        r.set_decode_step(self.k_slots[:batch], self.v_slots[:batch], self.table[:batch, :blocks], self.lens[:batch])
+        return r.forward(self.ids[:batch], self.pos[:batch], self.keep[:batch])
+
+    def _capture(self, batch: int, blocks: int) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (lazy initialisation must not land in the graph); these
+        # forwards write the same K/V the replay will write, so they change nothing.
+        side = torch.cuda.Stream(self.runner.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(batch, blocks)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = self._forward(batch, blocks)
+        self.mempool = graph.pool()
+        self.graphs[(batch, blocks)] = graph
+        self.outputs[(batch, blocks)] = out
+        return graph
