@@ -1,26 +1,36 @@
 """Moving one request's KV cache from a prefill worker's pool into blocks a decode worker reserved.
 
 Decode side (receiver), one per decode worker, made once at start:
-    KVReceiver(kv, cfg)                     bind the endpoint senders reach; register/export the pool once
+    make_receiver(kv, cfg)                  bind the endpoint senders reach; register/export the pool once
     .address                                the endpoint (e.g. tcp://10.0.0.2:7300) to give to senders
     .expect(request_id, block_ids, deadline_s)   blocks are reserved and wait for this request's KV
-    .poll() -> list[Arrival]                transfers that finished, failed or missed their deadline (non-blocking)
-    .cancel(request_id)                     stop waiting for a request (router gave up)
+    .poll() -> list[Arrival]                transfers that landed, failed or missed their deadline (non-blocking);
+                                            free the blocks of every Arrival with ok=False
+    .cancel(request_id)                     stop waiting (router gave up); an Arrival(ok=False) follows once
+                                            no write can land any more: free the blocks then, not before
     .close()
 
 Prefill side (sender), one per prefill worker:
-    KVSender(kv, cfg)
+    make_sender(kv, cfg)
     .open(request_id, peer, src_blocks, dst_blocks, num_tokens) -> Transfer
-                                            handshake with `peer` on first use (version + layout + transport metadata)
-    Transfer.layer_done(layer)              layer mode: that layer's K/V are in the pool; start moving it, return at once
+                                            handshake with `peer` on first use (version + layout + transport
+                                            metadata); tells the receiver the transfer begins
+    Transfer.layer_done(layer)              layer mode: that layer's K/V are in the pool (on GPU: enqueued on
+                                            the current stream); start moving it, return at once. Bulk: no-op
     Transfer.finish(first_token, deadline_s) -> TransferStats
-                                            move what is left, wait for it, then tell the receiver "kv done"
-    Transfer.abort(reason)                  give up; the receiver is told when it can be
+                                            move what is left, wait for it, tell the receiver "kv done", wait
+                                            for its ack; raises TransferError (then free the source blocks)
+    Transfer.abort(reason)                  give up; the receiver is told
     .close()
 
-States of a transfer: OPENED -> TRANSFERRING -> DONE | FAILED. Every wait has a deadline;
-NIXL, CUDA and ZMQ have none of their own. A failure raises TransferError naming the
-request, the peer and what to check.
+States of a transfer: OPENED -> TRANSFERRING -> DONE | FAILED. The receiver accepts a transfer
+(answer to the sender's Begin) before any byte is written into its blocks, and a request it
+gave up on is refused, so a late sender never writes into blocks that went back to the pool.
+Every wait has a deadline; NIXL, CUDA and ZMQ have none of their own. A failure raises
+TransferError naming the request, the peer and what to check.
+
+Wire messages: protocol.py. Shared plumbing (sockets, handshake, deadlines): receiver.py,
+sender.py. Transports: ipc.py, nixl.py, zmq.py.
 """
 
 from __future__ import annotations
@@ -29,11 +39,12 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv_cache import KVCache, KVLayout
+from workers.transfer.protocol import PROTOCOL_VERSION  # noqa: F401  (re-exported)
 
-PROTOCOL_VERSION = 1
 TRANSPORTS = ("ipc", "nixl", "zmq")
 MODES = ("bulk", "layer")
+FAULTS = ("stall", "drop_done")
 
 
 class TransferError(RuntimeError):
@@ -42,6 +53,14 @@ class TransferError(RuntimeError):
 
 class LayoutMismatch(TransferError):
     pass
+
+
+def layout_mismatch(prefill: KVLayout, decode: KVLayout, decode_address: str) -> LayoutMismatch:
+    return LayoutMismatch(
+        f"KV layouts differ: the prefill worker has {prefill.describe()}; the decode worker at {decode_address} "
+        f"has {decode.describe()}. Both must serve the same model with the same KV dtype and block size "
+        "(only the number of blocks may differ)"
+    )
 
 
 class State(enum.Enum):
@@ -58,7 +77,11 @@ class TransferConfig:
     host: str = "127.0.0.1"  # receiver: interface to bind; also the address it advertises
     port: int = 0  # receiver: 0 picks a free port
     deadline_s: float = 30.0  # default for handshakes and transfers
-    # Tests only: "stall" (sender stops before the done notice), "drop_done" (no done notice).
+    # receiver: after it gave up on a transfer already writing (ipc, nixl), how long it waits for
+    # the sender to confirm it stopped before reporting the failure anyway
+    cancel_grace_s: float = 10.0
+    # Tests only. "stall": the sender moves the data, then sends no done notice and fails at its
+    # deadline. "drop_done": the sender moves the data and returns as if done, without the notice.
     fault: str | None = None
 
     def __post_init__(self):
@@ -66,6 +89,10 @@ class TransferConfig:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown transfer mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"unknown fault {self.fault!r}; choose one of {', '.join(FAULTS)}")
+        if self.deadline_s <= 0 or self.cancel_grace_s <= 0:
+            raise ValueError("deadline_s and cancel_grace_s must be positive")
 
 
 @dataclass
@@ -93,6 +120,8 @@ class TransferStats:
 
 
 class Transfer(ABC):
+    request_id: str
+    peer: str
     state: State
 
     @abstractmethod

@@ -1,0 +1,337 @@
+"""KV transports on raw pools: prefill and decode in separate processes, bytes compared exactly;
+handshake refusals, deadlines, cancels and killed peers (nothing hangs, every block comes back)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from workers.engine.block_pool import BlockPool, paired_runs
+from workers.engine.kv_cache import KVCache, KVLayout
+from workers.transfer import protocol as P
+from workers.transfer.base import (LayoutMismatch, TransferConfig, TransferError, make_receiver, make_sender)
+from workers.transfer.plan import descriptors, make_plan
+
+pytestmark = pytest.mark.timeout(180)
+
+TRANSPORTS = ("ipc", "zmq", "nixl")
+# the decode side's pool; the prefill side's has fewer blocks (only the block count may differ)
+LAYOUT = KVLayout(4, 2, 8, "bfloat16", 16, 64)
+SRC_LAYOUT = KVLayout(4, 2, 8, "bfloat16", 16, 48)
+SEED = 1234
+PEER = Path(__file__).with_name("transfer_peer.py")
+REPLY = "@peer "
+
+
+class PeerProcess:
+    """tests/transfer_peer.py in a child process; JSON lines both ways."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.hello = self.read(120)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self.lines.put(line[len(REPLY):])
+            else:
+                sys.stderr.write(line)
+
+    def read(self, wait_s: float) -> dict:
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            try:
+                return json.loads(self.lines.get(timeout=0.1))
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    break
+        raise AssertionError(f"peer process gave no answer within {wait_s} s (exit code {self.proc.poll()})")
+
+    def ask(self, wait_s: float = 60, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read(wait_s)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask(wait_s=10, cmd="quit")
+            except (AssertionError, BrokenPipeError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def layout_arg(layout: KVLayout) -> str:
+    return ",".join(str(x) for x in (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                                     layout.block_size, layout.num_blocks))
+
+
+def seeded_source(layout: KVLayout) -> KVCache:
+    kv = KVCache(layout, "cpu")
+    gen = torch.Generator().manual_seed(SEED)
+    kv.pool.copy_(torch.randn(kv.pool.shape, generator=gen).to(kv.pool.dtype))
+    return kv
+
+
+@pytest.fixture(scope="module")
+def receiver_peer():
+    peer = PeerProcess("receiver", "--layout", layout_arg(LAYOUT))
+    yield peer
+    peer.close()
+
+
+# ---- units ---------------------------------------------------------------------------------
+
+
+def test_plan_pairs_runs_and_checks_blocks():
+    plan = make_plan("r", [3, 4, 5, 9, 10, 20], [40, 41, 42, 7, 8, 50], 90, SRC_LAYOUT, LAYOUT)
+    assert plan.runs == ((3, 40, 3), (9, 7, 2), (20, 50, 1))
+    assert plan.num_bytes == LAYOUT.num_layers * 6 * LAYOUT.block_bytes
+    assert paired_runs([1, 2, 3], [7, 8, 10]) == [(1, 7, 2), (3, 10, 1)]
+    with pytest.raises(TransferError, match="need 2 blocks"):
+        make_plan("r", [1], [2], 17, SRC_LAYOUT, LAYOUT)
+    with pytest.raises(TransferError, match="outside a pool of 48"):
+        make_plan("r", [48], [1], 5, SRC_LAYOUT, LAYOUT)
+
+
+def test_descriptors_address_layer_major_runs():
+    rows = descriptors(1000, LAYOUT, np.array([3, 9]), np.array([3, 2]), np.array([0, 2]), 7)
+    bb, lb = LAYOUT.block_bytes, LAYOUT.layer_bytes
+    assert rows.tolist() == [
+        [1000 + 3 * bb, 3 * bb, 7], [1000 + 9 * bb, 2 * bb, 7],
+        [1000 + 2 * lb + 3 * bb, 3 * bb, 7], [1000 + 2 * lb + 9 * bb, 2 * bb, 7],
+    ]
+    assert rows[2, 0] == 1000 + LAYOUT.offset(2, 3)
+
+
+def test_protocol_round_trip_and_no_pickle():
+    hello = P.Hello(P.PROTOCOL_VERSION, "nixl", "host", P.Layout.of(LAYOUT), "me")
+    assert P.decode_to_receiver(P.encode(hello)) == hello
+    welcome = P.Welcome(1, "h", P.Layout.of(LAYOUT), P.NixlInfo("a", b"\x00md", 123, 0, "DRAM"))
+    assert P.decode_to_sender(P.encode(welcome)) == welcome
+    assert P.Layout.of(LAYOUT).to_kv() == LAYOUT
+    with pytest.raises(Exception):
+        P.decode_to_receiver(b"\x80\x04\x95")  # a pickle header is not a message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("field", ["num_kv_heads", "block_size", "dtype"])
+def test_layout_mismatch_names_both_layouts(transport, field):
+    other = dict(num_kv_heads=4, block_size=32, dtype="float16")[field]
+    theirs = dataclasses.replace(LAYOUT, **{field: other})
+    dst, src = KVCache(LAYOUT, "cpu", shared=True), KVCache(theirs, "cpu")
+    recv = make_receiver(dst, TransferConfig(transport=transport, deadline_s=5))
+    send = make_sender(src, TransferConfig(transport=transport, deadline_s=5))
+    try:
+        with pytest.raises(LayoutMismatch) as err:
+            send.open("r1", recv.address, [0], [0], 4)
+        assert theirs.describe() in str(err.value) and LAYOUT.describe() in str(err.value), str(err.value)
+    finally:
+        send.close(), recv.close(), dst.close()
+
+
+# ---- bytes across processes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["bulk", "layer"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_blocks_arrive_exactly_across_processes(receiver_peer, transport, mode):
+    src = seeded_source(SRC_LAYOUT)
+    send = make_sender(src, TransferConfig(transport=transport, mode=mode, deadline_s=20))
+    address = receiver_peer.hello["addresses"][transport]
+    cases = [([3, 4, 5, 9, 10, 20], [40, 41, 42, 7, 8, 50]),  # three runs
+             ([47], [0]),  # a prompt shorter than one block
+             (list(range(10, 42)), list(range(30, 62)))]  # one long run
+    try:
+        for i, (sb, db) in enumerate(cases):
+            rid = f"{transport}-{mode}-{i}"
+            assert receiver_peer.ask(cmd="expect", transport=transport, id=rid, blocks=db, deadline_s=20)["ok"]
+            t = send.open(rid, address, sb, db, len(sb) * 16 - 5)
+            for layer in range(SRC_LAYOUT.num_layers):
+                t.layer_done(layer)
+            stats = t.finish(first_token=100 + i)
+            assert stats.num_bytes == len(sb) * LAYOUT.num_layers * LAYOUT.block_bytes
+            assert stats.layers_sent_before_finish == (LAYOUT.num_layers if mode == "layer" else 0)
+            got = receiver_peer.ask(cmd="wait", id=rid, timeout_s=20, seed=SEED, src_layout=layout_arg(SRC_LAYOUT),
+                                    src_blocks=sb, dst_blocks=db)
+            assert got["arrival"] == {"ok": True, "error": None, "first_token": 100 + i, "num_bytes": stats.num_bytes}
+            assert got["equal"], f"{rid}: received blocks differ from the source"
+            assert got["untouched"], f"{rid}: blocks outside the reservation were written"
+    finally:
+        send.close()
+
+
+# ---- failures: nothing hangs, every block comes back -----------------------------------------
+
+
+@pytest.fixture()
+def pair(request):
+    """An in-process receiver and sender for one transport (for deadline and refusal tests)."""
+    made = []
+
+    def make(transport, mode="bulk", deadline_s=5.0, fault=None, grace_s=5.0):
+        dst, src = KVCache(LAYOUT, "cpu", shared=True), KVCache(SRC_LAYOUT, "cpu")
+        recv = make_receiver(dst, TransferConfig(transport=transport, deadline_s=deadline_s, cancel_grace_s=grace_s))
+        send = make_sender(src, TransferConfig(transport=transport, mode=mode, deadline_s=deadline_s, fault=fault))
+        made.append((recv, send, dst))
+        return recv, send
+
+    yield make
+    for recv, send, dst in made:
+        send.close(), recv.close(), dst.close()
+
+
+def wait_arrival(recv, request_id: str, timeout_s: float):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for a in recv.poll():
+            if a.request_id == request_id:
+                return a
+        time.sleep(0.005)
+    raise AssertionError(f"no arrival for {request_id} within {timeout_s} s")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_expect_deadline_reports_failure_and_late_sender_is_refused(pair, transport):
+    recv, send = pair(transport)
+    start = time.monotonic()
+    recv.expect("late", [5, 6], deadline_s=0.3)
+    a = wait_arrival(recv, "late", 3)
+    assert not a.ok and "did not arrive within 0.3 s" in a.error
+    assert 0.25 < time.monotonic() - start < 1.5
+    t = send.open("late", recv.address, [1, 2], [5, 6], 20)  # the blocks went back: no write may land
+    with pytest.raises(TransferError, match="not waiting for request late"):
+        t.finish(1, deadline_s=3)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cancel_and_wrong_blocks(pair, transport):
+    recv, send = pair(transport)
+    recv.expect("c", [1], deadline_s=5)
+    recv.cancel("c")
+    a = wait_arrival(recv, "c", 2)
+    assert not a.ok and "cancelled" in a.error
+    recv.expect("w", [1, 2], deadline_s=5)
+    t = send.open("w", recv.address, [1, 2], [3, 4], 20)
+    with pytest.raises(TransferError, match="destination blocks"):
+        t.finish(1, deadline_s=3)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stalled_sender_fails_both_sides_within_deadlines(pair, transport):
+    recv, send = pair(transport, mode="layer", deadline_s=2.0, fault="stall", grace_s=1.0)
+    recv.expect("s", [7, 8], deadline_s=0.5)
+    start = time.monotonic()
+    t = send.open("s", recv.address, [1, 2], [7, 8], 30)
+    t.layer_done(0)
+    with pytest.raises(TransferError):
+        t.finish(1, deadline_s=1.5)
+    a = wait_arrival(recv, "s", 3)
+    assert not a.ok and "did not arrive" in a.error
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lost_done_notice_fails_on_the_receiver(pair, transport):
+    recv, send = pair(transport, fault="drop_done")
+    recv.expect("d", [9], deadline_s=0.5)
+    send.open("d", recv.address, [2], [9], 3).finish(1, deadline_s=2)
+    a = wait_arrival(recv, "d", 3)
+    assert not a.ok and "did not arrive" in a.error
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_no_receiver_fails_the_handshake_in_time(transport):
+    src = KVCache(SRC_LAYOUT, "cpu")
+    send = make_sender(src, TransferConfig(transport=transport, deadline_s=0.5))
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="no handshake answer"):
+            send.open("x", "tcp://127.0.0.1:9", [0], [0], 1)
+        assert time.monotonic() - start < 2
+    finally:
+        send.close()
+
+
+def test_receiver_killed_mid_transfer_fails_the_senders_in_time():
+    peer = PeerProcess("receiver", "--layout", layout_arg(LAYOUT))
+    src = seeded_source(SRC_LAYOUT)
+    blocks = BlockPool(SRC_LAYOUT.num_blocks)
+    senders, transfers = [], []
+    try:
+        for transport in TRANSPORTS:
+            send = make_sender(src, TransferConfig(transport=transport, mode="layer", deadline_s=5))
+            senders.append(send)
+            sb = blocks.allocate(4)
+            db = [20 + 4 * len(transfers) + i for i in range(4)]
+            peer.ask(cmd="expect", transport=transport, id=transport, blocks=db, deadline_s=30)
+            t = send.open(transport, peer.hello["addresses"][transport], sb, db, 64)
+            t.layer_done(0)
+            t.layer_done(1)
+            transfers.append((t, sb))
+        time.sleep(0.2)  # the first layers are on their way
+        peer.kill()
+        for t, sb in transfers:
+            start = time.monotonic()
+            with pytest.raises(TransferError) as err:
+                t.finish(first_token=1, deadline_s=5)
+            assert time.monotonic() - start < 5.5, f"{t.request_id}: took {time.monotonic() - start:.1f} s"
+            assert t.request_id in str(err.value)
+            blocks.free(sb)  # the caller gives the prefill blocks back
+        assert blocks.num_free == SRC_LAYOUT.num_blocks
+    finally:
+        for send in senders:
+            send.close()
+        if peer.hello.get("shm_path") and os.path.exists(peer.hello["shm_path"]):
+            os.unlink(peer.hello["shm_path"])  # the killed receiver could not remove its pool file
+
+
+def test_sender_killed_mid_transfer_fails_the_receivers_in_time():
+    dst = KVCache(LAYOUT, "cpu", shared=True)
+    receivers = {t: make_receiver(dst, TransferConfig(transport=t, deadline_s=5, cancel_grace_s=5))
+                 for t in TRANSPORTS}
+    peer = PeerProcess("sender", "--layout", layout_arg(SRC_LAYOUT), "--seed", str(SEED))
+    reserved = BlockPool(LAYOUT.num_blocks)
+    try:
+        held = {}
+        for transport, recv in receivers.items():
+            held[transport] = reserved.allocate(3)
+            recv.expect(transport, held[transport], deadline_s=2.0)
+            assert peer.ask(cmd="begin", transport=transport, id=transport, peer=recv.address, src=[0, 1, 2],
+                            dst=held[transport], layers=2) == {"sent": 2}
+        start = time.monotonic()
+        peer.kill()
+        for transport, recv in receivers.items():
+            a = wait_arrival(recv, transport, 6)
+            assert not a.ok and transport in a.error
+            reserved.free(held[transport])
+        # deadline 2 s; a dead sender cannot confirm, and need not: its socket is gone
+        assert time.monotonic() - start < 3.5
+        assert reserved.num_free == LAYOUT.num_blocks
+    finally:
+        peer.kill() if peer.proc.poll() is None else None
+        for recv in receivers.values():
+            recv.close()
+        dst.close()

@@ -1,0 +1,157 @@
+"""The thread behind each sender and receiver: it owns the ZMQ sockets (and the NIXL agent).
+
+ZMQ sockets and a NIXL agent without a progress thread must each be used from one thread,
+and both sides have to answer the network while the engine thread is busy in a forward pass.
+So each endpoint runs one I/O thread; the public methods hand it closures (`_submit`) and wait
+on the returned Future with a deadline. The loop:
+
+    poll the sockets (50 ms when idle; 0 plus a ~50 us nap while a transfer needs progress)
+    run the closures handed in, read the readable sockets, then `_tick()` (progress, deadlines)
+
+Subclasses implement `_setup`, `_on_readable(sock)`, `_tick() -> busy`, `_teardown`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import zmq
+
+from workers.transfer.base import TransferError
+
+log = logging.getLogger("pdserve.transfer")
+
+IDLE_POLL_MS = 50
+BUSY_NAP_S = 50e-6
+
+
+class Endpoint:
+    def __init__(self, name: str):
+        self._name = name
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
+        self._calls: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._stopping = False
+        self._broken: str | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    # ---- for subclasses ------------------------------------------------------------------
+
+    def _setup(self) -> None: ...
+
+    def _on_readable(self, sock: zmq.Socket) -> None: ...
+
+    def _tick(self) -> bool:
+        return False
+
+    def _teardown(self) -> None: ...
+
+    # ---- caller side ---------------------------------------------------------------------
+
+    def _start(self, timeout_s: float) -> None:
+        ready: Future = Future()
+        self._ready = ready
+        self._thread.start()
+        try:
+            ready.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise TransferError(f"{self._name}: start-up did not finish within {timeout_s:.1f} s") from None
+
+    def _submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        if self._broken is not None or self._stopping:
+            fut.set_exception(TransferError(f"{self._name} is closed or broken ({self._broken or 'closed'}); "
+                                            "make a new one"))
+            return fut
+        self._calls.append((fut, fn, args))
+        os.write(self._wake_w, b"x")
+        return fut
+
+    def _call(self, fn, *args, timeout_s: float):
+        """Run fn on the I/O thread and wait for its result (re-raising its exception)."""
+        try:
+            return self._submit(fn, *args).result(timeout=max(timeout_s, 0.001))
+        except FutureTimeout:
+            raise TransferError(f"{self._name}: I/O thread did not answer within {timeout_s:.1f} s") from None
+
+    def _stop(self, timeout_s: float = 5.0) -> None:
+        if not self._thread.is_alive():
+            self._close_fds()
+            return
+        self._stopping = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("%s: I/O thread did not stop within %.1f s", self._name, timeout_s)
+        else:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._setup()
+        except BaseException as e:  # handed to the caller of _start()
+            self._broken = f"start-up failed: {e}"
+            self._ready.set_exception(e)
+            self._ctx.destroy(linger=0)
+            return
+        self._ready.set_result(None)
+        busy = False
+        try:
+            while not self._stopping:
+                ready = dict(self._poller.poll(0 if busy else IDLE_POLL_MS))
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                self._run_calls()
+                for sock in ready:
+                    if sock is not self._wake_r:
+                        self._on_readable(sock)
+                busy = self._tick()
+                if busy:
+                    time.sleep(BUSY_NAP_S)
+        except BaseException as e:
+            log.exception("%s: I/O thread failed", self._name)
+            self._broken = f"I/O thread failed: {e!r}"
+        finally:
+            self._fail_calls()
+            try:
+                self._teardown()
+            finally:
+                self._ctx.destroy(linger=0)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fut, fn, args = self._calls.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiting caller
+                fut.set_exception(e)
+
+    def _fail_calls(self) -> None:
+        while self._calls:
+            fut, _, _ = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(TransferError(f"{self._name} stopped ({self._broken or 'closed'})"))

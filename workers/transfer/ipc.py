@@ -1,0 +1,186 @@
+"""`ipc`: both workers on one host; the prefill process writes straight into the decode pool.
+
+The decode pool is mapped ONCE per peer into the prefill process, at the handshake:
+    GPU   the receiver exports it with torch's UntypedStorage._share_cuda_() (a CUDA IPC handle, the
+          same call torch.multiprocessing uses, present from torch 2.6 to 2.13); the sender opens it with
+          UntypedStorage._new_shared_cuda() and views it as [layers, blocks, 2, block_size, heads, dim].
+    CPU   the decode engine keeps its pool in a /dev/shm file (kv_shared=True, KVCache.shm_path); the
+          sender maps it with torch.from_file(shared=True).
+
+Copies, per paired run of blocks (plan.Plan.runs), never per block:
+    bulk   finish(): one copy_ per run across all layers, dst[:, d:d+n] <- src[:, s:s+n]
+    layer  layer_done(l): one copy_ per run, dst[l, d:d+n] <- src[l, s:s+n]
+
+On GPU the copies run on a side stream: layer_done(l) records an event on the current (compute)
+stream, the side stream waits for it and copies; the compute stream never waits and the host
+never synchronises per layer. finish() polls the side stream's last event against the deadline.
+On CPU the copies are plain synchronous copy_ calls on the caller's thread.
+
+Nothing but the handshake, Begin/Accept and the done notice crosses the socket.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from workers.engine.kv_cache import KVLayout
+from workers.transfer import protocol as P
+from workers.transfer.base import TransferError
+from workers.transfer.plan import Plan
+from workers.transfer.receiver import ChannelReceiver
+from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+
+SPIN_S = 2e-3  # finish(): spin this long on the side stream's event before napping between queries
+
+
+class Receiver(ChannelReceiver):
+    transport = "ipc"
+
+    def _setup_transport(self) -> None:
+        if self.kv.pool.device.type == "cpu" and self.kv.shm_path is None:
+            raise TransferError("the ipc transport on CPU needs the decode pool in shared memory: create the decode "
+                                "engine with kv_shared=True")
+
+    def _transport_info(self, hello: P.Hello) -> P.TransportInfo:
+        if hello.host != self.host:
+            raise TransferError(f"the ipc transport needs both workers on one host: the prefill worker {hello.sender} "
+                                f"runs on {hello.host}, the decode worker {self.address} on {self.host}; use nixl or zmq")
+        pool = self.kv.pool
+        if pool.device.type == "cuda":
+            return P.CudaIpcInfo(*pool.untyped_storage()._share_cuda_())
+        return P.ShmInfo(self.kv.shm_path, self.layout.pool_bytes)
+
+
+class Sender(ChannelSender):
+    transport = "ipc"
+
+    def _setup_transport(self) -> None:
+        device = self.kv.pool.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _attach(self, peer: Peer, welcome: P.Welcome) -> torch.Tensor:
+        info = welcome.info
+        if welcome.host != self.host:
+            raise TransferError(f"the ipc transport needs both workers on one host; the decode worker at "
+                                f"{peer.address} runs on {welcome.host}, this one on {self.host}; use nixl or zmq")
+        if isinstance(info, P.ShmInfo):
+            return map_shm(info, peer.layout, peer.address)
+        if isinstance(info, P.CudaIpcInfo):
+            return map_cuda(info, peer.layout, peer.address)
+        raise TransferError(f"decode worker at {peer.address} answered the ipc handshake with {type(info).__name__}")
+
+    def _detach(self, peer: Peer) -> None:
+        peer.remote = None  # the mapping goes with the last reference
+
+    def _new_transfer(self, peer: Peer, plan: Plan) -> "IpcTransfer":
+        return IpcTransfer(self, peer, plan)
+
+
+def map_shm(info: P.ShmInfo, layout: KVLayout, address: str) -> torch.Tensor:
+    if not os.path.exists(info.path):
+        raise TransferError(f"decode worker at {address} keeps its pool in {info.path}, which this process cannot "
+                            "see; the workers must share /dev/shm (containers: --ipc=host or a shared volume)")
+    if info.nbytes != layout.pool_bytes or os.path.getsize(info.path) < info.nbytes:
+        raise TransferError(f"decode worker at {address}: {info.path} holds {os.path.getsize(info.path)} bytes, "
+                            f"its layout needs {layout.pool_bytes}")
+    flat = torch.from_file(info.path, shared=True, size=layout.pool_bytes // layout.itemsize, dtype=layout.torch_dtype)
+    return flat.view(layout.shape)
+
+
+def map_cuda(info: P.CudaIpcInfo, layout: KVLayout, address: str) -> torch.Tensor:
+    if info.size_bytes < layout.pool_bytes:
+        raise TransferError(f"decode worker at {address} exported {info.size_bytes} bytes, its layout needs "
+                            f"{layout.pool_bytes}")
+    torch.cuda.init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        info.device, info.handle, info.size_bytes, info.offset_bytes, info.ref_counter_handle,
+        info.ref_counter_offset, info.event_handle, info.event_sync_required)
+    empty = torch.empty(0, dtype=layout.torch_dtype, device=torch.device("cuda", info.device))
+    return empty.set_(storage, 0, layout.shape, contiguous_strides(layout.shape))
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+class IpcTransfer(SenderTransfer):
+    def __init__(self, sender: Sender, peer: Peer, plan: Plan):
+        super().__init__(sender, peer, plan)
+        self.src = sender.kv.pool
+        self.dst: torch.Tensor = peer.remote
+        self.stream: torch.cuda.Stream | None = sender.stream
+        self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
+        self.last_event: torch.cuda.Event | None = None  # the side stream's latest copies
+
+    def layer_done(self, layer: int) -> None:
+        if not self.layered or layer in self.layers_sent or self.error is not None:
+            return
+        self.layers_sent.add(layer)
+        self.pending.append((layer, self._mark()))
+        if self.accepted.is_set():
+            self._flush()
+
+    def _complete(self, deadline: float) -> None:
+        if self.layered:
+            rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
+            if rest:
+                ready = self._mark()
+                self.layers_sent.update(rest)
+                self.pending += [(layer, ready) for layer in rest]
+            self._flush()
+        else:
+            self.pending.append((slice(None), self._mark()))
+            self._flush()
+        if self.last_event is not None:
+            wait_event(self.last_event, deadline, self.request_id, self.peer)
+        self.finished_at = time.time()
+
+    def _mark(self) -> torch.cuda.Event | None:
+        """An event on the compute stream; the side stream waits for it, the compute stream never waits."""
+        if self.stream is None:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.src.device))
+        return ready
+
+    def _flush(self) -> None:
+        with self.lock:  # a Cancel (I/O thread) takes the lock too: no copy starts after it
+            if self.error is None:
+                self.mark_started()
+                for layer, ready in self.pending:
+                    self._copy(layer, ready)
+            self.pending.clear()
+
+    def _copy(self, layer: int | slice, ready: torch.cuda.Event | None) -> None:
+        src, dst = self.src, self.dst
+        if self.stream is None:
+            for s, d, n in self.plan.runs:
+                dst[layer, d:d + n].copy_(src[layer, s:s + n])
+        else:
+            self.stream.wait_event(ready)
+            with torch.cuda.stream(self.stream):
+                for s, d, n in self.plan.runs:
+                    dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=True)
+            self.last_event = self.stream.record_event()
+        self.copies += len(self.plan.runs)
+
+    def writes_in_flight(self) -> bool:  # I/O thread
+        return self.last_event is not None and not self.last_event.query()
+
+
+def wait_event(event: torch.cuda.Event, deadline: float, request_id: str, peer: str) -> None:
+    """Poll a CUDA event until it completes or the deadline passes (CUDA has no timed wait)."""
+    spin_until = time.monotonic() + SPIN_S
+    while not event.query():
+        now = time.monotonic()
+        if now > deadline:
+            raise TransferError(f"request {request_id}: the copies into the decode pool ({peer}) did not complete "
+                                "within the deadline; the GPU may be hung or overloaded")
+        time.sleep(0 if now < spin_until else 50e-6)

@@ -1,0 +1,310 @@
+"""The decode side's endpoint, shared by all transports: handshake, reservations, deadlines, arrivals.
+
+Life cycle of an expected request (on the receiver's I/O thread):
+
+    expect()            WAITING     blocks reserved; a Begin naming other blocks, or an id not expected, is rejected
+    Begin               ACCEPTED    Accept sent: the sender may write into the blocks now
+    Done, data landed               -> Arrival(ok=True, first_token) and Ack(ok)
+    Abort                           -> Arrival(ok=False, the sender's reason)
+    deadline or cancel() WAITING    -> Arrival(ok=False) at once
+                        ACCEPTED    zmq (we do the writes): Arrival(ok=False) at once, Cancel to the sender
+                                    ipc, nixl (the sender writes into our pool): Cancel, then CANCELLING
+                        CANCELLING  until the sender's Abort (no more writes), its Done, its disconnect,
+                                    or cancel_grace_s -> Arrival(ok=False)
+
+Transports fill in: _setup_transport, _transport_info(hello), _write_chunk (zmq), _progress (nixl),
+_landed(exp), _verify(exp), _before_arrival(exp), _teardown_transport.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+import threading
+import time
+
+import msgspec
+import zmq
+
+from workers.engine.kv_cache import KVCache
+from workers.transfer import protocol as P
+from workers.transfer.base import Arrival, KVReceiver, TransferConfig, TransferError, layout_mismatch
+from workers.transfer.endpoint import Endpoint
+
+log = logging.getLogger("pdserve.transfer")
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    ACCEPTED = "accepted"
+    CANCELLING = "cancelling"
+
+
+class Expected:
+    """One reservation waiting for its KV (touched under the receiver's lock)."""
+
+    def __init__(self, request_id: str, block_ids: list[int], deadline_s: float):
+        self.request_id = request_id
+        self.block_ids = list(block_ids)
+        self.block_set = frozenset(block_ids)
+        self.deadline_s = deadline_s
+        self.deadline = time.monotonic() + deadline_s
+        self.phase = Phase.WAITING
+        self.sender: bytes | None = None  # ROUTER identity of the sender that began it
+        self.done: P.Done | None = None
+        self.received = 0  # zmq: chunks written; nixl: notifications seen
+        self.received_bytes = 0
+        self.give_up: str | None = None  # why we stopped waiting (deadline, cancel, bad data)
+        self.grace_deadline = 0.0
+
+
+class ChannelReceiver(Endpoint, KVReceiver):
+    transport = ""
+    one_sided = True  # the sender writes into our pool itself (ipc, nixl); zmq: this side writes
+    needs_progress = False  # nixl: the agent must be polled while data moves
+
+    def __init__(self, kv: KVCache, cfg: TransferConfig):
+        KVReceiver.__init__(self, kv, cfg)
+        Endpoint.__init__(self, f"kv-receiver-{self.transport}")
+        self.layout = kv.layout
+        self.host = socket.gethostname()
+        self.address = ""
+        self._lock = threading.Lock()
+        self._expected: dict[str, Expected] = {}
+        self._arrivals: list[Arrival] = []
+        self._start(cfg.deadline_s)
+
+    # ---- public (engine thread) ------------------------------------------------------------
+
+    def expect(self, request_id: str, block_ids: list[int], deadline_s: float | None = None) -> None:
+        if not block_ids:
+            raise TransferError(f"request {request_id}: expect() needs the reserved block ids, got none")
+        bad = [b for b in block_ids if not 0 <= b < self.layout.num_blocks]
+        if bad:
+            raise TransferError(f"request {request_id}: blocks {bad[:5]} outside the pool of {self.layout.num_blocks}")
+        with self._lock:
+            if self._broken is not None:
+                raise TransferError(f"request {request_id}: the KV receiver is broken ({self._broken}); restart the worker")
+            if request_id in self._expected:
+                raise TransferError(f"request {request_id} is already expected; use a new request id")
+            self._expected[request_id] = Expected(request_id, block_ids, deadline_s or self.cfg.deadline_s)
+
+    def poll(self) -> list[Arrival]:
+        with self._lock:
+            if self._broken is not None:  # the I/O thread is gone: fail everything still waiting
+                for exp in self._expected.values():
+                    self._arrivals.append(Arrival(exp.request_id, False, error=f"request {exp.request_id}: "
+                                                  f"the KV receiver failed ({self._broken})"))
+                self._expected.clear()
+            out, self._arrivals = self._arrivals, []
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            exp = self._expected.get(request_id)
+            if exp is not None and exp.give_up is None:
+                exp.give_up = f"request {request_id}: cancelled on the decode worker"
+        self._submit(lambda: None)  # wake the I/O thread
+
+    def close(self) -> None:
+        self._stop()
+
+    # ---- transport hooks (I/O thread) --------------------------------------------------------
+
+    def _setup_transport(self) -> None: ...
+
+    def _transport_info(self, hello: P.Hello) -> P.TransportInfo:
+        raise NotImplementedError
+
+    def _write_chunk(self, exp: Expected, chunk: P.Chunk, data: memoryview) -> None:
+        raise TransferError(f"request {chunk.request_id}: the {self.transport} transport takes no data frames")
+
+    def _progress(self) -> None: ...
+
+    def _landed(self, exp: Expected) -> bool:
+        """exp.done is in: have all its bytes landed?"""
+        return True
+
+    def _verify(self, exp: Expected) -> str | None:
+        """Landed: anything wrong with what arrived? (an error message, or None)"""
+        return None
+
+    def _before_arrival(self, exp: Expected) -> None: ...
+
+    def _teardown_transport(self) -> None: ...
+
+    # ---- the I/O thread ----------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a sender that is gone raises EHOSTUNREACH
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self.cfg.port:
+            sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
+            port = self.cfg.port
+        else:
+            port = sock.bind_to_random_port(f"tcp://{self.cfg.host}")
+        self.address = f"tcp://{self.cfg.host}:{port}"
+        self._sock = sock
+        self._poller.register(sock, zmq.POLLIN)
+        self._setup_transport()
+
+    def _teardown(self) -> None:
+        self._teardown_transport()
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(1000):  # bounded, so deadlines and progress still get their turn
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident, header, data = frames[0].bytes, frames[1].buffer, frames[2:]
+            try:
+                msg = P.decode_to_receiver(header)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._send(ident, P.Refused("version", f"decode worker at {self.address} could not read a message "
+                                            f"({e}); run the same pdserve version (protocol {P.PROTOCOL_VERSION}) on both workers"))
+                continue
+            if isinstance(msg, P.Hello):
+                self._on_hello(ident, msg)
+            elif isinstance(msg, P.Begin):
+                self._on_begin(ident, msg)
+            elif isinstance(msg, P.Chunk):
+                self._on_chunk(ident, msg, data[0].buffer if data else memoryview(b""))
+            elif isinstance(msg, P.Done):
+                self._on_done(ident, msg)
+            elif isinstance(msg, P.Abort):
+                self._on_abort(ident, msg)
+
+    def _on_hello(self, ident: bytes, hello: P.Hello) -> None:
+        theirs = hello.layout.to_kv()
+        if hello.version != P.PROTOCOL_VERSION:
+            refusal = P.Refused("version", f"protocol version {hello.version} (prefill {hello.sender}) vs "
+                                f"{P.PROTOCOL_VERSION} (decode {self.address}); run the same pdserve version on both")
+        elif hello.transport != self.transport:
+            refusal = P.Refused("transport", f"prefill worker {hello.sender} uses transport {hello.transport!r}, "
+                                f"decode worker {self.address} uses {self.transport!r}; start both with the same one")
+        elif not theirs.compatible_with(self.layout):
+            refusal = P.Refused("layout", str(layout_mismatch(theirs, self.layout, self.address)))
+        else:
+            try:
+                info = self._transport_info(hello)
+            except TransferError as e:
+                refusal = P.Refused("host", str(e))
+            else:
+                self._send(ident, P.Welcome(P.PROTOCOL_VERSION, self.host, P.Layout.of(self.layout), info))
+                return
+        log.warning("refused a handshake: %s", refusal.error)
+        self._send(ident, refusal)
+
+    def _on_begin(self, ident: bytes, msg: P.Begin) -> None:
+        rid = msg.request_id
+        with self._lock:
+            exp = self._expected.get(rid)
+            if exp is None or exp.give_up is not None:
+                error = (f"decode worker at {self.address} is not waiting for request {rid} (not reserved there, "
+                         "cancelled, or past its deadline); free the prefill blocks and retry the request")
+            elif exp.phase is not Phase.WAITING:
+                error = f"request {rid} is already being sent by another transfer"
+            elif exp.block_ids != list(msg.dst_blocks):
+                error = (f"request {rid}: the transfer names destination blocks {msg.dst_blocks[:8]}..., the "
+                         f"reservation holds {exp.block_ids[:8]}...; pass the block ids reserve() returned")
+            else:
+                exp.phase, exp.sender, error = Phase.ACCEPTED, ident, None
+        self._send(ident, P.Reject(rid, error) if error else P.Accept(rid))
+
+    def _on_chunk(self, ident: bytes, chunk: P.Chunk, data: memoryview) -> None:
+        with self._lock:
+            exp = self._expected.get(chunk.request_id)
+        if exp is None or exp.phase is not Phase.ACCEPTED or exp.sender != ident or exp.give_up:
+            return  # late frames of a request we gave up on: dropped, never written
+        L = self.layout
+        layers = L.num_layers if chunk.layer == -1 else 1
+        want = layers * chunk.num_blocks * L.block_bytes
+        blocks = range(chunk.dst_start, chunk.dst_start + chunk.num_blocks)
+        if not -1 <= chunk.layer < L.num_layers or chunk.num_blocks <= 0 or not exp.block_set.issuperset(blocks) \
+                or chunk.nbytes != want or data.nbytes != want:
+            self._give_up(exp, f"request {chunk.request_id}: bad data frame (layer {chunk.layer}, blocks "
+                          f"{chunk.dst_start}+{chunk.num_blocks}, {data.nbytes} bytes, expected {want}) outside its reservation")
+            return
+        self._write_chunk(exp, chunk, data)
+        exp.received += 1
+        exp.received_bytes += want
+
+    def _on_done(self, ident: bytes, msg: P.Done) -> None:
+        with self._lock:
+            exp = self._expected.get(msg.request_id)
+        if exp is None or exp.sender != ident:
+            self._send(ident, P.Ack(msg.request_id, False, f"decode worker at {self.address} is not waiting for "
+                                    f"request {msg.request_id} any more (deadline passed or cancelled)"))
+        elif exp.phase is Phase.CANCELLING:  # it finished before it saw our Cancel: no more writes
+            self._send(ident, P.Ack(msg.request_id, False, exp.give_up))
+            self._report(exp, Arrival(exp.request_id, False, error=exp.give_up))
+        else:
+            exp.done = msg
+
+    def _on_abort(self, ident: bytes, msg: P.Abort) -> None:
+        with self._lock:
+            exp = self._expected.get(msg.request_id)
+        if exp is not None and exp.sender == ident:
+            error = exp.give_up or f"request {msg.request_id}: the prefill worker gave up: {msg.reason}"
+            self._report(exp, Arrival(exp.request_id, False, error=error))
+
+    def _tick(self) -> bool:
+        self._progress()
+        now = time.monotonic()
+        with self._lock:
+            pending = list(self._expected.values())
+        busy = False
+        for exp in pending:
+            if exp.give_up is None and exp.phase is Phase.ACCEPTED and exp.done is not None and self._landed(exp):
+                self._arrive(exp)
+                continue
+            if exp.give_up is None and now > exp.deadline:
+                exp.give_up = (f"request {exp.request_id}: its KV did not arrive within {exp.deadline_s:.1f} s "
+                               f"({exp.phase.value}); free its blocks")
+            if exp.give_up is not None and exp.phase is not Phase.CANCELLING:
+                self._give_up(exp, exp.give_up)
+            elif exp.phase is Phase.CANCELLING and now > exp.grace_deadline:
+                self._report(exp, Arrival(exp.request_id, False, error=f"{exp.give_up} (the prefill worker did not "
+                                          f"confirm it stopped writing within {self.cfg.cancel_grace_s:.1f} s)"))
+            busy = busy or (self.needs_progress and exp.phase is not Phase.WAITING)
+        return busy
+
+    def _arrive(self, exp: Expected) -> None:
+        done = exp.done
+        error = self._verify(exp)
+        if error is not None:
+            self._give_up(exp, error)
+            return
+        self._before_arrival(exp)
+        self._report(exp, Arrival(exp.request_id, True, first_token=done.first_token, num_bytes=done.num_bytes,
+                                  started_at=done.started_at, finished_at=done.finished_at))
+        self._send(exp.sender, P.Ack(exp.request_id, True))
+
+    def _give_up(self, exp: Expected, reason: str) -> None:
+        exp.give_up = exp.give_up or reason
+        if exp.phase is Phase.WAITING:
+            self._report(exp, Arrival(exp.request_id, False, error=exp.give_up))
+            return
+        reached = self._send(exp.sender, P.Cancel(exp.request_id, exp.give_up))
+        if not self.one_sided or not reached:  # no write of the sender's can land any more
+            self._report(exp, Arrival(exp.request_id, False, error=exp.give_up))
+        else:
+            exp.phase = Phase.CANCELLING
+            exp.grace_deadline = time.monotonic() + self.cfg.cancel_grace_s
+
+    def _report(self, exp: Expected, arrival: Arrival) -> None:
+        with self._lock:
+            if self._expected.pop(exp.request_id, None) is not None:
+                self._arrivals.append(arrival)
+
+    def _send(self, ident: bytes, msg: msgspec.Struct) -> bool:
+        try:
+            self._sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH: that sender is gone
+            log.info("could not reach a sender: %s", e)
+            return False

@@ -1,0 +1,419 @@
+"""The prefill side's endpoint, shared by all transports: one connection per decode worker,
+the handshake, and the transfers in flight.
+
+Life cycle of a transfer (Transfer.state):
+
+    open()          OPENED        handshake with the peer if this is the first request to it; Begin sent
+    Accept          (writes may start; before it, layer_done() only queues)
+    first write     TRANSFERRING  layer mode: from layer_done(); bulk: from finish()
+    finish()        moves what is left, waits until it landed (deadline), sends Done, waits for the Ack -> DONE
+    any failure     FAILED        Reject, Cancel, Ack(ok=False), the peer disconnecting, a missed deadline,
+                                  abort(): TransferError to the caller; the receiver gets an Abort as soon as
+                                  none of our writes can still land
+
+Per peer, the first open() maps or registers the receiver's pool (`_attach`); a disconnect drops
+the peer (`_detach`) and the next open() shakes hands again.
+
+Transports subclass SenderTransfer: layer_done(), _complete(deadline) (move what is left and
+wait until it landed), and on the I/O thread pump() and writes_in_flight().
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from workers.engine.kv_cache import KVCache, KVLayout
+from workers.transfer import protocol as P
+from workers.transfer.base import (KVSender, LayoutMismatch, State, Transfer, TransferConfig, TransferError,
+                                   TransferStats, layout_mismatch)
+from workers.transfer.endpoint import Endpoint
+from workers.transfer.plan import Plan, make_plan
+
+log = logging.getLogger("pdserve.transfer")
+
+ZERO_COPY_MIN = 64 * 1024  # smaller frames are cheaper to copy than to hand to ZMQ zero-copy
+
+
+class Peer:
+    """One decode worker this sender talks to (I/O thread only, except `ready`)."""
+
+    def __init__(self, address: str, sock: zmq.Socket, monitor: zmq.Socket):
+        self.address = address
+        self.sock = sock
+        self.monitor = monitor
+        self.ready: Future = Future()  # -> self, once the handshake is done
+        self.layout: KVLayout | None = None
+        self.remote = None  # what the transport attached: a mapped pool, a NIXL agent name
+        self.transfers: dict[str, "SenderTransfer"] = {}
+
+
+class ChannelSender(Endpoint, KVSender):
+    transport = ""
+
+    def __init__(self, kv: KVCache, cfg: TransferConfig):
+        KVSender.__init__(self, kv, cfg)
+        Endpoint.__init__(self, f"kv-sender-{self.transport}")
+        self.layout = kv.layout
+        self.host = socket.gethostname()
+        self.sender_name = f"{self.host}:{os.getpid()}"
+        self._peers: dict[str, Peer] = {}
+        self._by_sock: dict[zmq.Socket, Peer] = {}
+        self._start(cfg.deadline_s)
+
+    # ---- public (engine thread) ------------------------------------------------------------
+
+    def open(self, request_id: str, peer: str, src_blocks: list[int], dst_blocks: list[int],
+             num_tokens: int) -> Transfer:
+        deadline = time.monotonic() + self.cfg.deadline_s
+        p = self._connect(peer, deadline)
+        plan = make_plan(request_id, src_blocks, dst_blocks, num_tokens, self.layout, p.layout)
+        t = self._new_transfer(p, plan)
+        self._call(self._begin, p, t, list(dst_blocks), num_tokens, timeout_s=deadline - time.monotonic())
+        return t
+
+    def close(self) -> None:
+        self._stop()
+
+    # ---- for transports ----------------------------------------------------------------------
+
+    def _new_transfer(self, peer: Peer, plan: Plan) -> "SenderTransfer":
+        raise NotImplementedError
+
+    def _setup_transport(self) -> None: ...
+
+    def _attach(self, peer: Peer, welcome: P.Welcome):
+        """Handshake accepted: map / register the receiver's pool; returns what Peer.remote holds."""
+        raise NotImplementedError
+
+    def _detach(self, peer: Peer) -> None: ...
+
+    def _teardown_transport(self) -> None: ...
+
+    # ---- handshake -------------------------------------------------------------------------
+
+    def _connect(self, address: str, deadline: float) -> Peer:
+        ready: Future = self._call(self._peer, address, timeout_s=deadline - time.monotonic())
+        try:
+            return ready.result(timeout=max(deadline - time.monotonic(), 0.001))
+        except FutureTimeout:
+            self._submit(self._drop, address, "no handshake answer")
+            raise TransferError(
+                f"no handshake answer from the decode worker at {address} within {self.cfg.deadline_s:.1f} s; "
+                "check that it runs, that the address is right and reachable, and that it uses the "
+                f"{self.transport} transport"
+            ) from None
+
+    def _peer(self, address: str) -> Future:  # I/O thread
+        p = self._peers.get(address)
+        if p is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: data frames are bounded by requests in flight
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(address)
+            p = Peer(address, sock, monitor)
+            self._peers[address] = p
+            self._by_sock[sock] = self._by_sock[monitor] = p
+            self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(monitor, zmq.POLLIN)
+            self.send(p, P.Hello(P.PROTOCOL_VERSION, self.transport, self.host, P.Layout.of(self.layout),
+                                 self.sender_name))
+        return p.ready
+
+    def _on_welcome(self, p: Peer, msg: P.Welcome) -> None:
+        theirs = msg.layout.to_kv()
+        if msg.version != P.PROTOCOL_VERSION:
+            raise TransferError(f"decode worker at {p.address} speaks protocol {msg.version}, this prefill worker "
+                                f"{P.PROTOCOL_VERSION}; run the same pdserve version on both")
+        if not self.layout.compatible_with(theirs):
+            raise layout_mismatch(self.layout, theirs, p.address)
+        p.layout = theirs
+        p.remote = self._attach(p, msg)
+        p.ready.set_result(p)
+
+    def _drop(self, address: str, reason: str) -> None:  # I/O thread
+        p = self._peers.pop(address, None)
+        if p is None:
+            return
+        error = TransferError(f"decode worker at {address}: {reason}")
+        if not p.ready.done():
+            p.ready.set_exception(error)
+        for t in list(p.transfers.values()):
+            t.fail(TransferError(f"request {t.request_id}: decode worker at {address}: {reason}; free the "
+                                 "request's prefill blocks and retry it on another decode worker"), reachable=False)
+            t.discard()
+        p.transfers.clear()
+        if p.remote is not None:
+            self._detach(p)
+        for s in (p.sock, p.monitor):
+            self._poller.unregister(s)
+            self._by_sock.pop(s, None)
+        p.sock.disable_monitor()
+        p.monitor.close(linger=0)
+        p.sock.close(linger=0)
+
+    # ---- the I/O thread ----------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        self._setup_transport()
+
+    def _teardown(self) -> None:
+        for address in list(self._peers):
+            self._drop(address, "the sender closed")
+        self._teardown_transport()
+
+    def _begin(self, p: Peer, t: "SenderTransfer", dst_blocks: list[int], num_tokens: int) -> None:
+        if self._peers.get(p.address) is not p:
+            raise TransferError(f"request {t.request_id}: decode worker at {p.address} went away during open()")
+        if t.request_id in p.transfers:
+            raise TransferError(f"request {t.request_id} is already being sent to {p.address}")
+        p.transfers[t.request_id] = t
+        self.send(p, P.Begin(t.request_id, dst_blocks, num_tokens))
+
+    def send(self, p: Peer, msg: msgspec.Struct, data=None) -> None:
+        if data is None:
+            p.sock.send(P.encode(msg))
+        else:
+            p.sock.send(P.encode(msg), zmq.SNDMORE)
+            p.sock.send(data, copy=data.nbytes < ZERO_COPY_MIN)
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        p = self._by_sock.get(sock)
+        if p is None:
+            return
+        if sock is p.monitor:
+            while p.monitor.poll(0):
+                event = recv_monitor_message(p.monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._drop(p.address, "it disconnected (stopped or crashed)")
+                    return
+            return
+        for _ in range(1000):
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode_to_sender(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._drop(p.address, f"sent a message this version cannot read ({e}); run the same pdserve "
+                           "version on both workers")
+                return
+            if isinstance(msg, (P.Welcome, P.Refused)):
+                self._on_handshake(p, msg)
+                if p.address not in self._peers:
+                    return
+                continue
+            t = p.transfers.get(msg.request_id)
+            if t is None:  # a late answer about a transfer that already ended
+                if isinstance(msg, P.Cancel):  # nothing of ours is writing into those blocks
+                    self.send(p, P.Abort(msg.request_id, "no transfer of this request is in flight"))
+                continue
+            if isinstance(msg, P.Accept):
+                t.on_accept()
+            elif isinstance(msg, P.Reject):
+                t.fail(TransferError(msg.error), reachable=False)
+            elif isinstance(msg, P.Ack):
+                t.on_ack(msg)
+            elif isinstance(msg, P.Cancel):
+                t.fail(TransferError(f"request {t.request_id}: the decode worker at {p.address} stopped waiting: "
+                                     f"{msg.reason}; free the request's prefill blocks"))
+
+    def _on_handshake(self, p: Peer, msg: P.Welcome | P.Refused) -> None:
+        if p.ready.done():
+            return
+        if isinstance(msg, P.Refused):
+            error = LayoutMismatch(msg.error) if msg.kind == "layout" else TransferError(msg.error)
+            p.ready.set_exception(error)
+            self._drop(p.address, f"handshake refused: {msg.error}")
+            return
+        try:
+            self._on_welcome(p, msg)
+        except TransferError as e:
+            p.ready.set_exception(e)
+            self._drop(p.address, f"handshake failed: {e}")
+
+    def _tick(self) -> bool:
+        busy = False
+        for p in list(self._peers.values()):
+            for t in list(p.transfers.values()):
+                t.io_step()
+                if t.retired:
+                    p.transfers.pop(t.request_id, None)
+                else:
+                    busy = busy or t.busy()
+        return busy
+
+
+class SenderTransfer(Transfer):
+    """State and the finish/abort template shared by every transport's transfer."""
+
+    landed_on_ack = False  # zmq: bytes land when the receiver writes them, so the Ack marks the end
+
+    def __init__(self, sender: ChannelSender, peer: Peer, plan: Plan):
+        self.request_id = plan.request_id
+        self.peer = peer.address
+        self.state = State.OPENED
+        self.sender, self.p, self.plan = sender, peer, plan
+        self.cfg = sender.cfg
+        self.layered = sender.cfg.mode == "layer"
+        self.accepted = threading.Event()
+        self.error: TransferError | None = None
+        self.lock = threading.Lock()
+        self.ack: Future = Future()
+        self.started_at = 0.0
+        self.finished_at = 0.0
+        self.copies = 0
+        self.layers_sent: set[int] = set()
+        self.layers_before_finish = 0
+        self.retired = False  # I/O thread: nothing more to do; forget it
+        self._abort_reason: str | None = None  # I/O thread: tell the receiver once writes have stopped
+
+    # ---- caller side -----------------------------------------------------------------------
+
+    def finish(self, first_token: int, deadline_s: float | None = None) -> TransferStats:
+        deadline = time.monotonic() + (deadline_s or self.cfg.deadline_s)
+        self.layers_before_finish = len(self.layers_sent)
+        try:
+            self.raise_if_failed()
+            self.wait(self.accepted, deadline, "the decode worker's accept")
+            self.raise_if_failed()
+            self._complete(deadline)
+            self.raise_if_failed()
+            if self.cfg.fault == "stall":
+                time.sleep(max(0.0, deadline - time.monotonic()))
+                raise TransferError(f"request {self.request_id}: stalled before the done notice (fault injection)")
+            if self.cfg.fault != "drop_done":
+                done = P.Done(self.request_id, first_token, self.plan.num_bytes, self.started_at, self.finished_at,
+                              self.writes())
+                self.sender._call(self.sender.send, self.p, done, timeout_s=deadline - time.monotonic())
+                self.wait(self.ack, deadline, "the decode worker's ack of the done notice")
+                if self.landed_on_ack:
+                    self.finished_at = time.time()
+        except TransferError as e:
+            self.fail(e)
+            raise self.error from None
+        self.state = State.DONE
+        self.sender._submit(self._retire)
+        return self.stats()
+
+    def abort(self, reason: str) -> None:
+        self.fail(TransferError(f"request {self.request_id}: aborted by the prefill worker: {reason}"))
+
+    def stats(self) -> TransferStats:
+        return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, self.copies,
+                             self.layers_before_finish,
+                             {"transport": self.sender.transport, "mode": self.cfg.mode, "runs": len(self.plan.runs)})
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, what, deadline: float, name: str) -> None:
+        """Wait for a threading.Event or a Future, or raise TransferError at the deadline."""
+        remaining = deadline - time.monotonic()
+        if isinstance(what, Future):
+            try:
+                what.result(timeout=max(remaining, 0.0))
+                return
+            except FutureTimeout:
+                pass
+        elif what.wait(max(remaining, 0.0)):
+            return
+        raise TransferError(f"request {self.request_id}: no {name} within the deadline (decode worker {self.peer}); "
+                            "check that it is alive and reachable; free the request's prefill blocks")
+
+    def mark_started(self) -> None:
+        if not self.started_at:
+            self.started_at = time.time()
+            self.state = State.TRANSFERRING
+
+    # ---- either thread ---------------------------------------------------------------------
+
+    def fail(self, error: TransferError, reachable: bool = True) -> None:
+        """Record the first failure; unless the receiver is gone or already knows, it gets an Abort
+        once our writes have stopped."""
+        with self.lock:
+            if self.error is not None or self.state is State.DONE:
+                return
+            self.error, self.state = error, State.FAILED
+        self.accepted.set()  # wake a finish() waiting for the accept
+        if not self.ack.done():
+            self.ack.set_exception(error)
+        if reachable:
+            self.sender._submit(self._schedule_abort, str(error))
+        else:
+            self.sender._submit(self._retire)
+
+    # ---- I/O thread ------------------------------------------------------------------------
+
+    def on_accept(self) -> None:
+        self.accepted.set()
+
+    def on_ack(self, msg: P.Ack) -> None:
+        if msg.ok:
+            if not self.ack.done():
+                self.ack.set_result(None)
+        else:
+            self.fail(TransferError(f"request {self.request_id}: the decode worker at {self.peer} refused the "
+                                    f"done notice: {msg.error}; free the request's prefill blocks"), reachable=False)
+
+    def io_step(self) -> None:
+        if self.error is not None or self.retired:
+            self.pump_failed()
+        else:
+            self.pump()
+        if self._abort_reason is not None and not self.writes_in_flight():
+            self.sender.send(self.p, P.Abort(self.request_id, self._abort_reason))
+            self._abort_reason = None
+            self.retired = True
+
+    def _schedule_abort(self, reason: str) -> None:
+        if not self.retired:
+            self._abort_reason = reason
+
+    def _retire(self) -> None:
+        if self._abort_reason is None:
+            self.retired = True
+
+    # ---- transports ------------------------------------------------------------------------
+
+    def _complete(self, deadline: float) -> None:
+        """Caller side: move whatever is left, wait until every byte landed; set finished_at."""
+        raise NotImplementedError
+
+    def writes(self) -> int:
+        """Writes the receiver should count (nixl notifications, zmq frames); 0 if it counts none."""
+        return 0
+
+    def pump(self) -> None:
+        """I/O thread, each loop: post what is ready, check what is in flight."""
+
+    def pump_failed(self) -> None:
+        """I/O thread, after a failure: post nothing new; keep checking what is in flight."""
+        self.pump_in_flight()
+
+    def pump_in_flight(self) -> None: ...
+
+    def discard(self) -> None:
+        """I/O thread: the peer is gone; let go of whatever is still in flight."""
+
+    def writes_in_flight(self) -> bool:
+        return False
+
+    def io_pending(self) -> bool:
+        """The I/O thread has work here that needs polling without a nap (GPU events, NIXL transfers)."""
+        return False
+
+    def busy(self) -> bool:
+        return self.io_pending() or (self._abort_reason is not None and self.writes_in_flight())
