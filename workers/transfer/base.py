@@ -12,9 +12,11 @@ Decode side (receiver), one per decode worker, made once at start:
 
 Prefill side (sender), one per prefill worker:
     make_sender(kv, cfg)
+    .connect(peer, deadline_s)              optional: the handshake with `peer` now (version + layout +
+                                            transport metadata; maps or registers its pool), not on first open
     .open(request_id, peer, src_blocks, dst_blocks, num_tokens) -> Transfer
-                                            handshake with `peer` on first use (version + layout + transport
-                                            metadata); tells the receiver the transfer begins
+                                            handshake on first use; then returns at once, the Begin (tells the
+                                            receiver the transfer starts) goes out on the sender's I/O thread
     Transfer.layer_done(layer)              layer mode: that layer's K/V are in the pool (on GPU: enqueued on
                                             the current stream); start moving it, return at once. Bulk: no-op
     Transfer.finish(first_token, deadline_s) -> TransferStats
@@ -156,6 +158,9 @@ class KVReceiver(ABC):
 class KVSender(ABC):
     def __init__(self, kv: KVCache, cfg: TransferConfig):
         self.kv, self.cfg = kv, cfg
+
+    @abstractmethod
+    def connect(self, peer: str, deadline_s: float | None = None) -> None: ...
 
     @abstractmethod
     def open(self, request_id: str, peer: str, src_blocks: list[int], dst_blocks: list[int],

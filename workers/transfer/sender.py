@@ -55,6 +55,7 @@ class Peer:
         self.layout: KVLayout | None = None
         self.remote = None  # what the transport attached: a mapped pool, a NIXL agent name
         self.transfers: dict[str, "SenderTransfer"] = {}
+        self.alive = True  # False once dropped; the caller side then shakes hands again
 
 
 class ChannelSender(Endpoint, KVSender):
@@ -66,19 +67,26 @@ class ChannelSender(Endpoint, KVSender):
         self.layout = kv.layout
         self.host = socket.gethostname()
         self.sender_name = f"{self.host}:{os.getpid()}"
-        self._peers: dict[str, Peer] = {}
+        self._peers: dict[str, Peer] = {}  # I/O thread
+        self._known: dict[str, Peer] = {}  # caller side: peers past their handshake
         self._by_sock: dict[zmq.Socket, Peer] = {}
         self._start(cfg.deadline_s)
 
     # ---- public (engine thread) ------------------------------------------------------------
 
+    def connect(self, peer: str, deadline_s: float | None = None) -> None:
+        """Shake hands with `peer` now (open() does it on first use otherwise)."""
+        self._connect(peer, time.monotonic() + (deadline_s or self.cfg.deadline_s))
+
     def open(self, request_id: str, peer: str, src_blocks: list[int], dst_blocks: list[int],
              num_tokens: int) -> Transfer:
-        deadline = time.monotonic() + self.cfg.deadline_s
-        p = self._connect(peer, deadline)
+        """Returns at once for a peer already shaken hands with (the Begin goes out on the I/O thread)."""
+        p = self._known.get(peer)
+        if p is None or not p.alive:
+            p = self._connect(peer, time.monotonic() + self.cfg.deadline_s)
         plan = make_plan(request_id, src_blocks, dst_blocks, num_tokens, self.layout, p.layout)
         t = self._new_transfer(p, plan)
-        self._call(self._begin, p, t, list(dst_blocks), num_tokens, timeout_s=deadline - time.monotonic())
+        self._submit(self._begin, p, t, list(dst_blocks), num_tokens)
         return t
 
     def close(self) -> None:
@@ -104,7 +112,9 @@ class ChannelSender(Endpoint, KVSender):
     def _connect(self, address: str, deadline: float) -> Peer:
         ready: Future = self._call(self._peer, address, timeout_s=deadline - time.monotonic())
         try:
-            return ready.result(timeout=max(deadline - time.monotonic(), 0.001))
+            p = ready.result(timeout=max(deadline - time.monotonic(), 0.001))
+            self._known[address] = p
+            return p
         except FutureTimeout:
             self._submit(self._drop, address, "no handshake answer")
             raise TransferError(
@@ -145,6 +155,7 @@ class ChannelSender(Endpoint, KVSender):
         p = self._peers.pop(address, None)
         if p is None:
             return
+        p.alive = False
         error = TransferError(f"decode worker at {address}: {reason}")
         if not p.ready.done():
             p.ready.set_exception(error)
@@ -173,10 +184,14 @@ class ChannelSender(Endpoint, KVSender):
         self._teardown_transport()
 
     def _begin(self, p: Peer, t: "SenderTransfer", dst_blocks: list[int], num_tokens: int) -> None:
-        if self._peers.get(p.address) is not p:
-            raise TransferError(f"request {t.request_id}: decode worker at {p.address} went away during open()")
+        if not p.alive:
+            t.fail(TransferError(f"request {t.request_id}: decode worker at {p.address} went away before the "
+                                 "transfer began; free the request's prefill blocks"), reachable=False)
+            return
         if t.request_id in p.transfers:
-            raise TransferError(f"request {t.request_id} is already being sent to {p.address}")
+            t.fail(TransferError(f"request {t.request_id} is already being sent to {p.address}; use a new "
+                                 "request id"), reachable=False)
+            return
         p.transfers[t.request_id] = t
         self.send(p, P.Begin(t.request_id, dst_blocks, num_tokens))
 
