@@ -360,3 +360,9 @@ def markdown(result: dict) -> str:
     lines += ["", f"decode b1 <= transformers b1: {verdict[t['decode_b1_not_slower']]}; "
                   f"decode b32 <= 2x our b1: {verdict[t['decode_b32_within_2x_b1']]}"]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # `python -m bench.engine_bench ...`, the same as `pdserve-bench engine ...`
+    _parser = argparse.ArgumentParser(prog="pdserve-bench engine", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
