@@ -21,12 +21,14 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="pdserve-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if argv and argv[0] == name:  # import only the chosen benchmark (and its heavy deps)
+            importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     return importlib.import_module(args._module).run(args) or 0
 

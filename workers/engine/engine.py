@@ -268,11 +268,18 @@ class Engine:
                           None if logits is None else logits.detach().float().cpu())
 
     def _detokenize(self, req: Request) -> str:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        """The text the newest token adds, decoding only a few tokens of context each time
+        (a token's text can depend on its neighbours, e.g. a leading space or a split
+        UTF-8 character, which shows as U+FFFD until the next token completes it)."""
+        ids = req.output_ids
+        decode = self.tokenizer.decode
+        before = decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
+        after = decode(ids[req.prefix_offset:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        delta = text[len(req.text):] if text.startswith(req.text) else text
-        req.text = text
+        delta = after[len(before):]
+        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+        req.text += delta
         return delta
 
     def _finish(self, req: Request, reason: str) -> None:

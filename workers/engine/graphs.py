@@ -8,8 +8,8 @@ read block 0 with length 1 and write their K/V into the pool's scratch block, wh
 request owns.
 
 Buckets: batch 1, 2, 4, 8, then multiples of 16 up to max_num_seqs; block tables in
-powers of two from 16 blocks up to the model's context. A short context therefore
-gathers at most twice its blocks, never the whole context.
+multiples of 16 blocks up to 256, then of 128: a step gathers at most 16 or 128 blocks
+per request more than its longest request needs, never the whole context.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class DecodeGraphs:
         self.runner = runner
         dev = runner.device
         self.batch_buckets = _buckets(max_num_seqs, [1, 2, 4, 8], lambda b: b + 16 if b >= 16 else 16)
-        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: max(16, b * 2))
+        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: b + 16 if b < 256 else b + 128)
         nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
         self.ids = torch.zeros(nb, dtype=torch.long, device=dev)
         self.pos = torch.zeros(nb, dtype=torch.long, device=dev)

@@ -61,6 +61,10 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output so far (stop strings cut it)
+    # incremental detokenization: output_ids[prefix_offset:read_offset] is the context that
+    # the text of the next tokens is measured against
+    prefix_offset: int = 0
+    read_offset: int = 0
     # engine-side timeline, time.monotonic() seconds
     arrived: float = field(default_factory=time.monotonic)
     prefill_start: float | None = None

@@ -97,17 +97,17 @@ class ModelRunner:
     def decode_inputs(self, reqs: list[Request], batch: int, max_blocks: int) -> dict[str, torch.Tensor]:
         """CPU tensors of a decode step, padded to `batch` rows and `max_blocks` columns."""
         bs = self.block_size
+        n = len(reqs)
         table = torch.zeros(batch, max_blocks, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.block_ids)] = torch.tensor(r.block_ids)
+        table[:n] = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
         lens = torch.ones(batch, dtype=torch.long)
-        lens[: len(reqs)] = torch.tensor([r.num_tokens for r in reqs])
+        lens[:n] = torch.tensor([r.num_tokens for r in reqs])
         ids = torch.zeros(batch, dtype=torch.long)
-        ids[: len(reqs)] = torch.tensor([r.output_ids[-1] for r in reqs])
+        ids[:n] = torch.tensor([r.output_ids[-1] for r in reqs])
         pos = lens - 1
         k = table[torch.arange(batch), pos // bs] * (2 * bs) + pos % bs
-        k[len(reqs):] = self.scratch_block * 2 * bs  # padding rows write into the scratch block
-        pos[len(reqs):] = 0
+        k[n:] = self.scratch_block * 2 * bs  # padding rows write into the scratch block
+        pos[n:] = 0
         return {"ids": ids, "pos": pos, "k_slots": k, "v_slots": k + bs, "table": table, "lens": lens}
 
     def _decode_eager(self, reqs: list[Request]) -> torch.Tensor:
