@@ -21,12 +21,12 @@ Nothing but the handshake, Begin/Accept and the done notice crosses the socket.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
 import torch
 
-from workers.engine.kv_cache import KVLayout
 from workers.transfer import protocol as P
 from workers.transfer.base import TransferError
 from workers.transfer.plan import Plan
@@ -66,10 +66,11 @@ class Sender(ChannelSender):
         if welcome.host != self.host:
             raise TransferError(f"the ipc transport needs both workers on one host; the decode worker at "
                                 f"{peer.address} runs on {welcome.host}, this one on {self.host}; use nixl or zmq")
+        layout = peer.layout
         if isinstance(info, P.ShmInfo):
-            return map_shm(info, peer.layout, peer.address)
+            return map_shm(info, layout.shape, layout.torch_dtype, peer.address)
         if isinstance(info, P.CudaIpcInfo):
-            return map_cuda(info, peer.layout, peer.address)
+            return map_cuda(info, layout.shape, layout.torch_dtype, peer.address)
         raise TransferError(f"decode worker at {peer.address} answered the ipc handshake with {type(info).__name__}")
 
     def _detach(self, peer: Peer) -> None:
@@ -79,27 +80,29 @@ class Sender(ChannelSender):
         return IpcTransfer(self, peer, plan)
 
 
-def map_shm(info: P.ShmInfo, layout: KVLayout, address: str) -> torch.Tensor:
+def map_shm(info: P.ShmInfo, shape: tuple[int, ...], dtype: torch.dtype, address: str) -> torch.Tensor:
+    """Map a pool (or any tensor) another process keeps in a /dev/shm file."""
+    nbytes = math.prod(shape) * dtype.itemsize
     if not os.path.exists(info.path):
         raise TransferError(f"decode worker at {address} keeps its pool in {info.path}, which this process cannot "
                             "see; the workers must share /dev/shm (containers: --ipc=host or a shared volume)")
-    if info.nbytes != layout.pool_bytes or os.path.getsize(info.path) < info.nbytes:
+    if info.nbytes != nbytes or os.path.getsize(info.path) < nbytes:
         raise TransferError(f"decode worker at {address}: {info.path} holds {os.path.getsize(info.path)} bytes, "
-                            f"its layout needs {layout.pool_bytes}")
-    flat = torch.from_file(info.path, shared=True, size=layout.pool_bytes // layout.itemsize, dtype=layout.torch_dtype)
-    return flat.view(layout.shape)
+                            f"its layout needs {nbytes}")
+    return torch.from_file(info.path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
-def map_cuda(info: P.CudaIpcInfo, layout: KVLayout, address: str) -> torch.Tensor:
-    if info.size_bytes < layout.pool_bytes:
-        raise TransferError(f"decode worker at {address} exported {info.size_bytes} bytes, its layout needs "
-                            f"{layout.pool_bytes}")
+def map_cuda(info: P.CudaIpcInfo, shape: tuple[int, ...], dtype: torch.dtype, address: str) -> torch.Tensor:
+    """Open a CUDA allocation another process exported with _share_cuda_(), as a tensor of `shape`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if info.size_bytes < nbytes:
+        raise TransferError(f"decode worker at {address} exported {info.size_bytes} bytes, its layout needs {nbytes}")
     torch.cuda.init()
     storage = torch.UntypedStorage._new_shared_cuda(
         info.device, info.handle, info.size_bytes, info.offset_bytes, info.ref_counter_handle,
         info.ref_counter_offset, info.event_handle, info.event_sync_required)
-    empty = torch.empty(0, dtype=layout.torch_dtype, device=torch.device("cuda", info.device))
-    return empty.set_(storage, 0, layout.shape, contiguous_strides(layout.shape))
+    empty = torch.empty(0, dtype=dtype, device=torch.device("cuda", info.device))
+    return empty.set_(storage, 0, shape, contiguous_strides(shape))
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

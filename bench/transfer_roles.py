@@ -1,0 +1,348 @@
+"""The two processes of `pdserve-bench transfer`: prefill and decode, driven by JSON lines.
+
+    python -m bench.transfer_roles prefill|decode --model M --device D ... (started by bench/transfer.py)
+
+Each loads the model once and answers one command per stdin line with one stdout line that starts
+with REPLY (libraries such as NIXL log to stdout too).
+
+Prefill side (our transports, one sender per transport and mode, and the seed's method):
+    bandwidth {nbytes, to}              device-to-device copy of one buffer, GB/s
+    prefill {n}                         plain prefill_only, ms (the reference for layer-wise extra)
+    transfer {id, n, transport, mode, peer, dst}   prefill + move the KV into the decode blocks; in
+                                        layer mode the transfer opens at layer 0 (as the prefill role does)
+    seed_prepare {n, info}              map the decode side's contiguous buffer; a contiguous K/V copy
+                                        of the prompt's cache, as transformers' DynamicCache holds it
+    seed {id, n, mode}                  prefill + one copy_ per layer for K and V (bulk: after prefill;
+                                        layer: from a hook, on a side stream)
+Decode side:
+    reserve {id, n, transport}          reserve blocks, expect the transfer -> blocks, receiver address
+    decode {id, n, transport, first_token, logits_sha}   wait for the KV, adopt, decode to --tokens and
+                                        compare tokens and logits bitwise with a colocated run
+    seed_buffer {n}                     a contiguous [layers, 2, kv_heads, n, head_dim] buffer, exported
+    seed_decode {id, n, first_token, logits_sha}   scatter that buffer into reserved blocks, then as decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import uuid
+
+import msgspec
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.request import Request, SamplingParams
+from workers.transfer import protocol as P
+from workers.transfer.base import MODES, TransferConfig, make_receiver, make_sender
+from workers.transfer.ipc import map_cuda, map_shm, wait_event
+
+REPLY = "@bench "
+TEXT = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
+        "Paris is the capital of France, and Berlin is the capital of Germany. ")
+
+
+def prompt_ids(engine: Engine, n: int) -> list[int]:
+    """n tokens of English text (the same in every process)."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += engine.tokenizer.encode(TEXT)
+    return ids[:n]
+
+
+def logits_digest(logits: torch.Tensor) -> str:
+    return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_engine(args, device: str, max_len: int, shared: bool) -> Engine:
+    blocks = 2 * math.ceil((max_len + args.tokens) / args.block_size) + 8
+    return Engine(EngineConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
+                               num_blocks=blocks, max_num_seqs=8, max_batched_tokens=max(8192, max_len),
+                               kv_shared=shared, max_model_len=max_len + args.tokens + 1))
+
+
+class PrefillSide:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.engine = make_engine(args, args.device, args.max_len, shared=False)
+        self.senders = {(t, m): make_sender(self.engine.kv, TransferConfig(transport=t, mode=m,
+                                                                            deadline_s=args.deadline_s))
+                        for t in args.transports.split(",") for m in MODES}
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.seed_dst: dict[int, torch.Tensor] = {}
+        self.seed_src: dict[int, list[torch.Tensor]] = {}
+
+    def hello(self) -> dict:
+        return {"layout": self.engine.layout.describe(), "bytes_per_token": self.engine.layout.bytes_per_token,
+                "num_layers": self.engine.layout.num_layers, "model": self.engine.model_name,
+                "dtype": self.engine.layout.dtype}
+
+    def bandwidth(self, cmd) -> dict:
+        src = torch.empty(cmd["nbytes"], dtype=torch.uint8, device=self.device)
+        dst = torch.empty(cmd["nbytes"], dtype=torch.uint8, device=cmd["to"])
+        runs = []
+        for i in range(6):
+            sync(self.device), sync(dst.device)
+            start = time.perf_counter()
+            dst.copy_(src)
+            sync(self.device), sync(dst.device)
+            if i:  # the first one warms up
+                runs.append(time.perf_counter() - start)
+        runs.sort()
+        return {"gbps": cmd["nbytes"] / runs[len(runs) // 2] / 1e9}
+
+    def request(self, rid: str, n: int) -> Request:
+        return Request(rid, prompt_ids(self.engine, n), SamplingParams(max_tokens=self.args.tokens, ignore_eos=True))
+
+    def prefill(self, cmd) -> dict:
+        req = self.request(f"plain-{uuid.uuid4().hex[:8]}", cmd["n"])
+        sync(self.device)
+        start = time.perf_counter()
+        self.engine.prefill_only(req)
+        ms = (time.perf_counter() - start) * 1e3
+        self.engine.release(req.request_id)
+        return {"prefill_ms": ms}
+
+    def transfer(self, cmd) -> dict:
+        sender = self.senders[(cmd["transport"], cmd["mode"])]
+        req = self.request(cmd["id"], cmd["n"])
+        holder = []
+
+        def open_transfer():
+            return sender.open(req.request_id, cmd["peer"], list(req.block_ids), cmd["dst"], cmd["n"])
+
+        def on_layer(layer: int) -> None:
+            if not holder:
+                holder.append(open_transfer())
+            holder[0].layer_done(layer)
+
+        sync(self.device)
+        start = time.perf_counter()
+        try:
+            result = self.engine.prefill_only(req, on_layer if cmd["mode"] == "layer" else None)
+            prefill_ms = (time.perf_counter() - start) * 1e3
+            prefill_end = time.time()
+            if not holder:
+                holder.append(open_transfer())
+            stats = holder[0].finish(result.first_token)
+        except Exception as e:
+            if holder:
+                holder[0].abort(repr(e))
+            self.engine.release(req.request_id)
+            return {"error": f"{type(e).__name__}: {e}"}
+        self.engine.release(req.request_id)
+        return {"prefill_ms": prefill_ms, "transfer_ms": (stats.finished_at - stats.started_at) * 1e3,
+                "exposed_ms": max(0.0, stats.finished_at - prefill_end) * 1e3, "copies": stats.copies,
+                "kv_bytes": stats.num_bytes, "first_token": result.first_token,
+                "logits_sha": logits_digest(result.logits)}
+
+    # ---- the seed's method: a contiguous cache, one copy_ per layer for K and V ------------------
+
+    def seed_prepare(self, cmd) -> dict:
+        n = cmd["n"]
+        L = self.engine.layout
+        info = msgspec.json.decode(cmd["info"], type=P.TransportInfo)
+        shape = (L.num_layers, 2, L.num_kv_heads, n, L.head_dim)
+        if isinstance(info, P.CudaIpcInfo):
+            self.seed_dst[n] = map_cuda(info, shape, L.torch_dtype, "the decode process")
+        else:
+            self.seed_dst[n] = map_shm(info, shape, L.torch_dtype, "the decode process")
+        req = self.request(f"seed-src-{n}", n)
+        self.engine.prefill_only(req)
+        pool = self.engine.kv.pool
+        src = []
+        for layer in range(L.num_layers):  # [blocks, 2, bs, heads, dim] -> K and V as [1, heads, n, dim]
+            x = pool[layer, req.block_ids].permute(1, 3, 0, 2, 4).reshape(2, L.num_kv_heads, -1, L.head_dim)
+            src += [x[0, :, :n].contiguous()[None], x[1, :, :n].contiguous()[None]]
+        self.engine.release(req.request_id)
+        self.seed_src[n] = src
+        return {"ok": True}
+
+    def seed(self, cmd) -> dict:
+        n, layered = cmd["n"], cmd["mode"] == "layer"
+        src, dst = self.seed_src[n], self.seed_dst[n]
+        state = {"started": 0.0, "copies": 0}
+
+        def copy_layer(layer: int) -> None:
+            state["started"] = state["started"] or time.time()
+            if self.stream is None:
+                dst[layer, 0].copy_(src[2 * layer][0])
+                dst[layer, 1].copy_(src[2 * layer + 1][0])
+            else:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+                self.stream.wait_event(ready)
+                with torch.cuda.stream(self.stream):
+                    dst[layer, 0].copy_(src[2 * layer][0], non_blocking=True)
+                    dst[layer, 1].copy_(src[2 * layer + 1][0], non_blocking=True)
+            state["copies"] += 2
+
+        req = self.request(cmd["id"], n)
+        sync(self.device)
+        start = time.perf_counter()
+        result = self.engine.prefill_only(req, copy_layer if layered else None)
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        prefill_end = time.time()
+        if not layered:
+            for layer in range(self.engine.layout.num_layers):
+                copy_layer(layer)
+        if self.stream is not None:
+            wait_event(self.stream.record_event(), time.monotonic() + self.args.deadline_s, req.request_id, "seed")
+        finished = time.time()
+        self.engine.release(req.request_id)
+        return {"prefill_ms": prefill_ms, "transfer_ms": (finished - state["started"]) * 1e3,
+                "exposed_ms": max(0.0, finished - prefill_end) * 1e3, "copies": state["copies"],
+                "kv_bytes": n * self.engine.layout.bytes_per_token, "first_token": result.first_token,
+                "logits_sha": logits_digest(result.logits)}
+
+
+class DecodeSide:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.decode_device)
+        self.engine = make_engine(args, args.decode_device, args.max_len, shared=self.device.type == "cpu")
+        self.receivers = {t: make_receiver(self.engine.kv, TransferConfig(transport=t, deadline_s=args.deadline_s))
+                          for t in args.transports.split(",")}
+        self.refs: dict[int, dict] = {}
+        self.seed_buffers: dict[int, torch.Tensor] = {}
+        self.shm_paths: list[str] = []
+        self.arrivals: dict = {}
+
+    def hello(self) -> dict:
+        return {"addresses": {t: r.address for t, r in self.receivers.items()}}
+
+    def reserve(self, cmd) -> dict:
+        blocks = self.engine.reserve(cmd["id"], cmd["n"])
+        if blocks is None:
+            return {"error": f"no room for {cmd['n']} tokens in the decode pool"}
+        self.receivers[cmd["transport"]].expect(cmd["id"], blocks, self.args.deadline_s)
+        return {"blocks": blocks, "address": self.receivers[cmd["transport"]].address}
+
+    def decode(self, cmd) -> dict:
+        rid, receiver = cmd["id"], self.receivers[cmd["transport"]]
+        end = time.monotonic() + self.args.deadline_s + 5
+        while rid not in self.arrivals and time.monotonic() < end:
+            self.arrivals.update({a.request_id: a for a in receiver.poll()})
+            time.sleep(0.0005)
+        arrival = self.arrivals.pop(rid, None)
+        if arrival is None or not arrival.ok:
+            self.engine.release(rid)
+            return {"error": arrival.error if arrival else f"request {rid}: no arrival reported"}
+        if arrival.first_token != cmd["first_token"]:
+            self.engine.release(rid)
+            return {"error": f"request {rid}: first token {arrival.first_token} arrived, {cmd['first_token']} sent"}
+        return self._continue(cmd)
+
+    def _continue(self, cmd) -> dict:
+        """Adopt the request whose prompt KV sits in its reserved blocks, decode, compare with colocated."""
+        n, rid = cmd["n"], cmd["id"]
+        ref = self.reference(n)
+        req = Request(rid, prompt_ids(self.engine, n), SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
+                      return_logits=True)
+        self.engine.adopt(req, cmd["first_token"])
+        logits = []
+        while not req.finished:
+            logits += [o.logits for o in self.engine.step() if o.request_id == rid]
+        tokens_equal = req.output_ids == ref["tokens"]
+        first_equal = cmd["logits_sha"] == ref["first_sha"]
+        step = next((i + 1 for i, (a, b) in enumerate(zip(logits, ref["logits"][1:])) if not torch.equal(a, b)), None)
+        exact = tokens_equal and first_equal and step is None and len(logits) == len(ref["logits"]) - 1
+        out = {"exact": exact, "tokens_equal": tokens_equal, "first_logits_equal": first_equal,
+               "first_step_ms": (req.first_step_end - req.first_step_start) * 1e3,
+               "colocated_first_step_ms": ref["first_step_ms"]}
+        if not exact:
+            out["mismatch"] = (f"first differing logits at generated token {step}; tokens transferred "
+                               f"{self.engine.tokenizer.decode(req.output_ids)!r} vs colocated "
+                               f"{self.engine.tokenizer.decode(ref['tokens'])!r}")
+        return out
+
+    def reference(self, n: int) -> dict:
+        """The colocated run on this engine: greedy tokens and every step's logits."""
+        if n not in self.refs:
+            req = Request(f"colocated-{n}", prompt_ids(self.engine, n),
+                          SamplingParams(max_tokens=self.args.tokens, ignore_eos=True), return_logits=True)
+            self.engine.add_request(req)
+            logits = []
+            while not req.finished:
+                logits += [o.logits for o in self.engine.step() if o.request_id == req.request_id]
+            self.refs[n] = {"tokens": req.output_ids, "logits": logits, "first_sha": logits_digest(logits[0]),
+                            "first_step_ms": (req.first_step_end - req.first_step_start) * 1e3}
+        return self.refs[n]
+
+    # ---- the seed's method ----------------------------------------------------------------------
+
+    def seed_buffer(self, cmd) -> dict:
+        n, L = cmd["n"], self.engine.layout
+        shape = (L.num_layers, 2, L.num_kv_heads, n, L.head_dim)
+        if self.device.type == "cuda":
+            buf = torch.zeros(shape, dtype=L.torch_dtype, device=self.device)
+            info = P.CudaIpcInfo(*buf.untyped_storage()._share_cuda_())
+        else:
+            path = f"/dev/shm/pdserve-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.shm_paths.append(path)
+            buf = torch.from_file(path, shared=True, size=math.prod(shape), dtype=L.torch_dtype).view(shape)
+            info = P.ShmInfo(path, buf.numel() * buf.element_size())
+        self.seed_buffers[n] = buf
+        return {"info": msgspec.json.encode(info).decode()}
+
+    def seed_decode(self, cmd) -> dict:
+        n, rid, L = cmd["n"], cmd["id"], self.engine.layout
+        blocks = self.engine.reserve(rid, n)
+        buf, pool = self.seed_buffers[n], self.engine.kv.pool
+        padded = len(blocks) * L.block_size
+        for layer in range(L.num_layers):  # [2, heads, n, dim] -> [blocks, 2, bs, heads, dim]
+            x = torch.zeros(2, L.num_kv_heads, padded, L.head_dim, dtype=buf.dtype, device=buf.device)
+            x[:, :, :n] = buf[layer]
+            pool[layer, blocks] = x.view(2, L.num_kv_heads, len(blocks), L.block_size, L.head_dim) \
+                .permute(2, 0, 3, 1, 4).to(pool.device)
+        return self._continue(cmd)
+
+    def close(self) -> None:
+        for r in self.receivers.values():
+            r.close()
+        for path in self.shm_paths:
+            if os.path.exists(path):
+                os.unlink(path)
+        self.engine.kv.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="one side of pdserve-bench transfer (started by it)")
+    ap.add_argument("role", choices=["prefill", "decode"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", required=True)
+    ap.add_argument("--decode-device", required=True)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-len", type=int, required=True)
+    ap.add_argument("--tokens", type=int, default=20)
+    ap.add_argument("--transports", required=True)
+    ap.add_argument("--deadline-s", type=float, default=60.0)
+    args = ap.parse_args()
+    side = PrefillSide(args) if args.role == "prefill" else DecodeSide(args)
+    print(REPLY + json.dumps(side.hello()), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        with torch.inference_mode():
+            out = getattr(side, cmd["cmd"])(cmd)
+        print(REPLY + json.dumps(out), flush=True)
+    if isinstance(side, DecodeSide):
+        side.close()
+
+
+if __name__ == "__main__":
+    main()
