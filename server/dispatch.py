@@ -10,9 +10,9 @@ Disaggregated:
     D ............................... Tokens: token 1 (came with the KV), then one per decode step
 
 Every wait has a deadline; a worker that fails, times out or is dropped ends the request with an
-error (APIError), and whatever it still holds elsewhere is aborted. D's reservation is only
-cancelled once P can no longer write into it (P reported, P is gone, or P's deadline passed):
-the KV write is one-sided, and blocks D hands to another request must not receive late bytes.
+error (APIError), and whatever the other workers hold for it is aborted. Aborting D's reservation
+while P may still write is safe: D frees the blocks only once its KV receiver reports that no
+write can land any more (workers/roles/decode.py). P's deadline ends before D's reservation does.
 """
 
 from __future__ import annotations
@@ -158,15 +158,14 @@ class Dispatcher:
                     self._raise_for(msg, job)
         finally:
             if not finished:
-                self._send_later(w, P.Abort(rid, "the router gave up on the request"))
+                self._abort_all(rid, w)
             self.pool.close_inbox(rid)
 
     async def _disaggregated(self, plan: Plan) -> AsyncIterator[Token | Done]:
         job, d, p = plan.job, plan.decode, plan.prefill
         rid = job.request_id
         inbox = self.pool.open_inbox(rid)
-        finished = prefill_sent = prefill_reported = False
-        prefill_deadline = 0.0
+        finished = prefill_reported = False
         report: P.PrefillDone | None = None
         try:
             self._attach(rid, d)
@@ -185,7 +184,6 @@ class Dispatcher:
             job.clock.dispatched = time.monotonic()
             await self.pool.send(p, P.Prefill(rid, job.prompt_ids, job.sampling, d.id, msg.kv_address,
                                               msg.block_ids, prefill_deadline))
-            prefill_sent = True
             stream = _TokenStream(job, self.metrics)
             while not finished:
                 waiting_for = "tokens" if stream.count else "prefill and KV transfer"
@@ -217,9 +215,8 @@ class Dispatcher:
                 transport=p.info.transport, mode=p.info.mode))
         finally:
             if not finished:
-                self._cancel_disaggregated(rid, inbox, p, d, prefill_sent, prefill_reported, prefill_deadline)
-            else:
-                self.pool.close_inbox(rid)
+                self._abort_all(rid, p, d)
+            self.pool.close_inbox(rid)
 
     # ---- helpers ----------------------------------------------------------------------------------
 
@@ -256,33 +253,9 @@ class Dispatcher:
         if self.pool.is_alive(w.id):
             self._spawn(self.pool.send(w, msg))
 
-    def _cancel_disaggregated(self, rid, inbox, p, d, prefill_sent, prefill_reported, prefill_deadline) -> None:
-        abort = P.Abort(rid, "the router gave up on the request")
-        if not prefill_sent or prefill_reported or not self.pool.is_alive(p.id):
-            self._send_later(p, abort)
-            self._send_later(d, abort)
-            self.pool.close_inbox(rid)
-            return
-        self._send_later(p, abort)
-        self._spawn(self._release_after_prefill(rid, inbox, p, d, abort, prefill_deadline))
-
-    async def _release_after_prefill(self, rid, inbox, p, d, abort, prefill_deadline) -> None:
-        """Cancel D's reservation once P can no longer write into it."""
-        end = time.monotonic() + prefill_deadline + PREFILL_DEADLINE_MARGIN_S
-        try:
-            while time.monotonic() < end and self.pool.is_alive(p.id):
-                try:
-                    msg = await asyncio.wait_for(inbox.get(), max(0.0, end - time.monotonic()))
-                except asyncio.TimeoutError:
-                    break
-                if isinstance(msg, (P.PrefillDone, P.RequestFailed)) and msg.worker_id == p.id:
-                    break
-                if isinstance(msg, WorkerLost) and msg.worker_id == p.id:
-                    break
-            if self.pool.is_alive(d.id):
-                await self.pool.send(d, abort)
-        finally:
-            self.pool.close_inbox(rid)
+    def _abort_all(self, rid: str, *workers: WorkerState) -> None:
+        for w in workers:
+            self._send_later(w, P.Abort(rid, "the router gave up on the request"))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -8,11 +8,13 @@ Life cycle of a request:
                                        -> Tokens(token 1: it travelled with the KV, we emit it first)
                     -> Arrival failed or past its deadline -> engine.release() -> RequestFailed transfer
     decode steps -> Tokens, a token each; the last carries the timeline; the engine frees the blocks
-    Abort     -> out of whichever queue holds it: receiver.cancel() + engine.release(), or engine.abort()
+    Abort     -> reserving: dropped; running: engine.abort(); expecting: receiver.cancel() -> [cancelling]
+                 until the receiver reports (Arrival ok=False) that no write can land any more, then
+                 engine.release() (a block freed earlier could take a late byte meant for this request)
 
-Queues: `reserving` (waiting for free blocks), `expecting` (blocks reserved, KV in flight), then the
-engine's `scheduler.running`. Every reservation has a deadline; blocks come back on completion,
-abort, transfer failure and timeout.
+Queues: `reserving` (waiting for free blocks), `expecting` (blocks reserved, KV in flight),
+`cancelling` (aborted while in flight), then the engine's `scheduler.running`. Every reservation has
+a deadline; blocks come back on completion, abort, transfer failure and timeout.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class DecodeRole(Role):
         self.kv_address = self.receiver.address
         self.reserving: deque[tuple[P.Reserve, float]] = deque()  # (message, received)
         self.expecting: dict[str, Request] = {}
+        self.cancelling: set[str] = set()
         self.live: dict[str, Request] = {}  # adopted, decoding
 
     # ---- control messages -----------------------------------------------------------------------
@@ -75,7 +78,7 @@ class DecodeRole(Role):
                 return
         if self.expecting.pop(rid, None) is not None:
             self.receiver.cancel(rid)
-            self.engine.release(rid)
+            self.cancelling.add(rid)
         elif self.live.pop(rid, None) is not None:
             self.engine.abort(rid)
 
@@ -83,7 +86,7 @@ class DecodeRole(Role):
 
     def tick(self) -> None:
         self._retry_reservations()
-        if self.expecting:
+        if self.expecting or self.cancelling:
             self._collect_arrivals()
         if self.engine.has_work():
             self._step()
@@ -105,9 +108,15 @@ class DecodeRole(Role):
     def _collect_arrivals(self) -> None:
         out = []
         for arrival in self.receiver.poll():
+            if arrival.request_id in self.cancelling:  # aborted: now no write can land, the blocks may go
+                self.cancelling.discard(arrival.request_id)
+                self.engine.release(arrival.request_id)
+                continue
             req = self.expecting.pop(arrival.request_id, None)
             if req is None:
-                continue  # cancelled (Abort) before its transfer reported
+                log.error("%s: the KV receiver reported request %s, which this worker does not expect",
+                          self.worker_id, arrival.request_id)
+                continue
             if not arrival.ok:
                 self.engine.release(req.request_id)
                 self.fail(req.request_id, "transfer", f"KV for request {req.request_id} did not arrive at "
@@ -151,7 +160,7 @@ class DecodeRole(Role):
     def poll_timeout_ms(self, idle_ms: int) -> int:
         if self.engine.has_work() or self.reserving:
             return 0
-        return EXPECTING_POLL_MS if self.expecting else idle_ms
+        return EXPECTING_POLL_MS if self.expecting or self.cancelling else idle_ms
 
     def queue_depth(self) -> int:
         return len(self.reserving) + len(self.expecting) + len(self.engine.scheduler.waiting)
