@@ -1,0 +1,168 @@
+"""The three worker roles driven message by message in one process: real tiny engines, real KV
+transports, the router replaced by a list of what the roles sent. Checks the request life cycles
+in workers/roles/*: tokens equal a colocated run, and every block comes back (done, abort,
+deadline, failure)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from workers import protocol as P
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.request import SamplingParams
+from workers.roles import make_role
+from workers.transfer.base import TransferConfig
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_BLOCKS = 64
+
+
+class Shell:
+    """What a role needs from its Worker: engine, id, config, and a send() we can read back."""
+
+    def __init__(self, role: str, engine: Engine, transfer: TransferConfig | None = None):
+        self.engine, self.worker_id = engine, f"{role}-test"
+        self.cfg = SimpleNamespace(transfer=transfer or TransferConfig())
+        self.sent: list = []
+        self.role = make_role(role, self)
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def take(self, cls) -> list:
+        got = [m for m in self.sent if isinstance(m, cls)]
+        self.sent = [m for m in self.sent if not isinstance(m, cls)]
+        return got
+
+
+def engine(shared: bool = False) -> Engine:
+    return Engine(EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, kv_shared=shared))
+
+
+def pump(shells, until, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < end, f"no progress within {timeout_s}s; sent: {[s.sent for s in shells]}"
+        for s in shells:
+            s.role.tick()
+        time.sleep(0.0005)
+
+
+def tokens_of(shell: Shell, rid: str) -> list[P.TokenOut]:
+    return [o for m in shell.sent if isinstance(m, P.Tokens) for o in m.outputs if o.request_id == rid]
+
+
+def finished(shell: Shell, rid: str) -> bool:
+    return any(o.finished for o in tokens_of(shell, rid))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = engine()
+    prompt = eng.encode_prompt("The capital of France is")
+    [req] = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    return prompt, req.output_ids
+
+
+@pytest.mark.parametrize("transport,mode", [("ipc", "layer"), ("zmq", "bulk")])
+def test_disaggregated_roles_match_colocated(reference, transport, mode):
+    prompt, expected = reference
+    cfg = TransferConfig(transport=transport, mode=mode, deadline_s=10.0)
+    d = Shell("decode", engine(shared=True), cfg)
+    p = Shell("prefill", engine(), cfg)
+    try:
+        sampling = P.Sampling(max_tokens=8, ignore_eos=True)
+        d.role.handle(P.Reserve("r1", prompt, sampling, deadline_s=10.0))
+        [reserved] = d.take(P.Reserved)
+        assert len(reserved.block_ids) * 16 >= len(prompt) and reserved.kv_address == d.role.kv_address
+        p.role.handle(P.Prefill("r1", prompt, sampling, d.worker_id, reserved.kv_address, reserved.block_ids, 8.0))
+        pump([p, d], lambda: finished(d, "r1"))
+        [done] = p.take(P.PrefillDone)
+        outs = tokens_of(d, "r1")
+        assert [o.token_id for o in outs] == expected
+        assert outs[0].token_id == done.first_token  # the first token came with the KV, emitted first
+        layout = p.engine.layout
+        assert done.kv_bytes == len(reserved.block_ids) * layout.block_size * layout.bytes_per_token  # whole blocks
+        assert done.timeline.prefill_ms > 0 and done.transfer_exposed_ms >= 0
+        assert outs[-1].timeline.first_step_ms > 0
+        assert p.engine.blocks.num_free == NUM_BLOCKS and d.engine.blocks.num_free == NUM_BLOCKS
+    finally:
+        p.role.close(), d.role.close(), d.engine.kv.close()
+
+
+def test_abort_in_flight_frees_blocks_only_after_the_receiver_lets_go(reference):
+    prompt, _ = reference
+    d = Shell("decode", engine(shared=True), TransferConfig(transport="zmq"))
+    try:
+        d.role.handle(P.Reserve("r2", prompt, P.Sampling(), deadline_s=10.0))
+        held = NUM_BLOCKS - d.engine.blocks.num_free
+        assert held > 0
+        d.role.handle(P.Abort("r2", "test"))
+        assert d.engine.blocks.num_free == NUM_BLOCKS - held  # not yet: a write might still land
+        pump([d], lambda: d.engine.blocks.num_free == NUM_BLOCKS, 5.0)
+        assert not d.role.cancelling and not d.role.expecting
+        assert not d.take(P.RequestFailed)  # the router asked for it: nothing to report
+    finally:
+        d.role.close(), d.engine.kv.close()
+
+
+def test_reservation_waits_for_room_then_fails_at_its_deadline(reference):
+    d = Shell("decode", engine(shared=True), TransferConfig(transport="zmq"))
+    try:
+        big = list(range(100, 100 + (NUM_BLOCKS - 2) * 16))
+        d.role.handle(P.Reserve("big", big, P.Sampling(), deadline_s=10.0))
+        assert d.take(P.Reserved)
+        start = time.monotonic()
+        d.role.handle(P.Reserve("small", list(range(100, 164)), P.Sampling(), deadline_s=0.3))
+        assert d.role.queue_depth() == 2  # one waiting for room, one expecting its KV
+        pump([d], lambda: d.sent, 5.0)
+        [failed] = d.take(P.RequestFailed)
+        assert failed.kind == "capacity" and "no room for 64 prompt tokens" in failed.error
+        assert 0.3 <= time.monotonic() - start < 2.0
+        d.role.handle(P.Abort("big", "test"))
+        pump([d], lambda: d.engine.blocks.num_free == NUM_BLOCKS, 5.0)
+    finally:
+        d.role.close(), d.engine.kv.close()
+
+
+def test_prefill_past_its_deadline_or_to_nobody_fails_and_frees_blocks(reference):
+    prompt, _ = reference
+    p = Shell("prefill", engine(), TransferConfig(transport="zmq", deadline_s=0.5))
+    try:
+        p.role.handle(P.Prefill("late", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=0.0))
+        p.role.tick()
+        [failed] = p.take(P.RequestFailed)
+        assert failed.kind == "timeout" and "deadline" in failed.error
+        p.role.handle(P.Prefill("lost", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=5.0))
+        p.role.tick()
+        [failed] = p.take(P.RequestFailed)
+        assert failed.kind in ("transfer", "timeout") and failed.request_id == "lost"
+        assert p.engine.blocks.num_free == NUM_BLOCKS
+        p.role.handle(P.Prefill("gone", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=5.0))
+        p.role.handle(P.Abort("gone", "client left"))
+        [failed] = p.take(P.RequestFailed)
+        assert failed.kind == "aborted" and not p.role.pending
+    finally:
+        p.role.close()
+
+
+def test_colocated_role_rejects_bad_requests_and_reports_its_timeline(reference):
+    prompt, expected = reference
+    c = Shell("colocated", engine())
+    c.role.handle(P.Generate("bad", list(range(100, 100 + 3000)), P.Sampling()))
+    [failed] = c.take(P.RequestFailed)
+    assert failed.kind == "invalid" and "context" in failed.error
+    c.role.handle(P.Generate("ok", prompt, P.Sampling(max_tokens=8, ignore_eos=True)))
+    c.role.handle(P.Generate("dropped", prompt, P.Sampling(max_tokens=8)))
+    c.role.handle(P.Abort("dropped", "client left"))
+    pump([c], lambda: finished(c, "ok"))
+    outs = tokens_of(c, "ok")
+    assert [o.token_id for o in outs] == expected
+    t = outs[-1].timeline
+    assert t.wait_ms >= 0 and t.prefill_ms > 0 and t.first_step_ms > 0
+    assert not tokens_of(c, "dropped") and c.engine.blocks.num_free == NUM_BLOCKS
