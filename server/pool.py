@@ -91,6 +91,9 @@ class WorkerPool:
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.address: str | None = None  # the bound registration endpoint
         self.changed = asyncio.Event()  # set on every registration or drop (for waiters)
+        # requests failed because their worker was dropped for silence: if that same process comes
+        # back (it was slow, not dead) it is told to abort them, so it frees their blocks
+        self._orphans: dict[tuple[str, int], set[str]] = {}
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -246,6 +249,9 @@ class WorkerPool:
         if old is None:
             w = WorkerState(reg, self._connect(reg.address), time.monotonic(), reg.free_blocks)
             self.workers[reg.worker_id] = w
+            for rid in self._orphans.pop((reg.worker_id, reg.pid), ()):
+                await w.sock.send(P.encode(P.Abort(rid, "the router dropped this worker for silence and failed "
+                                                        "the request")))
             log.info("worker %s registered: %s on %s, control %s%s", reg.worker_id, reg.role, reg.device,
                      reg.address, f", KV {reg.transport}/{reg.mode}" if reg.transport else "")
             self.metrics.workers.labels(reg.role).set(len(self.alive(reg.role)))
@@ -279,6 +285,10 @@ class WorkerPool:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 4)
+            if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # messages wait to be read: after a stall of the router itself (CPU starved, a long
+                # tokenization) the heartbeats are here, just not read yet; judge after reading them
+                continue
             now = time.monotonic()
             for w in list(self.workers.values()):
                 silent = now - w.last_seen
@@ -296,4 +306,6 @@ class WorkerPool:
         self.metrics.worker_gone(w.id, w.role)
         for rid in w.inflight:
             self._deliver(rid, WorkerLost(w.id, reason))
+        if w.inflight:
+            self._orphans[(w.id, w.info.pid)] = set(w.inflight)
         self.changed.set()

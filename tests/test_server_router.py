@@ -185,6 +185,24 @@ def test_silent_worker_fails_the_stream_within_the_heartbeat_deadline(tokenizer)
         assert r.status_code == 503 and "no colocated worker" in r.json()["error"]["message"]
 
 
+def test_worker_back_from_silence_is_told_to_abort_what_the_router_failed(tokenizer):
+    def on_message(w, msg):
+        if isinstance(msg, P.Generate):
+            w.silent.set()  # stalls (a long step, a starved CPU) with the request in hand
+
+    with router(tokenizer) as client:
+        w = client.add_worker("colocated", "c0", on_message)
+        r = client.post("/v1/completions", json={"prompt": "Hi"})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"
+        rid = r.json()["error"]["message"].split()[1].rstrip(":")
+        w.silent.clear()  # it was slow, not dead: heartbeats again, is asked to register again
+        deadline = time.monotonic() + 5
+        while not w.got(P.Abort) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [abort] = w.got(P.Abort)
+        assert abort.request_id == rid and client.app.state.router.pool.is_alive("c0")
+
+
 def test_worker_that_never_answers_times_out(tokenizer):
     with router(tokenizer) as client:
         client.add_worker("colocated", "c0")  # heartbeats, ignores requests

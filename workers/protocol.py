@@ -76,7 +76,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     model: str
     max_model_len: int
     block_size: int
-    num_blocks: int
+    num_blocks: int  # blocks requests can get (the pool may hold a few more for the engine itself)
     free_blocks: int
     device: str
     dtype: str

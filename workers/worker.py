@@ -118,7 +118,7 @@ class Worker:
         return P.Register(
             version=P.PROTOCOL_VERSION, worker_id=self.worker_id, role=self.cfg.role, address=self.address,
             model=eng.model_name, max_model_len=eng.max_model_len, block_size=eng.layout.block_size,
-            num_blocks=eng.layout.num_blocks, free_blocks=eng.blocks.num_free, device=str(eng.device),
+            num_blocks=eng.blocks.num_blocks, free_blocks=eng.blocks.num_free, device=str(eng.device),
             dtype=eng.layout.dtype, pid=os.getpid(),
             transport=transfer.transport if transfer else None, mode=transfer.mode if transfer else None,
             kv_address=self.role.kv_address,
