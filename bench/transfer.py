@@ -62,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="1k,4k,16k,32k", help="prompt lengths in tokens; 1k = 1024")
     parser.add_argument("--prefill-runs", type=int, default=9, help="plain prefills per length (default 9)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per transport and mode per length (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before those (default 1)")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma separated (default all)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma separated (default bulk,layer)")
     parser.add_argument("--no-seed-method", action="store_true", help="skip the seed's contiguous-copy baseline")
@@ -130,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
     transports = [t for t in args.transports.split(",") if t]
     modes = [m for m in args.modes.split(",") if m]
     bad = [t for t in transports if t not in TRANSPORTS] + [m for m in modes if m not in MODES]
-    if bad or args.repeats < 1 or args.prefill_runs < 1:
-        raise ValueError(f"unknown transports/modes {bad}, or --repeats/--prefill-runs below 1")
+    if bad or args.repeats < 1 or args.prefill_runs < 1 or args.warmup < 0:
+        raise ValueError(f"unknown transports/modes {bad}, or --repeats/--prefill-runs below 1, or --warmup below 0")
     args.decode_device = args.decode_device or args.device
     device = torch.device(args.device)
     bw_bytes = (args.bandwidth_mib or (1024 if device.type == "cuda" else 64)) * 2**20
@@ -179,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
 def measure_length(n: int, args, prefill: Child, decode: Child, addresses: dict, transports: list[str],
                    modes: list[str]) -> dict:
     log(f"{n} tokens: plain prefill x {args.prefill_runs}")
-    prefill.ask("prefill", n=n)  # warm-up
+    for _ in range(args.warmup):
+        prefill.ask("prefill", n=n)
     plain = summary([prefill.ask("prefill", n=n)["prefill_ms"] for _ in range(args.prefill_runs)])
     row = {"tokens": n, "kv_bytes": None, "prefill_ms": plain, "results": []}
     methods = [(t, m) for t in transports for m in modes]
@@ -188,9 +190,9 @@ def measure_length(n: int, args, prefill: Child, decode: Child, addresses: dict,
         prefill.ask("seed_prepare", n=n, info=info)
         methods += [(SEED_METHOD, m) for m in modes]
     for transport, mode in methods:
-        log(f"{n} tokens: {transport} {mode} x {args.repeats} (+1 warm-up)")
+        log(f"{n} tokens: {transport} {mode} x {args.repeats} (+{args.warmup} warm-up)")
         runs = [one_run(f"{transport}-{mode}-{n}-{i}", n, transport, mode, prefill, decode, addresses)
-                for i in range(args.repeats + 1)][1:]
+                for i in range(args.warmup + args.repeats)][args.warmup:]
         row["results"].append(aggregate(transport, mode, runs, plain))
         row["kv_bytes"] = row["kv_bytes"] or next((r["kv_bytes"] for r in runs if "kv_bytes" in r), None)
     return row

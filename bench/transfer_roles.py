@@ -8,8 +8,9 @@ with REPLY (libraries such as NIXL log to stdout too).
 Prefill side (our transports, one sender per transport and mode, and the seed's method):
     bandwidth {nbytes, to}              device-to-device copy of one buffer, GB/s
     prefill {n}                         plain prefill_only, ms (the reference for layer-wise extra)
-    transfer {id, n, transport, mode, peer, dst}   prefill + move the KV into the decode blocks; in
-                                        layer mode the transfer opens at layer 0 (as the prefill role does)
+    transfer {id, n, transport, mode, peer, dst}   prefill + move the KV into the decode blocks; the
+                                        transfer opens at layer 0 in both modes, so the receiver's Accept
+                                        comes back while prefill runs
     seed_prepare {n, info}              map the decode side's contiguous buffer; a contiguous K/V copy
                                         of the prompt's cache, as transformers' DynamicCache holds it
     seed {id, n, mode}                  prefill + one copy_ per layer for K and V (bulk: after prefill;
@@ -123,7 +124,7 @@ class PrefillSide:
         def open_transfer():
             return sender.open(req.request_id, cmd["peer"], list(req.block_ids), cmd["dst"], cmd["n"])
 
-        def on_layer(layer: int) -> None:
+        def on_layer(layer: int) -> None:  # bulk: layer_done is a no-op, opening early hides the Begin/Accept
             if not holder:
                 holder.append(open_transfer())
             holder[0].layer_done(layer)
@@ -131,7 +132,7 @@ class PrefillSide:
         sync(self.device)
         start = time.perf_counter()
         try:
-            result = self.engine.prefill_only(req, on_layer if cmd["mode"] == "layer" else None)
+            result = self.engine.prefill_only(req, on_layer)
             prefill_ms = (time.perf_counter() - start) * 1e3
             prefill_end = time.time()
             if not holder:

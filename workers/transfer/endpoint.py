@@ -5,10 +5,13 @@ and both sides have to answer the network while the engine thread is busy in a f
 So each endpoint runs one I/O thread; the public methods hand it closures (`_submit`) and wait
 on the returned Future with a deadline. The loop:
 
-    poll the sockets (50 ms when idle; 0 plus a ~50 us nap while a transfer needs progress)
+    wait for the sockets as long as the last `_tick()` allowed: 50 ms when idle (a message or a
+    handed-in closure ends the wait at once), 200 us while a NIXL receiver's data moves (UCX over
+    tcp needs the target to make progress), 50 us while something needs progress right now (GPU
+    events to watch, NIXL writes in flight, notifications due)
     run the closures handed in, read the readable sockets, then `_tick()` (progress, deadlines)
 
-Subclasses implement `_setup`, `_on_readable(sock)`, `_tick() -> busy`, `_teardown`.
+Subclasses implement `_setup`, `_on_readable(sock)`, `_tick() -> seconds until the next tick`, `_teardown`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from workers.transfer.base import TransferError
 
 log = logging.getLogger("pdserve.transfer")
 
-IDLE_POLL_MS = 50
-BUSY_NAP_S = 50e-6
+IDLE_S = 0.05
+MOVING_S = 200e-6
+NOW_S = 50e-6
 
 
 class Endpoint:
@@ -50,8 +54,9 @@ class Endpoint:
 
     def _on_readable(self, sock: zmq.Socket) -> None: ...
 
-    def _tick(self) -> bool:
-        return False
+    def _tick(self) -> float:
+        """Progress and deadlines; returns how long the loop may wait before the next tick (s)."""
+        return IDLE_S
 
     def _teardown(self) -> None: ...
 
@@ -114,10 +119,11 @@ class Endpoint:
             self._ctx.destroy(linger=0)
             return
         self._ready.set_result(None)
-        busy = False
+        wait_s = IDLE_S
         try:
             while not self._stopping:
-                ready = dict(self._poller.poll(0 if busy else IDLE_POLL_MS))
+                # below 1 ms, zmq's poll cannot wait: poll, then nap (which still answers within wait_s)
+                ready = dict(self._poller.poll(int(wait_s * 1000)))
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
@@ -127,9 +133,9 @@ class Endpoint:
                 for sock in ready:
                     if sock is not self._wake_r:
                         self._on_readable(sock)
-                busy = self._tick()
-                if busy:
-                    time.sleep(BUSY_NAP_S)
+                wait_s = self._tick()
+                if wait_s < 1e-3:
+                    time.sleep(wait_s)
         except BaseException as e:
             log.exception("%s: I/O thread failed", self._name)
             self._broken = f"I/O thread failed: {e!r}"

@@ -30,7 +30,7 @@ import zmq
 from workers.engine.kv_cache import KVCache
 from workers.transfer import protocol as P
 from workers.transfer.base import Arrival, KVReceiver, TransferConfig, TransferError, layout_mismatch
-from workers.transfer.endpoint import Endpoint
+from workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
 
 log = logging.getLogger("pdserve.transfer")
 
@@ -252,12 +252,12 @@ class ChannelReceiver(Endpoint, KVReceiver):
             error = exp.give_up or f"request {msg.request_id}: the prefill worker gave up: {msg.reason}"
             self._report(exp, Arrival(exp.request_id, False, error=error))
 
-    def _tick(self) -> bool:
+    def _tick(self) -> float:
         self._progress()
         now = time.monotonic()
         with self._lock:
             pending = list(self._expected.values())
-        busy = False
+        wait_s = IDLE_S
         for exp in pending:
             if exp.give_up is None and exp.phase is Phase.ACCEPTED and exp.done is not None and self._landed(exp):
                 self._arrive(exp)
@@ -270,8 +270,10 @@ class ChannelReceiver(Endpoint, KVReceiver):
             elif exp.phase is Phase.CANCELLING and now > exp.grace_deadline:
                 self._report(exp, Arrival(exp.request_id, False, error=f"{exp.give_up} (the prefill worker did not "
                                           f"confirm it stopped writing within {self.cfg.cancel_grace_s:.1f} s)"))
-            busy = busy or (self.needs_progress and exp.phase is not Phase.WAITING)
-        return busy
+            elif self.needs_progress and exp.phase is not Phase.WAITING:
+                # data moving: make progress now and then; once the Done is in, watch for the last notes
+                wait_s = min(wait_s, NOW_S if exp.done is not None else MOVING_S)
+        return wait_s
 
     def _arrive(self, exp: Expected) -> None:
         done = exp.done

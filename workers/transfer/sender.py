@@ -36,7 +36,7 @@ from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer import protocol as P
 from workers.transfer.base import (KVSender, LayoutMismatch, State, Transfer, TransferConfig, TransferError,
                                    TransferStats, layout_mismatch)
-from workers.transfer.endpoint import Endpoint
+from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
 from workers.transfer.plan import Plan, make_plan
 
 log = logging.getLogger("pdserve.transfer")
@@ -258,7 +258,7 @@ class ChannelSender(Endpoint, KVSender):
             p.ready.set_exception(e)
             self._drop(p.address, f"handshake failed: {e}")
 
-    def _tick(self) -> bool:
+    def _tick(self) -> float:
         busy = False
         for p in list(self._peers.values()):
             for t in list(p.transfers.values()):
@@ -267,7 +267,7 @@ class ChannelSender(Endpoint, KVSender):
                     p.transfers.pop(t.request_id, None)
                 else:
                     busy = busy or t.busy()
-        return busy
+        return NOW_S if busy else IDLE_S
 
 
 class SenderTransfer(Transfer):
