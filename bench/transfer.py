@@ -17,7 +17,9 @@ context length:
                       one copy_ per layer for K and V into a contiguous buffer of the decode process
                       (bulk: after prefill; layer: from the per-layer hook, on a side stream)
     bandwidth         a 1 GiB device-to-device copy on the prefill device (and prefill -> decode
-                      device when they differ), measured in the same run
+                      device when they differ), measured in the same run; and the longest request's
+                      blocks copied inside the prefill pool as one strided copy_ (ipc bulk's pattern)
+                      and as one copy_ per layer
 
 Writes JSON and markdown to bench/results/transfer-<machine>-<date>.{json,md} and prints the markdown.
 
@@ -148,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         bandwidth = {"bytes": bw_bytes, "d2d_gbps": prefill.ask("bandwidth", nbytes=bw_bytes, to=args.device)["gbps"]}
         if args.decode_device != args.device:
             bandwidth["to_decode_gbps"] = prefill.ask("bandwidth", nbytes=bw_bytes, to=args.decode_device)["gbps"]
+        longest_blocks = -(-max(lengths) // args.block_size)
+        bandwidth["paged_run"] = prefill.ask("paged_copy", blocks=longest_blocks)
         log(f"copy bandwidth: {bandwidth}")
         rows = [measure_length(n, args, prefill, decode, addresses, transports, modes) for n in lengths]
     finally:
@@ -275,7 +279,10 @@ def markdown(result: dict) -> str:
         f"KV transfer bench: {c['model']} {c['dtype']} ({c['layout']}), prefill on {c['device']}, decode on "
         f"{c['decode_device']} ({m['device']}), torch {m['torch']}, transformers {m['transformers']}, {m['date']}",
         f"copy bandwidth ({bw['bytes'] // 2**20} MiB): {bw['d2d_gbps']:.1f} GB/s on the prefill device"
-        + (f", {bw['to_decode_gbps']:.1f} GB/s prefill -> decode device" if "to_decode_gbps" in bw else ""),
+        + (f", {bw['to_decode_gbps']:.1f} GB/s prefill -> decode device" if "to_decode_gbps" in bw else "")
+        + f"; the longest request's blocks inside one pool ({bw['paged_run']['bytes'] / 2**20:.1f} MiB): "
+          f"{bw['paged_run']['strided_gbps']:.1f} GB/s as one strided copy_, "
+          f"{bw['paged_run']['per_layer_gbps']:.1f} GB/s as one copy_ per layer",
         f"prefill: median (min-max) of {c['prefill_runs']}; transfers: median of {c['repeats']}; exact = "
         f"{c['tokens_compared']} greedy tokens and their logits bitwise equal to a colocated run",
         "",

@@ -7,6 +7,8 @@ with REPLY (libraries such as NIXL log to stdout too).
 
 Prefill side (our transports, one sender per transport and mode, and the seed's method):
     bandwidth {nbytes, to}              device-to-device copy of one buffer, GB/s
+    paged_copy {blocks}                 a request's blocks across all layers inside this pool: one strided
+                                        copy_ vs one copy_ per layer, GB/s
     prefill {n}                         plain prefill_only, ms (the reference for layer-wise extra)
     transfer {id, n, transport, mode, peer, dst}   prefill + move the KV into the decode blocks; the
                                         transfer opens at layer 0 in both modes, so the receiver's Accept
@@ -103,6 +105,31 @@ class PrefillSide:
                 runs.append(time.perf_counter() - start)
         runs.sort()
         return {"gbps": cmd["nbytes"] / runs[len(runs) // 2] / 1e9}
+
+    def paged_copy(self, cmd) -> dict:
+        """A request's paged-KV copy pattern inside this pool (blocks 0..n-1 -> n..2n-1, all layers):
+        one strided copy_ (what ipc bulk does) against one contiguous copy_ per layer."""
+        nb, pool = cmd["blocks"], self.engine.kv.pool
+        src, dst = pool[:, :nb], pool[:, nb:2 * nb]
+        nbytes = src.numel() * src.element_size()
+
+        def per_layer():
+            for layer in range(pool.shape[0]):
+                dst[layer].copy_(src[layer])
+
+        out = {"blocks": nb, "bytes": nbytes}
+        for name, fn in (("strided", lambda: dst.copy_(src)), ("per_layer", per_layer)):
+            runs = []
+            for i in range(6):
+                sync(self.device)
+                start = time.perf_counter()
+                fn()
+                sync(self.device)
+                if i:
+                    runs.append(time.perf_counter() - start)
+            runs.sort()
+            out[f"{name}_gbps"] = nbytes / runs[len(runs) // 2] / 1e9
+        return out
 
     def request(self, rid: str, n: int) -> Request:
         return Request(rid, prompt_ids(self.engine, n), SamplingParams(max_tokens=self.args.tokens, ignore_eos=True))

@@ -60,7 +60,9 @@ def test_bench_cpu_smoke(tmp_path):
     for r in row["results"]:
         assert r["transfer_ms"]["median"] > 0 and len(r["transfer_ms"]["runs"]) == 2
         assert r["exposed_ms"]["median"] >= 0 and r["first_step_ms"] > 0
-    assert result["bandwidth"]["d2d_gbps"] > 0
+    bw = result["bandwidth"]
+    assert bw["d2d_gbps"] > 0 and bw["paged_run"]["blocks"] == 16
+    assert bw["paged_run"]["strided_gbps"] > 0 and bw["paged_run"]["per_layer_gbps"] > 0
     targets = result["targets"]
     assert targets["all_exact"] is True
     assert targets["nixl_within_2x_ipc"] in (True, False) and targets["ipc_bulk_at_least_half_d2d"] in (True, False)

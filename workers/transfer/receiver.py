@@ -88,7 +88,8 @@ class ChannelReceiver(Endpoint, KVReceiver):
                 raise TransferError(f"request {request_id}: the KV receiver is broken ({self._broken}); restart the worker")
             if request_id in self._expected:
                 raise TransferError(f"request {request_id} is already expected; use a new request id")
-            self._expected[request_id] = Expected(request_id, block_ids, deadline_s or self.cfg.deadline_s)
+            deadline_s = self.cfg.deadline_s if deadline_s is None else deadline_s
+            self._expected[request_id] = Expected(request_id, block_ids, deadline_s)
 
     def poll(self) -> list[Arrival]:
         with self._lock:

@@ -76,14 +76,14 @@ class ChannelSender(Endpoint, KVSender):
 
     def connect(self, peer: str, deadline_s: float | None = None) -> None:
         """Shake hands with `peer` now (open() does it on first use otherwise)."""
-        self._connect(peer, time.monotonic() + (deadline_s or self.cfg.deadline_s))
+        self._connect(peer, self.cfg.deadline_s if deadline_s is None else deadline_s)
 
     def open(self, request_id: str, peer: str, src_blocks: list[int], dst_blocks: list[int],
              num_tokens: int) -> Transfer:
         """Returns at once for a peer already shaken hands with (the Begin goes out on the I/O thread)."""
         p = self._known.get(peer)
         if p is None or not p.alive:
-            p = self._connect(peer, time.monotonic() + self.cfg.deadline_s)
+            p = self._connect(peer, self.cfg.deadline_s)
         plan = make_plan(request_id, src_blocks, dst_blocks, num_tokens, self.layout, p.layout)
         t = self._new_transfer(p, plan)
         self._submit(self._begin, p, t, list(dst_blocks), num_tokens)
@@ -109,8 +109,9 @@ class ChannelSender(Endpoint, KVSender):
 
     # ---- handshake -------------------------------------------------------------------------
 
-    def _connect(self, address: str, deadline: float) -> Peer:
-        ready: Future = self._call(self._peer, address, timeout_s=deadline - time.monotonic())
+    def _connect(self, address: str, timeout_s: float) -> Peer:
+        deadline = time.monotonic() + timeout_s
+        ready: Future = self._call(self._peer, address, timeout_s=timeout_s)
         try:
             p = ready.result(timeout=max(deadline - time.monotonic(), 0.001))
             self._known[address] = p
@@ -118,7 +119,7 @@ class ChannelSender(Endpoint, KVSender):
         except FutureTimeout:
             self._submit(self._drop, address, "no handshake answer")
             raise TransferError(
-                f"no handshake answer from the decode worker at {address} within {self.cfg.deadline_s:.1f} s; "
+                f"no handshake answer from the decode worker at {address} within {timeout_s:.1f} s; "
                 "check that it runs, that the address is right and reachable, and that it uses the "
                 f"{self.transport} transport"
             ) from None
@@ -297,7 +298,7 @@ class SenderTransfer(Transfer):
     # ---- caller side -----------------------------------------------------------------------
 
     def finish(self, first_token: int, deadline_s: float | None = None) -> TransferStats:
-        deadline = time.monotonic() + (deadline_s or self.cfg.deadline_s)
+        deadline = time.monotonic() + (self.cfg.deadline_s if deadline_s is None else deadline_s)
         self.layers_before_finish = len(self.layers_sent)
         try:
             self.raise_if_failed()
