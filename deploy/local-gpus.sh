@@ -5,8 +5,8 @@
 #   deploy/local-gpus.sh                          prefill on cuda:0, decode on cuda:1
 #   PREFILL=cuda:0,cuda:1 DECODE=cuda:2,cuda:3 COLOCATED=cuda:4 TRANSPORT=nixl MODE=layer deploy/local-gpus.sh
 #
-# Every worker gets --parent-pid of this script: when the script ends (Ctrl-C, kill, even kill -9)
-# the workers end too. Logs go to $LOGS/<worker>.log.
+# The router and every worker get --parent-pid of this script: when the script ends (Ctrl-C, kill,
+# even kill -9) they end too. Logs go to $LOGS/<worker>.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -32,7 +32,7 @@ stop() {
 trap stop EXIT INT TERM
 
 "$PY" -m server.cli router --model "$MODEL" --host "$HOST" --port "$PORT" --register "$REGISTER" \
-  > "$LOGS/router.log" 2>&1 &
+  --parent-pid $$ > "$LOGS/router.log" 2>&1 &
 pids+=($!)
 
 start_worker() {  # role device index

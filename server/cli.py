@@ -49,6 +49,8 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
                    help="seconds of silence from a worker before its request fails")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="shut down when this process dies (for scripts that start pdserve, e.g. deploy/local-gpus.sh)")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -266,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv)
         run = run_embedded
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.parent_pid is not None:
+        from workers.cli import die_with_parent
+
+        die_with_parent(args.parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
     return run(args)
 
 
