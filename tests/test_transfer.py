@@ -152,6 +152,27 @@ def test_layout_mismatch_names_both_layouts(transport, field):
         send.close(), recv.close(), dst.close()
 
 
+def test_garbage_is_refused_and_the_receiver_keeps_working():
+    import zmq
+
+    dst, src = KVCache(LAYOUT, "cpu", shared=True), seeded_source(SRC_LAYOUT)
+    recv = make_receiver(dst, TransferConfig(transport="zmq", deadline_s=5))
+    send = make_sender(src, TransferConfig(transport="zmq", deadline_s=5))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(recv.address)
+        sock.send(b"\x80\x04\x95 not msgpack")
+        assert sock.poll(5000), "no answer to a malformed message"
+        refused = P.decode_to_sender(sock.recv())
+        assert isinstance(refused, P.Refused) and "same pdserve version" in refused.error
+        recv.expect("ok", [3], deadline_s=5)
+        send.open("ok", recv.address, [1], [3], 16).finish(7)
+        assert wait_arrival(recv, "ok", 5).ok and torch.equal(dst.pool[:, 3], src.pool[:, 1])
+    finally:
+        sock.close(0), ctx.term(), send.close(), recv.close(), dst.close()
+
+
 # ---- bytes across processes ------------------------------------------------------------------
 
 

@@ -161,6 +161,8 @@ class ChannelReceiver(Endpoint, KVReceiver):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if len(frames) < 2:
+                continue  # not one of ours: a message has at least the identity and a header
             ident, header, data = frames[0].bytes, frames[1].buffer, frames[2:]
             try:
                 msg = P.decode_to_receiver(header)
@@ -192,7 +194,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
         else:
             try:
                 info = self._transport_info(hello)
-            except TransferError as e:
+            except (TransferError, RuntimeError) as e:  # other host, or the pool cannot be exported
                 refusal = P.Refused("host", str(e))
             else:
                 self._send(ident, P.Welcome(P.PROTOCOL_VERSION, self.host, P.Layout.of(self.layout), info))
@@ -230,7 +232,11 @@ class ChannelReceiver(Endpoint, KVReceiver):
             self._give_up(exp, f"request {chunk.request_id}: bad data frame (layer {chunk.layer}, blocks "
                           f"{chunk.dst_start}+{chunk.num_blocks}, {data.nbytes} bytes, expected {want}) outside its reservation")
             return
-        self._write_chunk(exp, chunk, data)
+        try:
+            self._write_chunk(exp, chunk, data)
+        except (TransferError, RuntimeError) as e:  # a frame we cannot place fails its request, not the receiver
+            self._give_up(exp, f"request {chunk.request_id}: could not write a data frame: {e}")
+            return
         exp.received += 1
         exp.received_bytes += want
 

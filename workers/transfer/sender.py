@@ -312,7 +312,7 @@ class SenderTransfer(Transfer):
             if self.cfg.fault != "drop_done":
                 done = P.Done(self.request_id, first_token, self.plan.num_bytes, self.started_at, self.finished_at,
                               self.writes())
-                self.sender._call(self.sender.send, self.p, done, timeout_s=deadline - time.monotonic())
+                self.sender._submit(self.sender.send, self.p, done)
                 self.wait(self.ack, deadline, "the decode worker's ack of the done notice")
                 if self.landed_on_ack:
                     self.finished_at = time.time()
