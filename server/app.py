@@ -11,6 +11,7 @@ The router talks to workers over ZMQ only (server/pool.py); the pool starts and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -28,6 +29,8 @@ from server.pool import WorkerPool
 from server.tokenizer import PromptEncoder
 
 log = logging.getLogger("pdserve.router")
+
+LONG_TEXT_CHARS = 8192  # longer prompts are tokenized off the event loop
 
 
 class Router:
@@ -50,16 +53,16 @@ class Router:
 
     # ---- one request ------------------------------------------------------------------------------
 
-    def prepare(self, kind: str, req: S.CompletionRequest | S.ChatRequest, request_id: str) -> Job:
+    async def prepare(self, kind: str, req: S.CompletionRequest | S.ChatRequest, request_id: str) -> Job:
         req.check()
         if req.model is not None and req.model != self.cfg.model:
             raise unknown_model(req.model, self.cfg.model)
         prompt = req.prompt_input()
         param = "messages" if kind == "chat" else "prompt"
         if kind == "chat":
-            ids = self.encoder.chat(prompt)
+            ids = await self._off_loop(self.encoder.chat, prompt, sum(len(m["content"]) for m in prompt))
         elif isinstance(prompt, str):
-            ids = self.encoder.text(prompt)
+            ids = await self._off_loop(self.encoder.text, prompt, len(prompt))
         else:
             ids = self.encoder.check_ids(prompt)
         if not ids:
@@ -82,11 +85,18 @@ class Router:
         policy = self.dispatcher.resolve_policy(req.policy, n)
         return Job(request_id, ids, req.sampling(max_tokens), policy)
 
+    @staticmethod
+    async def _off_loop(fn, arg, chars: int):
+        """Tokenize long text in a thread: the event loop keeps streaming other requests' tokens."""
+        if chars < LONG_TEXT_CHARS:
+            return fn(arg)
+        return await asyncio.to_thread(fn, arg)
+
     async def handle(self, kind: str, http: Request) -> Response:
         cls = S.ChatRequest if kind == "chat" else S.CompletionRequest
         req = S.parse_body(await http.body(), cls)
         rid = S.new_id(kind)
-        job = self.prepare(kind, req, rid)
+        job = await self.prepare(kind, req, rid)
         plan = self.dispatcher.plan(job)
         ids = req.return_token_ids
         if req.stream:

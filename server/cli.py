@@ -192,6 +192,7 @@ def run_embedded(args) -> int:
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
     launcher = Launcher(specs, cfg.register)
+    watchers: list[asyncio.Task] = []
     try:
         launcher.start()
         app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
@@ -219,7 +220,7 @@ def run_embedded(args) -> int:
             where = ", ".join(f"{s.worker_id} on {s.device}" for s in specs)
             disagg = f"; KV {args.transport}/{args.mode}" if counts["prefill"] else ""
             print(f"pdserve ready: {url} (model {cfg.model}; {where}{disagg}; policy {cfg.policy})", flush=True)
-            asyncio.create_task(_watch(launcher, stop))
+            watchers.append(asyncio.create_task(_watch(launcher, stop)))  # keep a reference: tasks are weakly held
             return 0
 
         return asyncio.run(serve(app, sock, args, after_start))

@@ -260,6 +260,20 @@ class WorkerPool:
             w = old
             w.last_seen = time.monotonic()
         await w.sock.send(P.encode(P.RegisterAck(P.PROTOCOL_VERSION, True, self.cfg.heartbeat_interval_s)))
+        if old is None:
+            await self._introduce(w)
+
+    async def _introduce(self, w: WorkerState) -> None:
+        """Have every prefill worker shake hands with every decode worker it can send to, as soon as
+        both are registered (the handshake then stays out of the first request's TTFT)."""
+        if w.role == "decode":
+            pairs = [(p, w) for p in self.alive("prefill", w.info.transport) if p.info.mode == w.info.mode]
+        elif w.role == "prefill":
+            pairs = [(w, d) for d in self.alive("decode", w.info.transport) if d.info.mode == w.info.mode]
+        else:
+            return
+        for p, d in pairs:
+            await p.sock.send(P.encode(P.Connect(d.id, d.info.kv_address)))
 
     async def _on_heartbeat(self, hb: P.Heartbeat) -> None:
         w = self.workers.get(hb.worker_id)

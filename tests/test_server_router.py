@@ -309,6 +309,7 @@ def test_disaggregated_request_flow(tokenizer):
         assert body["choices"][0]["token_ids"] == [42, 43, 44]
         [reserve] = pair.d.got(P.Reserve)
         [prefill] = pair.p.got(P.Prefill)
+        assert pair.p.got(P.Connect) == [P.Connect("d0", "tcp://127.0.0.1:1")]  # handshake before any request
         assert prefill.dst_blocks == [10, 11] and prefill.kv_address == "tcp://127.0.0.1:1"
         assert prefill.decode_worker == "d0" and prefill.prompt_ids == reserve.prompt_ids
         assert prefill.deadline_s < reserve.deadline_s  # P stops writing before D's reservation can lapse

@@ -134,6 +134,8 @@ def test_prefill_past_its_deadline_or_to_nobody_fails_and_frees_blocks(reference
     prompt, _ = reference
     p = Shell("prefill", engine(), TransferConfig(transport="zmq", deadline_s=0.5))
     try:
+        p.role.handle(P.Connect("d", "tcp://127.0.0.1:1"))  # nobody there: a warning, not a failure
+        assert not p.sent
         p.role.handle(P.Prefill("late", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=0.0))
         p.role.tick()
         [failed] = p.take(P.RequestFailed)

@@ -19,6 +19,7 @@ Router -> worker
     Generate      colocated: run this request to completion
     Reserve       decode: reserve blocks for the prompt's KV, wait for it until the deadline
     Prefill       prefill: prefill, push the KV into the decode worker's reserved blocks, report
+    Connect       prefill: shake hands with a decode worker's KV receiver now, not in a request's TTFT
     Abort         forget a request: free its blocks, cancel its transfer; no-op if unknown
 
 Never pickle: every frame is msgpack of one of the structs below, decoded against the union
@@ -176,13 +177,18 @@ class Prefill(msgspec.Struct, tag="prefill", frozen=True):
     deadline_s: float  # from receipt: give up (and free the blocks) if not transferred by then
 
 
+class Connect(msgspec.Struct, tag="connect", frozen=True):
+    decode_worker: str
+    kv_address: str
+
+
 class Abort(msgspec.Struct, tag="abort", frozen=True):
     request_id: str
     reason: str
 
 
 ToRouter = Union[Register, Heartbeat, Goodbye, Reserved, PrefillDone, Tokens, RequestFailed]
-ToWorker = Union[RegisterAck, Generate, Reserve, Prefill, Abort]
+ToWorker = Union[RegisterAck, Generate, Reserve, Prefill, Connect, Abort]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_router = msgspec.msgpack.Decoder(ToRouter)

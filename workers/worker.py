@@ -157,6 +157,9 @@ class Worker:
                 if poller.poll(timeout):
                     self._drain_control()
                 self.role.tick()
+        except Exception as e:
+            self._stop_reason = f"crashed: {type(e).__name__}: {e}"
+            raise
         finally:
             self.close()
         if self.fatal_error:

@@ -16,6 +16,9 @@ Deadline: the router gives each Prefill a deadline shorter than the decode worke
 no byte is written into blocks the decode worker may already have handed to someone else; past it
 the request fails with `timeout` before (or instead of) transferring.
 
+Connect (from the router, when a decode worker with our transport registers) shakes hands with its
+KV receiver at once, so the first request to it does not pay the handshake in its TTFT.
+
 Queues: `pending` only; the engine holds a request's blocks just for the duration of one prefill.
 """
 
@@ -48,6 +51,12 @@ class PrefillRole(Role):
     def handle(self, msg) -> None:
         if isinstance(msg, P.Prefill):
             self.pending.append((msg, now()))
+        elif isinstance(msg, P.Connect):
+            try:
+                self.sender.connect(msg.kv_address)
+            except TransferError as e:  # not fatal: open() shakes hands again on first use
+                log.warning("%s: early handshake with %s (%s) failed: %s", self.worker_id, msg.decode_worker,
+                            msg.kv_address, e)
         elif isinstance(msg, P.Abort):
             for item in self.pending:
                 if item[0].request_id == msg.request_id:
@@ -55,7 +64,7 @@ class PrefillRole(Role):
                     self.fail(msg.request_id, "aborted", f"aborted before prefill: {msg.reason}")
                     return
         else:
-            log.error("%s: prefill worker got %s; only Prefill and Abort go to prefill workers",
+            log.error("%s: prefill worker got %s; only Prefill, Connect and Abort go to prefill workers",
                       self.worker_id, type(msg).__name__)
 
     def tick(self) -> None:
