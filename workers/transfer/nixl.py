@@ -49,6 +49,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -91,6 +92,14 @@ class Region:
         return cls(pool.data_ptr(), pool.device.index if cuda else 0, "VRAM" if cuda else "DRAM")
 
 
+def agent_for(role: str, pool: torch.Tensor):
+    """An agent (on the calling I/O thread) with `pool` registered as one region."""
+    if pool.device.type == "cuda":  # UCX's CUDA transports look for a current context on this thread
+        torch.cuda.set_device(pool.device)
+    agent = make_agent(role)
+    return (agent, *register(agent, pool))
+
+
 def register(agent, pool: torch.Tensor):
     region = Region.of(pool)
     nbytes = pool.numel() * pool.element_size()
@@ -102,8 +111,7 @@ class Receiver(ChannelReceiver):
     needs_progress = True
 
     def _setup_transport(self) -> None:
-        self.agent = make_agent("decode")
-        self.region, self.reg = register(self.agent, self.kv.pool)
+        self.agent, self.region, self.reg = agent_for("decode", self.kv.pool)
 
     def _transport_info(self, hello: P.Hello) -> P.TransportInfo:
         r = self.region
@@ -112,7 +120,11 @@ class Receiver(ChannelReceiver):
     def _progress(self) -> None:
         for msgs in self.agent.get_new_notifs().values():
             for raw in msgs:
-                note = P.decode_note(raw)
+                try:
+                    note = P.decode_note(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    log.warning("ignored a NIXL notification that is not ours: %r", bytes(raw[:64]))
+                    continue
                 with self._lock:
                     exp = self._expected.get(note.request_id)
                 if exp is not None:
@@ -136,8 +148,7 @@ class Sender(ChannelSender):
     transport = "nixl"
 
     def _setup_transport(self) -> None:
-        self.agent = make_agent("prefill")
-        self.region, self.reg = register(self.agent, self.kv.pool)
+        self.agent, self.region, self.reg = agent_for("prefill", self.kv.pool)
 
     def _attach(self, peer: Peer, welcome: P.Welcome) -> Remote:
         info = welcome.info
