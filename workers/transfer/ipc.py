@@ -4,6 +4,8 @@ The decode pool is mapped ONCE per peer into the prefill process, at the handsha
     GPU   the receiver exports it with torch's UntypedStorage._share_cuda_() (a CUDA IPC handle, the
           same call torch.multiprocessing uses, present from torch 2.6 to 2.13); the sender opens it with
           UntypedStorage._new_shared_cuda() and views it as [layers, blocks, 2, block_size, heads, dim].
+          CUDA IPC only works between two processes (a process cannot open its own handle); the
+          decode GPU may differ from the prefill GPU (peer access: the copies then go over NVLink).
     CPU   the decode engine keeps its pool in a /dev/shm file (kv_shared=True, KVCache.shm_path); the
           sender maps it with torch.from_file(shared=True).
 
@@ -98,9 +100,13 @@ def map_cuda(info: P.CudaIpcInfo, shape: tuple[int, ...], dtype: torch.dtype, ad
     if info.size_bytes < nbytes:
         raise TransferError(f"decode worker at {address} exported {info.size_bytes} bytes, its layout needs {nbytes}")
     torch.cuda.init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        info.device, info.handle, info.size_bytes, info.offset_bytes, info.ref_counter_handle,
-        info.ref_counter_offset, info.event_handle, info.event_sync_required)
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            info.device, info.handle, info.size_bytes, info.offset_bytes, info.ref_counter_handle,
+            info.ref_counter_offset, info.event_handle, info.event_sync_required)
+    except RuntimeError as e:
+        raise TransferError(f"could not open the CUDA IPC handle of the decode worker at {address}: {e}; both "
+                            "workers must be separate processes on one host that see the same GPU") from None
     empty = torch.empty(0, dtype=dtype, device=torch.device("cuda", info.device))
     return empty.set_(storage, 0, shape, contiguous_strides(shape))
 

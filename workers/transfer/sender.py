@@ -255,9 +255,11 @@ class ChannelSender(Endpoint, KVSender):
             return
         try:
             self._on_welcome(p, msg)
-        except TransferError as e:
-            p.ready.set_exception(e)
-            self._drop(p.address, f"handshake failed: {e}")
+        except Exception as e:  # mapping or registering the peer's pool failed: that peer only
+            error = e if isinstance(e, TransferError) else TransferError(
+                f"decode worker at {p.address}: attaching its KV pool failed: {e!r}")
+            p.ready.set_exception(error)
+            self._drop(p.address, f"handshake failed: {error}")
 
     def _tick(self) -> float:
         busy = False
