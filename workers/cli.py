@@ -139,16 +139,24 @@ def serve(argv: list[str]) -> int:
 def generate(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from workers.engine.request import InvalidRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:  # what can be checked without the model, before the model loads
+        params.validate()
+        if not args.prompt:
+            raise InvalidRequest("the prompt is empty; give some text to continue")
+    except InvalidRequest as e:
+        print(f"pdserve-worker generate: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     from workers.engine.engine import Engine
-    from workers.engine.request import InvalidRequest, SamplingParams
 
     engine = Engine(engine_config(args))
     ids = engine.encode_prompt(args.prompt, chat=args.chat)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
         [req] = engine.generate([ids], params)
     except InvalidRequest as e:
