@@ -77,42 +77,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class Child:
-    """One role process; one JSON command per line, one reply per line."""
+    """A helper process driven by JSON lines: one command per stdin line, one reply per stdout line
+    starting with `reply` (libraries such as NIXL log to stdout too: other lines go to stderr)."""
 
-    def __init__(self, role: str, args: argparse.Namespace, max_len: int):
-        cmd = [sys.executable, "-m", "bench.transfer_roles", role, "--model", args.model, "--device", args.device,
-               "--decode-device", args.decode_device, "--block-size", str(args.block_size), "--max-len", str(max_len),
-               "--tokens", str(args.tokens), "--transports", args.transports, "--deadline-s", str(args.deadline_s)]
-        if args.dtype:
-            cmd += ["--dtype", args.dtype]
-        self.role = role
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+    def __init__(self, name: str, argv: list[str], reply: str = REPLY):
+        self.name, self.reply = name, reply
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                      cwd=Path(__file__).resolve().parents[1])
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self.lines.put(json.loads(line[len(REPLY):]))
+            if line.startswith(self.reply):
+                self.lines.put(json.loads(line[len(self.reply):]))
             else:
                 sys.stderr.write(line)
 
-    def read(self, timeout_s: float) -> dict:
-        end = time.monotonic() + timeout_s
+    def read(self, wait_s: float) -> dict:
+        end = time.monotonic() + wait_s
         while time.monotonic() < end:
             try:
-                return self.lines.get(timeout=0.5)
+                return self.lines.get(timeout=0.1)
             except queue.Empty:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the {self.role} process exited with code {self.proc.returncode}; "
+                if self.proc.poll() is not None and self.lines.empty():
+                    raise RuntimeError(f"the {self.name} process exited with code {self.proc.returncode}; "
                                        "its error is above") from None
-        raise RuntimeError(f"the {self.role} process gave no answer within {timeout_s:.0f} s")
+        raise RuntimeError(f"the {self.name} process gave no answer within {wait_s:.0f} s")
 
-    def ask(self, cmd: str, timeout_s: float = 900, **fields) -> dict:
+    def ask(self, cmd: str, wait_s: float = 900, **fields) -> dict:
         self.proc.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
         self.proc.stdin.flush()
-        return self.read(timeout_s)
+        return self.read(wait_s)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -121,7 +121,16 @@ class Child:
                 self.proc.stdin.flush()
                 self.proc.wait(60)
             except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
+                self.kill()
+
+
+def role_process(role: str, args: argparse.Namespace, max_len: int) -> Child:
+    argv = [sys.executable, "-m", "bench.transfer_roles", role, "--model", args.model, "--device", args.device,
+            "--decode-device", args.decode_device, "--block-size", str(args.block_size), "--max-len", str(max_len),
+            "--tokens", str(args.tokens), "--transports", args.transports, "--deadline-s", str(args.deadline_s)]
+    if args.dtype:
+        argv += ["--dtype", args.dtype]
+    return Child(role, argv)
 
 
 def log(msg: str) -> None:
@@ -141,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
     log(f"starting prefill ({args.device}) and decode ({args.decode_device}) processes with {args.model}")
     t0 = time.monotonic()
-    decode = Child("decode", args, max(lengths))
-    prefill = Child("prefill", args, max(lengths))
+    decode = role_process("decode", args, max(lengths))
+    prefill = role_process("prefill", args, max(lengths))
     try:
         addresses = decode.read(1800)["addresses"]
         model = prefill.read(1800)

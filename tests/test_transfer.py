@@ -4,13 +4,8 @@ handshake refusals, deadlines, cancels and killed peers (nothing hangs, every bl
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.transfer import Child
 from workers.engine.block_pool import BlockPool, paired_runs
 from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer import protocol as P
@@ -32,55 +28,14 @@ LAYOUT = KVLayout(4, 2, 8, "bfloat16", 16, 64)
 SRC_LAYOUT = KVLayout(4, 2, 8, "bfloat16", 16, 48)
 SEED = 1234
 PEER = Path(__file__).with_name("transfer_peer.py")
-REPLY = "@peer "
 
 
-class PeerProcess:
-    """tests/transfer_peer.py in a child process; JSON lines both ways."""
+class PeerProcess(Child):
+    """tests/transfer_peer.py in a child process; its first reply is its hello."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__("transfer peer", [sys.executable, str(PEER), *args], reply="@peer ")
         self.hello = self.read(120)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self.lines.put(line[len(REPLY):])
-            else:
-                sys.stderr.write(line)
-
-    def read(self, wait_s: float) -> dict:
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end:
-            try:
-                return json.loads(self.lines.get(timeout=0.1))
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    break
-        raise AssertionError(f"peer process gave no answer within {wait_s} s (exit code {self.proc.poll()})")
-
-    def ask(self, wait_s: float = 60, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.read(wait_s)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.ask(wait_s=10, cmd="quit")
-            except (AssertionError, BrokenPipeError):
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 def layout_arg(layout: KVLayout) -> str:
@@ -188,14 +143,14 @@ def test_blocks_arrive_exactly_across_processes(receiver_peer, transport, mode):
     try:
         for i, (sb, db) in enumerate(cases):
             rid = f"{transport}-{mode}-{i}"
-            assert receiver_peer.ask(cmd="expect", transport=transport, id=rid, blocks=db, deadline_s=20)["ok"]
+            assert receiver_peer.ask("expect", transport=transport, id=rid, blocks=db, deadline_s=20)["ok"]
             t = send.open(rid, address, sb, db, len(sb) * 16 - 5)
             for layer in range(SRC_LAYOUT.num_layers):
                 t.layer_done(layer)
             stats = t.finish(first_token=100 + i)
             assert stats.num_bytes == len(sb) * LAYOUT.num_layers * LAYOUT.block_bytes
             assert stats.layers_sent_before_finish == (LAYOUT.num_layers if mode == "layer" else 0)
-            got = receiver_peer.ask(cmd="wait", id=rid, timeout_s=20, seed=SEED, src_layout=layout_arg(SRC_LAYOUT),
+            got = receiver_peer.ask("wait", id=rid, timeout_s=20, seed=SEED, src_layout=layout_arg(SRC_LAYOUT),
                                     src_blocks=sb, dst_blocks=db)
             assert got["arrival"] == {"ok": True, "error": None, "first_token": 100 + i, "num_bytes": stats.num_bytes}
             assert got["equal"], f"{rid}: received blocks differ from the source"
@@ -307,7 +262,7 @@ def test_receiver_killed_mid_transfer_fails_the_senders_in_time():
             senders.append(send)
             sb = blocks.allocate(4)
             db = [20 + 4 * len(transfers) + i for i in range(4)]
-            peer.ask(cmd="expect", transport=transport, id=transport, blocks=db, deadline_s=30)
+            peer.ask("expect", transport=transport, id=transport, blocks=db, deadline_s=30)
             t = send.open(transport, peer.hello["addresses"][transport], sb, db, 64)
             t.layer_done(0)
             t.layer_done(1)
@@ -340,7 +295,7 @@ def test_sender_killed_mid_transfer_fails_the_receivers_in_time():
         for transport, recv in receivers.items():
             held[transport] = reserved.allocate(3)
             recv.expect(transport, held[transport], deadline_s=2.0)
-            assert peer.ask(cmd="begin", transport=transport, id=transport, peer=recv.address, src=[0, 1, 2],
+            assert peer.ask("begin", transport=transport, id=transport, peer=recv.address, src=[0, 1, 2],
                             dst=held[transport], layers=2) == {"sent": 2}
         start = time.monotonic()
         peer.kill()
