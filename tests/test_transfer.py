@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench.transfer import Child
+from transfer_peer import layout_arg, source_pool
 from workers.engine.block_pool import BlockPool, paired_runs
 from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer import protocol as P
@@ -36,18 +37,6 @@ class PeerProcess(Child):
     def __init__(self, *args: str):
         super().__init__("transfer peer", [sys.executable, str(PEER), *args], reply="@peer ")
         self.hello = self.read(120)
-
-
-def layout_arg(layout: KVLayout) -> str:
-    return ",".join(str(x) for x in (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                                     layout.block_size, layout.num_blocks))
-
-
-def seeded_source(layout: KVLayout) -> KVCache:
-    kv = KVCache(layout, "cpu")
-    gen = torch.Generator().manual_seed(SEED)
-    kv.pool.copy_(torch.randn(kv.pool.shape, generator=gen).to(kv.pool.dtype))
-    return kv
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +99,7 @@ def test_layout_mismatch_names_both_layouts(transport, field):
 def test_garbage_is_refused_and_the_receiver_keeps_working():
     import zmq
 
-    dst, src = KVCache(LAYOUT, "cpu", shared=True), seeded_source(SRC_LAYOUT)
+    dst, src = KVCache(LAYOUT, "cpu", shared=True), source_pool(SRC_LAYOUT, SEED)
     recv = make_receiver(dst, TransferConfig(transport="zmq", deadline_s=5))
     send = make_sender(src, TransferConfig(transport="zmq", deadline_s=5))
     ctx = zmq.Context()
@@ -134,7 +123,7 @@ def test_garbage_is_refused_and_the_receiver_keeps_working():
 @pytest.mark.parametrize("mode", ["bulk", "layer"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_blocks_arrive_exactly_across_processes(receiver_peer, transport, mode):
-    src = seeded_source(SRC_LAYOUT)
+    src = source_pool(SRC_LAYOUT, SEED)
     send = make_sender(src, TransferConfig(transport=transport, mode=mode, deadline_s=20))
     address = receiver_peer.hello["addresses"][transport]
     cases = [([3, 4, 5, 9, 10, 20], [40, 41, 42, 7, 8, 50]),  # three runs
@@ -253,7 +242,7 @@ def test_no_receiver_fails_the_handshake_in_time(transport):
 
 def test_receiver_killed_mid_transfer_fails_the_senders_in_time():
     peer = PeerProcess("receiver", "--layout", layout_arg(LAYOUT))
-    src = seeded_source(SRC_LAYOUT)
+    src = source_pool(SRC_LAYOUT, SEED)
     blocks = BlockPool(SRC_LAYOUT.num_blocks)
     senders, transfers = [], []
     try:

@@ -34,6 +34,11 @@ def parse_layout(text: str) -> KVLayout:
     return KVLayout(int(layers), int(heads), int(dim), dtype, int(block), int(blocks))
 
 
+def layout_arg(layout: KVLayout) -> str:
+    return ",".join(str(x) for x in (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                                     layout.block_size, layout.num_blocks))
+
+
 def source_pool(layout: KVLayout, seed: int) -> KVCache:
     kv = KVCache(layout, "cpu")
     gen = torch.Generator().manual_seed(seed)
