@@ -91,3 +91,26 @@ def test_runs_and_paired_runs():
     with pytest.raises(ValueError):
         paired_runs([1], [1, 2])
     assert blocks_for(1, 16) == 1 and blocks_for(16, 16) == 1 and blocks_for(17, 16) == 2
+
+
+def test_shared_pool_of_a_killed_process_is_removed_by_the_next_one():
+    import os
+    import subprocess
+
+    code = (
+        "import os; from workers.engine.kv_cache import KVCache, KVLayout; "
+        "c = KVCache(KVLayout(2, 2, 8, 'float32', 16, 4), 'cpu', shared=True); "
+        "print(c.shm_path, flush=True); os.kill(os.getpid(), 9)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    path = out.stdout.strip()
+    assert path.startswith("/dev/shm/pdserve-kv-") and os.path.exists(path)
+    from workers.engine.kv_cache import KVCache, KVLayout
+
+    cache = KVCache(KVLayout(2, 2, 8, "float32", 16, 4), "cpu", shared=True)
+    try:
+        assert not os.path.exists(path)
+        assert os.path.exists(cache.shm_path)
+    finally:
+        cache.close()
+    assert not os.path.exists(cache.shm_path or path)

@@ -84,6 +84,15 @@ class Engine:
         num_blocks += 1  # the scratch block
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, num_blocks)
 
+    def warmup(self) -> float:
+        """CUDA: capture decode graphs for every batch size bucket ahead of traffic; returns
+        seconds spent (0 on CPU or with cuda_graphs off)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return 0.0
+        with torch.inference_mode():
+            return graphs.capture(graphs.batch_buckets, graphs.block_buckets[0])
+
     # ---- prompts -------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:

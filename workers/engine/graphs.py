@@ -8,11 +8,16 @@ read block 0 with length 1 and write their K/V into the pool's scratch block, wh
 request owns.
 
 Buckets: batch 1, 2, 4, 8, then multiples of 16 up to max_num_seqs; block tables in
-multiples of 16 blocks up to 256, then of 128: a step gathers at most 16 or 128 blocks
-per request more than its longest request needs, never the whole context.
+powers of two from 16 blocks up to 256, then multiples of 256: a step gathers at most
+twice the blocks of its longest request (or 256 blocks more), never the whole context,
+and a 32k-token context needs 12 table buckets. `capture(batches, blocks)` takes
+graphs ahead of traffic (a worker does it at start for every batch bucket at the
+smallest table bucket), so the first requests do not pay for captures.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -33,7 +38,7 @@ class DecodeGraphs:
         self.runner = runner
         dev = runner.device
         self.batch_buckets = _buckets(max_num_seqs, [1, 2, 4, 8], lambda b: b + 16 if b >= 16 else 16)
-        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: b + 16 if b < 256 else b + 128)
+        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: b * 2 if b < 256 else b + 256)
         nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
         self.ids = torch.zeros(nb, dtype=torch.long, device=dev)
         self.pos = torch.zeros(nb, dtype=torch.long, device=dev)
@@ -69,6 +74,21 @@ class DecodeGraphs:
             graph = self._capture(batch, blocks)
         graph.replay()
         return self.outputs[key][:n]
+
+    def capture(self, batches: list[int], blocks: int) -> float:
+        """Capture graphs ahead of traffic with padding rows only (they touch the scratch
+        block alone); returns the seconds it took."""
+        start = time.monotonic()
+        scratch_k = self.runner.scratch_block * 2 * self.runner.block_size
+        for batch in batches:
+            if (batch, blocks) in self.graphs:
+                continue
+            self.ids.zero_(), self.pos.zero_(), self.table.zero_(), self.lens.fill_(1)
+            self.k_slots.fill_(scratch_k)
+            self.v_slots.fill_(scratch_k + self.runner.block_size)
+            self._capture(batch, blocks)
+        torch.cuda.synchronize(self.runner.device)
+        return time.monotonic() - start
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         r = self.runner

@@ -16,6 +16,7 @@ Block bookkeeping lives in `block_pool.py` (no torch).
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import uuid
@@ -98,6 +99,26 @@ def blocks_for_budget(bytes_budget: int, num_layers: int, num_kv_heads: int, hea
     return max(1, bytes_budget // per_block)
 
 
+SHM_PREFIX = "/dev/shm/pdserve-kv-"  # + creator pid + "-" + random suffix
+
+
+def remove_orphaned_pools() -> None:
+    """Unlink shared pools whose creating process is gone (killed before it could clean up)."""
+    for path in glob.glob(SHM_PREFIX + "*"):
+        try:
+            pid = int(path[len(SHM_PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        except PermissionError:  # alive, another user's
+            continue
+
+
 class KVCache:
     """The pool tensor. `shared=True` on CPU puts it in a named /dev/shm file so another
     process can map the same memory (the `ipc` transport); on GPU the allocation is
@@ -109,7 +130,8 @@ class KVCache:
         self.shm_path: str | None = None
         numel = math.prod(layout.shape)
         if shared and self.device.type == "cpu":
-            self.shm_path = f"/dev/shm/pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            remove_orphaned_pools()
+            self.shm_path = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             flat = torch.from_file(self.shm_path, shared=True, size=numel, dtype=layout.torch_dtype)
             flat.zero_()
             self.pool = flat.view(layout.shape)

@@ -177,8 +177,12 @@ class IpcTransfer(SenderTransfer):
             with torch.cuda.stream(self.stream):
                 for s, d, n in self.plan.runs:
                     dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=True)
-            self.last_event = self.stream.record_event()
+            self.last_event = torch.cuda.Event(enable_timing=True)
+            self.last_event.record(self.stream)
         self.copies += len(self.plan.runs)
+
+    def copy_done_event(self) -> torch.cuda.Event | None:
+        return self.last_event
 
     def writes_in_flight(self) -> bool:  # I/O thread
         return self.last_event is not None and not self.last_event.query()

@@ -331,7 +331,13 @@ class SenderTransfer(Transfer):
     def stats(self) -> TransferStats:
         return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, self.copies,
                              self.layers_before_finish,
-                             {"transport": self.sender.transport, "mode": self.cfg.mode, "runs": len(self.plan.runs)})
+                             {"transport": self.sender.transport, "mode": self.cfg.mode, "runs": len(self.plan.runs),
+                              "copy_done_event": self.copy_done_event()})
+
+    def copy_done_event(self):
+        """A timed CUDA event recorded after the last copy, where the transport has one: with an
+        event recorded at prefill end it gives the exposed transfer on the GPU's own clock."""
+        return None
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
