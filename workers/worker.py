@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,10 @@ class Worker:
             from workers.engine.engine import Engine
 
             engine = Engine(cfg.engine)
+            if cfg.role != "prefill":  # take the decode graphs before the first request (CUDA only)
+                spent = engine.warmup()
+                if spent:
+                    print(f"{cfg.worker_id}: decode graphs captured in {spent:.1f} s", file=sys.stderr, flush=True)
         self.engine = engine
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PULL)
