@@ -18,8 +18,8 @@ context length:
                       (bulk: after prefill; layer: from the per-layer hook, on a side stream)
     bandwidth         a 1 GiB device-to-device copy on the prefill device (and prefill -> decode
                       device when they differ), measured in the same run; and the longest request's
-                      blocks copied inside the prefill pool as one strided copy_ (ipc bulk's pattern)
-                      and as one copy_ per layer
+                      blocks copied inside the prefill pool as one strided copy_ and as one copy_ per
+                      layer (ipc's pattern)
 
 Writes JSON and markdown to bench/results/transfer-<machine>-<date>.{json,md} and prints the markdown.
 

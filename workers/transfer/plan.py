@@ -3,8 +3,11 @@
 Every transport moves a request as (src_start, dst_start, length) runs where both sides are
 consecutive (`block_pool.paired_runs`), never block by block:
 
-    bulk   one copy per run across all layers:   dst[:, d:d+n] <- src[:, s:s+n]   (strided view)
-    layer  one copy per run per layer:           dst[l, d:d+n] <- src[l, s:s+n]   (contiguous bytes)
+    bulk   after prefill, one copy per run per layer: dst[l, d:d+n] <- src[l, s:s+n]  (contiguous bytes)
+    layer  the same copies, each layer's as soon as its K/V exist
+
+(One strided copy of dst[:, d:d+n] for all layers at once looks cheaper but ran at half the
+bandwidth of per-layer contiguous copies on an H200; see ipc.py.)
 
 NIXL gets one descriptor per (layer, run): `descriptors()` builds the (addr, len, dev) rows
 with numpy, so a request costs layers x runs rows whatever the pool size.
