@@ -139,9 +139,9 @@ def _uvicorn_server(app, args):
     return Server(config)
 
 
-async def serve(app, sock: socket.socket, args, after_start) -> int:
+async def serve(app, sock: socket.socket, args, after_start, on_stop=None) -> int:
     """Run uvicorn on `sock`; once it is up, `await after_start(stop_event)`; Ctrl-C/SIGTERM stop it all
-    (a second one kills at once)."""
+    (on_stop() runs at once, e.g. to stop workers while uvicorn winds down; a second signal kills)."""
     server = _uvicorn_server(app, args)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -153,6 +153,8 @@ async def serve(app, sock: socket.socket, args, after_start) -> int:
         print(f"pdserve: {sig.name}; shutting down", file=sys.stderr, flush=True)
         stop.set()
         server.should_exit = True
+        if on_stop is not None:
+            on_stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -223,7 +225,7 @@ def run_embedded(args) -> int:
             watchers.append(asyncio.create_task(_watch(launcher, stop)))  # keep a reference: tasks are weakly held
             return 0
 
-        return asyncio.run(serve(app, sock, args, after_start))
+        return asyncio.run(serve(app, sock, args, after_start, on_stop=launcher.terminate))
     finally:
         launcher.stop()
         shutil.rmtree(rundir, ignore_errors=True)
@@ -254,6 +256,8 @@ def run_router(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from workers.cli import exit_now
+
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "router":
         p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
@@ -273,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         from workers.cli import die_with_parent
 
         die_with_parent(args.parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
-    return run(args)
+    rc = run(args)
+    exit_now(rc)  # the workers are stopped and the sockets closed; skip the interpreter's slow teardown
 
 
 if __name__ == "__main__":

@@ -80,6 +80,12 @@ class Launcher:
     def pids(self) -> dict[str, int]:
         return {wid: p.pid for wid, p in self.procs.items()}
 
+    def terminate(self) -> None:
+        """SIGTERM every live worker's group now, without waiting (stop() waits)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every worker's process group, wait up to grace_s, SIGKILL what is left."""
         live = [p for p in self.procs.values() if p.poll() is None]
