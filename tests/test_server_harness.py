@@ -96,7 +96,8 @@ class Pdserve:
         pytest.fail(f"{why}\n--- pdserve log ---\n{self.log_text()[-6000:]}")
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log.name).read_text()
 
     # ---- HTTP ---------------------------------------------------------------------------------------
@@ -148,9 +149,12 @@ class Pdserve:
             self.kill()
             raise AssertionError(f"pdserve ignored SIGTERM for {timeout}s\n{self.log_text()[-4000:]}")
         left = wait_gone(self._pids.values(), 10.0)
-        self._close()
         assert not left, f"worker processes {left} outlived pdserve\n{self.log_text()[-4000:]}"
         assert self.proc.returncode == 0, f"pdserve exit code {self.proc.returncode}\n{self.log_text()[-4000:]}"
+        leaked = [p for pid in self._pids.values() for p in Path("/dev/shm").glob(f"pdserve-kv-{pid}-*")]
+        assert not leaked, f"KV pools left in shared memory: {leaked}"
+        self._close()
+        Path(self.log.name).unlink()  # kept only when something went wrong
 
     def kill(self) -> None:
         """SIGKILL pdserve and (as a safety net for the test run) its workers, by pid."""

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -101,7 +100,7 @@ class Worker:
             if cfg.role != "prefill":  # take the decode graphs before the first request (CUDA only)
                 spent = engine.warmup()
                 if spent:
-                    print(f"{cfg.worker_id}: decode graphs captured in {spent:.1f} s", file=sys.stderr, flush=True)
+                    log.info("%s: decode graphs captured in %.1f s", cfg.worker_id, spent)
         self.engine = engine
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PULL)
