@@ -31,6 +31,7 @@ from server.tokenizer import PromptEncoder
 log = logging.getLogger("pdserve.router")
 
 LONG_TEXT_CHARS = 8192  # longer prompts are tokenized off the event loop
+DISCONNECT_CHECK_S = 1.0  # how often a non-streaming request checks that its client is still there
 
 
 class Router:
@@ -104,11 +105,23 @@ class Router:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts: list[str] = []
         done: Done | None = None
-        async for event in self.dispatcher.execute(plan):
-            if isinstance(event, Token):
-                parts.append(event.text)
-            else:
-                done = event
+
+        async def collect() -> None:
+            nonlocal done
+            async for event in self.dispatcher.execute(plan):
+                if isinstance(event, Token):
+                    parts.append(event.text)
+                else:
+                    done = event
+
+        work = asyncio.ensure_future(collect())
+        while not (await asyncio.wait({work}, timeout=DISCONNECT_CHECK_S))[0]:
+            if await http.is_disconnected():  # the client left: stop its workers (execute aborts them)
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                log.info("request %s: the client disconnected; aborted", rid)
+                return Response(status_code=499)
+        work.result()  # raises the request's APIError, if any
         return JSONResponse(S.response_body(
             kind, rid, S.now_s(), self.cfg.model, "".join(parts), done.finish_reason, len(job.prompt_ids),
             len(done.token_ids), done.timings, done.token_ids if ids else None))

@@ -129,6 +129,24 @@ def test_no_kv_blocks_leak(srv):
     srv.wait_for(all_free, timeout=10, what="every worker's KV blocks back in its pool")
 
 
+@pytest.mark.parametrize("policy", ["colocated", "disaggregated"])
+def test_a_client_that_leaves_stops_its_request(srv, policy):
+    body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "policy": policy}
+    cancelled = f'pdserve_requests_total{{outcome="cancelled",policy="{policy}"}}'
+    before = counter(srv, cancelled)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=1.5)  # gives up long before 1500 tokens
+    left = time.monotonic()
+
+    def idle(h):
+        return all(w["in_flight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["num_blocks"]
+                   for w in h["workers"])
+
+    srv.wait_for(idle, timeout=5, what="the abandoned request to be aborted and its blocks freed")
+    assert time.monotonic() - left < 5
+    assert counter(srv, cancelled) == before + 1  # aborted, not run to its end
+
+
 def counter(srv: Pdserve, line_start: str) -> float:
     lines = [line for line in srv.get("/metrics").text.splitlines() if line.startswith(line_start)]
     return sum(float(line.split()[-1]) for line in lines)

@@ -55,7 +55,9 @@ class Pdserve:
                  env: dict | None = None):
         self.command = command or [sys.executable, "-m", "server.cli", "--port", "0", *args]
         self.startup_timeout = startup_timeout
-        self.env = {**os.environ, **(env or {})}
+        # CPU even on a GPU machine: the oracles (transformers on the CPU, float32) and the timings
+        # these tests check are the CPU ones; deploy/check.py is the GPU check
+        self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
         self.url: str | None = None
         self.proc: subprocess.Popen | None = None
         self.lines: queue.Queue = queue.Queue()
