@@ -26,6 +26,7 @@ from server.dispatch import Dispatcher, Done, Job, Token
 from server.errors import APIError, bad_request, unknown_model
 from server.metrics import CONTENT_TYPE, Metrics
 from server.pool import WorkerPool
+from server.timeline import Clock
 from server.tokenizer import PromptEncoder
 
 log = logging.getLogger("pdserve.router")
@@ -54,7 +55,8 @@ class Router:
 
     # ---- one request ------------------------------------------------------------------------------
 
-    async def prepare(self, kind: str, req: S.CompletionRequest | S.ChatRequest, request_id: str) -> Job:
+    async def prepare(self, kind: str, req: S.CompletionRequest | S.ChatRequest, request_id: str,
+                      clock: Clock) -> Job:
         req.check()
         if req.model is not None and req.model != self.cfg.model:
             raise unknown_model(req.model, self.cfg.model)
@@ -84,7 +86,7 @@ class Router:
             default = self.cfg.default_chat_max_tokens if kind == "chat" else self.cfg.default_max_tokens
             max_tokens = default if context is None else min(default, context - n)
         policy = self.dispatcher.resolve_policy(req.policy, n)
-        return Job(request_id, ids, req.sampling(max_tokens), policy)
+        return Job(request_id, ids, req.sampling(max_tokens), policy, clock)
 
     @staticmethod
     async def _off_loop(fn, arg, chars: int):
@@ -94,10 +96,11 @@ class Router:
         return await asyncio.to_thread(fn, arg)
 
     async def handle(self, kind: str, http: Request) -> Response:
+        clock = Clock.start()  # arrival: parsing and tokenizing count as the router's queue time
         cls = S.ChatRequest if kind == "chat" else S.CompletionRequest
         req = S.parse_body(await http.body(), cls)
         rid = S.new_id(kind)
-        job = await self.prepare(kind, req, rid)
+        job = await self.prepare(kind, req, rid, clock)
         plan = self.dispatcher.plan(job)
         ids = req.return_token_ids
         if req.stream:

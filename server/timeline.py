@@ -2,7 +2,8 @@
 
 No timestamp crosses a process boundary, so clock offsets between hosts cannot bend the numbers:
 
-    queue_ms             router: arrival -> Generate/Prefill sent   +  worker: message received -> prefill start
+    queue_ms             router: arrival (before parsing and tokenizing) -> Generate/Prefill sent
+                         + worker: message received -> prefill start
     prefill_ms           prefill (or colocated) worker, one forward over the prompt
     transfer_ms          prefill worker: first copy issued -> last copy complete
     transfer_exposed_ms  prefill worker: prefill end -> last copy complete, before "kv done" is sent (what TTFT pays)
