@@ -9,12 +9,13 @@ Life cycle of a request:
                                                         worker is told "kv done" with the first token
               -> engine.release()                       our blocks go back at once
               -> PrefillDone (timings, bytes; exposed transfer = last copy complete - prefill end,
-                                                both on this process's clock)   or RequestFailed (invalid | capacity | transfer | timeout
-                                                | internal; the transfer is aborted, blocks released)
+                                                both on this process's clock)
+                 or RequestFailed (invalid | capacity | transfer | timeout | internal; the transfer is
+                                                aborted, the blocks released)
 
-Deadline: the router gives each Prefill a deadline shorter than the decode worker's reservation, so
-no byte is written into blocks the decode worker may already have handed to someone else; past it
-the request fails with `timeout` before (or instead of) transferring.
+Deadline: the router gives each Prefill a deadline shorter than the decode worker's reservation;
+past it the request fails with `timeout` before (or instead of) transferring, rather than sending
+KV the decode worker no longer waits for (its receiver would refuse it anyway).
 
 Connect (from the router, when a decode worker with our transport registers) shakes hands with its
 KV receiver at once, so the first request to it does not pay the handshake in its TTFT.
@@ -123,7 +124,8 @@ class PrefillRole(Role):
         self.engine.release(rid)
         self.worker.send(P.PrefillDone(
             worker_id=self.worker_id, request_id=rid, first_token=result.first_token,
-            timeline=P.Timeline(wait_ms=ms(received, req.prefill_start), prefill_ms=ms(req.prefill_start, req.prefill_end)),
+            timeline=P.Timeline(wait_ms=ms(received, req.prefill_start),
+                                prefill_ms=ms(req.prefill_start, req.prefill_end)),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,
             transfer_exposed_ms=max(0.0, (stats.finished_at - wall_clock(req.prefill_end)) * 1e3),
             kv_bytes=stats.num_bytes, copies=stats.copies,
