@@ -111,6 +111,7 @@ class Worker:
         self.registered = threading.Event()
         self.heartbeat_interval_s = 1.0
         self._stop = threading.Event()
+        self._stop_reason = "stopped"  # told to the router in Goodbye
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.fatal_error: str | None = None
 
@@ -207,7 +208,7 @@ class Worker:
             while not self._stop.is_set():
                 link.send(self.heartbeat() if self.registered.is_set() else self.registration())
                 self._stop.wait(self.heartbeat_interval_s)
-            link.send(P.Goodbye(self.worker_id, getattr(self, "_stop_reason", "stopped")))
+            link.send(P.Goodbye(self.worker_id, self._stop_reason))
         finally:
             link.close()
 
