@@ -73,7 +73,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for every worker (repeat: --worker-arg=--kv-deadline --worker-arg=10)")
+                   help="extra argument for every worker (repeat: --worker-arg=--handshake-timeout --worker-arg=10)")
     g.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds to wait for every worker to register (the first start converts the model)")
 

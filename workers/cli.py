@@ -56,7 +56,8 @@ def serve_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", default="bulk", choices=MODES, help="bulk: after prefill; layer: each layer as it is done")
     g.add_argument("--kv-host", default="127.0.0.1", help="decode: interface the KV receiver binds and advertises")
     g.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver port (0: any free port)")
-    g.add_argument("--kv-deadline", type=float, default=30.0, help="seconds for a transport handshake")
+    g.add_argument("--handshake-timeout", type=float, default=30.0,
+                   help="seconds for a KV transport handshake (a request's own deadline comes from the router)")
     g = p.add_argument_group("control plane")
     g.add_argument("--router", default="tcp://127.0.0.1:7100", help="the router's registration endpoint")
     g.add_argument("--control", default="tcp://127.0.0.1:0",
@@ -127,7 +128,7 @@ def serve(argv: list[str]) -> int:
         role=args.role,
         engine=engine_config(args, kv_shared=disaggregated and args.transport == "ipc"),
         transfer=TransferConfig(transport=args.transport, mode=args.mode, host=args.kv_host, port=args.kv_port,
-                                deadline_s=args.kv_deadline),
+                                deadline_s=args.handshake_timeout),
         control=args.control, router=args.router, advertise_host=args.advertise_host, worker_id=args.worker_id,
     )
     worker = Worker(cfg)
