@@ -167,23 +167,30 @@ class IpcTransfer(SenderTransfer):
         with self.lock:  # a Cancel (I/O thread) takes the lock too: no copy starts after it
             if self.error is None:
                 self.mark_started()
-                for layer, ready in self.pending:
-                    self._copy(layer, ready)
+                # layers that became ready at the same event go out in one batch (bulk: all 28)
+                batch: list[int] = []
+                for i, (layer, ready) in enumerate(self.pending):
+                    batch.append(layer)
+                    if i + 1 == len(self.pending) or self.pending[i + 1][1] is not ready:
+                        self._copy(batch, ready)
+                        batch = []
             self.pending.clear()
 
-    def _copy(self, layer: int | slice, ready: torch.cuda.Event | None) -> None:
-        src, dst = self.src, self.dst
+    def _copy(self, layers: list[int], ready: torch.cuda.Event | None) -> None:
+        src, dst, runs = self.src, self.dst, self.plan.runs
         if self.stream is None:
-            for s, d, n in self.plan.runs:
-                dst[layer, d:d + n].copy_(src[layer, s:s + n])
+            for layer in layers:
+                for s, d, n in runs:
+                    dst[layer, d:d + n].copy_(src[layer, s:s + n])
         else:
             self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                for s, d, n in self.plan.runs:
-                    dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=True)
+                for layer in layers:
+                    for s, d, n in runs:
+                        dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=True)
             self.last_event = torch.cuda.Event(enable_timing=True)
             self.last_event.record(self.stream)
-        self.copies += len(self.plan.runs)
+        self.copies += len(layers) * len(runs)
 
     def copy_done_event(self) -> torch.cuda.Event | None:
         return self.last_event
