@@ -261,7 +261,8 @@ def test_unknown_worker_is_asked_to_register_again(tokenizer):
     with router(tokenizer) as client:
         w = client.add_worker("colocated", "c0", colocated_echo(1))
         pool = client.app.state.router.pool
-        pool._drop(pool.workers["c0"], "test: forget it, as a restarted router would")
+        # on the router's event loop (the TestClient runs it in another thread)
+        client.portal.call(pool._drop, pool.workers["c0"], "test: forget it, as a restarted router would")
         deadline = time.monotonic() + 5
         while "c0" not in pool.workers and time.monotonic() < deadline:
             time.sleep(0.02)
