@@ -10,7 +10,8 @@ The decode pool is mapped ONCE per peer into the prefill process, at the handsha
           sender maps it with torch.from_file(shared=True).
 
 Copies, per paired run of blocks (plan.Plan.runs), never per block:
-    bulk   finish(): one copy_ per run and layer, dst[l, d:d+n] <- src[l, s:s+n], all issued at once
+    bulk   finish(): one strided copy_ per run for all layers, dst[:, d:d+n] <- src[:, s:s+n]; on GPU
+           from 512 MiB up, one copy_ per run and layer instead (faster for large requests)
     layer  layer_done(l): the same copies for layer l, as soon as its K/V are in the pool
 
 On GPU the copies run on a side stream: layer_done(l) records an event on the current (compute)
@@ -35,6 +36,7 @@ from workers.transfer.plan import Plan
 from workers.transfer.receiver import ChannelReceiver
 from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
 
+PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: per-layer copies from this request size up
 SPIN_S = 2e-3  # finish(): spin this long on the side stream's event before napping between queries
 
 
@@ -145,11 +147,16 @@ class IpcTransfer(SenderTransfer):
                 self.pending += [(layer, ready) for layer in rest]
             self._flush()
         else:
-            # One copy_ per layer and run, not one strided copy_ of pool[:, a:b]: measured on an
-            # H200 for a 32k-token request (1,792 MiB), the strided copy ran at 879 GB/s and 28
-            # contiguous copies at 1,857 GB/s (bench/results/transfer-*.json, bandwidth.paged_run).
+            # Measured on an H200 (bench/results/transfer-*.json): a contiguous copy_ between two
+            # processes' pools costs ~40 us of fixed latency (copy engine) but streams at ~1.9 TB/s;
+            # one strided copy_ of pool[:, a:b] for all layers is a single kernel with no such
+            # latency but runs at ~0.9 TB/s. So: one strided copy for small requests, one copy per
+            # layer for large ones (crossover between 224 MiB and 896 MiB of KV).
             ready = self._mark()
-            self.pending += [(layer, ready) for layer in range(self.plan.num_layers)]
+            if self.stream is not None and self.plan.num_bytes >= PER_LAYER_COPY_BYTES:
+                self.pending += [(layer, ready) for layer in range(self.plan.num_layers)]
+            else:
+                self.pending.append((slice(None), ready))
             self._flush()
         if self.last_event is not None:
             wait_event(self.last_event, deadline, self.request_id, self.peer)
@@ -168,7 +175,7 @@ class IpcTransfer(SenderTransfer):
             if self.error is None:
                 self.mark_started()
                 # layers that became ready at the same event go out in one batch (bulk: all 28)
-                batch: list[int] = []
+                batch: list[int | slice] = []
                 for i, (layer, ready) in enumerate(self.pending):
                     batch.append(layer)
                     if i + 1 == len(self.pending) or self.pending[i + 1][1] is not ready:
@@ -176,7 +183,7 @@ class IpcTransfer(SenderTransfer):
                         batch = []
             self.pending.clear()
 
-    def _copy(self, layers: list[int], ready: torch.cuda.Event | None) -> None:
+    def _copy(self, layers: list[int | slice], ready: torch.cuda.Event | None) -> None:
         src, dst, runs = self.src, self.dst, self.plan.runs
         if self.stream is None:
             for layer in layers:

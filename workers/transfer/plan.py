@@ -3,11 +3,10 @@
 Every transport moves a request as (src_start, dst_start, length) runs where both sides are
 consecutive (`block_pool.paired_runs`), never block by block:
 
-    bulk   after prefill, one copy per run per layer: dst[l, d:d+n] <- src[l, s:s+n]  (contiguous bytes)
-    layer  the same copies, each layer's as soon as its K/V exist
-
-(One strided copy of dst[:, d:d+n] for all layers at once looks cheaper but ran at half the
-bandwidth of per-layer contiguous copies on an H200; see ipc.py.)
+    bulk   after prefill, one strided copy per run for all layers: dst[:, d:d+n] <- src[:, s:s+n]
+           (ipc on GPU switches to per-layer copies for large requests; see ipc.py)
+    layer  one copy per run per layer, each layer's as soon as its K/V exist:
+           dst[l, d:d+n] <- src[l, s:s+n]  (contiguous bytes)
 
 NIXL gets one descriptor per (layer, run): `descriptors()` builds the (addr, len, dev) rows
 with numpy, so a request costs layers x runs rows whatever the pool size.
