@@ -26,7 +26,7 @@ import time
 import httpx
 
 from client.errors import ClientError, ProtocolError, RequestTimeout, ServerUnreachable
-from client.wire import Completion, Delta, SSEDecoder, StreamState, chat_body, completion_body, \
+from client.wire import Completion, StreamState, chat_body, completion_body, \
     error_from_response, parse_response
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -106,20 +106,15 @@ class CompletionStream:
                 resp.read()
                 raise error_from_response(resp.status_code, resp.text, rid)
             state = self._state = StreamState(self._chat, rid)
-            sse = SSEDecoder()
             for line in resp.iter_lines():
-                payload = sse.feed(line)
-                if payload is not None:
-                    delta = state.feed(payload, time.perf_counter())
-                    if delta is not None:
-                        yield delta
-                if state.done:
-                    break
-            payload = sse.flush()
-            if payload is not None:
-                delta = state.feed(payload, time.perf_counter())
+                delta = state.feed_line(line, time.perf_counter())
                 if delta is not None:
                     yield delta
+                if state.done:
+                    break
+            delta = state.feed_end(time.perf_counter())
+            if delta is not None:
+                yield delta
 
     @property
     def result(self) -> Completion:
@@ -226,20 +221,15 @@ class AsyncCompletionStream:
                     await resp.aread()
                     raise error_from_response(resp.status_code, resp.text, rid)
                 state = self._state = StreamState(self._chat, rid)
-                sse = SSEDecoder()
                 async for line in resp.aiter_lines():
-                    payload = sse.feed(line)
-                    if payload is not None:
-                        delta = state.feed(payload, time.perf_counter())
-                        if delta is not None:
-                            yield delta
-                    if state.done:
-                        break
-                payload = sse.flush()
-                if payload is not None:
-                    delta = state.feed(payload, time.perf_counter())
+                    delta = state.feed_line(line, time.perf_counter())
                     if delta is not None:
                         yield delta
+                    if state.done:
+                        break
+                delta = state.feed_end(time.perf_counter())
+                if delta is not None:
+                    yield delta
 
     @property
     def result(self) -> Completion:

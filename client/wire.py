@@ -148,6 +148,17 @@ class StreamState:
         self.timings: Timings | None = None
         self.done = False  # saw [DONE]
         self.token_events = 0
+        self._sse = SSEDecoder()
+
+    def feed_line(self, line: str, arrival: float) -> Delta | None:
+        """One line of the HTTP body; a delta when it completes an event that carries one."""
+        payload = self._sse.feed(line)
+        return None if payload is None else self.feed(payload, arrival)
+
+    def feed_end(self, arrival: float) -> Delta | None:
+        """The body ended: an event left without its closing blank line."""
+        payload = self._sse.flush()
+        return None if payload is None else self.feed(payload, arrival)
 
     def feed(self, payload: str, arrival: float) -> Delta | None:
         if payload.strip() == DONE:
