@@ -32,7 +32,6 @@ from server.tokenizer import PromptEncoder
 log = logging.getLogger("pdserve.router")
 
 LONG_TEXT_CHARS = 8192  # longer prompts are tokenized off the event loop
-DISCONNECT_CHECK_S = 1.0  # how often a non-streaming request checks that its client is still there
 
 
 class Router:
@@ -118,12 +117,17 @@ class Router:
                     done = event
 
         work = asyncio.ensure_future(collect())
-        while not (await asyncio.wait({work}, timeout=DISCONNECT_CHECK_S))[0]:
-            if await http.is_disconnected():  # the client left: stop its workers (execute aborts them)
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client left (or we are cancelled): stop its workers
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
                 log.info("request %s: the client disconnected; aborted", rid)
-                return Response(status_code=499)
+        if work.cancelled():
+            return Response(status_code=499)
         work.result()  # raises the request's APIError, if any
         return JSONResponse(S.response_body(
             kind, rid, S.now_s(), self.cfg.model, "".join(parts), done.finish_reason, len(job.prompt_ids),
@@ -167,6 +171,13 @@ class Router:
         if not ok:
             body["message"] = (f"no worker can serve requests yet; start workers with --router {self.pool.address}")
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns when the client has gone (the body is read already: the next ASGI message is the
+    disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(body: dict) -> str:

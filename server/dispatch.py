@@ -227,11 +227,18 @@ class Dispatcher:
             raise no_worker(f"request {rid}: {e}") from None
 
     async def _next(self, inbox: asyncio.Queue, job: Job, who: str, timeout: float, what: str):
+        # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation (the client
+        # left) when the message arrives at the same moment, and the request would run on
+        getter = asyncio.ensure_future(inbox.get())
         try:
-            return await asyncio.wait_for(inbox.get(), timeout)
-        except asyncio.TimeoutError:
+            done, _ = await asyncio.wait({getter}, timeout=timeout)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if not done:
             raise timed_out(f"request {job.request_id}: no {what} from {who} within {timeout:.0f}s; "
-                            f"the worker may be overloaded or stuck (see GET /health)") from None
+                            f"the worker may be overloaded or stuck (see GET /health)")
+        return getter.result()
 
     def _raise_for(self, msg, job: Job):
         rid = job.request_id
