@@ -131,6 +131,23 @@ def test_no_kv_blocks_leak(srv):
 
 
 @pytest.mark.parametrize("policy", ["colocated", "disaggregated"])
+def test_a_client_that_leaves_a_stream_stops_its_request(srv, policy):
+    body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "policy": policy, "stream": True}
+    cancelled = f'pdserve_requests_total{{outcome="cancelled",policy="{policy}"}}'
+    before = counter(srv, cancelled)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 6:  # three events in: leave
+                    break
+    left = time.monotonic()
+    srv.wait_for(lambda h: all(w["in_flight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["num_blocks"]
+                               for w in h["workers"]), timeout=5, what="the abandoned stream's request to stop")
+    assert time.monotonic() - left < 5
+    assert counter(srv, cancelled) == before + 1
+
+
+@pytest.mark.parametrize("policy", ["colocated", "disaggregated"])
 def test_a_client_that_leaves_stops_its_request(srv, policy):
     body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "policy": policy}  # seconds of decoding
     cancelled = f'pdserve_requests_total{{outcome="cancelled",policy="{policy}"}}'
