@@ -229,3 +229,12 @@ def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy():
     greedy = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_ids
     topk1 = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=5, ignore_eos=True))[0].output_ids
     assert topk1 == greedy
+
+
+def test_adopt_that_cannot_fit_gives_its_reservation_back():
+    engine = make_engine("tiny", num_blocks=16)
+    prompt = prompts_of_lengths(engine.tokenizer, [40])[0]
+    assert engine.reserve("short", 10) is not None  # one block for a 40-token prompt: too small
+    with pytest.raises(InvalidRequest, match="cannot hold 40 prompt tokens"):
+        engine.adopt(Request("short", prompt, SamplingParams(max_tokens=4)), first_token=5)
+    assert engine.blocks.num_free == 16 and not engine.reserved and not engine.requests

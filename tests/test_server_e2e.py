@@ -13,7 +13,6 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +21,8 @@ from test_server_harness import ROOT, Pdserve  # pytest puts tests/ on sys.path 
 
 pytestmark = pytest.mark.timeout(900)
 
-# The serving section is written in deploy/README-serving.md and merged into README.md; test the
-# README.md copy once it is there (the commands a reader runs), the draft until then.
-README = next(p for p in (ROOT / "README.md", ROOT / "deploy" / "README-serving.md")
-              if p.exists() and "curl http://127.0.0.1:8000/v1/models" in p.read_text())
+# The commands a reader runs: README.md's serving section.
+README = ROOT / "README.md"
 README_URL = "http://127.0.0.1:8000"
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -36,10 +33,10 @@ MAX_TOKENS = 12
 def readme_commands() -> tuple[list[str], list[str]]:
     """(the command that starts pdserve, every curl command) from the README's bash blocks."""
     text = README.read_text()
-    if README.name == "README.md":  # the serving section: its pdserve command to the end of its ## section
-        curl_at = text.index("curl http://127.0.0.1:8000/v1/models")
-        end = text.find("\n## ", curl_at)
-        text = text[text.rindex("```bash\npdserve", 0, curl_at):end if end > 0 else None]
+    # the serving section: its pdserve command to the end of its ## section
+    curl_at = text.index("curl http://127.0.0.1:8000/v1/models")
+    end = text.find("\n## ", curl_at)
+    text = text[text.rindex("```bash\npdserve", 0, curl_at):end if end > 0 else None]
     blocks = [b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)```", text, re.S)]
     lines = [line.strip() for b in blocks for line in b.splitlines() if line.strip()]
     start = shlex.split(lines[0])

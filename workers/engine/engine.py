@@ -237,14 +237,14 @@ class Engine:
         """Continue a request whose prompt KV sits in its reserved blocks; returns the output of
         its first token (which may already finish it)."""
         blocks = self.reserved.pop(req.request_id, None) or req.block_ids
-        if len(blocks) * self.layout.block_size < len(req.prompt_ids):
-            raise InvalidRequest(
-                f"request {req.request_id}: {len(blocks)} blocks cannot hold {len(req.prompt_ids)} prompt tokens"
-            )
         try:
+            if len(blocks) * self.layout.block_size < len(req.prompt_ids):
+                raise InvalidRequest(
+                    f"request {req.request_id}: {len(blocks)} blocks cannot hold {len(req.prompt_ids)} prompt tokens"
+                )
             self.validate(req)
         except InvalidRequest:
-            self.blocks.free(blocks)
+            self.blocks.free(blocks)  # the reservation ends here: its blocks go back
             raise
         req.block_ids = list(blocks)
         req.num_computed = len(req.prompt_ids)
