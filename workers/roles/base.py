@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from workers import protocol as P
 from workers.engine.request import Request
@@ -56,6 +57,26 @@ class Role:
     def send_tokens(self, outputs: list[P.TokenOut]) -> None:
         if outputs:
             self.worker.send(P.Tokens(self.worker_id, outputs))
+
+    def step_and_send(self, live: dict, timeline_of: Callable[[object], P.Timeline]) -> None:
+        """One engine step; its tokens go to the router, a finished request's with its timeline
+        (`timeline_of(live[request_id])`). A failed step loses the whole batch: every live
+        request is aborted and reported."""
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("%s: engine step failed", self.worker_id)
+            for rid in list(live):
+                live.pop(rid)
+                self.engine.abort(rid)
+                self.fail(rid, "internal", f"engine step failed on {self.worker_id}: {type(e).__name__}: {e}")
+            return
+        out = []
+        for o in outputs:
+            entry = live.pop(o.request_id, None) if o.finished else None
+            timeline = timeline_of(entry) if entry is not None else None
+            out.append(P.TokenOut(o.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason, timeline))
+        self.send_tokens(out)
 
     @staticmethod
     def timeline(req: Request, received: float | None) -> P.Timeline:

@@ -46,24 +46,7 @@ class ColocatedRole(Role):
     def tick(self) -> None:
         if not self.engine.has_work():
             return
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # the whole batch is lost: tell the router about every request in it
-            log.exception("%s: engine step failed", self.worker_id)
-            for rid in list(self.live):
-                self.live.pop(rid)
-                self.engine.abort(rid)
-                self.fail(rid, "internal", f"engine step failed on {self.worker_id}: {type(e).__name__}: {e}")
-            return
-        out = []
-        for o in outputs:
-            timeline = None
-            if o.finished:
-                entry = self.live.pop(o.request_id, None)
-                if entry is not None:
-                    timeline = self.timeline(*entry)
-            out.append(P.TokenOut(o.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason, timeline))
-        self.send_tokens(out)
+        self.step_and_send(self.live, lambda entry: self.timeline(*entry))
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         return 0 if self.engine.has_work() else idle_ms

@@ -138,24 +138,7 @@ class DecodeRole(Role):
         self.send_tokens(out)
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            log.exception("%s: engine step failed", self.worker_id)
-            for rid in list(self.live):
-                self.live.pop(rid)
-                self.engine.abort(rid)
-                self.fail(rid, "internal", f"engine step failed on {self.worker_id}: {type(e).__name__}: {e}")
-            return
-        out = []
-        for o in outputs:
-            timeline = None
-            if o.finished:
-                req = self.live.pop(o.request_id, None)
-                if req is not None:
-                    timeline = self.timeline(req, None)
-            out.append(P.TokenOut(o.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason, timeline))
-        self.send_tokens(out)
+        self.step_and_send(self.live, lambda req: self.timeline(req, None))
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         if self.engine.has_work() or self.reserving:
