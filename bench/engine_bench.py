@@ -73,16 +73,16 @@ def parse_counts(text: str) -> list[int]:
 # ---- timing --------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) * 1e3
 
 

@@ -39,6 +39,7 @@ import uuid
 import msgspec
 import torch
 
+from bench.engine_bench import sync
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import Request, SamplingParams
@@ -61,11 +62,6 @@ def prompt_ids(engine: Engine, n: int) -> list[int]:
 
 def logits_digest(logits: torch.Tensor) -> str:
     return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_engine(args, device: str, max_len: int, shared: bool) -> Engine:

@@ -22,12 +22,7 @@ import time
 from dataclasses import dataclass
 
 from workers import protocol as P
-
-
-def ms(start: float | None, end: float | None) -> float | None:
-    if start is None or end is None:
-        return None
-    return (end - start) * 1e3
+from workers.roles.base import ms
 
 
 @dataclass

@@ -78,11 +78,11 @@ class Engine:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         dtype = config.torch_dtype
-        num_blocks = config.num_blocks or blocks_for_budget(
+        usable = config.num_blocks or blocks_for_budget(
             config.kv_budget_bytes(), cfg.num_hidden_layers, kv_heads, head_dim, dtype, config.block_size
         ) - 1
-        num_blocks += 1  # the scratch block
-        return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, num_blocks)
+        # the pool holds one block more than requests may use: the scratch block
+        return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)
 
     def warmup(self) -> float:
         """CUDA: capture the decode graph of every (batch, block table) bucket ahead of traffic,

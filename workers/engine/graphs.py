@@ -80,13 +80,12 @@ class DecodeGraphs:
         block alone); returns the seconds it took."""
         start = time.monotonic()
         scratch_k = self.runner.scratch_block * 2 * self.runner.block_size
+        self.ids.zero_(), self.pos.zero_(), self.table.zero_(), self.lens.fill_(1)
+        self.k_slots.fill_(scratch_k)
+        self.v_slots.fill_(scratch_k + self.runner.block_size)
         for batch in batches:
-            if (batch, blocks) in self.graphs:
-                continue
-            self.ids.zero_(), self.pos.zero_(), self.table.zero_(), self.lens.fill_(1)
-            self.k_slots.fill_(scratch_k)
-            self.v_slots.fill_(scratch_k + self.runner.block_size)
-            self._capture(batch, blocks)
+            if (batch, blocks) not in self.graphs:
+                self._capture(batch, blocks)
         torch.cuda.synchronize(self.runner.device)
         return time.monotonic() - start
 

@@ -42,11 +42,11 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // block_size))
 
-    def slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self, blocks_at: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of K and V for the given positions in a layer viewed as
-        [blocks * 2 * block_size, heads, dim]; block_ids[i] holds positions i*bs .. i*bs+bs-1."""
+        [blocks * 2 * block_size, heads, dim]; blocks_at[i] is the block holding positions[i]."""
         bs = self.block_size
-        k = block_ids[positions // bs] * (2 * bs) + positions % bs
+        k = blocks_at * (2 * bs) + positions % bs
         return k, k + bs
 
     @torch.inference_mode()
@@ -60,7 +60,7 @@ class ModelRunner:
                 raise RuntimeError(f"request {req.request_id}: prefill of a partly cached prompt is not supported")
             toks = req.all_ids
             pos = torch.arange(len(toks))
-            k, v = self.slots(torch.tensor(req.block_ids), pos)
+            k, v = self.slots(torch.tensor(req.block_ids)[pos // self.block_size], pos)
             ids.append(torch.tensor(toks))
             positions.append(pos)
             k_slots.append(k)
@@ -105,10 +105,11 @@ class ModelRunner:
         ids = torch.zeros(batch, dtype=torch.long)
         ids[:n] = torch.tensor([r.output_ids[-1] for r in reqs])
         pos = lens - 1
-        k = table[torch.arange(batch), pos // bs] * (2 * bs) + pos % bs
-        k[n:] = self.scratch_block * 2 * bs  # padding rows write into the scratch block
+        blocks_at = table[torch.arange(batch), pos // bs]
+        blocks_at[n:] = self.scratch_block  # padding rows write into the scratch block
         pos[n:] = 0
-        return {"ids": ids, "pos": pos, "k_slots": k, "v_slots": k + bs, "table": table, "lens": lens}
+        k, v = self.slots(blocks_at, pos)
+        return {"ids": ids, "pos": pos, "k_slots": k, "v_slots": v, "table": table, "lens": lens}
 
     def _decode_eager(self, reqs: list[Request]) -> torch.Tensor:
         n = len(reqs)
