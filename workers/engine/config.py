@@ -18,7 +18,8 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks for requests (the pool holds one more, for padding); or kv_memory_gb
     kv_memory_gb: float | None = None  # KV pool size in GiB; default 1 GiB on CPU, 30% of free memory on CUDA
     max_num_seqs: int = 64  # running requests at once
-    max_batched_tokens: int = 8192  # prompt tokens per prefill step (a longer prompt runs alone)
+    max_batched_tokens: int = 8192  # tokens per step: decodes plus prompt tokens (the chunk size with chunked_prefill)
+    chunked_prefill: bool = True  # colocated steps carry the running decodes plus a chunk of a prompt
     kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
     max_model_len: int | None = None  # default: the model's own limit
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
