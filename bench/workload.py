@@ -3,6 +3,7 @@
     LengthDist.parse("uniform:128:1024")      a length distribution (fixed / uniform / normal)
     PromptBuilder(tokenizer).words(n, rng)    text of exactly n tokens (n words without a tokenizer)
     synthetic_samples(...)                    lengths drawn from distributions, with a long/short mix
+                                              (exactly long_count(n, fraction) long prompts)
     sharegpt_samples(path, ...)               first human turn as prompt, first reply's length as output
     mooncake_samples(path, ...)               a JSONL trace replayed at its timestamps; equal hash_ids
                                               give equal text blocks (a shared prefix stays shared)
@@ -125,19 +126,27 @@ class PromptBuilder:
         return max(1, round(len(text) / 4))
 
 
+def long_count(n: int, long_fraction: float) -> int:
+    """How many of n prompts are long: n * fraction rounded half up (25% of 10 -> 3, of 24 -> 6)."""
+    return math.floor(n * long_fraction + 0.5)
+
+
 def synthetic_samples(n: int, input_len: LengthDist, output_len: LengthDist, builder: PromptBuilder, *,
                       seed: int, text_seed: int | None = None, long_fraction: float = 0.0,
                       long_input_len: LengthDist | None = None, copies: int = 1) -> list[Sample]:
-    """Lengths come from `seed` (the same for every point of a sweep), text from `text_seed`."""
+    """Lengths come from `seed` (the same for every point of a sweep), text from `text_seed`.
+    Exactly long_count(n, long_fraction) of the n prompts are long, at seeded positions: a coin per
+    prompt would send 3 long prompts of 24 at 25% (seed 0), not the stated 6."""
     if not 0.0 <= long_fraction <= 1.0:
         raise WorkloadError(f"long fraction must be in [0, 1], got {long_fraction}")
     if long_fraction > 0 and long_input_len is None:
         raise WorkloadError("a long/short mix needs the long input length distribution")
     lengths = random.Random(seed)
     text = random.Random(seed if text_seed is None else text_seed)
+    long_at = set(lengths.sample(range(n), long_count(n, long_fraction)))
     out = []
-    for _ in range(n):
-        is_long = long_fraction > 0 and lengths.random() < long_fraction
+    for i in range(n):
+        is_long = i in long_at
         n_in = (long_input_len if is_long else input_len).sample(lengths)
         n_out = output_len.sample(lengths)
         for _ in range(copies):

@@ -11,7 +11,7 @@ import pytest
 
 from bench import load
 from bench.workload import (LengthDist, PromptBuilder, WorkloadError, arrival_times, assign_policies,
-                            load_tokenizer, mooncake_samples, sharegpt_samples, synthetic_samples)
+                            load_tokenizer, long_count, mooncake_samples, sharegpt_samples, synthetic_samples)
 
 
 def test_length_specs():
@@ -38,13 +38,31 @@ def test_synthetic_mix_and_copies():
     for s in samples:
         assert len(s.prompt.split()) == s.prompt_len and s.output_len == 8
         assert (900 <= s.prompt_len <= 1000) == (s.kind == "long")
-    share_long = sum(s.kind == "long" for s in samples[::2]) / 400
-    assert 0.18 < share_long < 0.32
+    assert sum(s.kind == "long" for s in samples[::2]) == 100  # exactly the stated 25%
     again = synthetic_samples(400, LengthDist.parse("uniform:10:50"), LengthDist.parse("8"), b, seed=3,
                               text_seed=99, long_fraction=0.25, long_input_len=LengthDist.parse("uniform:900:1000"),
                               copies=2)
     assert [s.prompt_len for s in again] == [s.prompt_len for s in samples]  # lengths from seed, text from text_seed
     assert again[0].prompt != samples[0].prompt
+
+
+def test_long_fraction_is_exact_for_small_runs():
+    b = PromptBuilder()
+    short, long_ = LengthDist.parse("uniform:10:50"), LengthDist.parse("uniform:900:1000")
+    # 24 prompts at 25%, seed 0: a coin per prompt gave 3 long ones (12.5%); the stated share is 6
+    samples = synthetic_samples(24, short, LengthDist.parse("4"), b, seed=0, long_fraction=0.25, long_input_len=long_)
+    assert sum(s.kind == "long" for s in samples) == 6
+    for n, fraction, want in ((10, 0.25, 3), (7, 0.5, 4), (5, 0.0, 0), (8, 1.0, 8), (30, 0.1, 3)):
+        assert long_count(n, fraction) == want
+        for seed in range(5):
+            kinds = [s.kind for s in synthetic_samples(n, short, LengthDist.parse("4"), b, seed=seed,
+                                                       long_fraction=fraction, long_input_len=long_)]
+            assert kinds.count("long") == want
+    # the long prompts sit at seeded positions, not always the first ones
+    positions = {tuple(i for i, s in enumerate(synthetic_samples(12, short, LengthDist.parse("4"), b, seed=seed,
+                                                                 long_fraction=0.25, long_input_len=long_))
+                       if s.kind == "long") for seed in range(6)}
+    assert len(positions) > 1
 
 
 def test_prompt_lengths_are_exact_with_the_model_tokenizer():
