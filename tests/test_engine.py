@@ -47,9 +47,16 @@ def run_collect(engine: Engine, reqs: list[Request]) -> dict[str, list[torch.Ten
     return logits
 
 
-@pytest.mark.parametrize("name", ["tiny", "smollm2-135m"])
-def test_batched_greedy_equals_transformers_generate(name):
-    engine = make_engine(name)
+# default chunked prefill (these prompts fit one chunk), chunks of 7 tokens (prompts prefilled
+# over several steps, mixed with other requests' decodes, attending over their cached prefix),
+# and unchunked steps
+CHUNKING = {"chunk512": {}, "chunk7": {"chunk_tokens": 7}, "unchunked": {"chunked_prefill": False}}
+
+
+@pytest.mark.parametrize("name,chunking", [("tiny", c) for c in CHUNKING] + [("smollm2-135m", "chunk512"),
+                                                                           ("smollm2-135m", "chunk7")])
+def test_batched_greedy_equals_transformers_generate(name, chunking):
+    engine = make_engine(name, **CHUNKING[chunking])
     ref = reference(name)
     # shorter than a block, exactly one block, several blocks, and two in between
     lengths = [5, 16, 53, 1, 33, 40]
@@ -238,3 +245,29 @@ def test_adopt_that_cannot_fit_gives_its_reservation_back():
     with pytest.raises(InvalidRequest, match="cannot hold 40 prompt tokens"):
         engine.adopt(Request("short", prompt, SamplingParams(max_tokens=4)), first_token=5)
     assert engine.blocks.num_free == 16 and not engine.reserved and not engine.requests
+
+
+def test_chunked_prefill_keeps_running_requests_decoding():
+    """While a long prompt is prefilled chunk by chunk, every step still gives each running
+    request its next token; unchunked, the whole prompt takes one step of its own."""
+    for chunked, want_stalls in ((True, 0), (False, 1)):
+        engine = make_engine("tiny", chunked_prefill=chunked, chunk_tokens=16)
+        short = prompts_of_lengths(engine.tokenizer, [5, 9, 12])
+        running = [Request(f"s{i}", p, SamplingParams(max_tokens=40, ignore_eos=True)) for i, p in enumerate(short)]
+        for r in running:
+            engine.add_request(r)
+        while not all(r.output_ids for r in running):
+            engine.step()
+        long = Request("long", prompts_of_lengths(engine.tokenizer, [150])[0], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.add_request(long)
+        steps = stalls = 0
+        while not long.output_ids:
+            before = [len(r.output_ids) for r in running]
+            engine.step()
+            steps += 1
+            stalls += any(len(r.output_ids) == b for r, b in zip(running, before))
+        assert stalls == want_stalls, (chunked, stalls)
+        if chunked:
+            assert steps == -(-150 // 16)  # one chunk a step
+        engine.run_until_done(running + [long])
+        assert engine.blocks.num_free == engine.blocks.num_blocks

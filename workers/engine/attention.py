@@ -1,19 +1,27 @@
 """Attention over the paged KV cache, registered with transformers' AttentionInterface.
 
 transformers' own model code runs unchanged; only its attention call lands here. The
-runner flattens a step's tokens into one sequence of batch 1 and sets `STEP` (what the
-step is: slots to write, per-request spans or block tables) before the forward.
+runner flattens a step's tokens into one sequence of batch 1 and sets `STEP` before the
+forward. A step's rows come in three kinds, in this order:
+
+    decode   rows [0, num_decode): one new token of a running request, over its blocks
+    fresh    prefill chunks that start at position 0: causal over their own new K/V only
+    prefix   prefill chunks that start later (chunked prefill, a cached prefix): causal over
+             the request's blocks, the new chunk included
 
 Per layer:
   1. write the step's new K/V into the pool at their slots (two index_copy_ calls);
   2. tell the transfer, if any, that this layer's K/V are in place (`on_layer`);
-  3. attend (the `attention_mask` argument is the runner's placeholder and is ignored):
-     prefill: each request's fresh K/V, causal (its prompt starts at position 0);
-     decode: gather each request's blocks through its block table, mask past its length.
+  3. attend (the `attention_mask` argument is the runner's placeholder and is ignored).
+     decode and prefix rows read the pool in place: on CUDA through the Triton kernels in
+     paged_kernel.py; elsewhere (CPU, tests) through the reference below, which gathers a
+     request's blocks and runs SDPA over them. Fresh rows run SDPA over the chunk's own K/V
+     (flash attention on CUDA), exactly as transformers' own prefill does.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,55 +33,127 @@ ATTN_NAME = "pdserve_paged"
 
 @dataclass
 class StepState:
-    is_prefill: bool = True
     pool: torch.Tensor | None = None  # [layers, blocks, 2, block_size, kv_heads, head_dim]
     k_slots: torch.Tensor | None = None  # [T] int64 row in a layer viewed as [blocks*2*block_size, kv_heads, head_dim]
     v_slots: torch.Tensor | None = None  # [T]
-    spans: list[tuple[int, int]] = field(default_factory=list)  # prefill: (start, end) of each request in T
-    block_tables: torch.Tensor | None = None  # decode: [B, max_blocks] int64
-    mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_blocks*block_size] bool, True = attend
     on_layer: Callable[[int], None] | None = None
+    # decode rows [0, num_decode)
+    num_decode: int = 0
+    table: torch.Tensor | None = None  # [num_decode, max_blocks] block ids
+    ctx_lens: torch.Tensor | None = None  # [num_decode] keys per row, its own included
+    max_ctx: int = 0  # host bound on ctx_lens (static per CUDA graph)
+    # fresh prefill chunks: (start, end) rows
+    fresh: list[tuple[int, int]] = field(default_factory=list)
+    # prefix prefill chunks: (row in prefix_table, first row, tokens, first position)
+    prefix: list[tuple[int, int, int, int]] = field(default_factory=list)
+    prefix_table: torch.Tensor | None = None  # [len(prefix), max_blocks]
+    prefix_tiles: torch.Tensor | None = None  # [4, tiles] int32 (paged_kernel.prefill_tiles), CUDA only
+
+    def set_decode(self, k_slots, v_slots, table, ctx_lens, max_ctx: int) -> None:
+        self.k_slots, self.v_slots, self.on_layer = k_slots, v_slots, None
+        self.num_decode, self.table, self.ctx_lens, self.max_ctx = table.shape[0], table, ctx_lens, max_ctx
+        self.fresh, self.prefix, self.prefix_table, self.prefix_tiles = [], [], None, None
 
 
 # The runner fills this in before each forward; one engine per process runs one step at a time.
 STEP = StepState()
 
 
+@functools.cache
+def _kernels():
+    """paged_kernel, or None where Triton is missing (the reference path runs instead)."""
+    try:
+        from workers.engine import paged_kernel
+    except ImportError:
+        return None
+    return paged_kernel
+
+
+def use_kernels(device: torch.device) -> bool:
+    return device.type == "cuda" and _kernels() is not None
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     # query: [1, H, T, D]; key, value: [1, KVH, T, D]  ->  returns ([1, T, H, D], None)
     step = STEP
     layer = module.layer_idx
-    pool_layer = step.pool[layer]
+    pool_layer = step.pool[layer]  # [blocks, 2, block_size, KVH, D]
     num_blocks, _, block_size, kv_heads, head_dim = pool_layer.shape
     rows = pool_layer.view(num_blocks * 2 * block_size, kv_heads, head_dim)
     rows.index_copy_(0, step.k_slots, key[0].transpose(0, 1).to(rows.dtype))
     rows.index_copy_(0, step.v_slots, value[0].transpose(0, 1).to(rows.dtype))
     if step.on_layer is not None:
         step.on_layer(layer)
+    scale = scaling if scaling is not None else head_dim ** -0.5
 
-    if step.is_prefill:
-        outs = []
-        for start, end in step.spans:
-            out = F.scaled_dot_product_attention(
-                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                is_causal=True, scale=scaling, enable_gqa=True,
-            )
-            outs.append(out)
+    if not step.num_decode and not step.prefix:  # a plain prefill: the transformers-equal path
+        outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                               is_causal=True, scale=scale, enable_gqa=True)
+                for a, b in step.fresh]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous(), None
 
-    # decode: one new token per request; gather K and V through the block tables
-    batch, max_blocks = step.block_tables.shape
-    k = pool_layer[:, 0][step.block_tables]  # [B, MB, bs, KVH, D], contiguous
-    v = pool_layer[:, 1][step.block_tables]
-    k = k.view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, KVH, ctx, D]
-    v = v.view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    # Grouped-query trick: the G query heads that share a KV head become G "query positions"
-    # of that head, so no backend has to repeat K/V (query head h reads KV head h // G).
-    num_heads = query.shape[1]
-    q = query[0].transpose(0, 1).reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=step.mask, scale=scaling)
-    return out.reshape(batch, num_heads, head_dim).unsqueeze(0), None  # [1, B, H, D]
+    q = query[0].transpose(0, 1)  # [T, H, D], a view
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    kernels = _kernels() if q.device.type == "cuda" else None
+    nd = step.num_decode
+    if nd:
+        if kernels is not None:
+            kernels.paged_decode(q[:nd], pool_layer, step.table, step.ctx_lens, scale, step.max_ctx, out=out[:nd])
+        else:
+            out[:nd] = reference_decode(q[:nd], pool_layer, step.table, step.ctx_lens, scale)
+    for a, b in step.fresh:
+        out[a:b] = F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                  is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    if step.prefix:
+        if kernels is not None:
+            kernels.paged_prefill(q, pool_layer, step.prefix_table, step.prefix_tiles, scale, out)
+        else:
+            for seq, row, n, pos in step.prefix:
+                out[row:row + n] = reference_prefix(q[row:row + n], pool_layer, step.prefix_table[seq], pos, scale)
+    return out.unsqueeze(0), None
+
+
+# ---- reference path (CPU, and the oracle the kernels are tested against) --------------------
+
+def gather(pool_layer: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first n positions of the blocks in `table` ([max_blocks]) -> [KVH, n, D] each."""
+    block_size = pool_layer.shape[2]
+    blocks = pool_layer[table[: -(-n // block_size)]]  # [nb, 2, bs, KVH, D]
+    kv = blocks.transpose(0, 1).flatten(1, 2)[:, :n]  # [2, n, KVH, D]
+    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+
+
+def reference_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [B, H, D]; every request's blocks gathered, padded to the longest, masked -> [B, H, D]."""
+    batch, num_heads, head_dim = q.shape
+    _, _, block_size, kv_heads, _ = pool_layer.shape
+    max_blocks = table.shape[1]
+    k = pool_layer[:, 0][table].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    v = pool_layer[:, 1][table].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    mask = torch.arange(max_blocks * block_size, device=q.device)[None, :] < ctx_lens[:, None]  # [B, ctx]
+    mask = mask.view(batch, 1, 1, -1)
+    keep = mask.transpose(2, 3)  # [B, 1, ctx, 1]
+    k = torch.where(keep, k, 0)  # bytes past a request's length may be anything, NaN too, and
+    v = torch.where(keep, v, 0)  # SDPA adds its mask to the scores (NaN + -inf is NaN)
+    # the G query heads that share a KV head become G "query positions" of that head
+    qg = q.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def reference_prefix(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, pos: int,
+                     scale: float) -> torch.Tensor:
+    """q: [n, H, D], query tokens at positions pos..pos+n-1 of one request, causal over its blocks -> [n, H, D]."""
+    n = q.shape[0]
+    k, v = gather(pool_layer, table, pos + n)  # [KVH, pos + n, D]
+    mask = torch.arange(pos + n, device=q.device)[None, :] <= (pos + torch.arange(n, device=q.device))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0).to(q.dtype),
+                                         v.unsqueeze(0).to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def register() -> str:

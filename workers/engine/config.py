@@ -18,8 +18,9 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks for requests (the pool holds one more, for padding); or kv_memory_gb
     kv_memory_gb: float | None = None  # KV pool size in GiB; default 1 GiB on CPU, 30% of free memory on CUDA
     max_num_seqs: int = 64  # running requests at once
-    max_batched_tokens: int = 8192  # tokens per step: decodes plus prompt tokens (the chunk size with chunked_prefill)
-    chunked_prefill: bool = True  # colocated steps carry the running decodes plus a chunk of a prompt
+    max_batched_tokens: int = 8192  # unchunked: prompt tokens per prefill step (a longer prompt runs alone)
+    chunked_prefill: bool = True  # a step carries every running decode plus up to chunk_tokens prompt tokens
+    chunk_tokens: int = 512  # prompt tokens per step with chunked_prefill
     kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
     max_model_len: int | None = None  # default: the model's own limit
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
@@ -33,8 +34,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_memory_gb is not None and self.kv_memory_gb <= 0:
             raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
-        if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0:
-            raise ValueError("max_num_seqs and max_batched_tokens must be positive")
+        if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0 or self.chunk_tokens <= 0:
+            raise ValueError("max_num_seqs, max_batched_tokens and chunk_tokens must be positive")
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device} asked for, but this machine has no CUDA GPU; use --device cpu")

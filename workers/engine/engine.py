@@ -7,9 +7,9 @@ For the roles:
                landed: the request joins the running batch at decode step 2, no prompt token recomputed
 
 The step (see STYLE: scheduler decides, runner computes, engine records):
-    reqs, is_prefill = scheduler.schedule()
-    logits = runner.prefill(reqs) or runner.decode(reqs)
-    tokens = sampler.sample(logits, reqs); then append, detokenize, stop checks, free finished blocks
+    work = scheduler.schedule()            # [(request, positions to compute)]: decodes, prompt chunks
+    logits = runner.run(work)              # one row per request whose prompt or token is complete
+    tokens = sampler.sample(logits, done); then append, detokenize, stop checks, free finished blocks
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Engine:
         self.kv = KVCache(self.layout, self.device, shared=config.kv_shared)
         # the pool's last block is scratch space for padding rows; requests get the others
         self.blocks = BlockPool(self.layout.num_blocks - 1)
-        self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens,
+                                   config.chunked_prefill, config.chunk_tokens)
         self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs)
         self.sampler = Sampler(self.device)
@@ -134,26 +135,24 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        reqs, is_prefill = self.scheduler.schedule()
-        if not reqs:
+        work = self.scheduler.schedule()
+        if not work:
             return []
         start = time.monotonic()
-        if is_prefill:
-            for r in reqs:
+        for r, _ in work:
+            if not r.output_ids:
                 r.prefill_start = r.prefill_start or start
-            logits = self.runner.prefill(reqs)
-        else:
-            for r in reqs:
-                if len(r.output_ids) == 1 and r.first_step_start is None:
-                    r.first_step_start = start
-            logits = self.runner.decode(reqs)
-        tokens = self.sampler.sample(logits, reqs)  # reads the tokens back: the step is complete
+            elif len(r.output_ids) == 1 and r.first_step_start is None:
+                r.first_step_start = start
+        done = [r for r, n in work if r.num_computed + n == r.num_tokens]
+        logits = self.runner.run(work)
+        tokens = self.sampler.sample(logits, done) if done else []  # reads the tokens back: the step is complete
         end = time.monotonic()
         outs = []
-        for i, (r, tok) in enumerate(zip(reqs, tokens)):
-            if is_prefill and r.prefill_end is None:
+        for i, (r, tok) in enumerate(zip(done, tokens)):
+            if not r.output_ids and r.prefill_end is None:
                 r.prefill_end = end
-            elif not is_prefill and r.first_step_start == start:
+            elif r.first_step_start == start:
                 r.first_step_end = end
             outs.append(self._append(r, tok, logits[i] if r.return_logits else None))
         return outs

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from workers.engine import attention
 from workers.engine.request import Request
 
 
@@ -91,7 +92,8 @@ class DecodeGraphs:
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         r = self.runner
-        r.set_decode_step(self.k_slots[:batch], self.v_slots[:batch], self.table[:batch, :blocks], self.lens[:batch])
+        attention.STEP.set_decode(self.k_slots[:batch], self.v_slots[:batch], self.table[:batch, :blocks], self.lens[:batch],
+                                  blocks * r.block_size)
         return r.forward(self.ids[:batch], self.pos[:batch], self.keep[:batch])
 
     def _capture(self, batch: int, blocks: int) -> torch.cuda.CUDAGraph:

@@ -81,6 +81,10 @@ class Request:
         """Tokens whose position exists: prompt + generated (the last one not yet in the cache)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -1,13 +1,15 @@
 """The model and its tensors: builds a step's inputs, runs one forward, returns logits.
 
-A step's tokens are flattened into one sequence of batch 1 (`input_ids: [1, T]`), with
-explicit positions; the attention function (attention.py) knows from `STEP` where each
-request's tokens start and which blocks hold its past.
+A step is a list of (request, n): compute n positions of that request from its
+`num_computed` on. One decode token (n = 1), a whole prompt, or a chunk of one (chunked
+prefill) mix freely in one forward. Tokens are flattened into one sequence of batch 1
+(`input_ids: [1, T]`), decode rows first, with explicit positions; the attention function
+(attention.py) learns from `STEP` which rows are which and which blocks hold each past.
 
-On CUDA, decode steps replay CUDA graphs (graphs.py): a decode step of a 7B model is
+On CUDA, steps of decodes only replay CUDA graphs (graphs.py): a decode step of a 7B model is
 launch-bound (hundreds of small kernels), and replaying them costs a fraction of
-launching them from Python. Prefill runs eagerly: it is compute-bound, and its
-per-layer transfer hook must run on the host.
+launching them from Python. Steps with prompt tokens run eagerly: they are compute-bound,
+and a prefill's per-layer transfer hook must run on the host.
 """
 
 from __future__ import annotations
@@ -50,81 +52,92 @@ class ModelRunner:
         return k, k + bs
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request], on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Forward every request's prompt; returns [len(reqs), vocab] float32 logits of each
-        request's last token."""
-        ids, k_slots, v_slots, positions, spans, last = [], [], [], [], [], []
-        start = 0
-        for req in reqs:
-            if req.num_computed != 0:
-                raise RuntimeError(f"request {req.request_id}: prefill of a partly cached prompt is not supported")
-            toks = req.all_ids
-            pos = torch.arange(len(toks))
-            k, v = self.slots(torch.tensor(req.block_ids)[pos // self.block_size], pos)
-            ids.append(torch.tensor(toks))
-            positions.append(pos)
-            k_slots.append(k)
-            v_slots.append(v)
-            spans.append((start, start + len(toks)))
-            start += len(toks)
-            last.append(start - 1)
-        step = attention.STEP
-        step.is_prefill = True
-        step.spans = spans
-        step.on_layer = on_layer
-        step.k_slots = torch.cat(k_slots).to(self.device)
-        step.v_slots = torch.cat(v_slots).to(self.device)
-        try:
-            logits = self.forward(torch.cat(ids).to(self.device), torch.cat(positions).to(self.device),
-                                  torch.tensor(last, device=self.device))
-        finally:
-            step.on_layer = None
-        for req in reqs:
-            req.num_computed = req.num_tokens
+    def run(self, work: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """One forward over `work`: (request, n) computes positions [num_computed, num_computed + n)
+        of that request, whose blocks must already cover them. Returns [K, vocab] float32 logits
+        of the last position of every request that reaches its num_tokens, in `work` order, and
+        advances each num_computed by n."""
+        if self.graphs is not None and on_layer is None and all(n == 1 and r.num_computed for r, n in work):
+            logits = self.graphs.decode([r for r, _ in work])
+        else:
+            logits = self._run_eager(work, on_layer)
+        for r, n in work:
+            r.num_computed += n
         return logits
 
-    @torch.inference_mode()
-    def decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One token per request (its last generated one); returns [len(reqs), vocab] logits."""
-        if self.graphs is not None:
-            logits = self.graphs.decode(reqs)
-        else:
-            logits = self._decode_eager(reqs)
-        for r in reqs:
-            r.num_computed = r.num_tokens
-        return logits
+    def prefill(self, reqs: list[Request], on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Every request's remaining tokens in one forward -> [len(reqs), vocab] logits."""
+        return self.run([(r, r.num_tokens - r.num_computed) for r in reqs], on_layer)
+
+    def _run_eager(self, work: list[tuple[Request, int]], on_layer) -> torch.Tensor:
+        bs = self.block_size
+        decodes = [(r, n) for r, n in work if n == 1 and r.num_computed]
+        chunks = [(r, n) for r, n in work if not (n == 1 and r.num_computed)]
+        ids, positions, blocks_at, last = [], [], [], {}
+        for r, _ in decodes:
+            p = r.num_computed
+            last[id(r)] = len(ids)
+            ids.append(r.token_at(p))
+            positions.append(p)
+            blocks_at.append(r.block_ids[p // bs])
+        step = attention.STEP
+        step.fresh, step.prefix = [], []
+        prefix_reqs = []
+        for r, n in chunks:
+            a, row = r.num_computed, len(ids)
+            ids.extend(r.all_ids[a:a + n])
+            positions.extend(range(a, a + n))
+            blocks_at.extend(r.block_ids[p // bs] for p in range(a, a + n))
+            if a == 0:
+                step.fresh.append((row, row + n))
+            else:
+                step.prefix.append((len(prefix_reqs), row, n, a))
+                prefix_reqs.append(r)
+            last[id(r)] = len(ids) - 1
+        dev = self.device
+        pos = torch.tensor(positions)
+        k, v = self.slots(torch.tensor(blocks_at), pos)
+        step.k_slots, step.v_slots, step.on_layer = k.to(dev), v.to(dev), on_layer
+        step.num_decode = len(decodes)
+        if decodes:
+            step.table = self.block_table([r for r, _ in decodes]).to(dev)
+            ctx = [r.num_computed + 1 for r, _ in decodes]
+            step.ctx_lens, step.max_ctx = torch.tensor(ctx, device=dev), max(ctx)
+        if prefix_reqs:
+            step.prefix_table = self.block_table(prefix_reqs).to(dev)
+            if attention.use_kernels(dev):
+                from workers.engine.paged_kernel import prefill_tiles
+
+                g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
+                step.prefix_tiles = torch.tensor(prefill_tiles(step.prefix, g), dtype=torch.int32, device=dev)
+        keep = [last[id(r)] for r, n in work if r.num_computed + n == r.num_tokens]
+        try:
+            return self.forward(torch.tensor(ids, device=dev), pos.to(dev), torch.tensor(keep, device=dev))
+        finally:
+            step.on_layer = None
+
+    @staticmethod
+    def block_table(reqs: list[Request], width: int | None = None) -> torch.Tensor:
+        """[len(reqs), width] int64 block ids, zero padded (width: the longest list)."""
+        width = width or max(len(r.block_ids) for r in reqs)
+        return torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], dtype=torch.long)
 
     def decode_inputs(self, reqs: list[Request], batch: int, max_blocks: int) -> dict[str, torch.Tensor]:
         """CPU tensors of a decode step, padded to `batch` rows and `max_blocks` columns."""
         bs = self.block_size
         n = len(reqs)
         table = torch.zeros(batch, max_blocks, dtype=torch.long)
-        table[:n] = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
+        table[:n] = self.block_table(reqs, max_blocks)
         lens = torch.ones(batch, dtype=torch.long)
-        lens[:n] = torch.tensor([r.num_tokens for r in reqs])
+        lens[:n] = torch.tensor([r.num_computed + 1 for r in reqs])
         ids = torch.zeros(batch, dtype=torch.long)
-        ids[:n] = torch.tensor([r.output_ids[-1] for r in reqs])
+        ids[:n] = torch.tensor([r.token_at(r.num_computed) for r in reqs])
         pos = lens - 1
         blocks_at = table[torch.arange(batch), pos // bs]
         blocks_at[n:] = self.scratch_block  # padding rows write into the scratch block
         pos[n:] = 0
         k, v = self.slots(blocks_at, pos)
         return {"ids": ids, "pos": pos, "k_slots": k, "v_slots": v, "table": table, "lens": lens}
-
-    def _decode_eager(self, reqs: list[Request]) -> torch.Tensor:
-        n = len(reqs)
-        inp = self.decode_inputs(reqs, n, max(len(r.block_ids) for r in reqs))
-        inp = {k: v.to(self.device) for k, v in inp.items()}
-        self.set_decode_step(inp["k_slots"], inp["v_slots"], inp["table"], inp["lens"])
-        return self.forward(inp["ids"], inp["pos"], torch.arange(n, device=self.device))
-
-    def set_decode_step(self, k_slots, v_slots, table, lens) -> None:
-        step = attention.STEP
-        step.is_prefill = False
-        step.on_layer = None
-        step.k_slots, step.v_slots, step.block_tables = k_slots, v_slots, table
-        ctx = table.shape[1] * self.block_size
-        step.mask = (torch.arange(ctx, device=table.device)[None, :] < lens[:, None]).view(len(lens), 1, 1, ctx)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32."""

@@ -1,19 +1,25 @@
-"""Continuous batching: which requests run in the next step.
+"""Continuous batching: what each request computes in the next step.
 
-Queues: `waiting` (admitted by add(), no KV yet, or preempted) and `running` (KV in the
-pool, one token per decode step). A step is either a prefill of some waiting requests
-or a decode of all running ones, never both in one forward; in a colocated worker the
-two share the GPU step by step, and that interference is what the comparison measures.
+Queues: `waiting` (admitted by add(), no KV yet, or preempted) and `running` (blocks in the
+pool for every position it has). A step is a list of (request, n): compute n positions of
+that request from its num_computed on (see runner.py).
 
-- A waiting request is admitted only when the pool has blocks for all its tokens, and
-  while the step's token budget and the sequence cap allow; the first one is admitted
-  even past the token budget (a prompt longer than the budget runs alone), so nothing
-  waits forever. A full pool makes requests wait, never fail.
-- After a prefill step, if anything is running, the next step decodes: a stream of
-  arrivals cannot starve running requests.
-- A decode step that needs a new block when none is free preempts the newest running
-  request: its blocks go back and it returns to the front of `waiting`, to be prefilled
-  again from its prompt and the tokens it already made.
+Chunked prefill (the default, as vLLM and SGLang run): every step carries each running
+request's next token (its decode) plus prompt tokens up to `chunk_tokens` in all: the
+rest of a prompt that is part way through, then newly admitted ones. A 16k prompt is thus
+prefilled over many steps while the running requests keep getting a token each step; the
+cost of that interference is what the colocated comparison measures.
+
+Unchunked (`chunked=False`): a step is either a prefill of whole prompts (up to
+`max_batched_tokens`, the first one admitted even past it) or a decode of all running
+requests, never both; after a prefill step, if anything is running, the next step decodes.
+
+Both:
+- A waiting request is admitted only when the pool has blocks for all its tokens and the
+  sequence cap allows. A full pool makes requests wait, never fail.
+- A decode that needs a new block when none is free preempts the newest running request:
+  its blocks go back and it returns to the front of `waiting`, to be prefilled again from
+  its prompt and the tokens it already made.
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from workers.engine.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockPool, block_size: int, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(self, blocks: BlockPool, block_size: int, max_num_seqs: int, max_batched_tokens: int,
+                 chunked: bool = False, chunk_tokens: int = 512):
         self.blocks = blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.chunked = chunked
+        self.chunk_tokens = chunk_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._last_was_prefill = False
@@ -46,23 +55,39 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Request], bool]:
-        """(requests, is_prefill) for the next step; ([], False) when idle."""
+    def schedule(self) -> list[tuple[Request, int]]:
+        """(request, positions to compute) for the next step; [] when idle."""
+        if self.chunked:
+            return self._schedule_chunked()
         if self.waiting and not (self._last_was_prefill and self.running):
-            batch = self._admit()
+            batch = self._admit(self.max_batched_tokens, whole=True)
             if batch:
                 self._last_was_prefill = True
-                return batch, True
+                return batch
         self._last_was_prefill = False
-        return self._grow_running(), False
+        return [(r, 1) for r in self._grow_running()]
 
-    def _admit(self) -> list[Request]:
-        batch: list[Request] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+    def _schedule_chunked(self) -> list[tuple[Request, int]]:
+        running = self._grow_running()
+        work = [(r, 1) for r in running if r.num_tokens - r.num_computed == 1]
+        budget = self.chunk_tokens
+        for r in running:
+            left = r.num_tokens - r.num_computed
+            if left > 1 and budget > 0:
+                work.append((r, min(left, budget)))
+                budget -= work[-1][1]
+        if budget > 0:
+            work += self._admit(budget, whole=False)
+        return work
+
+    def _admit(self, budget: int, whole: bool) -> list[tuple[Request, int]]:
+        """Admit waiting requests into `running`; whole: their whole prompts (the first even past
+        the budget), else the first `budget` tokens of each, in order, until it is spent."""
+        batch: list[tuple[Request, int]] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = req.num_tokens
-            if batch and tokens + n > self.max_batched_tokens:
+            if whole and batch and n > budget:
                 break
             need = blocks_for(n, self.block_size)
             if not self.blocks.can_allocate(need):
@@ -71,17 +96,17 @@ class Scheduler:
             req.block_ids = self.blocks.allocate(need)
             req.num_computed = 0
             req.status = Status.RUNNING
-            batch.append(req)
-            tokens += n
-        self.running.extend(batch)
+            self.running.append(req)
+            take = n if whole else min(n, budget)
+            batch.append((req, take))
+            budget -= take
         return batch
 
     def _grow_running(self) -> list[Request]:
-        """Make sure every running request has a slot for the token it writes this step."""
+        """Make sure every running request has a slot for every position it has."""
         for req in list(self.running):
             if req not in self.running:  # preempted below while serving an earlier one
                 continue
-            # this step writes position num_tokens - 1
             while len(req.block_ids) * self.block_size < req.num_tokens:
                 if self.blocks.num_free == 0:
                     victim = self.running[-1]

@@ -1,0 +1,81 @@
+"""The Triton paged-attention kernels against the reference path, on the CPU through Triton's
+interpreter (the same kernel source the GPU compiles; the H200 check in bench/engine_bench.py
+and bench/attention_bench.py runs it compiled, in bf16)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
+
+import pytest
+import torch
+
+from workers.engine import attention
+from workers.engine import paged_kernel as pk
+
+NUM_BLOCKS, BS, D = 64, 16, 16
+
+
+def make_pool(kv_heads: int, lens: list[int], seed: int, dtype=torch.float32):
+    """A pool with each request's blocks scattered at random, and NaN in every slot past a
+    request's length (bytes a kernel must never read into a result)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(NUM_BLOCKS, 2, BS, kv_heads, D, generator=g).to(dtype)
+    width = max(-(-n // BS) for n in lens)
+    table = torch.zeros(len(lens), width, dtype=torch.long)
+    order = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    for s, n in enumerate(lens):
+        nb = -(-n // BS)
+        table[s, :nb] = torch.tensor(order[:nb])
+        order = order[nb:]
+        pool[table[s, nb - 1], :, (n - 1) % BS + 1:] = float("nan")
+    return pool, table
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (14, 2)])  # G = 3 (padded to 4), 1, 7
+@pytest.mark.parametrize("waves", [1, 8])  # one slice per request, and many slices merged
+def test_decode_matches_reference(heads, kv_heads, waves):
+    lens = [1, 5, 16, 33, 64, 100, 257]
+    pool, table = make_pool(kv_heads, lens, seed=heads + waves)
+    q = torch.randn(len(lens), heads, D, generator=torch.Generator().manual_seed(1))
+    ctx = torch.tensor(lens)
+    scale = 1 / math.sqrt(D)
+    want = attention.reference_decode(q, pool, table, ctx, scale)
+    got = pk.paged_decode(q, pool, table, ctx, scale, max(lens), waves=waves)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_decode_split_covers_every_key_once():
+    for batch, ctx in ((1, 1024), (32, 16384), (64, 1000), (3, 17)):
+        split_len, n = pk.decode_split(batch, 4, ctx, torch.device("cpu"))
+        assert split_len % pk.BLOCK_N == 0 and (n - 1) * split_len < ctx <= n * split_len
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (14, 2)])
+def test_prefix_prefill_matches_reference(heads, kv_heads):
+    lens = [40, 300, 77]
+    pool, table = make_pool(kv_heads, lens, seed=3)
+    # chunks: (row in table, first row in T, tokens, first position); positions end at each length
+    chunks = [(0, 0, 10, 30), (1, 10, 100, 200), (2, 110, 1, 76)]
+    T = 111
+    q = torch.randn(T, heads, D, generator=torch.Generator().manual_seed(2))
+    scale = 1 / math.sqrt(D)
+    tiles = torch.tensor(pk.prefill_tiles(chunks, heads // kv_heads), dtype=torch.int32)
+    got = torch.full((T, heads, D), float("nan"))
+    pk.paged_prefill(q, pool, table, tiles, scale, got)
+    for seq, row, n, pos in chunks:
+        want = attention.reference_prefix(q[row:row + n], pool, table[seq], pos, scale)
+        assert (got[row:row + n] - want).abs().max().item() < 1e-5, (seq, row, n, pos)
+
+
+def test_decode_in_half_precision():
+    lens = [20, 130]
+    pool, table = make_pool(2, lens, seed=5, dtype=torch.float16)
+    q = torch.randn(2, 8, D).to(torch.float16)
+    ctx = torch.tensor(lens)
+    want = attention.reference_decode(q.float(), pool.float(), table, ctx, 0.25)
+    got = pk.paged_decode(q, pool, table, ctx, 0.25, max(lens), waves=8)
+    assert got.dtype == torch.float16 and (got.float() - want).abs().max().item() < 2e-3
