@@ -3,6 +3,7 @@
     pdserve-bench load      colocated vs disaggregated under load (bench/load.py)
     pdserve-bench transfer  the KV transfer table (bench/transfer.py)
     pdserve-bench engine    prefill and decode step times against transformers (bench/engine_bench.py)
+    pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/attention_bench.py)
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`.
 """
@@ -17,6 +18,7 @@ SUBCOMMANDS = {
     "load": ("bench.load", "load generator: colocated vs disaggregated latency under the same load"),
     "transfer": ("bench.transfer", "KV transfer table: prefill, transfer and first decode step per length"),
     "engine": ("bench.engine_bench", "engine prefill and decode step times against transformers"),
+    "attention": ("bench.attention_bench", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
 }
 
 

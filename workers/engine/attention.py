@@ -37,6 +37,7 @@ class StepState:
     k_slots: torch.Tensor | None = None  # [T] int64 row in a layer viewed as [blocks*2*block_size, kv_heads, head_dim]
     v_slots: torch.Tensor | None = None  # [T]
     on_layer: Callable[[int], None] | None = None
+    kernels: bool = False  # attend through paged_kernel (CUDA) instead of the reference path
     # decode rows [0, num_decode)
     num_decode: int = 0
     table: torch.Tensor | None = None  # [num_decode, max_blocks] block ids
@@ -97,7 +98,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    kernels = _kernels() if q.device.type == "cuda" else None
+    kernels = _kernels() if step.kernels else None
     nd = step.num_decode
     if nd:
         if kernels is not None:

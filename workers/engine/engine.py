@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from workers.engine import attention
 from workers.engine.block_pool import BlockPool, OutOfBlocks, blocks_for
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
@@ -66,7 +67,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens,
                                    config.chunked_prefill, config.chunk_tokens)
         self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
-                                  config.max_num_seqs, self.max_model_len, config.cuda_graphs)
+                                  config.max_num_seqs, self.max_model_len, config.cuda_graphs,
+                                  kernels=config.attention == "auto" and attention.use_kernels(self.device))
         self.sampler = Sampler(self.device)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # waiting or running in the scheduler

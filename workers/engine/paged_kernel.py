@@ -166,11 +166,12 @@ def _sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def decode_split(batch: int, kv_heads: int, max_ctx: int, device: torch.device, waves: int = 4) -> tuple[int, int]:
+def decode_split(batch: int, kv_heads: int, max_ctx: int, device: torch.device, waves: int = 4,
+                 block_n: int = BLOCK_N) -> tuple[int, int]:
     """(split_len, num_splits) for a decode of `batch` requests of at most `max_ctx` keys: enough
     programs to fill the GPU `waves` times over, each slice a multiple of BLOCK_N keys."""
     want = max(1, math.ceil(waves * _sms(device) / (batch * kv_heads)))
-    split_len = max(BLOCK_N, math.ceil(math.ceil(max_ctx / want) / BLOCK_N) * BLOCK_N)
+    split_len = max(block_n, math.ceil(math.ceil(max_ctx / want) / block_n) * block_n)
     return split_len, math.ceil(max_ctx / split_len)
 
 
@@ -190,7 +191,7 @@ def _gqa(q: torch.Tensor, pool_layer: torch.Tensor) -> tuple[int, int, int]:
 
 def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
                  scale: float, max_ctx: int, out: torch.Tensor | None = None, waves: int = 4,
-                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q: [B, H, D], one token per request; table: [B, max_blocks]; ctx_lens: [B] keys per request
     (its new token included, already written to the pool); max_ctx >= every ctx_lens (a host
     number, so the launch shape is static and CUDA graphs can capture it) -> [B, H, D]."""
@@ -198,7 +199,7 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
     G, kv_heads, head_dim = _gqa(q, pool_layer)
     GP = _pow2(G)
     block_q = max(1, 16 // GP)  # tl.dot needs at least 16 rows; extra rows are masked
-    split_len, num_splits = decode_split(batch, kv_heads, max_ctx, q.device, waves)
+    split_len, num_splits = decode_split(batch, kv_heads, max_ctx, q.device, waves, block_n)
     out = torch.empty_like(q) if out is None else out
     num_heads = q.shape[1]
     if num_splits > 1:
@@ -215,7 +216,7 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
         out, out.stride(0), out.stride(1),
         part_o, part_m, part_l,
         batch, num_heads, scale * LOG2E,
-        G=G, GP=GP, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, D=head_dim, BS=pool_layer.shape[2],
+        G=G, GP=GP, BLOCK_Q=block_q, BLOCK_N=block_n, D=head_dim, BS=pool_layer.shape[2],
         SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DECODE=True, INTERPRET=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )

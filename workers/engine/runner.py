@@ -25,12 +25,13 @@ from workers.engine.request import Request
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, block_size: int, scratch_block: int,
-                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
+                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool, kernels: bool = False):
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.scratch_block = scratch_block  # padding rows of a graphed batch write here
         self.device = kv.device
+        self.kernels = kernels  # attention through paged_kernel (CUDA), else the reference path
         model.config._attn_implementation = attention.register()
         for sub in model.modules():  # some models keep a per-sub-module config
             cfg = getattr(sub, "config", None)
@@ -105,7 +106,7 @@ class ModelRunner:
             step.ctx_lens, step.max_ctx = torch.tensor(ctx, device=dev), max(ctx)
         if prefix_reqs:
             step.prefix_table = self.block_table(prefix_reqs).to(dev)
-            if attention.use_kernels(dev):
+            if self.kernels:
                 from workers.engine.paged_kernel import prefill_tiles
 
                 g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
@@ -142,6 +143,7 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32."""
         attention.STEP.pool = self.kv.pool
+        attention.STEP.kernels = self.kernels
         out = self.model(
             input_ids=ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
