@@ -32,7 +32,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Timeline's inbox, pickup and emit stamps (the TTFT phases)
 ROLES = ("prefill", "decode", "colocated")
 
 
@@ -59,10 +59,14 @@ class Sampling(msgspec.Struct, frozen=True):
 
 
 class Timeline(msgspec.Struct, frozen=True):
-    """Durations one worker measured on its own clock (ms); None where that worker did not do the phase."""
+    """Durations one worker measured on its own clock (ms); None where that worker did not do the part.
+    The router turns them into the phases of workers/phases.py."""
 
-    wait_ms: float | None = None  # message received -> prefill start (queue on this worker)
+    inbox_ms: float | None = None  # request in this worker's socket (inbox thread's stamp) -> the loop took it
+    wait_ms: float | None = None  # the loop took it -> prefill start (queue on this worker)
     prefill_ms: float | None = None
+    pickup_ms: float | None = None  # decode: the KV receiver reported the KV in -> adopt() returned token 1
+    emit_ms: float | None = None  # token 1 made (prefill end, or adopt) -> its Tokens message sent
     first_step_ms: float | None = None  # the decode step that makes token 2
 
 

@@ -1,10 +1,21 @@
 """One worker process: control sockets, registration, heartbeats, and the loop that drives a role.
 
     Worker(cfg).run()
-      main thread     poll the control socket -> role.handle(msg); role.tick() (engine steps,
-                      prefills, transfers); every engine and transport call happens here
+      inbox thread    reads the control socket the moment a message lands and stamps it
+                      (time.monotonic()); hands (stamp, frame) to the main thread's queue
+      main thread     take what the inbox holds -> role.handle(msg, arrived); role.tick() (engine
+                      steps, prefills, transfers); every engine and transport call happens here
       heartbeat thread  Register until the router acknowledges, then Heartbeat every interval
                       (free KV blocks, queue depth); it only reads counters, never the engine
+
+Why a thread for the inbox: a message that lands while the main thread runs a step (a long prefill,
+a decode batch) would otherwise sit unread, and unstamped, until the step ends; that wait is the
+`inbox` phase of a request's TTFT (workers/phases.py), so it must be measured from the arrival.
+Draining the socket between steps cannot see it; one thread blocked in recv() can. Its stamp is
+late only by the time it takes to get the GIL back (at most the interpreter's switch interval,
+5 ms, while the main thread runs Python code; torch kernels release the GIL), and what is late
+counts as `hops`, never as work on this worker. The thread only stamps and queues: decoding and
+handling stay on the main thread, so roles stay single-threaded.
 
 The roles (workers/roles/) hold the per-request state; this module knows nothing about requests.
 Stops on SIGTERM/SIGINT (or the parent's death, see workers/cli.py): Goodbye to the router,
@@ -15,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -73,6 +85,56 @@ class RouterLink:
         self.sock.close()
 
 
+class Inbox:
+    """The control socket (PULL), read by its own thread: every frame is stamped on arrival."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, advertise_host: str | None):
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_endpoint(self.sock, endpoint, advertise_host)
+        self._frames: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="inbox", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()  # from here on the socket belongs to the thread
+
+    def take(self, timeout_s: float) -> list[tuple[float, bytes]]:
+        """(arrival stamp, frame) of everything that landed, waiting up to timeout_s for the first."""
+        try:
+            out = [self._frames.get(timeout=timeout_s) if timeout_s > 0 else self._frames.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self._frames.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _read(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(IDLE_POLL_MS):  # wake up now and then to notice close()
+                    continue
+                while True:
+                    try:
+                        frame = self.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._frames.put((time.monotonic(), frame))
+        finally:
+            self.sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        else:  # never started: the socket is still ours
+            self.sock.close()
+
+
 def bind_endpoint(sock: zmq.Socket, endpoint: str, advertise_host: str | None) -> str:
     """Bind (port 0 = any free port) and return the endpoint peers should connect to."""
     parts = urlsplit(endpoint)
@@ -103,9 +165,8 @@ class Worker:
                     log.info("%s: decode graphs captured in %.1f s", cfg.worker_id, spent)
         self.engine = engine
         self.ctx = zmq.Context()
-        self.control = self.ctx.socket(zmq.PULL)
-        self.control.setsockopt(zmq.LINGER, 0)
-        self.address = bind_endpoint(self.control, cfg.control, cfg.advertise_host)
+        self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host)
+        self.address = self.inbox.address
         self.router = RouterLink(self.ctx, cfg.router)
         self.role = make_role(cfg.role, self)
         self.registered = threading.Event()
@@ -154,13 +215,11 @@ class Worker:
         log.info("%s: control %s, router %s, model %s on %s", self.worker_id, self.address, self.cfg.router,
                  self.engine.model_name, self.engine.device)
         self._heartbeat.start()
-        poller = zmq.Poller()
-        poller.register(self.control, zmq.POLLIN)
+        self.inbox.start()
         try:
             while not self._stop.is_set():
-                timeout = self.role.poll_timeout_ms(IDLE_POLL_MS)
-                if poller.poll(timeout):
-                    self._drain_control()
+                for arrived, frame in self.inbox.take(self.role.poll_timeout_ms(IDLE_POLL_MS) / 1e3):
+                    self._on_frame(arrived, frame)
                 self.role.tick()
         except Exception as e:
             self._stop_reason = f"crashed: {type(e).__name__}: {e}"
@@ -172,21 +231,16 @@ class Worker:
             return 2
         return 0
 
-    def _drain_control(self) -> None:
-        while True:
-            try:
-                frame = self.control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = P.decode_to_worker(frame)
-            except P.ProtocolError as e:
-                log.error("%s: dropped a message: %s", self.worker_id, e)
-                continue
-            if isinstance(msg, P.RegisterAck):
-                self._on_register_ack(msg)
-            else:
-                self.role.handle(msg)
+    def _on_frame(self, arrived: float, frame: bytes) -> None:
+        try:
+            msg = P.decode_to_worker(frame)
+        except P.ProtocolError as e:
+            log.error("%s: dropped a message: %s", self.worker_id, e)
+            return
+        if isinstance(msg, P.RegisterAck):
+            self._on_register_ack(msg)
+        else:
+            self.role.handle(msg, arrived)
 
     def _on_register_ack(self, ack: P.RegisterAck) -> None:
         if ack.ok:
@@ -217,7 +271,7 @@ class Worker:
         if self._heartbeat.is_alive():
             self._heartbeat.join(timeout=5)
         self.role.close()
-        self.control.close()
+        self.inbox.close()
         self.router.close()
         self.ctx.term()
         self.engine.kv.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from dataclasses import dataclass
 
 from workers import protocol as P
 from workers.engine.request import Request
@@ -19,6 +19,26 @@ def ms(start: float | None, end: float | None) -> float | None:
     return (end - start) * 1e3
 
 
+@dataclass
+class Tracked:
+    """A request on this worker: the engine's Request (which stamps prefill start/end and the first
+    decode step itself) and the stamps only the role sees. time.monotonic() of this process."""
+
+    req: Request
+    arrived: float | None = None  # its message reached this worker's socket (the inbox thread's stamp)
+    taken: float | None = None  # the loop handled that message
+    landed: float | None = None  # decode: the KV receiver reported the KV in
+    adopted: float | None = None  # decode: adopt() returned token 1
+    token1_sent: float | None = None  # token 1's Tokens message handed to the router socket
+
+    def timeline(self) -> P.Timeline:
+        r = self.req
+        made = self.adopted if self.adopted is not None else r.prefill_end  # token 1 exists from here
+        return P.Timeline(inbox_ms=ms(self.arrived, self.taken), wait_ms=ms(self.taken, r.prefill_start),
+                          prefill_ms=ms(r.prefill_start, r.prefill_end), pickup_ms=ms(self.landed, self.adopted),
+                          emit_ms=ms(made, self.token1_sent), first_step_ms=ms(r.first_step_start, r.first_step_end))
+
+
 class Role:
     kv_address: str | None = None  # decode: where prefill workers send KV
 
@@ -29,7 +49,8 @@ class Role:
 
     # the loop's interface ----------------------------------------------------------------------
 
-    def handle(self, msg) -> None:
+    def handle(self, msg, arrived: float | None = None) -> None:
+        """One control message; `arrived` is when it reached the worker's socket (None: just now)."""
         raise NotImplementedError
 
     def tick(self) -> None:
@@ -58,10 +79,9 @@ class Role:
         if outputs:
             self.worker.send(P.Tokens(self.worker_id, outputs))
 
-    def step_and_send(self, live: dict, timeline_of: Callable[[object], P.Timeline]) -> None:
-        """One engine step; its tokens go to the router, a finished request's with its timeline
-        (`timeline_of(live[request_id])`). A failed step loses the whole batch: every live
-        request is aborted and reported."""
+    def step_and_send(self, live: dict[str, Tracked]) -> None:
+        """One engine step; its tokens go to the router, a finished request's with its timeline.
+        A failed step loses the whole batch: every live request is aborted and reported."""
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -71,17 +91,17 @@ class Role:
                 self.engine.abort(rid)
                 self.fail(rid, "internal", f"engine step failed on {self.worker_id}: {type(e).__name__}: {e}")
             return
+        sent = now()  # stamped before the timelines that carry it are built; the send follows at once
         out = []
         for o in outputs:
-            entry = live.pop(o.request_id, None) if o.finished else None
-            timeline = timeline_of(entry) if entry is not None else None
+            entry = live.get(o.request_id)
+            if entry is not None and entry.token1_sent is None:
+                entry.token1_sent = sent
+            if o.finished:
+                live.pop(o.request_id, None)
+            timeline = entry.timeline() if entry is not None and o.finished else None
             out.append(P.TokenOut(o.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason, timeline))
         self.send_tokens(out)
-
-    @staticmethod
-    def timeline(req: Request, received: float | None) -> P.Timeline:
-        return P.Timeline(wait_ms=ms(received, req.prefill_start), prefill_ms=ms(req.prefill_start, req.prefill_end),
-                          first_step_ms=ms(req.first_step_start, req.first_step_end))
 
 
 def now() -> float:

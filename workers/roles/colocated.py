@@ -8,7 +8,8 @@ Life cycle of a request:
     Abort     -> engine.abort(): blocks freed, nothing more is sent
 
 Queues: the engine's `scheduler.waiting` (not prefilled yet) and `scheduler.running`; `live` maps
-each of our request ids to its Request and the time its Generate arrived.
+each of our request ids to its Tracked (the Request, when its Generate arrived and was taken, when
+token 1 went out).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 
 from workers import protocol as P
 from workers.engine.request import InvalidRequest, Request
-from workers.roles.base import Role, now
+from workers.roles.base import Role, Tracked, now
 
 log = logging.getLogger("pdserve.worker")
 
@@ -25,9 +26,10 @@ log = logging.getLogger("pdserve.worker")
 class ColocatedRole(Role):
     def __init__(self, worker):
         super().__init__(worker)
-        self.live: dict[str, tuple[Request, float]] = {}
+        self.live: dict[str, Tracked] = {}
 
-    def handle(self, msg) -> None:
+    def handle(self, msg, arrived: float | None = None) -> None:
+        taken = now()
         if isinstance(msg, P.Generate):
             req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling.to_params())
             try:
@@ -35,7 +37,7 @@ class ColocatedRole(Role):
             except InvalidRequest as e:
                 self.fail(msg.request_id, "invalid", str(e))
                 return
-            self.live[msg.request_id] = (req, now())
+            self.live[msg.request_id] = Tracked(req, arrived=taken if arrived is None else arrived, taken=taken)
         elif isinstance(msg, P.Abort):
             if self.live.pop(msg.request_id, None) is not None:
                 self.engine.abort(msg.request_id)
@@ -46,7 +48,7 @@ class ColocatedRole(Role):
     def tick(self) -> None:
         if not self.engine.has_work():
             return
-        self.step_and_send(self.live, lambda entry: self.timeline(*entry))
+        self.step_and_send(self.live)
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         return 0 if self.engine.has_work() else idle_ms

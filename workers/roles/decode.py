@@ -15,6 +15,10 @@ Life cycle of a request:
 Queues: `reserving` (waiting for free blocks), `expecting` (blocks reserved, KV in flight),
 `cancelling` (aborted while in flight), then the engine's `scheduler.running`. Every reservation has
 a deadline; blocks come back on completion, abort, transfer failure and timeout.
+
+Token 1's time here (the `decode_pickup` phase): the receiver's I/O thread stamps the moment it
+reports the KV in (`receiver.reported_at`); the loop finds it at its next tick, after the step it
+may be running, adopts, and stamps token 1's message as it goes out.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections import deque
 
 from workers import protocol as P
 from workers.engine.request import InvalidRequest, Request
-from workers.roles.base import Role, now
+from workers.roles.base import Role, Tracked, now
 from workers.transfer.base import make_receiver
 
 log = logging.getLogger("pdserve.worker")
@@ -38,16 +42,17 @@ class DecodeRole(Role):
         self.receiver = make_receiver(self.engine.kv, worker.cfg.transfer)
         self.kv_address = self.receiver.address
         self.reserving: deque[tuple[P.Reserve, float]] = deque()  # (message, received)
-        self.expecting: dict[str, Request] = {}
+        self.expecting: dict[str, Tracked] = {}
         self.cancelling: set[str] = set()
-        self.live: dict[str, Request] = {}  # adopted, decoding
+        self.live: dict[str, Tracked] = {}  # adopted, decoding
 
     # ---- control messages -----------------------------------------------------------------------
 
-    def handle(self, msg) -> None:
+    def handle(self, msg, arrived: float | None = None) -> None:
         if isinstance(msg, P.Reserve):
-            if self.reserving or not self._try_reserve(msg, now()):
-                self.reserving.append((msg, now()))
+            received = now() if arrived is None else arrived  # its deadline counts from here
+            if self.reserving or not self._try_reserve(msg, received):
+                self.reserving.append((msg, received))
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id)
         else:
@@ -67,7 +72,7 @@ class DecodeRole(Role):
         req.block_ids = blocks
         remaining = max(0.0, received + msg.deadline_s - now())
         self.receiver.expect(rid, blocks, remaining)
-        self.expecting[rid] = req
+        self.expecting[rid] = Tracked(req)
         self.worker.send(P.Reserved(self.worker_id, rid, blocks, self.kv_address))
         return True
 
@@ -106,17 +111,19 @@ class DecodeRole(Role):
             self.reserving.popleft()
 
     def _collect_arrivals(self) -> None:
-        out = []
+        adopted = []
         for arrival in self.receiver.poll():
+            landed = self.receiver.reported_at.pop(arrival.request_id, None)
             if arrival.request_id in self.cancelling:  # aborted: now no write can land, the blocks may go
                 self.cancelling.discard(arrival.request_id)
                 self.engine.release(arrival.request_id)
                 continue
-            req = self.expecting.pop(arrival.request_id, None)
-            if req is None:
+            entry = self.expecting.pop(arrival.request_id, None)
+            if entry is None:
                 log.error("%s: the KV receiver reported request %s, which this worker does not expect",
                           self.worker_id, arrival.request_id)
                 continue
+            req = entry.req
             if not arrival.ok:
                 self.engine.release(req.request_id)
                 self.fail(req.request_id, "transfer", f"KV for request {req.request_id} did not arrive at "
@@ -128,17 +135,22 @@ class DecodeRole(Role):
                 self.engine.release(req.request_id)
                 self.fail(req.request_id, "invalid", str(e))
                 continue
-            timeline = None
-            if first.finished:
-                timeline = self.timeline(req, None)
-            else:
-                self.live[req.request_id] = req
-            out.append(P.TokenOut(req.request_id, first.token_id, first.text_delta, first.finished,
-                                  first.finish_reason, timeline))
+            entry.landed, entry.adopted = landed, now()
+            adopted.append((entry, first))
+        if not adopted:
+            return
+        sent = now()  # token 1 of each goes out in the one message below
+        out = []
+        for entry, first in adopted:
+            entry.token1_sent = sent
+            if not first.finished:
+                self.live[entry.req.request_id] = entry
+            out.append(P.TokenOut(entry.req.request_id, first.token_id, first.text_delta, first.finished,
+                                  first.finish_reason, entry.timeline() if first.finished else None))
         self.send_tokens(out)
 
     def _step(self) -> None:
-        self.step_and_send(self.live, lambda req: self.timeline(req, None))
+        self.step_and_send(self.live)
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         if self.engine.has_work() or self.reserving:

@@ -8,8 +8,8 @@ Life cycle of a request:
               -> transfer.finish(first_token)           bulk mode: everything moves now; then the decode
                                                         worker is told "kv done" with the first token
               -> engine.release()                       our blocks go back at once
-              -> PrefillDone (timings, bytes; exposed transfer = last copy complete - prefill end,
-                                                both on this process's clock)
+              -> PrefillDone (timeline: inbox, queue, prefill; exposed transfer = last copy complete -
+                                                prefill end; all on this process's clock)
                  or RequestFailed (invalid | capacity | transfer | timeout | internal; the transfer is
                                                 aborted, the blocks released)
 
@@ -20,7 +20,8 @@ KV the decode worker no longer waits for (its receiver would refuse it anyway).
 Connect (from the router, when a decode worker with our transport registers) shakes hands with its
 KV receiver at once, so the first request to it does not pay the handshake in its TTFT.
 
-Queues: `pending` only; the engine holds a request's blocks just for the duration of one prefill.
+Queues: `pending` only (each entry: the message, when it reached our socket, when the loop took it);
+the engine holds a request's blocks just for the duration of one prefill.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections import deque
 from workers import protocol as P
 from workers.engine.block_pool import OutOfBlocks
 from workers.engine.request import InvalidRequest, Request
-from workers.roles.base import Role, ms, now
+from workers.roles.base import Role, Tracked, now
 from workers.transfer.base import State, TransferError, make_sender
 
 log = logging.getLogger("pdserve.worker")
@@ -47,11 +48,12 @@ class PrefillRole(Role):
         super().__init__(worker)
         self.mode = worker.cfg.transfer.mode
         self.sender = make_sender(self.engine.kv, worker.cfg.transfer)
-        self.pending: deque[tuple[P.Prefill, float]] = deque()
+        self.pending: deque[tuple[P.Prefill, float, float]] = deque()  # (message, arrived, taken)
 
-    def handle(self, msg) -> None:
+    def handle(self, msg, arrived: float | None = None) -> None:
         if isinstance(msg, P.Prefill):
-            self.pending.append((msg, now()))
+            taken = now()
+            self.pending.append((msg, taken if arrived is None else arrived, taken))
         elif isinstance(msg, P.Connect):
             try:
                 self.sender.connect(msg.kv_address)
@@ -84,7 +86,7 @@ class PrefillRole(Role):
     def close(self) -> None:
         self.sender.close()
 
-    def _run(self, msg: P.Prefill, received: float) -> None:
+    def _run(self, msg: P.Prefill, received: float, taken: float) -> None:
         rid = msg.request_id
         deadline = received + msg.deadline_s
         req = Request(rid, list(msg.prompt_ids), msg.sampling.to_params())
@@ -124,8 +126,7 @@ class PrefillRole(Role):
         self.engine.release(rid)
         self.worker.send(P.PrefillDone(
             worker_id=self.worker_id, request_id=rid, first_token=result.first_token,
-            timeline=P.Timeline(wait_ms=ms(received, req.prefill_start),
-                                prefill_ms=ms(req.prefill_start, req.prefill_end)),
+            timeline=Tracked(req, arrived=received, taken=taken).timeline(),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,
             transfer_exposed_ms=max(0.0, (stats.finished_at - wall_clock(req.prefill_end)) * 1e3),
             kv_bytes=stats.num_bytes, copies=stats.copies,

@@ -73,6 +73,9 @@ class ChannelReceiver(Endpoint, KVReceiver):
         self._lock = threading.Lock()
         self._expected: dict[str, Expected] = {}
         self._arrivals: list[Arrival] = []
+        # request id -> time.monotonic() when its Arrival was reported (the decode role pops it: the
+        # start of token 1's pickup on this worker, which its loop may only see after a step)
+        self.reported_at: dict[str, float] = {}
         self._start(cfg.deadline_s)
 
     # ---- public (engine thread) ------------------------------------------------------------
@@ -309,6 +312,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
         with self._lock:
             if self._expected.pop(exp.request_id, None) is not None:
                 self._arrivals.append(arrival)
+                self.reported_at[exp.request_id] = time.monotonic()
 
     def _send(self, ident: bytes, msg: msgspec.Struct) -> bool:
         try:
