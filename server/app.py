@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -85,6 +86,7 @@ class Router:
             default = self.cfg.default_chat_max_tokens if kind == "chat" else self.cfg.default_max_tokens
             max_tokens = default if context is None else min(default, context - n)
         policy = self.dispatcher.resolve_policy(req.policy, n)
+        clock.prepared = time.monotonic()  # the end of the `parse` phase
         return Job(request_id, ids, req.sampling(max_tokens), policy, clock)
 
     @staticmethod

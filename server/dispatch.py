@@ -145,9 +145,9 @@ class Dispatcher:
             await self.pool.send(w, P.Generate(rid, job.prompt_ids, job.sampling))
             stream = _TokenStream(job, self.metrics)
             while not finished:
-                msg = await self._next(inbox, job, w.id, self.cfg.token_timeout_s, "tokens")
+                msg, landed = await self._next(inbox, job, w.id, self.cfg.token_timeout_s, "tokens")
                 if isinstance(msg, P.TokenOut):
-                    yield stream.add(msg)
+                    yield stream.add(msg, landed)
                     finished = msg.finished
                     if finished:
                         yield stream.done(msg, timings(
@@ -173,7 +173,7 @@ class Dispatcher:
             reserve_sent = time.monotonic()
             await self.pool.send(d, P.Reserve(rid, job.prompt_ids, job.sampling, self.cfg.kv_deadline_s))
             while True:
-                msg = await self._next(inbox, job, d.id, self.cfg.kv_deadline_s + 5.0, "a KV reservation")
+                msg, _ = await self._next(inbox, job, d.id, self.cfg.kv_deadline_s + 5.0, "a KV reservation")
                 if isinstance(msg, P.Reserved):
                     break
                 self._raise_for(msg, job)
@@ -188,12 +188,12 @@ class Dispatcher:
             while not finished:
                 waiting_for = "tokens" if stream.count else "prefill and KV transfer"
                 timeout = self.cfg.token_timeout_s if stream.count else self.cfg.kv_deadline_s + 5.0
-                msg = await self._next(inbox, job, f"{p.id}/{d.id}", timeout, waiting_for)
+                msg, landed = await self._next(inbox, job, f"{p.id}/{d.id}", timeout, waiting_for)
                 if isinstance(msg, P.PrefillDone):
                     report, prefill_reported = msg, True
                     self.pool.detach(rid, p.id)  # P's part is over: losing P no longer matters
                 elif isinstance(msg, P.TokenOut):
-                    yield stream.add(msg)
+                    yield stream.add(msg, landed)
                     finished = msg.finished
                 elif isinstance(msg, P.RequestFailed) and msg.worker_id == p.id:
                     prefill_reported = True
@@ -203,7 +203,7 @@ class Dispatcher:
                 else:
                     self._raise_for(msg, job)
             while report is None:  # D can finish (max_tokens=1) before P's report arrives
-                msg = await self._next(inbox, job, p.id, PREFILL_REPORT_GRACE_S, "the prefill report")
+                msg, _ = await self._next(inbox, job, p.id, PREFILL_REPORT_GRACE_S, "the prefill report")
                 if isinstance(msg, P.PrefillDone):
                     report = msg
                 elif not isinstance(msg, P.TokenOut):
@@ -226,7 +226,8 @@ class Dispatcher:
         except NoWorker as e:
             raise no_worker(f"request {rid}: {e}") from None
 
-    async def _next(self, inbox: asyncio.Queue, job: Job, who: str, timeout: float, what: str):
+    async def _next(self, inbox: asyncio.Queue, job: Job, who: str, timeout: float, what: str) -> tuple:
+        """(the request's next message, time.monotonic() it landed on the router)"""
         # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation (the client
         # left) when the message arrives at the same moment, and the request would run on
         getter = asyncio.ensure_future(inbox.get())
@@ -287,11 +288,13 @@ class _TokenStream:
     def count(self) -> int:
         return len(self.token_ids)
 
-    def add(self, out: P.TokenOut) -> Token:
+    def add(self, out: P.TokenOut, landed: float) -> Token:
+        """`landed`: when its message was read off the router's socket. Token 1's moment of handing
+        to the response (the end of TTFT) is now: the caller yields the Token at once."""
         now = time.monotonic()
         clock = self.job.clock
         if clock.first_token is None:
-            clock.first_token = now
+            clock.token1_landed, clock.first_token = landed, now
         else:
             self.metrics.itl.labels(self.job.policy).observe(now - clock.last_token)
         clock.last_token = now

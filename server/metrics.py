@@ -5,9 +5,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from workers import phases as PH
+
 # seconds: sub-millisecond transfers up to minute-long requests
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PHASE = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 120.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -29,6 +32,9 @@ class Metrics:
         self.transfer_exposed = Histogram("pdserve_transfer_exposed_seconds",
                                           "KV transfer time not hidden behind prefill", ["transport", "mode"],
                                           buckets=_FAST, registry=r)
+        self.ttft_phase = Histogram(
+            "pdserve_ttft_phase_seconds", "Time to first token by phase (they sum to pdserve_ttft_seconds): "
+            + "; ".join(f"{p.name}: {p.meaning}" for p in PH.PHASES), ["policy", "phase"], buckets=_PHASE, registry=r)
         self.first_step = Histogram("pdserve_first_decode_step_seconds", "First decode step (token 2)",
                                     ["policy"], buckets=_FAST, registry=r)
         self.kv_bytes = Counter("pdserve_kv_bytes", "KV bytes moved between workers", ["transport"], registry=r)
@@ -62,6 +68,9 @@ class Metrics:
                           (self.prefill, "prefill_ms"), (self.first_step, "first_decode_step_ms")):
             if t.get(key) is not None:
                 hist.labels(policy).observe(t[key] / 1e3)
+        for phase, value in (t.get(PH.FIELD) or {}).items():
+            if value is not None:  # None: not on this policy's path (colocated has no transfer)
+                self.ttft_phase.labels(policy, phase).observe(value / 1e3)
         if t.get("transfer_ms") is not None:
             self.transfer.labels(t["transport"], t["mode"]).observe(t["transfer_ms"] / 1e3)
             self.transfer_exposed.labels(t["transport"], t["mode"]).observe(t["transfer_exposed_ms"] / 1e3)

@@ -1,21 +1,28 @@
 """The router's view of its workers: registration, heartbeats, liveness, choice, and message delivery.
 
     WorkerPool(cfg, metrics)
-      .start() / .stop()          bind the registration endpoint (PULL); one task receives, one sweeps
+      .start() / .stop()          bind the registration endpoint (PULL); a reader thread takes each
+                                  message off it as it lands and stamps it; one task handles them, one sweeps
       .pick(role, ...)            the least-loaded live worker of a role, or NoWorker
       .send(worker, msg)          PUSH to the worker's control endpoint
-      .open_inbox(request_id)     per-request queue the receive task fills with that request's messages
+      .open_inbox(request_id)     per-request queue the receive task fills with that request's messages,
+                                  as (message, time.monotonic() it landed on the router)
       .attach(request_id, worker) the request depends on that worker: if it is dropped, the inbox gets
                                   WorkerLost
 
 A worker is dropped when it says Goodbye or misses `heartbeat_misses` heartbeats in a row; nothing
 is routed to it afterwards and every request attached to it gets WorkerLost at once.
+
+Why a reader thread: a token that lands while the event loop is busy (streaming other requests,
+parsing, JSON) would be stamped only when the loop gets to it; stamped on arrival, that wait counts
+as the router's own (`first_token_send`), and `hops` (workers/phases.py) is the messages' flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -75,6 +82,52 @@ class WorkerState:
                 "last_heartbeat_s": round(time.monotonic() - self.last_seen, 3)}
 
 
+class _Reader:
+    """The registration socket (PULL), read by a thread: every frame stamped (time.monotonic()) as
+    it lands, handed to the event loop in batches."""
+
+    POLL_MS = 50  # wake up this often to notice stop()
+
+    def __init__(self, endpoint: str, loop: asyncio.AbstractEventLoop):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(_bindable(endpoint))
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frames: asyncio.Queue[list[tuple[float, bytes]]] = asyncio.Queue()  # event loop side
+        self._loop = loop
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="pool-reader", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(self.POLL_MS):
+                    continue
+                batch = []
+                while len(batch) < 1000:  # bounded: the loop gets the first messages without delay
+                    try:
+                        frame = self.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    batch.append((time.monotonic(), frame))
+                if batch:
+                    self._loop.call_soon_threadsafe(self.frames.put_nowait, batch)
+        except RuntimeError:  # the event loop closed under us: nothing is listening any more
+            pass
+        finally:
+            self.sock.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.ctx.term()
+
+
 def _bindable(endpoint: str) -> str:
     parts = urlsplit(endpoint)
     if parts.scheme == "tcp" and parts.port == 0:
@@ -94,17 +147,15 @@ class WorkerPool:
         # requests failed because their worker was dropped for silence: if that same process comes
         # back (it was slow, not dead) it is told to abort them, so it frees their blocks
         self._orphans: dict[tuple[str, int], set[str]] = {}
-        self._pull: zmq.asyncio.Socket | None = None
+        self._reader: _Reader | None = None
+        self._unhandled = 0  # messages of the batch being handled still to go
         self._tasks: list[asyncio.Task] = []
 
     # ---- life cycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._pull = self.ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(_bindable(self.cfg.register))
-        self.address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._reader = _Reader(self.cfg.register, asyncio.get_running_loop())
+        self.address = self._reader.address
         self._tasks = [asyncio.create_task(self._receive(), name="pool-receive"),
                        asyncio.create_task(self._sweep(), name="pool-sweep")]
         log.info("workers register at %s", self.address)
@@ -116,8 +167,8 @@ class WorkerPool:
         for w in list(self.workers.values()):
             w.sock.close()
         self.workers.clear()
-        if self._pull is not None:
-            self._pull.close()
+        if self._reader is not None:
+            self._reader.stop()
         self.ctx.term()
 
     # ---- choice -----------------------------------------------------------------------------------
@@ -186,18 +237,21 @@ class WorkerPool:
 
     async def _receive(self) -> None:
         while True:
-            frame = await self._pull.recv()
-            try:
-                msg = P.decode_to_router(frame)
-            except P.ProtocolError as e:
-                log.error("dropped a message: %s", e)
-                continue
-            try:
-                await self._dispatch(msg)
-            except Exception:  # one bad message must not stop the router from hearing its workers
-                log.exception("handling %s failed", type(msg).__name__)
+            batch = await self._reader.frames.get()
+            for i, (landed, frame) in enumerate(batch):
+                self._unhandled = len(batch) - i
+                try:
+                    msg = P.decode_to_router(frame)
+                except P.ProtocolError as e:
+                    log.error("dropped a message: %s", e)
+                    continue
+                try:
+                    await self._dispatch(msg, landed)
+                except Exception:  # one bad message must not stop the router from hearing its workers
+                    log.exception("handling %s failed", type(msg).__name__)
+            self._unhandled = 0
 
-    async def _dispatch(self, msg) -> None:
+    async def _dispatch(self, msg, landed: float) -> None:
         if isinstance(msg, P.Register):
             await self._on_register(msg)
         elif isinstance(msg, P.Heartbeat):
@@ -209,15 +263,15 @@ class WorkerPool:
         elif isinstance(msg, P.Tokens):
             self._touch(msg.worker_id)
             for out in msg.outputs:
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, out, landed)
         else:  # Reserved, PrefillDone, RequestFailed
             self._touch(msg.worker_id)
-            self._deliver(msg.request_id, msg)
+            self._deliver(msg.request_id, msg, landed)
 
-    def _deliver(self, request_id: str, msg) -> None:
+    def _deliver(self, request_id: str, msg, landed: float) -> None:
         q = self.inboxes.get(request_id)
         if q is not None:
-            q.put_nowait(msg)
+            q.put_nowait((msg, landed))
         else:
             log.debug("message %s for finished request %s", type(msg).__name__, request_id)
 
@@ -299,8 +353,8 @@ class WorkerPool:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 4)
-            if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                # messages wait to be read: after a stall of the router itself (CPU starved, a long
+            if self._unhandled or not self._reader.frames.empty():
+                # messages wait to be handled: after a stall of the router itself (CPU starved, a long
                 # tokenization) the heartbeats are here, just not read yet; judge after reading them
                 continue
             now = time.monotonic()
@@ -319,7 +373,7 @@ class WorkerPool:
         self.metrics.lost_workers.labels(w.role).inc()
         self.metrics.worker_gone(w.id, w.role)
         for rid in w.inflight:
-            self._deliver(rid, WorkerLost(w.id, reason))
+            self._deliver(rid, WorkerLost(w.id, reason), time.monotonic())
         if w.inflight:
             self._orphans[(w.id, w.info.pid)] = set(w.inflight)
         self.changed.set()

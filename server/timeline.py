@@ -2,18 +2,24 @@
 
 No timestamp crosses a process boundary, so clock offsets between hosts cannot bend the numbers:
 
-    queue_ms             router: arrival (before parsing and tokenizing) -> Generate/Prefill sent
-                         + worker: message received -> prefill start
+    ttft_phases_ms       the time to first token split into the phases of workers/phases.py; they
+                         sum to ttft_ms (what could not be split is `unattributed`, never hidden)
+    queue_ms             parse + route + inbox + prefill_queue: arrival -> prefill start, less the
+                         request's flight to the worker
     prefill_ms           prefill (or colocated) worker, one forward over the prompt
     transfer_ms          prefill worker: first copy issued -> last copy complete
     transfer_exposed_ms  prefill worker: prefill end -> last copy complete, before "kv done" is sent (what TTFT pays)
     first_decode_step_ms decode (or colocated) worker: the step that makes token 2
-    ttft_ms, e2e_ms      router: arrival -> first token received, -> last token received
+    ttft_ms, e2e_ms      router: arrival -> token 1 handed to the response, -> last token received
     decode_tokens_per_s  router: tokens after the first / (last token - first token)
 
-queue + prefill + exposed transfer are disjoint, ordered stretches of the time before the first
-token reaches the router, so their sum is at most ttft_ms. The first decode step makes token 2;
-it comes after token 1 and is inside e2e_ms (never inside ttft_ms: token 1 comes from prefill).
+The router's stamps (Clock) cut its part of token 1's path: arrival | parse | prepared | route |
+dispatched | ... workers ... | token1_landed | first_token. Between dispatched and token1_landed the
+workers' own durations (P.Timeline) are subtracted from the router's round trip, and what is left is
+the messages' flight (`hops`): every stretch the workers report is disjoint from the others and from
+the flights, so hops >= 0 (zmq, where the prefill worker's "landed" is the decode worker's ack, is
+the one exception: the ack's flight back is inside transfer_exposed and short of hops). The first
+decode step makes token 2; it is inside e2e_ms, never inside ttft_ms (token 1 comes from prefill).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from workers import phases as PH
 from workers import protocol as P
 from workers.roles.base import ms
 
@@ -30,8 +37,10 @@ class Clock:
     """Router-side stamps of one request, time.monotonic() seconds."""
 
     arrival: float
-    dispatched: float | None = None  # Generate (colocated) or Prefill (disaggregated) sent
-    first_token: float | None = None
+    prepared: float | None = None  # parsed, tokenized, policy chosen
+    dispatched: float | None = None  # Generate (colocated) or Prefill (disaggregated) about to be sent
+    token1_landed: float | None = None  # token 1's message read off the router's socket (the reader thread)
+    first_token: float | None = None  # token 1 handed to the response
     last_token: float | None = None
 
     @classmethod
@@ -39,26 +48,56 @@ class Clock:
         return cls(time.monotonic())
 
 
+def ttft_phases(clock: Clock, prefilled_by: P.Timeline | None, token1_by: P.Timeline | None,
+                transfer_exposed_ms: float | None, disaggregated: bool) -> dict[str, float | None]:
+    """The split of ttft_ms (ms, in PH.NAMES order). `prefilled_by`: the timeline of the worker that
+    prefilled; `token1_by`: of the worker that sent token 1 (the same one when colocated)."""
+    pre = prefilled_by or P.Timeline()
+    tok = token1_by or P.Timeline()
+    inside = {"inbox": pre.inbox_ms, "prefill_queue": pre.wait_ms, "prefill": pre.prefill_ms,
+              "transfer_exposed": transfer_exposed_ms if disaggregated else None,
+              "decode_pickup": tok.pickup_ms if disaggregated else None}
+    # every stretch a worker spent on token 1's path: the round trip less these is the messages' flight
+    worker_parts = [pre.inbox_ms, pre.wait_ms, pre.prefill_ms, tok.emit_ms]
+    if disaggregated:
+        worker_parts += [transfer_exposed_ms, tok.pickup_ms]
+    round_trip = ms(clock.dispatched, clock.token1_landed)
+    router_out = ms(clock.token1_landed, clock.first_token)
+    known = sum(v for v in worker_parts if v is not None)
+    complete = round_trip is not None and all(v is not None for v in worker_parts)
+    out: dict[str, float | None] = {
+        "parse": ms(clock.arrival, clock.prepared),
+        "route": ms(clock.prepared, clock.dispatched),
+        **inside,
+        "hops": round_trip - known if complete else None,
+        "first_token_send": _sum(tok.emit_ms, router_out),
+    }
+    ttft = ms(clock.arrival, clock.first_token)
+    out[PH.UNATTRIBUTED] = None if ttft is None else ttft - PH.total_ms(out)
+    return {name: _r(out[name]) for name in PH.NAMES}
+
+
 def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens: int, worker: str,
             prefilled_by: P.Timeline | None, decoded_by: P.Timeline | None,
             prefill: P.PrefillDone | None = None, prefill_worker: str | None = None,
             transport: str | None = None, mode: str | None = None) -> dict:
     """The `timings` object (field names fixed by the API; ms unless named otherwise)."""
-    wait = prefilled_by.wait_ms if prefilled_by is not None else None
-    routed = ms(clock.arrival, clock.dispatched)
-    queue = routed + wait if routed is not None and wait is not None else routed
+    disaggregated = prefill is not None
+    phases = ttft_phases(clock, prefilled_by, decoded_by, prefill.transfer_exposed_ms if disaggregated else None,
+                         disaggregated)
+    queue = [phases[k] for k in ("parse", "route", "inbox", "prefill_queue")]
     decode_s = None if clock.first_token is None or clock.last_token is None else clock.last_token - clock.first_token
     tps = (completion_tokens - 1) / decode_s if completion_tokens > 1 and decode_s else None
-    disaggregated = prefill is not None
     return {
         "policy": policy,
-        "queue_ms": _r(queue),
+        "queue_ms": _r(_sum(*queue)),
         "prefill_ms": _r(prefilled_by.prefill_ms if prefilled_by is not None else None),
         "transfer_ms": _r(prefill.transfer_ms) if disaggregated else None,
         "transfer_exposed_ms": _r(prefill.transfer_exposed_ms) if disaggregated else None,
         "first_decode_step_ms": _r(decoded_by.first_step_ms if decoded_by is not None else None),
         "ttft_ms": _r(ms(clock.arrival, clock.first_token)),
         "e2e_ms": _r(ms(clock.arrival, clock.last_token)),
+        PH.FIELD: phases,
         "decode_tokens_per_s": _r(tps),
         "kv_bytes": prefill.kv_bytes if disaggregated else 0,
         "transport": transport if disaggregated else None,
@@ -69,6 +108,12 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
     }
+
+
+def _sum(*parts: float | None) -> float | None:
+    """Sum of the parts that are known; None if none is."""
+    known = [p for p in parts if p is not None]
+    return sum(known) if known else None
 
 
 def _r(x: float | None) -> float | None:

@@ -20,6 +20,7 @@ from server.app import create_app
 from server.config import RouterConfig
 from server.tokenizer import load_tokenizer
 from workers import protocol as P
+from workers.phases import NAMES as PHASE_NAMES
 
 HEARTBEAT_S = 0.1
 MISSES = 3
@@ -158,6 +159,12 @@ def test_colocated_request_and_its_timeline(tokenizer):
         assert t["policy"] == "colocated" and t["worker"] == "c0" and t["transfer_ms"] is None
         assert t["prefill_ms"] == 2.0 and t["first_decode_step_ms"] == 1.0
         assert 0.5 <= t["queue_ms"] and 0 < t["ttft_ms"] <= t["e2e_ms"]  # the fake's durations are made up
+        phases = t["ttft_phases_ms"]
+        assert list(phases) == list(PHASE_NAMES) and (phases["prefill_queue"], phases["prefill"]) == (0.5, 2.0)
+        # the fake reports no inbox or emit stamps: its round trip cannot be split, and says so (its
+        # made-up durations can even exceed the real round trip: then unattributed is negative)
+        assert phases["hops"] is None and phases["inbox"] is None and phases["unattributed"] != 0
+        assert sum(v for v in phases.values() if v is not None) == pytest.approx(t["ttft_ms"], abs=1e-3)
         [gen] = w.got(P.Generate)
         assert gen.prompt_ids == tokenizer.encode("Hello there") and gen.sampling.max_tokens == 3
 
@@ -318,6 +325,10 @@ def test_disaggregated_request_flow(tokenizer):
         assert (t["policy"], t["prefill_worker"], t["decode_worker"], t["worker"]) == ("disaggregated", "p0", "d0", "d0")
         assert (t["transfer_ms"], t["transfer_exposed_ms"], t["kv_bytes"], t["transport"]) == (0.4, 0.2, 8192, "ipc")
         assert t["first_decode_step_ms"] == 1.5 and t["prefill_ms"] == 3.0 and t["prompt_tokens"] == len(reserve.prompt_ids)
+        phases = t["ttft_phases_ms"]
+        assert (phases["prefill"], phases["transfer_exposed"], phases["hops"]) == (3.0, 0.2, None)
+        assert phases["unattributed"] != 0 and phases["route"] > 0  # route: the reservation's round trip
+        assert sum(v for v in phases.values() if v is not None) == pytest.approx(t["ttft_ms"], abs=1e-3)
         assert not pair.d.got(P.Abort)
 
 
