@@ -3,6 +3,9 @@
 pdserve reports it as `timings` (top level of a non-streaming response, last SSE event of a
 streaming one). Every field may be missing (another OpenAI-compatible server, an older pdserve):
 a missing field reads as None. Fields the server adds later are kept in `extra`.
+
+`ttft_phases` is the time to first token split into the phases of workers/phases.py (name -> ms,
+in timeline order; None where the request's path has no such phase); they sum to `ttft_ms`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from client.errors import ProtocolError
+from workers import phases as PH
 
 _FLOAT_FIELDS = (
     "queue_ms", "prefill_ms", "transfer_ms", "transfer_exposed_ms", "first_decode_step_ms",
@@ -38,6 +42,7 @@ class Timings:
     worker: str | None = None  # the colocated worker, or the decode worker
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    ttft_phases: dict[str, float | None] | None = None  # the server's `ttft_phases_ms`
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -54,12 +59,15 @@ class Timings:
             values[name] = _typed(data, name, (int,), int, request_id)
         for name in _STR_FIELDS:
             values[name] = _typed(data, name, (str,), str, request_id)
-        known = set(_FLOAT_FIELDS) | set(_INT_FIELDS) | set(_STR_FIELDS)
+        values["ttft_phases"] = _phases(data.get(PH.FIELD), request_id)
+        known = set(_FLOAT_FIELDS) | set(_INT_FIELDS) | set(_STR_FIELDS) | {PH.FIELD}
         values["extra"] = {k: v for k, v in data.items() if k not in known}
         return cls(**values)
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        """The server's object again (its field names)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "ttft_phases")}
+        out[PH.FIELD] = None if self.ttft_phases is None else dict(self.ttft_phases)
         out.update(self.extra)
         return out
 
@@ -73,7 +81,7 @@ class Timings:
         out = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "extra" or value is None:
+            if f.name in ("extra", "ttft_phases") or value is None:
                 continue
             if isinstance(value, float):
                 unit = " tok/s" if f.name.endswith("_per_s") else " ms" if f.name.endswith("_ms") else ""
@@ -82,6 +90,8 @@ class Timings:
                 out.append((f.name, f"{value} ({value / 2**20:.2f} MiB)"))
             else:
                 out.append((f.name, str(value)))
+            if f.name == "ttft_ms" and self.ttft_phases:
+                out.extend((f"  {k}", f"{v:.2f} ms") for k, v in self.ttft_phases.items() if v is not None)
         out.extend((k, str(v)) for k, v in self.extra.items())
         return out
 
@@ -106,3 +116,16 @@ def _typed(data: dict, name: str, accepted: tuple, convert, request_id: str | No
             request_id,
         )
     return convert(value)
+
+
+def _phases(value, request_id: str | None) -> dict[str, float | None] | None:
+    """The split, in the phases' order (names this client does not know yet go last, kept)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"timings.{PH.FIELD} should be an object of phase -> ms, got {value!r}", request_id)
+    for name, ms in value.items():
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float))):
+            raise ProtocolError(f"timings.{PH.FIELD}.{name} should be a number of ms or null, got {ms!r}", request_id)
+    order = [n for n in PH.NAMES if n in value] + [n for n in value if n not in PH.NAMES]
+    return {n: None if value[n] is None else float(value[n]) for n in order}

@@ -18,6 +18,9 @@ FULL_TIMINGS = {
     "decode_tokens_per_s": 120.0, "kv_bytes": 1048576, "transport": "ipc", "mode": "layer",
     "prefill_worker": "prefill-0", "decode_worker": "decode-0", "worker": "decode-0",
     "prompt_tokens": 100, "completion_tokens": 8,
+    "ttft_phases_ms": {"parse": 0.5, "route": 0.6, "inbox": 0.1, "prefill_queue": 0.3, "prefill": 20.0,
+                       "transfer_exposed": 0.2, "decode_pickup": 0.1, "hops": 0.1, "first_token_send": 0.1,
+                       "unattributed": 0.0},
 }
 
 
@@ -31,6 +34,20 @@ def test_timings_full_object_round_trips():
     assert t.to_dict() == FULL_TIMINGS
     table = t.table()
     assert "transfer_exposed_ms" in table and "0.50 ms" in table and "1.00 MiB" in table
+
+
+def test_timings_phases_typed_in_phase_order_and_unknown_phases_kept():
+    t = Timings.from_dict(FULL_TIMINGS)
+    assert list(t.ttft_phases) == list(FULL_TIMINGS["ttft_phases_ms"]) and sum(t.ttft_phases.values()) == \
+        pytest.approx(t.ttft_ms)
+    assert "  prefill" in t.table() and "  hops" in t.table()
+    shuffled = {"hops": 1, "later_phase": 2.5, "parse": 3, "transfer_exposed": None}
+    got = Timings.from_dict({"ttft_phases_ms": shuffled}).ttft_phases
+    assert list(got.items()) == [("parse", 3.0), ("transfer_exposed", None), ("hops", 1.0), ("later_phase", 2.5)]
+    assert Timings.from_dict({"ttft_ms": 1.0}).ttft_phases is None
+    for bad in ({"ttft_phases_ms": [1, 2]}, {"ttft_phases_ms": {"parse": "slow"}}):
+        with pytest.raises(ProtocolError, match="ttft_phases_ms"):
+            Timings.from_dict(bad)
 
 
 def test_timings_missing_fields_are_none_and_unknown_ones_kept():
