@@ -110,8 +110,9 @@ def kernel_timings(args, dev) -> dict:
         lambda i: attention.reference_decode(q, pools[i % n_pools], tables[i % n_pools], lens, scale), args.repeats)
     configs = [dict(waves=4, block_n=64, num_warps=4, num_stages=2)]
     if args.sweep:
-        configs = [dict(waves=w, block_n=bn, num_warps=nw, num_stages=ns)
-                   for w in (2, 4, 8) for bn in (32, 64, 128) for nw in (4, 8) for ns in (2, 3)]
+        configs = [dict(waves=w, block_n=bn, num_warps=4, num_stages=ns)
+                   for w in (2, 4, 8) for bn in (32, 64, 128) for ns in (2, 3)]
+        configs += [dict(waves=4, block_n=64, num_warps=nw, num_stages=2) for nw in (2, 8)]
     best = None
     for cfg in configs:
         try:

@@ -62,12 +62,13 @@ def _cpu_name() -> str:
 
 def git_state() -> dict:
     """HEAD and whether tracked files differ from it (untracked files are not counted)."""
-    commit = _run(["git", "rev-parse", "HEAD"], REPO)
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO)
-    if commit is None and os.environ.get("PDSERVE_COMMIT"):
-        # a copy of the tree without .git (a GPU machine): the launcher names the commit it copied
+    if os.environ.get("PDSERVE_COMMIT"):
+        # a copied tree (a GPU machine) whose .git, if any, is not the source's: the launcher
+        # names the commit it copied and whether it had local changes
         return {"commit": os.environ["PDSERVE_COMMIT"], "dirty": os.environ.get("PDSERVE_DIRTY") == "1",
                 "commit_from": "PDSERVE_COMMIT"}
+    commit = _run(["git", "rev-parse", "HEAD"], REPO)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO)
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
