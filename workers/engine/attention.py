@@ -74,6 +74,7 @@ def use_kernels(device: torch.device) -> bool:
     return device.type == "cuda" and _kernels() is not None
 
 
+@torch.compiler.disable  # runs eagerly inside compiled layers: host-side metadata, transfer hook, Triton
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     # query: [1, H, T, D]; key, value: [1, KVH, T, D]  ->  returns ([1, T, H, D], None)
     step = STEP

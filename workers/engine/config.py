@@ -24,6 +24,7 @@ class EngineConfig:
     kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
     max_model_len: int | None = None  # default: the model's own limit
     attention: str = "auto"  # "auto": the Triton kernels on CUDA where Triton is installed; "reference": gather + SDPA
+    compile: bool = True  # CUDA: torch.compile each decoder layer around attention (fused norms, rotary, MLP)
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
 
     def __post_init__(self):

@@ -8,11 +8,11 @@ read block 0 with length 1 and write their K/V into the pool's scratch block, wh
 request owns.
 
 Buckets: batch 1, 2, 4, 8, then multiples of 16 up to max_num_seqs; block tables in
-powers of two from 16 blocks up to 256, then multiples of 256: a step gathers at most
-twice the blocks of its longest request (or 256 blocks more), never the whole context,
-and a 32k-token context needs 12 table buckets. `capture(batches, blocks)` takes
-graphs ahead of traffic (a decode or colocated worker takes all of them at start), so
-no request pays for a capture.
+powers of two from 16 blocks. Attention reads only each request's own blocks (programs
+past a request's length return at once), so a wider table costs almost nothing; its width
+only sizes the kernel's split of the context, and a 32k-token context needs 8 table
+buckets. `capture(batches, blocks)` takes graphs ahead of traffic (a decode or colocated
+worker takes all of them at start), so no request pays for a capture.
 """
 
 from __future__ import annotations
@@ -39,18 +39,23 @@ class DecodeGraphs:
         self.runner = runner
         dev = runner.device
         self.batch_buckets = _buckets(max_num_seqs, [1, 2, 4, 8], lambda b: b + 16 if b >= 16 else 16)
-        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: b * 2 if b < 256 else b + 256)
+        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: b * 2)
         nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
-        self.ids = torch.zeros(nb, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(nb, dtype=torch.long, device=dev)
-        self.k_slots = torch.zeros(nb, dtype=torch.long, device=dev)
-        self.v_slots = torch.zeros(nb, dtype=torch.long, device=dev)
-        self.table = torch.zeros(nb, nm, dtype=torch.long, device=dev)
-        self.lens = torch.ones(nb, dtype=torch.long, device=dev)
+        # Every input of a step in one buffer, so a step makes one host-to-device copy from
+        # pinned memory: ids, positions, K slots, V slots, lengths ([nb] each), block tables [nb, nm]
+        self.host = torch.zeros(5 * nb + nb * nm, dtype=torch.long, pin_memory=True)
+        self.packed = torch.zeros_like(self.host, device=dev)
+        self.copied = torch.cuda.Event()  # the last copy out of `host` is done: it may be rewritten
+        self.ids, self.pos, self.k_slots, self.v_slots, self.lens, self.table = self._views(self.packed, nb, nm)
+        self.host_views = self._views(self.host, nb, nm)
         self.keep = torch.arange(nb, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.mempool = None
+
+    @staticmethod
+    def _views(buf: torch.Tensor, nb: int, nm: int) -> tuple[torch.Tensor, ...]:
+        return (*buf[: 5 * nb].view(5, nb).unbind(0), buf[5 * nb:].view(nb, nm))
 
     @staticmethod
     def _bucket(n: int, buckets: list[int]) -> int:
@@ -64,12 +69,14 @@ class DecodeGraphs:
         key = (self._bucket(n, self.batch_buckets), self._bucket(max(len(r.block_ids) for r in reqs), self.block_buckets))
         batch, blocks = key
         inp = self.runner.decode_inputs(reqs, batch, blocks)
-        self.ids[:batch].copy_(inp["ids"], non_blocking=True)
-        self.pos[:batch].copy_(inp["pos"], non_blocking=True)
-        self.k_slots[:batch].copy_(inp["k_slots"], non_blocking=True)
-        self.v_slots[:batch].copy_(inp["v_slots"], non_blocking=True)
-        self.table[:batch, :blocks].copy_(inp["table"], non_blocking=True)
-        self.lens[:batch].copy_(inp["lens"], non_blocking=True)
+        ids, pos, k_slots, v_slots, lens, table = self.host_views
+        self.copied.synchronize()
+        ids[:batch], pos[:batch], lens[:batch] = inp["ids"], inp["pos"], inp["lens"]
+        k_slots[:batch], v_slots[:batch] = inp["k_slots"], inp["v_slots"]
+        table[:batch, :blocks] = inp["table"]
+        used = 5 * len(ids) + batch * table.shape[1]  # the rows of the table this step reads
+        self.packed[:used].copy_(self.host[:used], non_blocking=True)
+        self.copied.record()
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(batch, blocks)
