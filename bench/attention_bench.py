@@ -108,7 +108,7 @@ def kernel_timings(args, dev) -> dict:
     del contig, dst
     rows["gather_then_sdpa"] = timed(
         lambda i: attention.reference_decode(q, pools[i % n_pools], tables[i % n_pools], lens, scale), args.repeats)
-    configs = [dict(waves=4, block_n=64, num_warps=4, num_stages=2)]
+    configs = [dict(waves=4, block_n=64, num_warps=4, num_stages=3)]
     if args.sweep:
         configs = [dict(waves=w, block_n=bn, num_warps=4, num_stages=ns)
                    for w in (2, 4, 8) for bn in (32, 64, 128) for ns in (2, 3)]

@@ -191,7 +191,7 @@ def _gqa(q: torch.Tensor, pool_layer: torch.Tensor) -> tuple[int, int, int]:
 
 def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
                  scale: float, max_ctx: int, out: torch.Tensor | None = None, waves: int = 4,
-                 block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q: [B, H, D], one token per request; table: [B, max_blocks]; ctx_lens: [B] keys per request
     (its new token included, already written to the pool); max_ctx >= every ctx_lens (a host
     number, so the launch shape is static and CUDA graphs can capture it) -> [B, H, D]."""
