@@ -143,32 +143,42 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
 
 
 def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
-    """Means over the successful requests with timings. The client's TTFT splits into the server's
-    queue, prefill and the transfer it pays (exposed, else whole), and `other` (the rest: router,
-    HTTP, streaming, control messages). The first decode step makes token 2, so it lies after the
-    first token: reported beside the split (`first_step`), not inside it. Parts a policy does not
-    have count as 0. All None without timings."""
+    """Means over the successful requests with timings: the client's TTFT split into the server's
+    TTFT phases (workers/phases.py, from `ttft_phases_ms`; a phase a request's path lacks counts 0)
+    and `client`: the client's TTFT less the server's (connecting, the request's way in, the first
+    event's way out; a difference of two durations, each on its own clock). A server that reports no
+    phases (another server, an older pdserve) has its prefill and the transfer it pays placed, and the
+    rest of its TTFT in `unattributed`. The parts sum to `ttft` (the client's mean). The first decode
+    step makes token 2, after the first token: beside the split (`first_step`), not in it. All None
+    without timings."""
+    from workers.phases import FIELD, NAMES, UNATTRIBUTED
+
     rows = [r for r in records if r.success and r.timings and r.ttft_s is not None]
-    keys = ("queue", "prefill", "transfer", "other", "first_step", "ttft", "server_ttft")
+    keys = (*NAMES, "client", "first_step", "ttft", "server_ttft")
     if not rows:
         return dict.fromkeys(keys)
     sums = dict.fromkeys(keys, 0.0)
     server_ttfts = []
     for r in rows:
-        t = r.timings
-        transfer = t.get("transfer_exposed_ms")
-        parts = {
-            "queue": t.get("queue_ms") or 0.0,
-            "prefill": t.get("prefill_ms") or 0.0,
-            "transfer": (t.get("transfer_ms") or 0.0) if transfer is None else transfer,
-        }
+        t, ttft = r.timings, r.ttft_s * 1e3
+        server = t.get("ttft_ms")
+        parts = dict.fromkeys(NAMES, 0.0)
+        if t.get(FIELD):
+            parts.update({k: v or 0.0 for k, v in t[FIELD].items() if k in parts})
+            parts[UNATTRIBUTED] += sum(v or 0.0 for k, v in t[FIELD].items() if k not in parts)  # a newer server's
+        else:
+            exposed = t.get("transfer_exposed_ms")
+            parts["prefill"] = t.get("prefill_ms") or 0.0
+            parts["transfer_exposed"] = (t.get("transfer_ms") or 0.0) if exposed is None else exposed
+            parts[UNATTRIBUTED] = (ttft if server is None else server) - parts["prefill"] - parts["transfer_exposed"]
+        server_part = sum(parts.values())
         for k, v in parts.items():
             sums[k] += v
-        sums["other"] += r.ttft_s * 1e3 - sum(parts.values())
+        sums["client"] += ttft - server_part
         sums["first_step"] += t.get("first_decode_step_ms") or 0.0
-        sums["ttft"] += r.ttft_s * 1e3
-        if t.get("ttft_ms") is not None:
-            server_ttfts.append(t["ttft_ms"])
+        sums["ttft"] += ttft
+        if server is not None:
+            server_ttfts.append(server)
     out = {k: v / len(rows) for k, v in sums.items()}
     out["server_ttft"] = float(np.mean(server_ttfts)) if server_ttfts else None
     return out

@@ -15,9 +15,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-SPLIT_PARTS = (("queue", "queue"), ("prefill", "prefill"), ("transfer", "transfer (exposed)"),
-               ("other", "rest: messaging, router, HTTP"))
-
 
 def policy_name(block: dict) -> str:
     return block.get("policy") or "default"
@@ -100,41 +97,50 @@ def plot_latency_vs_load(blocks: list[dict], out_dir: Path) -> Path:
 
 
 def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
-    """Per (point, policy): the mean client TTFT stacked as queue / prefill / exposed transfer / rest,
-    then the first decode step (hatched: it makes token 2, after the first token). A grey tick marks
-    the server's own mean TTFT."""
+    """Per (point, arm): the mean client TTFT stacked as the server's TTFT phases in timeline order
+    (workers/phases.py; the legend says what each is), then `client` (the client's TTFT less the
+    server's), then the first decode step (hatched: it makes token 2, after the first token). A part
+    below zero is drawn below the axis, not dropped. A grey tick marks the server's own mean TTFT."""
+    import textwrap
+
+    from workers.phases import PHASES
+
+    parts = [(p.name, f"{p.name}: {p.meaning}") for p in PHASES]
+    parts.append(("client", "client: the client's TTFT less the server's (connect, request in, first event out)"))
     points, policies = _points(blocks), _policies(blocks)
     width = 0.8 / max(1, len(policies))
-    fig, ax = plt.subplots(figsize=(max(7.5, 1.8 * len(points) * len(policies) + 3), 4.8))
-    part_colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.8 * len(points) * len(policies)) + 6, 6))
+    part_colors = [*plt.get_cmap("tab20").colors[::2], *plt.get_cmap("tab20").colors[1::2]]
     labels, positions = [], []
     first = True
     for i, point in enumerate(points):
         for j, policy in enumerate(policies):
-            b = next((b for b in blocks if b["load_label"] == point and policy_name(b) == policy), None)
+            b = next((b for b in blocks if (b.get("point") or b["load_label"]) == point
+                      and policy_name(b) == policy), None)
             pos = i + (j - (len(policies) - 1) / 2) * width
             positions.append(pos)
             labels.append(f"{policy}\n{point}")
             split = (b or {}).get("ttft_split_ms") or {}
             if split.get("ttft") is None:
                 continue
-            bottom = 0.0
-            for k, (key, label) in enumerate(SPLIT_PARTS):
-                value = max(0.0, split[key])
-                ax.bar(pos, value, width * 0.9, bottom=bottom, color=part_colors[k], label=label if first else None)
-                bottom += value
-            ax.bar(pos, split["first_step"], width * 0.9, bottom=bottom, color="white", edgecolor=part_colors[4],
-                   hatch="//", label="first decode step (token 2)" if first else None)
+            up = down = 0.0
+            for k, (key, label) in enumerate(parts):
+                value = split.get(key) or 0.0  # results written before a phase existed have no such key
+                ax.bar(pos, value, width * 0.9, bottom=up if value >= 0 else down, color=part_colors[k],
+                       label=textwrap.fill(label, 70, subsequent_indent="  ") if first else None)
+                up, down = (up + value, down) if value >= 0 else (up, down + value)
+            ax.bar(pos, split["first_step"], width * 0.9, bottom=up, color="white", edgecolor="dimgrey",
+                   hatch="//", label="first decode step (token 2, after the first token)" if first else None)
             if split.get("server_ttft") is not None:
                 ax.hlines(split["server_ttft"], pos - width * 0.45, pos + width * 0.45, colors="dimgrey",
-                          linestyles="dashed", linewidth=2, label="server TTFT" if first else None)
+                          linestyles="dashed", linewidth=2, label="server TTFT (sum of the phases)" if first else None)
             first = False
     ax.set_xticks(positions, labels, fontsize=8)
     ax.set_ylabel("mean time (ms)")
     ax.set_title("Where the time to first token goes")
     ax.grid(axis="y", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path = out_dir / "ttft_split.png"
     fig.savefig(path, dpi=110)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.metrics import RequestRecord, meets_slos, parse_slos, stats_ms, summarize, ttft_split_ms
+from workers.phases import NAMES as PHASE_NAMES
 
 
 def rec(i, ttft, itls, out_len, policy="colocated", prompt_len=100, success=True, timings=None):
@@ -83,19 +84,29 @@ def test_parse_slos_rejects_bad_input():
 
 def test_server_phases_and_ttft_split():
     colo = {"policy": "colocated", "queue_ms": 10.0, "prefill_ms": 50.0, "transfer_ms": None,
-            "transfer_exposed_ms": None, "first_decode_step_ms": 5.0, "ttft_ms": 62.0, "e2e_ms": 100.0}
+            "transfer_exposed_ms": None, "first_decode_step_ms": 5.0, "ttft_ms": 62.0, "e2e_ms": 100.0,
+            "ttft_phases_ms": {"parse": 1.0, "route": 2.0, "inbox": 3.0, "prefill_queue": 4.0, "prefill": 50.0,
+                               "transfer_exposed": None, "decode_pickup": None, "hops": 1.5,
+                               "first_token_send": 0.5, "unattributed": 0.0}}
     disagg = {"policy": "disaggregated", "queue_ms": 0.0, "prefill_ms": 40.0, "transfer_ms": 8.0,
               "transfer_exposed_ms": 2.0, "first_decode_step_ms": 6.0, "ttft_ms": 44.0, "e2e_ms": 90.0}
-    records = [rec(0, 0.070, [0.01], 2, timings=colo), rec(1, 0.080, [0.01], 2, timings=dict(colo, queue_ms=20.0)),
+    records = [rec(0, 0.070, [0.01], 2, timings=colo),
+               rec(1, 0.080, [0.01], 2, timings=dict(colo, queue_ms=20.0, ttft_ms=72.0,
+                                                     ttft_phases_ms=dict(colo["ttft_phases_ms"], inbox=13.0))),
                rec(2, 0.050, [0.01], 2, timings=disagg), rec(3, 0.090, [0.01], 2, timings=None)]
     split = ttft_split_ms(records[:2])
-    assert split["queue"] == 15.0 and split["prefill"] == 50.0 and split["transfer"] == 0.0
-    assert split["first_step"] == 5.0 and split["ttft"] == pytest.approx(75.0)
-    assert split["other"] == pytest.approx(75.0 - 65.0) and split["server_ttft"] == 62.0
-    d = ttft_split_ms(records[2:])  # the record without timings is left out
-    assert d["transfer"] == 2.0 and d["other"] == pytest.approx(50.0 - 42.0) and d["first_step"] == 6.0
+    assert list(split)[:len(PHASE_NAMES)] == list(PHASE_NAMES)
+    assert split["inbox"] == 8.0 and split["prefill"] == 50.0 and split["transfer_exposed"] == 0.0
+    assert split["first_step"] == 5.0 and split["ttft"] == pytest.approx(75.0) and split["server_ttft"] == 67.0
+    assert split["client"] == pytest.approx(75.0 - 67.0)  # the client's TTFT less the server's
+    parts = sum(split[k] for k in (*PHASE_NAMES, "client"))
+    assert parts == pytest.approx(split["ttft"])
+    d = ttft_split_ms(records[2:])  # without phases: prefill and exposed transfer placed, the rest unattributed
+    assert (d["prefill"], d["transfer_exposed"], d["hops"]) == (40.0, 2.0, 0.0)
+    assert d["unattributed"] == pytest.approx(44.0 - 42.0) and d["client"] == pytest.approx(50.0 - 44.0)
+    assert d["first_step"] == 6.0  # beside the split: it makes token 2
     assert ttft_split_ms([records[3]]) == dict.fromkeys(d)
     s = summarize(records, 1.0)
     assert s["timings_reported"] == 3
     assert s["mean_queue_ms"] == pytest.approx(10.0) and s["mean_transfer_ms"] == 8.0
-    assert s["mean_transfer_exposed_ms"] == 2.0 and s["mean_server_ttft_ms"] == pytest.approx((62 + 62 + 44) / 3)
+    assert s["mean_transfer_exposed_ms"] == 2.0 and s["mean_server_ttft_ms"] == pytest.approx((62 + 72 + 44) / 3)
