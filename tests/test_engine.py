@@ -271,3 +271,18 @@ def test_chunked_prefill_keeps_running_requests_decoding():
             assert steps == -(-150 // 16)  # one chunk a step
         engine.run_until_done(running + [long])
         assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_prompt_alone_in_chunks_equals_one_prefill():
+    """Steps that only prefill part of a prompt sample nothing; the tokens equal an unchunked run."""
+    prompt = prompts_of_lengths(reference("tiny").tokenizer, [61])[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    [whole] = make_engine("tiny", chunked_prefill=False).generate([prompt], params)
+    engine = make_engine("tiny", chunk_tokens=8)
+    req = Request("alone", prompt, params)
+    engine.add_request(req)
+    silent = 0
+    while not req.output_ids:
+        silent += not engine.step()
+    engine.run_until_done([req])
+    assert silent == 61 // 8 and req.output_ids == whole.output_ids

@@ -130,7 +130,7 @@ class ModelRunner:
                 step.prefix_tiles = torch.tensor(prefill_tiles(step.prefix, g), dtype=torch.int32, device=dev)
         keep = [last[id(r)] for r, n in work if r.num_computed + n == r.num_tokens]
         try:
-            return self.forward(torch.tensor(ids, device=dev), pos.to(dev), torch.tensor(keep, device=dev))
+            return self.forward(torch.tensor(ids, device=dev), pos.to(dev), torch.tensor(keep, dtype=torch.long, device=dev))
         finally:
             step.on_layer = None
 
