@@ -6,6 +6,7 @@
   phases sum to ttft_ms within 1 ms, none is negative, nothing is unattributed; /metrics histograms
   the same phases, and there they sum to the TTFT histogram's sum.
 - The split's arithmetic with a stamp missing (no server): that part goes to `unattributed`.
+- README.md's table of phases is workers/phases.py's list, row for row.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import pytest
 
 from client import AsyncClient, Timings
 from server.timeline import Clock, ttft_phases
-from test_server_harness import TINY, Pdserve  # pytest puts tests/ on sys.path
+from test_server_harness import ROOT, TINY, Pdserve  # pytest puts tests/ on sys.path
 from workers import protocol as P
-from workers.phases import MEANING, NAMES, UNATTRIBUTED
+from workers.phases import MEANING, NAMES, PHASES, UNATTRIBUTED
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,3 +113,9 @@ def test_a_missing_stamp_goes_to_unattributed_not_into_another_phase():
     assert (dis["transfer_exposed"], dis["decode_pickup"], dis["hops"], dis["unattributed"]) == (1.5, 0.7, 1.5, 0.0)
     for split in (full, part, dis):
         assert sum(v for v in split.values() if v is not None) == pytest.approx(21.0, abs=1e-3)
+
+
+def test_readme_lists_the_phases_as_the_code_defines_them():
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| phase | clock | from -> to |\n|---|---|---|\n"):].split("\n\n")[0].splitlines()[2:]
+    assert table == [f"| `{p.name}` | {p.clock} | {p.meaning} |" for p in PHASES]

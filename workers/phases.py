@@ -33,7 +33,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("inbox", "prefilling worker",
           "request in the worker's socket (stamped on arrival by its inbox thread) -> its loop takes it "
           "(waits while a step or a prefill runs)"),
-    Phase("prefill_queue", "prefilling worker", "taken by the loop -> prefill starts (behind other prefills)"),
+    Phase("prefill_queue", "prefilling worker", "taken -> prefill starts (behind other prefills)"),
     Phase("prefill", "prefilling worker", "the forward over the prompt and sampling token 1"),
     Phase("transfer_exposed", "prefill worker",
           "prefill end -> KV in the decode worker's blocks as the prefill worker sees it "
@@ -41,14 +41,17 @@ PHASES: tuple[Phase, ...] = (
     Phase("decode_pickup", "decode worker",
           "its KV receiver reported the KV in -> the decode loop adopted the request (waits for a running step)"),
     Phase("hops", "router minus workers",
-          "messages in flight on token 1's path (router -> worker, prefill -> decode done notice, "
-          "worker -> router): the router's round trip minus the time inside the workers"),
+          "messages in flight on token 1's path (router -> worker, the prefill worker's done notice, "
+          "worker -> router): the router's round trip less the time inside the workers"),
     Phase("first_token_send", "worker + router",
-          "token 1 made -> its message sent (worker); read off the router's socket -> handed to the response"),
-    Phase("unattributed", "-", "what could not be split (a stamp a worker did not report); 0 when all did"),
+          "token 1 made -> its message sent (worker); read off the router's socket (stamped on arrival by "
+          "its reader thread) -> handed to the response"),
+    Phase("unattributed", "", "what could not be split (a worker that reported no stamp for a part); "
+          "0 when every process did"),
 )
 
 NAMES: tuple[str, ...] = tuple(p.name for p in PHASES)
+# README.md's table of phases is these rows (a test holds it to them)
 MEANING: dict[str, str] = {p.name: p.meaning for p in PHASES}
 UNATTRIBUTED = "unattributed"
 FIELD = "ttft_phases_ms"  # the key of the split in the `timings` object
