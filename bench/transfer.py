@@ -2,17 +2,20 @@
 
 Two processes on one machine (bench/transfer_roles.py), each loading the model once: a prefill
 process on --device and a decode process on --decode-device (the same GPU by default). Per
-context length:
+context length and per transport (ipc, nixl, zmq; then the seed's method), --repeats rounds, each
+running these arms once in an order shuffled per round (bench/ab.py):
 
-    prefill ms        plain prefill_only, median / min / max of --prefill-runs
-    per transport (ipc, nixl, zmq) and mode (bulk, layer), --repeats runs of: decode reserves
-                      blocks -> prefill (+ layer-wise pushes) -> finish -> decode adopts, --tokens
-                      greedy tokens, compared with a colocated run on the decode engine (token ids
-                      and logits, bitwise)
-        transfer ms   first copy issued -> last copy complete (zmq: the receiver's ack)
-        layer extra   median prefill ms of that mode - plain prefill median
-        exposed ms    last copy complete - prefill end: what time-to-first-token pays
-        first step    the decode step after adoption (and the colocated one beside it)
+    plain             prefill_only alone
+    bulk, layer       decode reserves blocks and poisons them (NaN) -> prefill (+ layer-wise pushes)
+                      -> finish -> decode adopts, --tokens greedy tokens, compared with a colocated run
+                      of the same prompt on the decode engine (token ids and logits, bitwise)
+
+Every run (warm-ups too) has its own seeded prompt. Per transport and mode:
+    transfer ms       first copy issued -> last copy complete (zmq: the receiver's ack)
+    extra ms          that mode's prefill minus the plain prefill of the same round: the median of
+                      the paired differences with their spread (layer mode: also layer minus bulk)
+    exposed ms        last copy complete - prefill end: what time-to-first-token pays
+    first step        the decode step after adoption (and the colocated one beside it)
     seed-copy         the seed's own method as the baseline: a contiguous (DynamicCache-like) cache,
                       one copy_ per layer for K and V into a contiguous buffer of the decode process
                       (bulk: after prefill; layer: from the per-layer hook, on a side stream)
@@ -21,7 +24,11 @@ context length:
                       blocks copied inside the prefill pool as one strided copy_ and as one copy_ per
                       layer (ipc's pattern)
 
-Writes JSON and markdown to bench/results/transfer-<machine>-<date>.{json,md} and prints the markdown.
+`--break skip-block:K|skip-all` (tests only) makes our senders drop part of every request: the
+exact column must then read NO (tests/test_bench_honesty.py).
+
+Writes JSON (with provenance: commit, versions, GPU clocks and power at start and end) and markdown
+to bench/results/transfer-<machine>-<date>.{json,md} and prints the markdown.
 
 GPU (the lead runs it):  pdserve-bench transfer                    (qwen2.5-7b, cuda, 1k 4k 16k 32k)
                          pdserve-bench transfer --decode-device cuda:1
@@ -44,7 +51,9 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_bench import machine_info, machine_slug, parse_counts, summary
+from bench import ab, provenance
+from bench.engine_bench import machine_slug, parse_counts
+from bench.transfer_check import FAULTS, parse_fault, run_seed
 from workers.transfer.base import MODES, TRANSPORTS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -62,9 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-device", default=None, help="decode device (default: the prefill device)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's)")
     parser.add_argument("--lengths", default="1k,4k,16k,32k", help="prompt lengths in tokens; 1k = 1024")
-    parser.add_argument("--prefill-runs", type=int, default=9, help="plain prefills per length (default 9)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per transport and mode per length (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before those (default 1)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds per transport and length, each running plain, bulk and layer once (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before those (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds every run's prompt and every round's order")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma separated (default all)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma separated (default bulk,layer)")
     parser.add_argument("--no-seed-method", action="store_true", help="skip the seed's contiguous-copy baseline")
@@ -74,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size of the copy-bandwidth buffer (default 1024 on CUDA, 64 on CPU)")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="per transfer (default 60)")
     parser.add_argument("--out", default=None, help="output path without suffix (default bench/results/...)")
+    parser.add_argument("--break", dest="fault", default=None,
+                        help=f"tests only: our senders drop part of every request ({', '.join(FAULTS)})")
 
 
 class Child:
@@ -130,6 +142,8 @@ def role_process(role: str, args: argparse.Namespace, max_len: int) -> Child:
             "--tokens", str(args.tokens), "--transports", args.transports, "--deadline-s", str(args.deadline_s)]
     if args.dtype:
         argv += ["--dtype", args.dtype]
+    if role == "prefill" and args.fault:
+        argv += ["--break", args.fault]
     return Child(role, argv)
 
 
@@ -142,10 +156,12 @@ def run(args: argparse.Namespace) -> int:
     transports = [t for t in args.transports.split(",") if t]
     modes = [m for m in args.modes.split(",") if m]
     bad = [t for t in transports if t not in TRANSPORTS] + [m for m in modes if m not in MODES]
-    if bad or args.repeats < 1 or args.prefill_runs < 1 or args.warmup < 0:
-        raise ValueError(f"unknown transports/modes {bad}, or --repeats/--prefill-runs below 1, or --warmup below 0")
+    if bad or args.repeats < 1 or args.warmup < 0:
+        raise ValueError(f"unknown transports/modes {bad}, or --repeats below 1, or --warmup below 0")
+    parse_fault(args.fault)  # refuse an unknown fault before loading anything
     args.decode_device = args.decode_device or args.device
     device = torch.device(args.device)
+    prov = provenance.collect([args.device, args.decode_device])
     bw_bytes = (args.bandwidth_mib or (1024 if device.type == "cuda" else 64)) * 2**20
 
     log(f"starting prefill ({args.device}) and decode ({args.decode_device}) processes with {args.model}")
@@ -169,12 +185,12 @@ def run(args: argparse.Namespace) -> int:
 
     result = {
         "benchmark": "transfer",
-        "machine": {**machine_info(device), "decode_device": args.decode_device},
+        "provenance": provenance.finish(prov),
         "config": {"model": model["model"], "dtype": model["dtype"], "layout": model["layout"],
                    "kv_bytes_per_token": model["bytes_per_token"], "num_layers": model["num_layers"],
-                   "lengths": lengths, "prefill_runs": args.prefill_runs, "repeats": args.repeats,
+                   "lengths": lengths, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
                    "tokens_compared": args.tokens, "transports": transports, "modes": modes,
-                   "device": args.device, "decode_device": args.decode_device},
+                   "device": args.device, "decode_device": args.decode_device, "fault": args.fault},
         "bandwidth": bandwidth,
         "lengths": rows,
     }
@@ -192,57 +208,79 @@ def run(args: argparse.Namespace) -> int:
 
 def measure_length(n: int, args, prefill: Child, decode: Child, addresses: dict, transports: list[str],
                    modes: list[str]) -> dict:
-    log(f"{n} tokens: plain prefill x {args.prefill_runs}")
-    for _ in range(args.warmup):
-        prefill.ask("prefill", n=n)
-    plain = summary([prefill.ask("prefill", n=n)["prefill_ms"] for _ in range(args.prefill_runs)])
-    row = {"tokens": n, "kv_bytes": None, "prefill_ms": plain, "results": []}
-    methods = [(t, m) for t in transports for m in modes]
+    groups = list(transports)
     if not args.no_seed_method:
         info = decode.ask("seed_buffer", n=n)["info"]
         prefill.ask("seed_prepare", n=n, info=info)
-        methods += [(SEED_METHOD, m) for m in modes]
-    for transport, mode in methods:
-        log(f"{n} tokens: {transport} {mode} x {args.repeats} (+{args.warmup} warm-up)")
-        runs = [one_run(f"{transport}-{mode}-{n}-{i}", n, transport, mode, prefill, decode, addresses)
-                for i in range(args.warmup + args.repeats)][args.warmup:]
-        row["results"].append(aggregate(transport, mode, runs, plain))
-        row["kv_bytes"] = row["kv_bytes"] or next((r["kv_bytes"] for r in runs if "kv_bytes" in r), None)
+        groups.append(SEED_METHOD)
+    row = {"tokens": n, "kv_bytes": None, "results": []}
+    plain_all: list[float] = []
+    for method in groups:
+        log(f"{n} tokens: {method}: plain, {', '.join(modes)} interleaved x {args.repeats} (+{args.warmup} warm-up)")
+
+        def arm(name: str):
+            def go(i: int) -> dict:
+                seed = run_seed(args.seed, n, method, name, i)
+                if name == "plain":
+                    return prefill.ask("prefill", n=n, seed=seed)
+                return one_run(f"{method}-{name}-{n}-{i}", n, seed, method, name, prefill, decode)
+            return go
+
+        got = ab.interleave({name: arm(name) for name in ["plain", *modes]}, args.repeats,
+                            seed=run_seed(args.seed, n, method, "order"), warmup=args.warmup)
+        plain = [r["prefill_ms"] for r in got.results["plain"]]
+        plain_all += plain
+        for mode in modes:
+            row["results"].append(aggregate(method, mode, got.results[mode], plain, got.results.get("bulk")))
+            row["results"][-1]["orders"] = got.orders
+        row["kv_bytes"] = row["kv_bytes"] or next((r["kv_bytes"] for m in modes for r in got.results[m]
+                                                    if "kv_bytes" in r), None)
+    row["prefill_ms"] = ab.summary(plain_all)
     return row
 
 
-def one_run(rid: str, n: int, transport: str, mode: str, prefill: Child, decode: Child, addresses: dict) -> dict:
-    if transport == SEED_METHOD:
-        sent = prefill.ask("seed", id=rid, n=n, mode=mode)
+def one_run(rid: str, n: int, seed: int, method: str, mode: str, prefill: Child, decode: Child) -> dict:
+    prepared = decode.ask("prepare", id=rid, n=n, seed=seed, method=method)
+    if "error" in prepared:
+        return {**prepared, "seed": seed}
+    if method == SEED_METHOD:
+        sent = prefill.ask("seed", id=rid, n=n, seed=seed, mode=mode)
         got = decode.ask("seed_decode", id=rid, n=n, first_token=sent["first_token"], logits_sha=sent["logits_sha"])
-        return {**sent, **got}
-    reserved = decode.ask("reserve", id=rid, n=n, transport=transport)
-    if "error" in reserved:
-        return reserved
-    sent = prefill.ask("transfer", id=rid, n=n, transport=transport, mode=mode, peer=reserved["address"],
-                       dst=reserved["blocks"])
-    got = decode.ask("decode", id=rid, n=n, transport=transport, first_token=sent.get("first_token", -1),
+        return {**sent, **got, "seed": seed}
+    sent = prefill.ask("transfer", id=rid, n=n, seed=seed, transport=method, mode=mode, peer=prepared["address"],
+                       dst=prepared["blocks"])
+    got = decode.ask("decode", id=rid, n=n, transport=method, first_token=sent.get("first_token", -1),
                      logits_sha=sent.get("logits_sha", ""))
-    return {**sent, **got, "error": sent.get("error") or got.get("error")}
+    return {**sent, **got, "seed": seed, "error": sent.get("error") or got.get("error")}
 
 
-def aggregate(transport: str, mode: str, runs: list[dict], plain: dict) -> dict:
+def _paired_ms(base: list[float], runs: list[dict]) -> dict | None:
+    """runs' prefill against base round by round, over the rounds where the run did not fail."""
+    pairs = [(b, r["prefill_ms"]) for b, r in zip(base, runs) if not r.get("error")]
+    return ab.paired([b for b, _ in pairs], [r for _, r in pairs]) if pairs else None
+
+
+def aggregate(transport: str, mode: str, runs: list[dict], plain: list[float], bulk: list[dict] | None) -> dict:
     ok = [r for r in runs if not r.get("error")]
     errors = sorted({r["error"] for r in runs if r.get("error")})
     out = {"transport": transport, "mode": mode, "runs": len(runs), "failed": len(runs) - len(ok),
            "errors": errors, "exact": bool(ok) and len(ok) == len(runs) and all(r["exact"] for r in ok),
-           "mismatch": next((r["mismatch"] for r in ok if r.get("mismatch")), None)}
+           "exact_runs": sum(1 for r in ok if r["exact"]),
+           "mismatch": next((r["mismatch"] for r in ok if r.get("mismatch")), None),
+           "prompt_seeds": [r["seed"] for r in runs]}
     if not ok:
         return out
-    med = {k: statistics.median(r[k] for r in ok) for k in ("transfer_ms", "prefill_ms", "exposed_ms",
-                                                            "first_step_ms", "colocated_first_step_ms")}
+    med = {k: statistics.median(r[k] for r in ok) for k in ("transfer_ms", "first_step_ms", "colocated_first_step_ms")}
+    extra = _paired_ms(plain, runs)
     out.update({
-        "transfer_ms": summary([r["transfer_ms"] for r in ok]),
-        "prefill_ms": summary([r["prefill_ms"] for r in ok]),
-        "layer_extra_ms": med["prefill_ms"] - plain["median"],
-        "exposed_ms": summary([r["exposed_ms"] for r in ok]),
+        "transfer_ms": ab.summary([r["transfer_ms"] for r in ok]),
+        "prefill_ms": ab.summary([r["prefill_ms"] for r in ok]),
+        # this mode's prefill minus the plain prefill of the same round (bench/ab.py)
+        "extra_vs_plain": extra,
+        "layer_extra_ms": extra["diff"]["median"],
+        "exposed_ms": ab.summary([r["exposed_ms"] for r in ok]),
         # ipc on CUDA: last copy complete minus prefill end on the GPU's own clock (events)
-        "exposed_gpu_ms": (summary([r["exposed_gpu_ms"] for r in ok])
+        "exposed_gpu_ms": (ab.summary([r["exposed_gpu_ms"] for r in ok])
                            if all(r.get("exposed_gpu_ms") is not None for r in ok) else None),
         "first_step_ms": med["first_step_ms"],
         "colocated_first_step_ms": med["colocated_first_step_ms"],
@@ -250,6 +288,9 @@ def aggregate(transport: str, mode: str, runs: list[dict], plain: dict) -> dict:
         "kv_bytes": ok[0]["kv_bytes"],
         "gbps": ok[0]["kv_bytes"] / (med["transfer_ms"] / 1e3) / 1e9 if med["transfer_ms"] > 0 else None,
     })
+    if mode == "layer" and bulk is not None:
+        pairs = [(b, r) for b, r in zip(bulk, runs) if not b.get("error") and not r.get("error")]
+        out["extra_vs_bulk"] = _paired_ms([b["prefill_ms"] for b, _ in pairs], [r for _, r in pairs])
     return out
 
 
@@ -270,7 +311,10 @@ def targets(result: dict) -> dict:
     out["ipc_bulk_at_least_half_d2d"] = None if ipc_bulk is None else ipc_bulk["gbps"] >= IPC_BW_FRACTION * d2d
     if ipc_layer and ipc_bulk:
         one_layer_ms = ipc_bulk["transfer_ms"]["median"] / layers
-        out["ipc_layer_extra_fraction"] = ipc_layer["layer_extra_ms"] / row["prefill_ms"]["median"]
+        # the median of (layer prefill - plain prefill) over rounds, as a fraction of plain prefill
+        diff = ipc_layer["extra_vs_plain"]["diff"]
+        out["ipc_layer_extra_fraction"] = diff["median"] / row["prefill_ms"]["median"]
+        out["ipc_layer_extra_spread_ms"] = [diff["min"], diff["max"]]
         out["ipc_layer_extra_within_0.5pct"] = out["ipc_layer_extra_fraction"] <= LAYER_EXTRA_FRACTION
         # the GPU's own clock where measured (CUDA events); the host's poll otherwise
         exposed = ipc_layer.get("exposed_gpu_ms") or ipc_layer["exposed_ms"]
@@ -290,17 +334,21 @@ def _ms(s: dict | None, digits: int = 2) -> str:
 
 
 def markdown(result: dict) -> str:
-    m, c, bw = result["machine"], result["config"], result["bandwidth"]
+    c, bw = result["config"], result["bandwidth"]
     lines = [
         f"KV transfer bench: {c['model']} {c['dtype']} ({c['layout']}), prefill on {c['device']}, decode on "
-        f"{c['decode_device']} ({m['device']}), torch {m['torch']}, transformers {m['transformers']}, {m['date']}",
+        f"{c['decode_device']}; {provenance.describe(result['provenance'])}"
+        + (f"; FAULT INJECTED: {c['fault']}" if c.get("fault") else ""),
         f"copy bandwidth ({bw['bytes'] // 2**20} MiB): {bw['d2d_gbps']:.1f} GB/s on the prefill device"
         + (f", {bw['to_decode_gbps']:.1f} GB/s prefill -> decode device" if "to_decode_gbps" in bw else "")
         + f"; the longest request's blocks inside one pool ({bw['paged_run']['bytes'] / 2**20:.1f} MiB): "
           f"{bw['paged_run']['strided_gbps']:.1f} GB/s as one strided copy_, "
           f"{bw['paged_run']['per_layer_gbps']:.1f} GB/s as one copy_ per layer",
-        f"prefill: median (min-max) of {c['prefill_runs']}; transfers: median of {c['repeats']}; exact = "
-        f"{c['tokens_compared']} greedy tokens and their logits bitwise equal to a colocated run",
+        f"{c['repeats']} rounds per transport after {c['warmup']} warm-up, each running plain prefill, bulk and "
+        f"layer once in a shuffled order; a new seeded prompt per run; medians; extra = that mode's prefill minus "
+        f"the plain prefill of the same round, median (min..max) of the paired differences; exact = the reserved "
+        f"blocks poisoned with NaN, then {c['tokens_compared']} greedy tokens and their logits bitwise equal to a "
+        f"colocated run of the same prompt, in every run",
         "",
     ]
     for row in result["lengths"]:
@@ -308,8 +356,8 @@ def markdown(result: dict) -> str:
         kv_mib = (row["kv_bytes"] or 0) / 2**20
         lines += [f"### {row['tokens']} tokens, KV {kv_mib:.1f} MiB, prefill {p['median']:.2f} ms "
                   f"({p['min']:.2f}-{p['max']:.2f})", "",
-                  "| transport | mode | transfer ms | % of prefill | GB/s | copies | layer-wise extra ms | exposed ms "
-                  "(host) | exposed ms (GPU) | first decode step ms (colocated) | exact |",
+                  "| transport | mode | transfer ms | % of prefill | GB/s | copies | extra ms vs plain (paired) | "
+                  "exposed ms (host) | exposed ms (GPU) | first decode step ms (colocated) | exact |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
         for r in row["results"]:
             if "transfer_ms" not in r:
@@ -317,12 +365,22 @@ def markdown(result: dict) -> str:
                              "| | | | | | | | NO |")
                 continue
             t = r["transfer_ms"]["median"]
+            d = r["extra_vs_plain"]["diff"]
             lines.append(
                 f"| {r['transport']} | {r['mode']} | {t:.3f} | {100 * t / p['median']:.2f}% | "
-                f"{r['gbps'] or 0:.1f} | {r['copies']} | {r['layer_extra_ms']:+.2f} | {_ms(r['exposed_ms'])} | "
+                f"{r['gbps'] or 0:.1f} | {r['copies']} | {d['median']:+.2f} ({d['min']:+.2f}..{d['max']:+.2f}) | "
+                f"{_ms(r['exposed_ms'])} | "
                 f"{_ms(r.get('exposed_gpu_ms'), 3)} | "
                 f"{r['first_step_ms']:.2f} ({r['colocated_first_step_ms']:.2f}) | "
-                f"{'yes' if r['exact'] else 'NO'}{' (' + str(r['failed']) + ' failed)' if r['failed'] else ''} |")
+                f"{'yes' if r['exact'] else 'NO'} ({r['exact_runs']}/{r['runs']})"
+                f"{' (' + str(r['failed']) + ' failed)' if r['failed'] else ''} |")
+        lines.append("")
+        for r in row["results"]:
+            vs = r.get("extra_vs_bulk")
+            if vs:
+                d = vs["diff"]
+                lines.append(f"- {r['transport']}: layer minus bulk prefill, paired over {vs['pairs']} rounds: "
+                             f"{d['median']:+.2f} ms ({d['min']:+.2f}..{d['max']:+.2f})")
         lines.append("")
     t = result["targets"]
     verdict = {True: "met", False: "NOT met", None: "not measured"}
@@ -332,8 +390,10 @@ def markdown(result: dict) -> str:
         lines.append(f"- ipc bulk >= 50% of the d2d copy bandwidth: {verdict[t['ipc_bulk_at_least_half_d2d']]} "
                      f"({100 * t['ipc_bulk_fraction_of_d2d']:.0f}%)")
     if "ipc_layer_extra_fraction" in t:
+        lo, hi = t["ipc_layer_extra_spread_ms"]
         lines.append(f"- ipc layer mode adds <= 0.5% to prefill: {verdict[t['ipc_layer_extra_within_0.5pct']]} "
-                     f"({100 * t['ipc_layer_extra_fraction']:+.2f}%)")
+                     f"({100 * t['ipc_layer_extra_fraction']:+.2f}%, median of paired differences; "
+                     f"{lo:+.2f}..{hi:+.2f} ms over the rounds)")
         lines.append(f"- ipc layer mode exposes at most one layer's transfer: "
                      f"{verdict[t['ipc_layer_exposed_at_most_one_layer']]} ({t['ipc_layer_exposed_ms']:.3f} ms "
                      f"exposed by {t['ipc_layer_exposed_clock']}, {t['ipc_layer_exposed_host_ms']:.3f} ms as the host "

@@ -5,24 +5,33 @@
 Each loads the model once and answers one command per stdin line with one stdout line that starts
 with REPLY (libraries such as NIXL log to stdout too).
 
+Every run has its own prompt (seeded: bench/transfer_check.py) and the decode side poisons the
+reserved blocks (NaN) before the transfer, so a transport that moves too little cannot pass the
+exact-match check on an earlier run's KV. `--break FAULT` (prefill side) makes our senders drop
+part of every request, to show that the check then fails.
+
 Prefill side (our transports, one sender per transport and mode, and the seed's method):
     bandwidth {nbytes, to}              device-to-device copy of one buffer, GB/s
     paged_copy {blocks}                 a request's blocks across all layers inside this pool: one strided
                                         copy_ vs one copy_ per layer, GB/s
-    prefill {n}                         plain prefill_only, ms (the reference for layer-wise extra)
-    transfer {id, n, transport, mode, peer, dst}   prefill + move the KV into the decode blocks; the
-                                        transfer opens at layer 0 in both modes, so the receiver's Accept
-                                        comes back while prefill runs
-    seed_prepare {n, info}              map the decode side's contiguous buffer; a contiguous K/V copy
-                                        of the prompt's cache, as transformers' DynamicCache holds it
-    seed {id, n, mode}                  prefill + one copy_ per layer for K and V (bulk: after prefill;
-                                        layer: from a hook, on a side stream)
+    prefill {n, seed}                   plain prefill_only, ms (the reference for layer-wise extra)
+    transfer {id, n, seed, transport, mode, peer, dst}   prefill + move the KV into the decode blocks;
+                                        the transfer opens at layer 0 in both modes, so the receiver's
+                                        Accept comes back while prefill runs
+    seed_prepare {n, info}              map the decode side's contiguous buffer
+    seed {id, n, seed, mode}            untimed: prefill this prompt and keep a contiguous copy of its K/V
+                                        (as transformers' DynamicCache holds it); timed: prefill again +
+                                        one copy_ per layer for K and V (bulk: after prefill; layer: from
+                                        a hook, on a side stream)
 Decode side:
-    reserve {id, n, transport}          reserve blocks, expect the transfer -> blocks, receiver address
+    prepare {id, n, seed, method}       the colocated reference run of this prompt (untimed); then for our
+                                        transports reserve blocks, poison them, expect the transfer ->
+                                        blocks, receiver address; for the seed's method poison its buffer
     decode {id, n, transport, first_token, logits_sha}   wait for the KV, adopt, decode to --tokens and
-                                        compare tokens and logits bitwise with a colocated run
+                                        compare tokens and logits bitwise with the reference
     seed_buffer {n}                     a contiguous [layers, 2, kv_heads, n, head_dim] buffer, exported
-    seed_decode {id, n, first_token, logits_sha}   scatter that buffer into reserved blocks, then as decode
+    seed_decode {id, n, first_token, logits_sha}   scatter that buffer into reserved (poisoned) blocks,
+                                        then as decode
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import msgspec
 import torch
 
 from bench.engine_bench import sync
+from bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import Request, SamplingParams
@@ -48,16 +58,6 @@ from workers.transfer.base import MODES, TransferConfig, make_receiver, make_sen
 from workers.transfer.ipc import map_cuda, map_shm, wait_event
 
 REPLY = "@bench "
-TEXT = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
-        "Paris is the capital of France, and Berlin is the capital of Germany. ")
-
-
-def prompt_ids(engine: Engine, n: int) -> list[int]:
-    """n tokens of English text (the same in every process)."""
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += engine.tokenizer.encode(TEXT)
-    return ids[:n]
 
 
 def logits_digest(logits: torch.Tensor) -> str:
@@ -79,6 +79,10 @@ class PrefillSide:
         self.senders = {(t, m): make_sender(self.engine.kv, TransferConfig(transport=t, mode=m,
                                                                             deadline_s=args.deadline_s))
                         for t in args.transports.split(",") for m in MODES}
+        fault = parse_fault(args.fault)
+        if fault is not None:
+            for sender in self.senders.values():
+                break_sender(sender, fault)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.seed_dst: dict[int, torch.Tensor] = {}
         self.seed_src: dict[int, list[torch.Tensor]] = {}
@@ -127,11 +131,12 @@ class PrefillSide:
             out[f"{name}_gbps"] = nbytes / runs[len(runs) // 2] / 1e9
         return out
 
-    def request(self, rid: str, n: int) -> Request:
-        return Request(rid, prompt_ids(self.engine, n), SamplingParams(max_tokens=self.args.tokens, ignore_eos=True))
+    def request(self, rid: str, n: int, seed: int) -> Request:
+        return Request(rid, prompt_ids(self.engine.vocab_size, n, seed),
+                       SamplingParams(max_tokens=self.args.tokens, ignore_eos=True))
 
     def prefill(self, cmd) -> dict:
-        req = self.request(f"plain-{uuid.uuid4().hex[:8]}", cmd["n"])
+        req = self.request(f"plain-{uuid.uuid4().hex[:8]}", cmd["n"], cmd["seed"])
         sync(self.device)
         start = time.perf_counter()
         self.engine.prefill_only(req)
@@ -141,7 +146,7 @@ class PrefillSide:
 
     def transfer(self, cmd) -> dict:
         sender = self.senders[(cmd["transport"], cmd["mode"])]
-        req = self.request(cmd["id"], cmd["n"])
+        req = self.request(cmd["id"], cmd["n"], cmd["seed"])
         holder = []
 
         def open_transfer():
@@ -189,16 +194,21 @@ class PrefillSide:
             self.seed_dst[n] = map_cuda(info, shape, L.torch_dtype, "the decode process")
         else:
             self.seed_dst[n] = map_shm(info, shape, L.torch_dtype, "the decode process")
-        req = self.request(f"seed-src-{n}", n)
-        self.engine.prefill_only(req)
-        pool = self.engine.kv.pool
-        src = []
-        for layer in range(L.num_layers):  # [blocks, 2, bs, heads, dim] -> K and V as [1, heads, n, dim]
-            x = pool[layer, req.block_ids].permute(1, 3, 0, 2, 4).reshape(2, L.num_kv_heads, -1, L.head_dim)
-            src += [x[0, :, :n].contiguous()[None], x[1, :, :n].contiguous()[None]]
-        self.engine.release(req.request_id)
-        self.seed_src[n] = src
+        # K and V of each layer as [1, heads, n, dim], refilled for each run's prompt
+        self.seed_src[n] = [torch.empty(1, L.num_kv_heads, n, L.head_dim, dtype=L.torch_dtype, device=self.device)
+                            for _ in range(2 * L.num_layers)]
         return {"ok": True}
+
+    def _seed_source(self, req: Request) -> None:
+        """A contiguous copy of this prompt's cache, as the seed's DynamicCache holds it (untimed)."""
+        n, L = len(req.prompt_ids), self.engine.layout
+        self.engine.prefill_only(req)
+        pool, src = self.engine.kv.pool, self.seed_src[n]
+        for layer in range(L.num_layers):  # [blocks, 2, bs, heads, dim] -> K and V as [heads, n, dim]
+            x = pool[layer, req.block_ids].permute(1, 3, 0, 2, 4).reshape(2, L.num_kv_heads, -1, L.head_dim)
+            src[2 * layer][0].copy_(x[0, :, :n])
+            src[2 * layer + 1][0].copy_(x[1, :, :n])
+        self.engine.release(req.request_id)
 
     def seed(self, cmd) -> dict:
         n, layered = cmd["n"], cmd["mode"] == "layer"
@@ -219,7 +229,8 @@ class PrefillSide:
                     dst[layer, 1].copy_(src[2 * layer + 1][0], non_blocking=True)
             state["copies"] += 2
 
-        req = self.request(cmd["id"], n)
+        self._seed_source(self.request(cmd["id"] + "-source", n, cmd["seed"]))
+        req = self.request(cmd["id"], n, cmd["seed"])
         sync(self.device)
         start = time.perf_counter()
         result = self.engine.prefill_only(req, copy_layer if layered else None)
@@ -254,7 +265,8 @@ class DecodeSide:
         self.engine = make_engine(args, args.decode_device, args.max_len, shared=self.device.type == "cpu")
         self.receivers = {t: make_receiver(self.engine.kv, TransferConfig(transport=t, deadline_s=args.deadline_s))
                           for t in args.transports.split(",")}
-        self.refs: dict[int, dict] = {}
+        self.refs: dict[str, dict] = {}  # request id -> its colocated reference
+        self.lengths_seen: set[int] = set()
         self.seed_buffers: dict[int, torch.Tensor] = {}
         self.shm_paths: list[str] = []
         self.arrivals: dict = {}
@@ -262,12 +274,23 @@ class DecodeSide:
     def hello(self) -> dict:
         return {"addresses": {t: r.address for t, r in self.receivers.items()}}
 
-    def reserve(self, cmd) -> dict:
-        blocks = self.engine.reserve(cmd["id"], cmd["n"])
+    def prepare(self, cmd) -> dict:
+        """Reference first, then reserve: the reservation may get the very blocks the reference just
+        freed, holding this prompt's KV; the poison is what keeps a silent transport from passing."""
+        rid, n, seed = cmd["id"], cmd["n"], cmd["seed"]
+        self.refs[rid] = self.reference(n, seed)
+        if cmd["method"] == "seed-copy":
+            buf = self.seed_buffers[n]
+            buf.fill_(float("nan"))
+            sync(buf.device)
+            return {"ok": True}
+        blocks = self.engine.reserve(rid, n)
         if blocks is None:
-            return {"error": f"no room for {cmd['n']} tokens in the decode pool"}
-        self.receivers[cmd["transport"]].expect(cmd["id"], blocks, self.args.deadline_s)
-        return {"blocks": blocks, "address": self.receivers[cmd["transport"]].address}
+            return {"error": f"no room for {n} tokens in the decode pool"}
+        poison(self.engine.kv.pool, blocks, seed)
+        receiver = self.receivers[cmd["method"]]
+        receiver.expect(rid, blocks, self.args.deadline_s)
+        return {"blocks": blocks, "address": receiver.address}
 
     def decode(self, cmd) -> dict:
         rid, receiver = cmd["id"], self.receivers[cmd["transport"]]
@@ -276,24 +299,32 @@ class DecodeSide:
             self.arrivals.update({a.request_id: a for a in receiver.poll()})
             time.sleep(0.0005)
         arrival = self.arrivals.pop(rid, None)
+        error = None
         if arrival is None or not arrival.ok:
+            error = arrival.error if arrival else f"request {rid}: no arrival reported"
+        elif arrival.first_token != cmd["first_token"]:
+            error = f"request {rid}: first token {arrival.first_token} arrived, {cmd['first_token']} sent"
+        if error is not None:
             self.engine.release(rid)
-            return {"error": arrival.error if arrival else f"request {rid}: no arrival reported"}
-        if arrival.first_token != cmd["first_token"]:
-            self.engine.release(rid)
-            return {"error": f"request {rid}: first token {arrival.first_token} arrived, {cmd['first_token']} sent"}
+            self._done(rid)
+            return {"error": error}
         return self._continue(cmd)
+
+    def _done(self, rid: str) -> None:
+        self.refs.pop(rid, None)
+        scrub(self.engine.kv.pool)  # every block is free again: leave no NaN behind for the next run
 
     def _continue(self, cmd) -> dict:
         """Adopt the request whose prompt KV sits in its reserved blocks, decode, compare with colocated."""
-        n, rid = cmd["n"], cmd["id"]
-        ref = self.reference(n)
-        req = Request(rid, prompt_ids(self.engine, n), SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
+        rid = cmd["id"]
+        ref = self.refs[rid]
+        req = Request(rid, ref["prompt"], SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
                       return_logits=True)
         self.engine.adopt(req, cmd["first_token"])
         logits = []
         while not req.finished:
             logits += [o.logits for o in self.engine.step() if o.request_id == rid]
+        self._done(rid)
         tokens_equal = req.output_ids == ref["tokens"]
         first_equal = cmd["logits_sha"] == ref["first_sha"]
         step = next((i + 1 for i, (a, b) in enumerate(zip(logits, ref["logits"][1:])) if not torch.equal(a, b)), None)
@@ -307,20 +338,22 @@ class DecodeSide:
                                f"{self.engine.tokenizer.decode(ref['tokens'])!r}")
         return out
 
-    def reference(self, n: int) -> dict:
-        """The colocated run on this engine: greedy tokens and every step's logits."""
-        if n not in self.refs:
-            self.engine.generate([prompt_ids(self.engine, n)], SamplingParams(max_tokens=3, ignore_eos=True))
+    def reference(self, n: int, seed: int) -> dict:
+        """The colocated run of this prompt on this engine: greedy tokens and every step's logits."""
+        prompt = prompt_ids(self.engine.vocab_size, n, seed)
+        if n not in self.lengths_seen:
+            self.lengths_seen.add(n)
+            self.engine.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
             # ^ untimed: takes the decode graphs of this length, so the timed first step is a replay
-            req = Request(f"colocated-{n}", prompt_ids(self.engine, n),
-                          SamplingParams(max_tokens=self.args.tokens, ignore_eos=True), return_logits=True)
-            self.engine.add_request(req)
-            logits = []
-            while not req.finished:
-                logits += [o.logits for o in self.engine.step() if o.request_id == req.request_id]
-            self.refs[n] = {"tokens": req.output_ids, "logits": logits, "first_sha": logits_digest(logits[0]),
-                            "first_step_ms": (req.first_step_end - req.first_step_start) * 1e3}
-        return self.refs[n]
+        req = Request(f"colocated-{n}-{seed}", prompt, SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
+                      return_logits=True)
+        self.engine.add_request(req)
+        logits = []
+        while not req.finished:
+            logits += [o.logits for o in self.engine.step() if o.request_id == req.request_id]
+        return {"prompt": prompt, "seed": seed, "tokens": req.output_ids, "logits": logits,
+                "first_sha": logits_digest(logits[0]),
+                "first_step_ms": (req.first_step_end - req.first_step_start) * 1e3}
 
     # ---- the seed's method ----------------------------------------------------------------------
 
@@ -341,6 +374,10 @@ class DecodeSide:
     def seed_decode(self, cmd) -> dict:
         n, rid, L = cmd["n"], cmd["id"], self.engine.layout
         blocks = self.engine.reserve(rid, n)
+        if blocks is None:
+            self._done(rid)
+            return {"error": f"no room for {n} tokens in the decode pool"}
+        poison(self.engine.kv.pool, blocks, self.refs[rid]["seed"])
         buf, pool = self.seed_buffers[n], self.engine.kv.pool
         padded = len(blocks) * L.block_size
         for layer in range(L.num_layers):  # [2, heads, n, dim] -> [blocks, 2, bs, heads, dim]
@@ -371,6 +408,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--transports", required=True)
     ap.add_argument("--deadline-s", type=float, default=60.0)
+    ap.add_argument("--break", dest="fault", default=None,
+                    help="prefill side, tests only: our senders drop part of every request (skip-block:K, skip-all)")
     args = ap.parse_args()
     side = PrefillSide(args) if args.role == "prefill" else DecodeSide(args)
     print(REPLY + json.dumps(side.hello()), flush=True)
