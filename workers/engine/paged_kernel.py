@@ -70,10 +70,14 @@ def _paged_attention(
     num_rows, num_heads, scale,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+    DECODE: tl.constexpr, INTERPRET: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # the KV heads of one block run side by side (they share its DRAM rows)
+        kvh = tl.program_id(0)
+        tile = tl.program_id(1)
+    else:
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
         seq = tile
@@ -191,7 +195,8 @@ def _gqa(q: torch.Tensor, pool_layer: torch.Tensor) -> tuple[int, int, int]:
 
 def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
                  scale: float, max_ctx: int, out: torch.Tensor | None = None, waves: int = 4,
-                 block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                 block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
+                 heads_first: bool = False) -> torch.Tensor:
     """q: [B, H, D], one token per request; table: [B, max_blocks]; ctx_lens: [B] keys per request
     (its new token included, already written to the pool); max_ctx >= every ctx_lens (a host
     number, so the launch shape is static and CUDA graphs can capture it) -> [B, H, D]."""
@@ -208,7 +213,8 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
         part_l = torch.empty_like(part_m)
     else:
         part_o = part_m = part_l = out
-    _paged_attention[(batch, kv_heads, num_splits)](
+    grid = (kv_heads, batch, num_splits) if heads_first else (batch, kv_heads, num_splits)
+    _paged_attention[grid](
         q, q.stride(0), q.stride(1),
         pool_layer, *_kv_strides(pool_layer),
         table, table.stride(0),
@@ -217,7 +223,7 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
         part_o, part_m, part_l,
         batch, num_heads, scale * LOG2E,
         G=G, GP=GP, BLOCK_Q=block_q, BLOCK_N=block_n, D=head_dim, BS=pool_layer.shape[2],
-        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DECODE=True, INTERPRET=INTERPRET,
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DECODE=True, INTERPRET=INTERPRET, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
