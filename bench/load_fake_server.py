@@ -2,12 +2,14 @@
 
 It answers /v1/models, /v1/completions and /v1/chat/completions (streaming and not) with
 " tok0 tok1 ..." and pdserve's `timings` object. Time is simulated with sleeps: prefills run one at a
-time (one "GPU"), so requests queue behind each other; each token then takes `itl_ms`;
+time (one "GPU"), so requests queue behind each other; a prefill takes prefill_ms_per_request +
+prefill_ms_per_token * prompt tokens, so the server serves at most 1 / that many requests a second
+and its queue (and TTFT) grows without bound past that rate; each token then takes `itl_ms`;
 `disaggregated` requests add a KV transfer. Prompt tokens are counted as whitespace-separated words.
 
     with FakeServer(FakeConfig(itl_ms=2)) as srv:
         Client(srv.base_url).complete("hi")
-    python -m bench.load_fake_server --port 8000     # to point pdserve-bench load at by hand
+    python -m bench.load_fake_server --port 0     # prints "fake server ready: <url>", like pdserve
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ POLICIES = ("colocated", "disaggregated", "auto")
 class FakeConfig:
     model: str = "fake-model"
     prefill_ms_per_token: float = 0.01
+    prefill_ms_per_request: float = 0.0
     itl_ms: float = 2.0
     transfer_ms_per_token: float = 0.002
     kv_bytes_per_token: int = 57_344
@@ -85,7 +88,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
         async def prefill() -> dict:
             async with gpu:
                 started = time.perf_counter()
-                await asyncio.sleep(cfg.prefill_ms_per_token * n_prompt / 1e3)
+                await asyncio.sleep((cfg.prefill_ms_per_request + cfg.prefill_ms_per_token * n_prompt) / 1e3)
             ended = time.perf_counter()
             t = {"policy": policy, "queue_ms": (started - arrived) * 1e3, "prefill_ms": (ended - started) * 1e3,
                  "transfer_ms": None, "transfer_exposed_ms": None, "kv_bytes": 0, "transport": None,
@@ -207,9 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--itl-ms", type=float, default=FakeConfig.itl_ms)
     p.add_argument("--prefill-ms-per-token", type=float, default=FakeConfig.prefill_ms_per_token)
+    p.add_argument("--prefill-ms-per-request", type=float, default=FakeConfig.prefill_ms_per_request)
+    p.add_argument("--transfer-ms-per-token", type=float, default=FakeConfig.transfer_ms_per_token)
+    p.add_argument("--model", default=FakeConfig.model)
     args = p.parse_args(argv)
-    cfg = FakeConfig(itl_ms=args.itl_ms, prefill_ms_per_token=args.prefill_ms_per_token)
-    uvicorn.run(make_app(cfg), host="127.0.0.1", port=args.port, log_level="warning")
+    cfg = FakeConfig(model=args.model, itl_ms=args.itl_ms, prefill_ms_per_token=args.prefill_ms_per_token,
+                     prefill_ms_per_request=args.prefill_ms_per_request,
+                     transfer_ms_per_token=args.transfer_ms_per_token)
+    with FakeServer(cfg, port=args.port or None) as srv:
+        print(f"fake server ready: {srv.base_url}", flush=True)
+        threading.Event().wait()  # until a signal ends the process
     return 0
 
 
