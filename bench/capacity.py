@@ -1,0 +1,164 @@
+"""A policy's capacity under its SLOs, the sweep around it, and whether a run kept up.
+
+    meets_target(fraction, target)         DistServe's goodput test: >= target (0.9) of the requests met every SLO
+    search_capacity(probe, start, ...)     double the rate until a probe fails, then bisect between the best
+                                           pass and the first fail; a bounded number of probes
+    capacity_and_sweep(measure, ...)       the search, then the sweep at capacity x each factor, through one
+                                           measure(rate, phase, factor) callable
+    saturation(records, duration, rate)    did the server keep up: achieved vs offered rate, lateness growth
+    is_steady(medians, tolerance)          warm-up: the last two batches' median TTFT agree within tolerance
+
+Torch-free and server-free: `probe` is any async callable rate -> passed, so the search is tested alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from bench.metrics import RequestRecord
+
+# A run is past saturation when either holds (both are reported, with these limits, in every block):
+THROUGHPUT_RATIO_MIN = 0.8  # achieved / offered rate (slopes of answer and send times)
+LATENESS_GROWTH_MAX = 1.5  # median lateness of the last third of the sends / that of the first third
+
+
+def meets_target(goodput_fraction: float | None, target: float) -> bool:
+    return goodput_fraction is not None and goodput_fraction >= target
+
+
+@dataclass
+class Probe:
+    rate: float  # offered requests/s
+    passed: bool
+
+
+@dataclass
+class Capacity:
+    """`rate`: the highest passing rate probed (None: even the lowest probe failed); `first_fail`: the
+    lowest failing one (None: none failed within the probes). Converged when first_fail / rate - 1 <= precision."""
+
+    rate: float | None
+    first_fail: float | None
+    precision: float
+    target: float
+    probes: list[Probe] = field(default_factory=list)
+
+    @property
+    def converged(self) -> bool:
+        return self.rate is not None and self.first_fail is not None and \
+            self.first_fail / self.rate - 1 <= self.precision + 1e-9
+
+    def to_dict(self) -> dict:
+        return {"capacity_rate": self.rate, "first_failing_rate": self.first_fail, "converged": self.converged,
+                "precision": self.precision, "goodput_target": self.target,
+                "probes": [asdict(p) for p in self.probes]}
+
+
+async def search_capacity(probe: Callable[[float], Awaitable[bool]], start_rate: float, *, max_probes: int = 8,
+                          precision: float = 0.1, target: float = 0.9) -> Capacity:
+    """Doubling from start_rate while probes pass (halving while they fail), then bisection of
+    [best pass, first fail] until it is within `precision` (relative) or max_probes ran."""
+    if start_rate <= 0 or not math.isfinite(start_rate):
+        raise ValueError(f"the search starts at a finite rate > 0, got {start_rate}")
+    if max_probes < 1 or precision <= 0:
+        raise ValueError(f"need max_probes >= 1 and precision > 0, got {max_probes} and {precision}")
+    cap = Capacity(None, None, precision, target)
+    rate = start_rate
+    while len(cap.probes) < max_probes:
+        passed = await probe(rate)
+        cap.probes.append(Probe(rate, passed))
+        if passed:
+            cap.rate = rate if cap.rate is None else max(cap.rate, rate)
+        else:
+            cap.first_fail = rate if cap.first_fail is None else min(cap.first_fail, rate)
+        if cap.rate is not None and cap.first_fail is not None:
+            if cap.converged:
+                break
+            rate = (cap.rate + cap.first_fail) / 2
+        elif cap.rate is not None:
+            rate = cap.rate * 2
+        else:
+            rate = cap.first_fail / 2
+    return cap
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+MIN_JUDGED = 12  # answered requests a run needs before its saturation is judged (thirds of >= 4)
+
+
+def _slope(y: list[float]) -> float:
+    """Least-squares slope of y against 0, 1, 2, ...: seconds per request, for sorted times."""
+    return float(np.polyfit(np.arange(len(y)), np.asarray(y, dtype=float), 1)[0])
+
+
+def saturation(records: list[RequestRecord], duration_s: float, rate: float | None) -> dict:
+    """Open-loop runs only (rate finite). Two signals, each in the result:
+
+    throughput_ratio   answers per second over requests per second, both as least-squares slopes of
+                       the sorted send times and the sorted answer times (seconds per request), times
+                       the share answered. A server that keeps up answers at the rate it is sent to
+                       (~1, whatever its latency); one that serves mu < rate scores ~ mu / rate.
+                       A slope, not count / duration: a short run's last answer would weigh too much.
+    lateness_growth    lateness = answer time - scheduled send. Median over the last third of the sends
+                       / over the first third: ~1 while the queue is stable, growing with it.
+    """
+    out = {"throughput_ratio": None, "lateness_growth": None, "offered_rate_realized": None,
+           "throughput_ratio_min": THROUGHPUT_RATIO_MIN, "lateness_growth_max": LATENESS_GROWTH_MAX,
+           "saturated": None, "reasons": []}
+    sent = sorted(records, key=lambda r: r.scheduled_s)
+    ok = [r for r in sent if r.success and r.e2e_s is not None]
+    if rate is None or not math.isfinite(rate) or len(ok) < MIN_JUDGED:
+        out["reasons"].append(f"not judged: needs an open-loop finite rate and >= {MIN_JUDGED} answered requests")
+        return out
+    send_slope = _slope([r.scheduled_s for r in sent])
+    answer_slope = _slope(sorted(r.start_s + r.e2e_s for r in ok))
+    if send_slope > 0 and answer_slope > 0:
+        out["offered_rate_realized"] = 1.0 / send_slope
+        out["throughput_ratio"] = min(1.0, send_slope / answer_slope) * len(ok) / len(sent)
+    third = len(sent) // 3
+    lateness = {r.index: r.start_s - r.scheduled_s + r.e2e_s for r in ok}
+    first = [lateness[r.index] for r in sent[:third] if r.index in lateness]
+    last = [lateness[r.index] for r in sent[-third:] if r.index in lateness]
+    if first and last and _median(first) > 0:
+        out["lateness_growth"] = _median(last) / _median(first)
+    if out["throughput_ratio"] is not None and out["throughput_ratio"] < THROUGHPUT_RATIO_MIN:
+        out["reasons"].append(f"achieved {out['throughput_ratio']:.2f} of the offered rate "
+                              f"(< {THROUGHPUT_RATIO_MIN})")
+    if out["lateness_growth"] is not None and out["lateness_growth"] > LATENESS_GROWTH_MAX:
+        out["reasons"].append(f"lateness grew {out['lateness_growth']:.2f}x over the run (> {LATENESS_GROWTH_MAX})")
+    out["saturated"] = bool(out["reasons"])
+    return out
+
+
+def is_steady(medians_ms: list[float], tolerance: float) -> bool:
+    """The last two warm-up batches' median TTFTs differ by at most `tolerance` of the earlier one."""
+    if len(medians_ms) < 2:
+        return False
+    a, b = medians_ms[-2], medians_ms[-1]
+    return abs(b - a) <= tolerance * a
+
+
+async def capacity_and_sweep(measure: Callable[[float, str, float | None], Awaitable[dict]], *, start_rate: float,
+                             max_probes: int, precision: float, target: float,
+                             factors: list[float]) -> tuple[Capacity, list[dict]]:
+    """`measure(rate, phase, factor)` runs one open-loop point and returns its result block (with
+    `goodput_fraction`). Probes first, then the sweep at capacity x each factor (none when every probe failed)."""
+    blocks: list[dict] = []
+
+    async def probe(rate: float) -> bool:
+        block = await measure(rate, "probe", None)
+        blocks.append(block)
+        return meets_target(block["goodput_fraction"], target)
+
+    cap = await search_capacity(probe, start_rate, max_probes=max_probes, precision=precision, target=target)
+    if cap.rate is not None:
+        for factor in sorted({f for f in factors if f > 0}):
+            blocks.append(await measure(cap.rate * factor, "sweep", factor))
+    return cap, blocks
