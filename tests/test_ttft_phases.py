@@ -36,8 +36,9 @@ WAVES, WAVE = 4, 6  # 24 requests: 12 per policy, 6 of each kind; six at a time
 
 async def one(c: AsyncClient, i: int) -> tuple[str, Timings]:
     policy, prompt, served = KINDS[i % len(KINDS)]
-    options = {"max_tokens": 2 + i % 4, "ignore_eos": True}
-    if i % 2:
+    # every kind streamed and not, with 1 token (token 1 is also the last) and more
+    options = {"max_tokens": 1 + (i // 2) % 4, "ignore_eos": True}
+    if (i // len(KINDS)) % 2:
         async with c.stream_complete(prompt, policy=policy, **options) as s:
             async for _ in s:
                 pass
