@@ -1,16 +1,26 @@
 """`pdserve-bench load`: latency under load, colocated vs disaggregated, against any OpenAI-compatible server.
 
-    pdserve-bench load --policies colocated,disaggregated --request-rates 1,2,4 \\
-        --input-len uniform:128:1024 --long-fraction 0.25 --long-input-len uniform:8192:16384 \\
-        --output-len 128 --num-prompts 100 --goodput ttft:2000 tpot:50
+    pdserve-bench load --policies colocated,disaggregated --capacity-search --goodput ttft:2000 tpot:100 \\
+        --input-len uniform:256:1024 --long-fraction 0.25 --long-input-len uniform:4096:8192 --output-len 64
+    pdserve-bench load --arm 'colocated=colocated:--prefill-workers 0 --decode-workers 0' \\
+        --arm 'disaggregated=disaggregated:--no-colocated' --server-args '--model qwen2.5-7b --devices cuda:0' ...
 
-Open loop (--request-rate / --request-rates: Poisson, or gamma with --burstiness) or closed loop
-(--concurrency N[,M...]). With several policies, request i goes with policy i mod n through one shared
-schedule, and each prompt length is sent once per policy (--num-prompts is per policy), so the
-policies meet the same machine state and the same lengths. The offered rate is the total.
+Each arm (a policy, or an --arm with its own fresh server) runs alone: its own runs, on the same
+seeded prompt lengths and the same seeded arrival schedule (at any rate, the same gaps scaled by
+1/rate), and its throughput from its own run's duration. --arm starts each arm's server in turn
+(`pdserve` by default), so arms get the same devices one after the other. Arms sharing one server
+(--policies) alternate per load point (ABBA...). --policy-runs interleaved is the old shared run:
+request i goes with policy i mod n through one schedule, the offered rate is the total, and the
+policies time-share the server (labelled as such everywhere).
 
-Writes results.json (vllm-bench-serve field names; one block per policy and load point), summary.md
-and PNG plots into --out (default bench/results/load-<date>/).
+--capacity-search finds each arm's capacity: the highest Poisson rate at which >= --goodput-target
+(0.9) of the requests meet the --goodput SLOs (DistServe's goodput), doubling then bisecting within
+--search-max-probes, then sweeps capacity x --sweep-factors. Every open-loop run is judged for
+saturation (bench/capacity.py). Before an arm's first run, warm-up batches go until two in a row
+agree on median TTFT (--warmup-tolerance, at most --warmup-max-batches).
+
+Writes results.json (vllm-bench-serve field names; one block per arm and run), summary.md, PNG plots
+and each started server's log into --out (default bench/results/load-<date>/).
 """
 
 from __future__ import annotations
@@ -21,29 +31,18 @@ import json
 import math
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from bench.load_arms import Arm, ArmError
+from bench.load_session import LoadPoint, Session, run_interleaved, run_separate
+
 DATASETS = ("synthetic", "sharegpt", "mooncake")
-
-
-@dataclass(frozen=True)
-class LoadPoint:
-    kind: str  # "rate" | "concurrency" | "trace"
-    value: float | None
-
-    @property
-    def label(self) -> str:
-        if self.kind == "rate":
-            return "rate inf" if math.isinf(self.value) else f"rate {self.value:g}/s"
-        if self.kind == "concurrency":
-            return f"concurrency {int(self.value)}"
-        return f"trace x{self.value:g}"
-
-    @property
-    def axis(self) -> str:
-        return {"rate": "offered request rate (req/s, all policies)", "concurrency": "requests in flight",
-                "trace": "trace speedup"}[self.kind]
+POLICY_RUNS = ("separate", "interleaved")
+POLICY_RUNS_NOTE = {
+    "separate": "each arm in its own runs (same seeded lengths and arrival schedule); throughput from its own duration",
+    "interleaved": "policies interleaved in one shared run (request i gets policy i mod n; they time-share the "
+                   "server); offered rate is the total; throughput over each policy's own requests' span",
+}
 
 
 def _floats(text: str) -> list[float]:
@@ -62,37 +61,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--base-url", default="http://127.0.0.1:8000")
     t.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
     t.add_argument("--policies", type=_names, default=None,
-                   help="comma-separated pdserve policies to interleave, e.g. colocated,disaggregated "
-                        "(default: send no policy field)")
+                   help="comma-separated pdserve policies, each an arm on the --base-url server, e.g. "
+                        "colocated,disaggregated (default: send no policy field)")
+    t.add_argument("--policy-runs", choices=POLICY_RUNS, default="separate",
+                   help="separate: each policy in its own runs (default); interleaved: one shared run, "
+                        "request i with policy i mod n")
+    t.add_argument("--arm", action="append", default=None, metavar="LABEL=POLICY:FLAGS",
+                   help="an arm with its own fresh server, started with --server-command --server-args FLAGS "
+                        "(repeat; arms run one after another)")
+    t.add_argument("--server-args", default="", help="flags for every arm's server, e.g. '--model qwen2.5-7b'")
+    t.add_argument("--server-command", default=None,
+                   help="what starts an arm's server (default: this python -m server.cli --port 0 --parent-pid PID)")
+    t.add_argument("--server-timeout", type=float, default=900.0, help="seconds for an arm's server to be ready")
     t.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
 
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=DATASETS, default="synthetic")
     w.add_argument("--dataset-path", default=None, help="ShareGPT JSON or Mooncake JSONL file")
     w.add_argument("--num-prompts", type=int, default=100,
-                   help="distinct prompts per load point; each goes once per policy (trace: first N lines)")
+                   help="prompts per run (interleaved: per policy; trace: first N lines)")
     w.add_argument("--input-len", default="1024", help="N, fixed:N, uniform:LO:HI or normal:MEAN:STD tokens")
     w.add_argument("--output-len", default="128", help="as --input-len; max_tokens of each request")
     w.add_argument("--long-fraction", type=float, default=0.0,
-                   help="share of prompts drawn from --long-input-len instead (a long/short mix)")
+                   help="share of prompts drawn from --long-input-len instead (exactly round(n x share) of them)")
     w.add_argument("--long-input-len", default="uniform:8192:16384")
     w.add_argument("--sharegpt-output-len", type=int, default=None, help="override the reply lengths")
     w.add_argument("--max-model-len", type=int, default=None, help="ShareGPT: skip prompt+output longer than this")
     w.add_argument("--trace-block-size", type=int, default=512, help="Mooncake: tokens per hash id")
     w.add_argument("--trace-speedup", type=float, default=1.0, help="Mooncake: replay this many times faster")
     w.add_argument("--no-pair", action="store_true",
-                   help="do not send each prompt once per policy; request i still gets policy i mod n")
+                   help="interleaved: do not send each prompt once per policy; request i still gets policy i mod n")
     w.add_argument("--tokenizer", default=None,
                    help="count tokens exactly with this tokenizer (a pdserve model name or a local HF dir); "
                         "default: one token per generated word, ~4 characters per token for dataset text")
     w.add_argument("--seed", type=int, default=0)
 
     lo = p.add_argument_group("load")
-    lo.add_argument("--request-rate", type=float, default=None, help="requests/s, all policies together (inf: all at once)")
+    lo.add_argument("--request-rate", type=float, default=None, help="requests/s (inf: all at once)")
     lo.add_argument("--request-rates", type=_floats, default=None, help="a sweep, e.g. 1,2,4")
     lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, < 1 burstier")
     lo.add_argument("--concurrency", type=_floats, default=None, help="closed loop: requests in flight (a list sweeps)")
-    lo.add_argument("--num-warmups", type=int, default=1, help="unrecorded requests per policy before measuring")
+    lo.add_argument("--capacity-search", action="store_true",
+                    help="find each arm's capacity under --goodput, then sweep around it (instead of given rates)")
+    lo.add_argument("--search-start-rate", type=float, default=1.0, help="req/s of the first probe")
+    lo.add_argument("--search-max-probes", type=int, default=8)
+    lo.add_argument("--search-precision", type=float, default=0.1,
+                    help="stop when first failing rate / best passing rate - 1 is at most this")
+    lo.add_argument("--goodput-target", type=float, default=0.9, help="share of requests that must meet the SLOs")
+    lo.add_argument("--sweep-factors", type=_floats, default=[0.5, 1.0, 1.5], help="sweep rates = capacity x these")
+
+    wu = p.add_argument_group("warm-up (per arm, before its first run)")
+    wu.add_argument("--warmup-batch", type=int, default=4,
+                    help="requests per warm-up batch, sent at once, lengths spanning the workload's (0: no warm-up)")
+    wu.add_argument("--warmup-max-batches", type=int, default=6)
+    wu.add_argument("--warmup-tolerance", type=float, default=0.1,
+                    help="steady when two batches' median TTFTs differ by at most this share")
 
     r = p.add_argument_group("requests and results")
     r.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (output lengths vary)")
@@ -107,6 +130,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_points(args) -> list[LoadPoint]:
+    """The given points; with --capacity-search none (the search picks the rates)."""
+    if args.capacity_search:
+        if args.dataset == "mooncake" or args.request_rate is not None or args.request_rates or args.concurrency:
+            raise ValueError("--capacity-search picks its own Poisson rates: leave out --request-rate(s) and "
+                             "--concurrency (and Mooncake traces, which keep their timestamps)")
+        if not args.goodput:
+            raise ValueError("--capacity-search needs the SLOs it searches under: --goodput ttft:MS tpot:MS")
+        if args.policy_runs == "interleaved":
+            raise ValueError("--capacity-search runs each arm alone; it cannot be combined with --policy-runs "
+                             "interleaved")
+        if not 0 < args.goodput_target <= 1 or args.search_start_rate <= 0 or args.search_precision <= 0:
+            raise ValueError("need 0 < --goodput-target <= 1, --search-start-rate > 0, --search-precision > 0")
+        return []
     if args.dataset == "mooncake":
         if args.request_rate is not None or args.request_rates or args.concurrency:
             raise ValueError("a Mooncake trace is replayed at its own timestamps: leave out --request-rate(s) and "
@@ -124,99 +160,35 @@ def load_points(args) -> list[LoadPoint]:
     return [LoadPoint("rate", r) for r in rates]
 
 
-def make_samples(args, builder, copies: int, text_seed: int):
-    from bench.workload import LengthDist, mooncake_samples, sharegpt_samples, synthetic_samples
-    if args.dataset == "synthetic":
-        return synthetic_samples(args.num_prompts, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
-                                 builder, seed=args.seed, text_seed=text_seed, long_fraction=args.long_fraction,
-                                 long_input_len=LengthDist.parse(args.long_input_len), copies=copies)
-    if args.dataset_path is None:
-        raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
-    if args.dataset == "sharegpt":
-        return sharegpt_samples(args.dataset_path, args.num_prompts, builder, seed=args.seed,
-                                output_len=args.sharegpt_output_len, max_len=args.max_model_len, copies=copies)
-    return mooncake_samples(args.dataset_path, builder, n=args.num_prompts, block_size=args.trace_block_size,
-                            speedup=args.trace_speedup, seed=text_seed)
+def arms_of(args):
+    """The arms, in run order: --arm specs, else one per --policies entry on the --base-url server."""
+    if args.arm:
+        if args.policies:
+            raise ValueError("give the arms by --arm (each its own server) or by --policies (one server), not both")
+        if args.policy_runs == "interleaved":
+            raise ValueError("--arm starts one server per arm, one after another: it needs --policy-runs separate")
+        arms = [Arm.parse(spec) for spec in args.arm]
+    else:
+        arms = [Arm(p or "default", p) for p in (args.policies or [None])]
+    labels = [a.label for a in arms]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"arm labels must differ, got {labels}")
+    return arms
 
 
 def workload_text(args) -> str:
+    from bench.workload import long_count
     if args.dataset == "synthetic":
         text = f"synthetic, input {args.input_len}, output {args.output_len}"
         if args.long_fraction > 0:
-            text += f", {args.long_fraction:.0%} long with input {args.long_input_len}"
+            k = long_count(args.num_prompts, args.long_fraction)
+            text += f", {k} of {args.num_prompts} prompts long ({k / args.num_prompts:.0%}) with input {args.long_input_len}"
     else:
         text = f"{args.dataset} {args.dataset_path}"
-    text += f", {args.num_prompts} prompts per point" + ("" if args.no_pair else " per policy")
+    interleaved = args.policy_runs == "interleaved"
+    text += f", {args.num_prompts} prompts per run" + (" per policy" if interleaved and not args.no_pair else "")
     text += ", ignore_eos" if not args.no_ignore_eos else ""
     return text + f", tokens {'by ' + args.tokenizer if args.tokenizer else 'approximated'}"
-
-
-def plan(samples, policies, point: LoadPoint, args, point_index: int):
-    from bench.load_runner import Planned
-    from bench.workload import arrival_times, assign_policies
-    assigned = assign_policies(len(samples), policies)
-    if point.kind == "rate":
-        times = arrival_times(len(samples), point.value, args.burstiness, seed=args.seed + point_index)
-    elif point.kind == "trace":
-        times = [s.arrival_s for s in samples]
-    else:
-        times = [None] * len(samples)
-    return [Planned(i, s, pol, None if t is None else float(t)) for i, (s, pol, t) in
-            enumerate(zip(samples, assigned, times))]
-
-
-def result_blocks(records, duration: float, point: LoadPoint, args, slos, percentiles) -> list[dict]:
-    from bench.metrics import summarize
-    policies = args.policies or [None]
-    blocks = []
-    for policy in policies:
-        mine = [r for r in records if r.policy == policy]
-        rate = point.value if point.kind == "rate" else None
-        block = {
-            "policy": policy,
-            "load_kind": point.axis,
-            "load_label": point.label,
-            "request_rate": None if rate is None else ("inf" if math.isinf(rate) else rate),
-            "policy_request_rate": None if rate is None else ("inf" if math.isinf(rate) else rate / len(policies)),
-            "burstiness": args.burstiness if point.kind == "rate" else None,
-            "max_concurrency": int(point.value) if point.kind == "concurrency" else None,
-            "trace_speedup": point.value if point.kind == "trace" else None,
-        }
-        block.update(summarize(mine, duration, slos, percentiles))
-        blocks.append(block)
-    return blocks
-
-
-async def _run_async(args, builder, points, slos, percentiles) -> tuple[str, list[dict]]:
-    from tqdm import tqdm
-
-    from bench.load_runner import SendOptions, run_closed_loop, run_open_loop, warmup
-    from client import AsyncClient
-
-    policies = args.policies
-    copies = len(policies) if policies and not args.no_pair and args.dataset != "mooncake" else 1
-    opts = SendOptions(ignore_eos=not args.no_ignore_eos, stream_usage=args.stream_usage, extra_body=args.extra_body)
-    blocks: list[dict] = []
-    async with AsyncClient(args.base_url, model=args.model, timeout_s=args.request_timeout) as client:
-        model = await client.resolve_model()
-        for k, point in enumerate(points):
-            samples = make_samples(args, builder, copies, text_seed=args.seed + 1000 * (k + 1))
-            if k == 0 and args.num_warmups > 0:
-                firsts = samples[::copies][: args.num_warmups]
-                print(f"warmup: {len(firsts)} request(s) per policy", file=sys.stderr)
-                await warmup(client, firsts, policies or [None], opts)
-            planned = plan(samples, policies, point, args, k)
-            bar = tqdm(total=len(planned), desc=point.label, disable=args.no_progress, file=sys.stderr)
-            try:
-                if point.kind == "concurrency":
-                    records, duration = await run_closed_loop(client, planned, int(point.value), opts,
-                                                              lambda r: bar.update())
-                else:
-                    records, duration = await run_open_loop(client, planned, opts, lambda r: bar.update())
-            finally:
-                bar.close()
-            blocks += result_blocks(records, duration, point, args, slos, percentiles)
-    return model, blocks
 
 
 def _jsonable(value):
@@ -236,10 +208,11 @@ def _command_line() -> str:
 def run(args) -> int:
     from bench.load_report import environment, markdown, write_json
     from bench.metrics import parse_slos
-    from bench.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer
+    from bench.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count
 
     try:
         points = load_points(args)
+        arms = arms_of(args)
         slos = parse_slos(args.goodput)
         for spec in (args.input_len, args.output_len, args.long_input_len):
             LengthDist.parse(spec)
@@ -252,30 +225,38 @@ def run(args) -> int:
     percentiles = sorted(set(args.percentiles) | {50.0, 99.0})
     env = environment()
     out = Path(args.out) if args.out else Path("bench") / "results" / f"load-{env['date']}"
+    out.mkdir(parents=True, exist_ok=True)
+    session = Session(args, builder, slos, percentiles, out)
+    runner = run_interleaved if args.policy_runs == "interleaved" else run_separate
 
     from bench.load_runner import WarmupFailed
     from client import ClientError
     try:
-        model, blocks = asyncio.run(_run_async(args, builder, points, slos, percentiles))
-    except (ClientError, WarmupFailed, WorkloadError) as e:
+        arm_infos, blocks = asyncio.run(runner(session, arms, points))
+    except (ClientError, WarmupFailed, WorkloadError, ArmError) as e:
         print(f"pdserve-bench load: {e}", file=sys.stderr)
         return 1
+    n_long = long_count(args.num_prompts, args.long_fraction) if args.dataset == "synthetic" else None
     run_record = {
         "date": env["date"],
         "environment": env,
         "command": _command_line(),
         "base_url": args.base_url,
-        "model": model,
-        "model_id": model,
+        "model": arm_infos[0]["model"],
+        "model_id": arm_infos[0]["model"],
         "tokenizer_id": args.tokenizer,
-        "policies": args.policies,
+        "policies": [arm.policy for arm in arms if arm.policy] or None,
+        "policy_runs": args.policy_runs,
+        "policy_runs_note": POLICY_RUNS_NOTE[args.policy_runs],
+        "arms": arm_infos,
         "workload": workload_text(args),
+        "long_prompts_per_run": n_long,
         "slos_ms": slos,
+        "goodput_target": args.goodput_target if slos else None,
         "percentiles": percentiles,
         "args": {k: _jsonable(v) for k, v in vars(args).items() if not k.startswith("_")},
         "results": blocks,
     }
-    out.mkdir(parents=True, exist_ok=True)
     if not args.no_plots:
         from bench.plots import plot_all
         run_record["plots"] = [p.name for p in plot_all(blocks, out)]

@@ -1,5 +1,6 @@
-"""Writing a load run down: results.json (vllm-bench-serve field names, one block per policy and
-load point, plus where and when it ran) and summary.md (the tables a reader wants first)."""
+"""Writing a load run down: results.json (vllm-bench-serve field names, one block per arm and run,
+plus where and when it ran) and summary.md (the tables a reader wants first: how the policies were
+run, each arm's warm-up and capacity, then every run with its saturation mark)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from bench.capacity import LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
 from bench.metrics import SERVER_PHASES, pct_name
 
 PACKAGES = ("pdserve", "httpx", "numpy", "torch", "transformers", "fastapi", "uvicorn", "nixl")
@@ -68,14 +70,74 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+def _arm(block: dict) -> str:
+    return block.get("arm") or block.get("policy") or "default"
+
+
+def _saturated(block: dict) -> str:
+    sat = block.get("saturation") or {}
+    if sat.get("saturated") is None:
+        return "-"
+    ratio, growth = sat.get("throughput_ratio"), sat.get("lateness_growth")
+    signals = f"{_fmt(ratio, 2)} / {_fmt(growth, 2)}"
+    return f"**yes** ({signals})" if sat["saturated"] else f"no ({signals})"
+
+
+def _arm_lines(run: dict) -> list[str]:
+    lines = []
+    for arm in run.get("arms") or []:
+        where = arm.get("server", {}).get("command") or arm.get("base_url")
+        text = f"- arm **{arm['label']}**: policy {arm.get('policy') or '(server default)'}, {where}"
+        if arm.get("server", {}).get("startup_s") is not None:
+            text += f" (ready in {arm['server']['startup_s']:.0f} s, log {arm['server']['log']})"
+        w = arm.get("warmup")
+        if w:
+            medians = ", ".join(f"{m:.0f}" for m in w["median_ttft_ms"])
+            text += (f"; warm-up: {w['batches']} batch(es) of {w['batch_size']} (median TTFT {medians} ms), "
+                     + ("steady" if w["steady"] else f"**not steady** within {w['max_batches']}")
+                     + f" at {w['tolerance']:.0%}")
+        else:
+            text += "; no warm-up"
+        lines.append(text)
+    return lines
+
+
+def _capacity_lines(run: dict) -> list[str]:
+    caps = [(a["label"], a["capacity"]) for a in run.get("arms") or [] if a.get("capacity")]
+    if not caps:
+        return []
+    target = caps[0][1]["goodput_target"]
+    lines = ["", f"Capacity: the highest probed Poisson rate at which >= {target:.0%} of the requests met every "
+             "SLO (DistServe's goodput); the first failing rate bounds it from above.", "",
+             "| arm | capacity (req/s) | first failing rate | converged | capacity run saturated | "
+             "probes (rate: pass/fail) |",
+             "|---|---|---|---|---|---|"]
+    flagged = False
+    for label, cap in caps:
+        at = next((b for b in run["results"] if _arm(b) == label and b.get("phase") == "probe"
+                   and b["request_rate"] == cap["capacity_rate"]), None)
+        saturated = bool(at and (at.get("saturation") or {}).get("saturated"))
+        flagged |= saturated
+        probes = ", ".join(f"{p['rate']:.3g}: {'pass' if p['passed'] else 'fail'}" for p in cap["probes"])
+        lines.append(f"| {label} | {_fmt(cap['capacity_rate'], 3)} | {_fmt(cap['first_failing_rate'], 3)} | "
+                     f"{'yes' if cap['converged'] else 'no'} | {'**yes**' if saturated else 'no'} | {probes} |")
+    if flagged:
+        lines += ["", "A capacity run marked saturated met the SLOs while its queue grew: a longer run "
+                  "(more --num-prompts) would fail it, so that capacity is an upper bound."]
+    return lines
+
+
 def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
     blocks = run["results"]
     ps = [pct_name(p) for p in percentiles]
     env = run["environment"]
+    policy_runs = run.get("policy_runs", "interleaved")
     lines = [
         f"# Load run {env['date']}",
         "",
         f"- server: {run['base_url']}, model `{run['model']}`; policies: {', '.join(run['policies'] or ['(server default)'])}",
+        f"- policy runs: **{policy_runs}**: {run.get('policy_runs_note', '')}",
+        *_arm_lines(run),
         f"- workload: {run['workload']}",
         f"- machine: {env['machine']['hostname']}, {env['machine']['platform']}, "
         f"GPUs: {env['machine']['gpus'] or 'none seen'}",
@@ -84,39 +146,48 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         f"- command: `{run['command']}`",
     ]
     if run.get("slos_ms"):
-        lines.append("- goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in run["slos_ms"].items()))
+        lines.append("- goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in run["slos_ms"].items())
+                     + (f"; a run meets them when >= {run['goodput_target']:.0%} of its requests do"
+                        if run.get("goodput_target") else ""))
+    lines += _capacity_lines(run)
     lines += [
         "",
-        "Latencies in ms (client clock). TPOT = (E2E - TTFT) / (output tokens - 1); ITL pooled over all gaps.",
+        "Latencies in ms (client clock). TPOT = (E2E - TTFT) / (output tokens - 1); ITL pooled over all gaps. "
+        "req/s and out tok/s over each arm's own duration. Saturated: achieved throughput below "
+        f"{THROUGHPUT_RATIO_MIN} of the offered rate, or lateness growing more than {LATENESS_GROWTH_MAX}x from the "
+        "first third of the sends to the last (the two numbers in brackets, bench/capacity.py).",
         "",
-        "| load | policy | done | failed | req/s | out tok/s | " + " | ".join(
-            f"TTFT {p}" for p in ps) + " | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | E2E p50 | E2E p99 | goodput req/s |",
-        "|" + "---|" * (12 + len(ps)),
+        "| arm | phase | load | done | failed | duration (s) | req/s | out tok/s | " + " | ".join(
+            f"TTFT {p}" for p in ps) + " | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | E2E p50 | E2E p99 | "
+        "goodput req/s | SLOs met | saturated (ratio / growth) |",
+        "|" + "---|" * (17 + len(ps)),
     ]
     for b in blocks:
-        row = [b["load_label"], b.get("policy") or "default", b["completed"], b["failed"],
+        met = "-" if b.get("goodput_fraction") is None else \
+            f"{b['goodput_fraction']:.0%}" + ("" if b.get("meets_goodput_target") in (None, True) else " (below target)")
+        row = [_arm(b), b.get("phase", "point"), b["load_label"], b["completed"], b["failed"], _fmt(b["duration"], 1),
                _fmt(b["request_throughput"], 2), _fmt(b["output_throughput"], 0)]
         row += [_fmt(b[f"{p}_ttft_ms"]) for p in ps]
         row += [_fmt(b["median_tpot_ms"], 2), _fmt(b["p99_tpot_ms"], 2), _fmt(b["median_itl_ms"], 2),
                 _fmt(b["p99_itl_ms"], 2), _fmt(b["median_e2el_ms"]), _fmt(b["p99_e2el_ms"]),
-                _fmt(b["request_goodput"], 2)]
+                _fmt(b["request_goodput"], 2), met, _saturated(b)]
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
     if any(b["timings_reported"] for b in blocks):
         lines += [
             "",
             "Server phases (pdserve `timings`), mean / p99 in ms over the requests that reported them:",
             "",
-            "| load | policy | with timings | " + " | ".join(SERVER_PHASES) + " |",
-            "|" + "---|" * (3 + len(SERVER_PHASES)),
+            "| arm | phase | load | with timings | " + " | ".join(SERVER_PHASES) + " |",
+            "|" + "---|" * (4 + len(SERVER_PHASES)),
         ]
         for b in blocks:
             cells = [f"{_fmt(b[f'mean_{n}_ms'])} / {_fmt(b[f'p99_{n}_ms'])}" for n in SERVER_PHASES]
-            lines.append(f"| {b['load_label']} | {b.get('policy') or 'default'} | {b['timings_reported']} | "
+            lines.append(f"| {_arm(b)} | {b.get('phase', 'point')} | {b['load_label']} | {b['timings_reported']} | "
                          + " | ".join(cells) + " |")
-    failed = [(b["load_label"], b.get("policy"), e) for b in blocks for e in b["errors"] if e]
+    failed = [(b["load_label"], _arm(b), e) for b in blocks for e in b["errors"] if e]
     if failed:
         lines += ["", f"First errors ({len(failed)} failed requests in all):", ""]
-        lines += [f"- {load}, {policy or 'default'}: {err}" for load, policy, err in failed[:5]]
+        lines += [f"- {load}, {arm}: {err}" for load, arm, err in failed[:5]]
     if run.get("plots"):
         lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in run["plots"])]
     return "\n".join(lines) + "\n"

@@ -3,7 +3,8 @@
     send_one          one streamed /v1/completions request -> RequestRecord (TTFT, every gap, E2E, timings)
     run_open_loop     each request at its planned time, whether or not earlier ones have answered
     run_closed_loop   a fixed number of requests in flight; the next goes when one finishes
-    warmup            a few unrecorded requests per policy, one at a time; any failure stops the run
+    warmup_until_steady  unrecorded batches (sent at once) until two in a row agree on median TTFT
+                      (bounded); any failure stops the run
 
 A failed request (server error, timeout, broken stream) becomes a record with success=False and the
 error's message; anything else is a bug and propagates.
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
+
+from bench.capacity import is_steady
 from bench.metrics import RequestRecord
 from bench.workload import Sample
 from client import AsyncClient, ClientError
@@ -139,11 +143,40 @@ async def run_closed_loop(client: AsyncClient, planned: list[Planned], concurren
     return sorted(records, key=lambda r: r.index), duration
 
 
-async def warmup(client: AsyncClient, samples: list[Sample], policies: list[str | None], opts: SendOptions) -> None:
-    t0 = time.perf_counter()
-    for i, sample in enumerate(samples):
-        for policy in policies:
-            rec = await send_one(client, Planned(-1 - i, sample, policy), t0, opts)
+@dataclass
+class WarmupReport:
+    policy: str | None
+    batch_size: int
+    tolerance: float  # relative: |median TTFT of batch k - of batch k-1| <= tolerance * the earlier
+    max_batches: int
+    median_ttft_ms: list[float] = field(default_factory=list)  # one per batch run
+    steady: bool = False  # False: max_batches ran without two agreeing (measured anyway, and said so)
+
+    @property
+    def batches(self) -> int:
+        return len(self.median_ttft_ms)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "batches": self.batches}
+
+
+async def warmup_until_steady(client: AsyncClient, batch: Callable[[int], list[Sample]], policy: str | None,
+                              opts: SendOptions, *, max_batches: int, tolerance: float) -> WarmupReport:
+    """`batch(k)` gives warm-up batch k (the same lengths each time, fresh text, so no server cache can
+    make a later batch look steady). Every request of a batch goes at once."""
+    report = WarmupReport(policy, 0, tolerance, max_batches)
+    for k in range(max_batches):
+        samples = batch(k)
+        report.batch_size = len(samples)
+        t0 = time.perf_counter()
+        recs = await asyncio.gather(*(send_one(client, Planned(-1 - i, s, policy), t0, opts)
+                                      for i, s in enumerate(samples)))
+        for rec, sample in zip(recs, samples):
             if not rec.success:
                 raise WarmupFailed(f"warmup request ({policy or 'no policy'}, {sample.prompt_len} prompt tokens) "
                                    f"failed: {rec.error}; fix the server or the arguments before measuring")
+        report.median_ttft_ms.append(float(np.median([r.ttft_s * 1e3 for r in recs])))
+        if is_steady(report.median_ttft_ms, tolerance):
+            report.steady = True
+            break
+    return report

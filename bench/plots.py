@@ -1,6 +1,7 @@
 """PNG plots of a load run, drawn from the result blocks alone (so `python -m bench.plots results.json`
-redraws them): CDFs of TTFT and ITL per policy (one panel per load point), p50/p99 TTFT and ITL
-against the load, and the TTFT split into server phases per policy.
+redraws them): CDFs of TTFT and ITL per arm (one panel per load point; with a capacity search, per
+sweep factor), p50/p99 TTFT and ITL against the load, SLO attainment and achieved throughput against
+the offered rate (capacity and saturated runs marked), and the TTFT split into server phases per arm.
 """
 
 from __future__ import annotations
@@ -17,11 +18,30 @@ import numpy as np  # noqa: E402
 
 
 def policy_name(block: dict) -> str:
-    return block.get("policy") or "default"
+    """The arm a block belongs to (its policy where no arm was named)."""
+    return block.get("arm") or block.get("policy") or "default"
+
+
+def _point(block: dict) -> str:
+    return block.get("point") or block["load_label"]
 
 
 def _points(blocks: list[dict]) -> list[str]:
-    return list(dict.fromkeys(b["load_label"] for b in blocks))
+    return list(dict.fromkeys(_point(b) for b in blocks))
+
+
+def _measured(blocks: list[dict]) -> list[dict]:
+    """The blocks a reader compares arms on: all but the capacity search's probes (when others exist)."""
+    rest = [b for b in blocks if b.get("phase") != "probe"]
+    return rest or blocks
+
+
+def _rate_blocks(blocks: list[dict]) -> list[dict]:
+    return [b for b in blocks if isinstance(b.get("request_rate"), (int, float))]
+
+
+def _saturated(block: dict) -> bool:
+    return bool((block.get("saturation") or {}).get("saturated"))
 
 
 def _policies(blocks: list[dict]) -> list[str]:
@@ -39,12 +59,13 @@ def _cdf(blocks: list[dict], values_of, xlabel: str, title: str, path: Path) -> 
     fig, axes = plt.subplots(1, len(points), figsize=(5 * len(points), 4), squeeze=False)
     for ax, point in zip(axes[0], points):
         for b in blocks:
-            if b["load_label"] != point:
+            if _point(b) != point:
                 continue
             values = np.sort(np.asarray(values_of(b), dtype=float))
+            where = "" if _point(b) == b["load_label"] else f", {b['load_label']}"
             if values.size:
                 ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
-                        label=f"{policy_name(b)} (n={values.size})", color=colors[policy_name(b)])
+                        label=f"{policy_name(b)}{where} (n={values.size})", color=colors[policy_name(b)])
         ax.set_title(point)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of requests" if "TTFT" in xlabel else "fraction of gaps")
@@ -71,18 +92,33 @@ def plot_cdfs(blocks: list[dict], out_dir: Path) -> list[Path]:
 
 
 def plot_latency_vs_load(blocks: list[dict], out_dir: Path) -> Path:
-    points, policies = _points(blocks), _policies(blocks)
+    """Against the offered rate on a numeric axis when every block is an open-loop rate (probes and
+    sweep of a capacity search together), else one tick per load point. Saturated runs get a red x."""
+    policies = _policies(blocks)
     colors = _colors(policies)
-    x = np.arange(len(points))
+    numeric = len(_rate_blocks(blocks)) == len(blocks)
+    points = _points(blocks)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric, label in ((axes[0], "ttft", "TTFT (ms)"), (axes[1], "itl", "ITL (ms)")):
         for policy in policies:
-            by_point = {b["load_label"]: b for b in blocks if policy_name(b) == policy}
+            mine = [b for b in blocks if policy_name(b) == policy]
+            if numeric:
+                mine = sorted(mine, key=lambda b: b["request_rate"])
+                x = [b["request_rate"] for b in mine]
+            else:
+                by_point = {_point(b): b for b in mine}
+                mine = [by_point.get(p) for p in points]
+                x = list(range(len(points)))
             for stat, style in (("median", "-o"), ("p99", "--s")):
-                y = [by_point[p].get(f"{stat}_{metric}_ms") if p in by_point else None for p in points]
-                y = [np.nan if v is None else v for v in y]
+                y = [np.nan if b is None or b.get(f"{stat}_{metric}_ms") is None else b[f"{stat}_{metric}_ms"]
+                     for b in mine]
                 ax.plot(x, y, style, color=colors[policy], label=f"{policy} {'p50' if stat == 'median' else stat}")
-        ax.set_xticks(x, points)
+                sat = [(xi, yi) for xi, yi, b in zip(x, y, mine) if b is not None and _saturated(b)]
+                if sat:
+                    ax.plot(*zip(*sat), "x", color="red", markersize=9,
+                            label="past saturation" if policy == policies[0] and stat == "median" else None)
+        if not numeric:
+            ax.set_xticks(range(len(points)), points)
         ax.set_xlabel(blocks[0]["load_kind"])
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -91,6 +127,58 @@ def plot_latency_vs_load(blocks: list[dict], out_dir: Path) -> Path:
     axes[1].set_title("ITL p50 / p99 against load")
     fig.tight_layout()
     path = out_dir / "latency_vs_load.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def capacities(blocks: list[dict]) -> dict[str, float]:
+    """Per arm, the highest rate whose capacity-search probe met the goodput target."""
+    out: dict[str, float] = {}
+    for b in blocks:
+        if b.get("phase") == "probe" and b.get("meets_goodput_target"):
+            out[policy_name(b)] = max(out.get(policy_name(b), 0.0), b["request_rate"])
+    return out
+
+
+def plot_goodput_vs_rate(blocks: list[dict], out_dir: Path) -> Path | None:
+    """Left: share of requests meeting every SLO against the offered rate, the target as a line and each
+    arm's capacity dotted. Right: achieved against offered throughput (y = x: keeping up)."""
+    runs = [b for b in _rate_blocks(blocks) if b.get("goodput_fraction") is not None]
+    if not runs:
+        return None
+    policies = _policies(runs)
+    colors = _colors(policies)
+    caps = capacities(runs)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in policies:
+        mine = sorted((b for b in runs if policy_name(b) == policy), key=lambda b: b["request_rate"])
+        x = [b["request_rate"] for b in mine]
+        left.plot(x, [b["goodput_fraction"] for b in mine], "-o", color=colors[policy], label=policy)
+        right.plot(x, [b["request_throughput"] or 0.0 for b in mine], "-o", color=colors[policy], label=policy)
+        for ax, key in ((left, "goodput_fraction"), (right, "request_throughput")):
+            sat = [(b["request_rate"], b[key] or 0.0) for b in mine if _saturated(b)]
+            if sat:
+                ax.plot(*zip(*sat), "x", color="red", markersize=9,
+                        label="past saturation" if policy == policies[0] else None)
+        if policy in caps:
+            left.axvline(caps[policy], color=colors[policy], linestyle=":",
+                         label=f"{policy} capacity {caps[policy]:.3g}/s")
+    target = next((b.get("goodput_target") for b in runs if b.get("goodput_target")), None)
+    if target is None:
+        target = 0.9
+    left.axhline(target, color="grey", linestyle="--", label=f"target {target:.0%}")
+    top = max(b["request_rate"] for b in runs)
+    right.plot([0, top], [0, top], color="grey", linestyle="--", label="achieved = offered")
+    left.set(xlabel="offered request rate (req/s)", ylabel="share of requests meeting every SLO", ylim=(0, 1.05),
+             title="SLO attainment against rate")
+    right.set(xlabel="offered request rate (req/s)", ylabel="achieved request rate (req/s)",
+              title="Throughput against rate (own duration)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "goodput_vs_rate.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -150,7 +238,10 @@ def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
 
 def plot_all(blocks: list[dict], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [*plot_cdfs(blocks, out_dir), plot_latency_vs_load(blocks, out_dir), plot_ttft_split(blocks, out_dir)]
+    measured = _measured(blocks)
+    paths = [*plot_cdfs(measured, out_dir), plot_latency_vs_load(blocks, out_dir),
+             plot_goodput_vs_rate(blocks, out_dir), plot_ttft_split(measured, out_dir)]
+    return [p for p in paths if p is not None]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@
     PromptBuilder(tokenizer).words(n, rng)    text of exactly n tokens (n words without a tokenizer)
     synthetic_samples(...)                    lengths drawn from distributions, with a long/short mix
                                               (exactly long_count(n, fraction) long prompts)
+    retext(samples, builder, seed)            the same synthetic lengths with fresh words
     sharegpt_samples(path, ...)               first human turn as prompt, first reply's length as output
     mooncake_samples(path, ...)               a JSONL trace replayed at its timestamps; equal hash_ids
                                               give equal text blocks (a shared prefix stays shared)
@@ -154,6 +155,13 @@ def synthetic_samples(n: int, input_len: LengthDist, output_len: LengthDist, bui
             out.append(Sample(builder.text(builder.words(n_in, text)), n_in, n_out,
                               kind="long" if is_long else "short"))
     return out
+
+
+def retext(samples: list[Sample], builder: PromptBuilder, seed: int) -> list[Sample]:
+    """The same lengths with fresh words: for synthetic prompts, whose text is builder words."""
+    rng = random.Random(seed)
+    return [Sample(builder.text(builder.words(s.prompt_len, rng)), s.prompt_len, s.output_len, s.arrival_s, s.kind)
+            for s in samples]
 
 
 def _read_text(path: str | Path) -> str:

@@ -1,14 +1,18 @@
-"""Capacity search, saturation marks and warm-up steadiness."""
+"""Capacity search, saturation marks and warm-up steadiness: alone, then against a fake server whose
+one "GPU" prefills 20 requests a second, so its queue (and TTFT) grows without bound past 20 req/s."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 
+from bench import load
 from bench.capacity import is_steady, saturation, search_capacity
 from bench.metrics import RequestRecord
+from client import Client, ClientError
 
 
 def _search(limit: float, start: float, **kw):
@@ -76,3 +80,54 @@ def test_warmup_steadiness():
     assert not is_steady([300.0, 100.0], 0.1)
     assert is_steady([300.0, 100.0, 105.0], 0.1)
     assert not is_steady([100.0, 111.0], 0.1)
+
+
+def test_capacity_search_finds_the_fake_servers_limit(tmp_path):
+    """One arm with its own server (the fake one, in its own process): 50 ms a prefill, one at a time,
+    so 20 req/s at most. TTFT SLO 150 ms: a prefill plus two queued. Near-periodic arrivals
+    (burstiness 50) keep the queue empty below the limit; above it each request waits 50 - 1000/rate
+    ms more than the one before, so with 24 requests (3 may fail) the SLOs fail from ~22 req/s on."""
+    out = tmp_path / "cap"
+    server = f"{sys.executable} -m bench.load_fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
+             "--prefill-ms-per-request 50"
+    rc = load.main(["--arm", "colo=colocated:", "--server-command", server, "--capacity-search",
+                    "--search-start-rate", "8", "--search-precision", "0.15", "--search-max-probes", "7",
+                    "--sweep-factors", "0.5,1.5", "--num-prompts", "24", "--input-len", "20", "--output-len", "2",
+                    "--burstiness", "50", "--goodput", "ttft:150", "--warmup-batch", "2",
+                    "--out", str(out), "--no-progress"])
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())
+    arm = run["arms"][0]
+    assert arm["label"] == "colo" and arm["server"]["startup_s"] > 0 and (out / "server-colo.log").is_file()
+    cap = arm["capacity"]
+    assert cap["converged"] and 15.0 <= cap["capacity_rate"] <= 23.5 and cap["first_failing_rate"] <= 27.0
+    probes = [b for b in run["results"] if b["phase"] == "probe"]
+    assert [b["request_rate"] for b in probes] == [p["rate"] for p in cap["probes"]]
+    assert [p["rate"] for p in cap["probes"]][:3] == [8.0, 16.0, 32.0]
+    for b in probes:
+        assert b["meets_goodput_target"] == (b["goodput_fraction"] >= 0.9)
+        if b["request_rate"] >= 30:  # 1.5x the limit and more: marked, and failing
+            assert b["saturation"]["saturated"] is True and not b["meets_goodput_target"]
+        if b["request_rate"] <= 16:  # 0.8x and less: kept up
+            assert b["saturation"]["saturated"] is False
+    sweep = {b["sweep_factor"]: b for b in run["results"] if b["phase"] == "sweep"}
+    assert sorted(sweep) == [0.5, 1.5]
+    assert sweep[0.5]["request_rate"] == pytest.approx(cap["capacity_rate"] * 0.5)
+    assert sweep[0.5]["saturation"]["saturated"] is False
+    assert sweep[1.5]["saturation"]["saturated"] is True
+    assert arm["warmup"]["steady"] and arm["warmup"]["batches"] >= 2
+    md = (out / "summary.md").read_text()
+    assert f"| colo | {cap['capacity_rate']:.3f} |" in md and "**yes**" in md
+    at_capacity = next(b for b in probes if b["request_rate"] == cap["capacity_rate"])
+    assert ("upper bound" in md) == at_capacity["saturation"]["saturated"]
+    assert (out / "goodput_vs_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the arm's server was stopped on the way out
+    with pytest.raises(ClientError):
+        Client(arm["base_url"], timeout_s=2).models()
+
+
+def test_capacity_search_needs_slos_and_separate_runs(capsys):
+    assert load.main(["--capacity-search", "--out", "/tmp/unused"]) == 2
+    assert "--goodput" in capsys.readouterr().err
+    assert load.main(["--capacity-search", "--goodput", "ttft:10", "--policy-runs", "interleaved"]) == 2
+    assert load.main(["--capacity-search", "--goodput", "ttft:10", "--request-rates", "1,2"]) == 2

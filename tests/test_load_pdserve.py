@@ -87,11 +87,12 @@ def test_load_run_both_policies_against_pdserve(pdserve, tmp_path):
     out = tmp_path / "pdserve-load"
     rc = load.main(["--base-url", pdserve, "--policies", "colocated,disaggregated", "--request-rate", "4",
                     "--num-prompts", "5", "--input-len", "uniform:16:200", "--output-len", "6",
-                    "--tokenizer", "tiny", "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000",
+                    "--tokenizer", "tiny", "--warmup-batch", "1", "--warmup-max-batches", "2",
+                    "--goodput", "ttft:60000", "tpot:60000",
                     "--out", str(out), "--no-progress"])
     assert rc == 0
     run = json.loads((out / "results.json").read_text())
-    assert run["model"] == "tiny"
+    assert run["model"] == "tiny" and run["policy_runs"] == "separate"
     colo, disagg = run["results"]
     assert (colo["policy"], disagg["policy"]) == ("colocated", "disaggregated")
     for block in (colo, disagg):
@@ -107,4 +108,7 @@ def test_load_run_both_policies_against_pdserve(pdserve, tmp_path):
     assert all(r["timings"]["kv_bytes"] > 0 and r["timings"]["transport"] == "ipc" for r in disagg["requests"])
     for name in PNGS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| rate 4/s | disaggregated | 5 | 0 |" in (out / "summary.md").read_text()
+    assert "| disaggregated | point | rate 4/s | 5 | 0 |" in (out / "summary.md").read_text()
+    # each policy's own run, its throughput over its own duration (check_block_against_records)
+    assert colo["duration_basis"] == disagg["duration_basis"] == "own run"
+    assert [a["warmup"]["batches"] for a in run["arms"]] == [2, 2]

@@ -12,6 +12,7 @@ from bench.load_fake_server import FakeConfig, FakeServer, free_port
 from bench.plots import plot_all
 
 PNGS = ("cdf_ttft.png", "cdf_itl.png", "latency_vs_load.png", "ttft_split.png")
+GOODPUT_PNG = "goodput_vs_rate.png"  # drawn when the run had SLOs
 
 
 def check_block_against_records(block: dict, slos: dict | None = None):
@@ -44,14 +45,20 @@ def check_block_against_records(block: dict, slos: dict | None = None):
         assert block["request_goodput"] == pytest.approx(len(good) / block["duration"])
 
 
-def test_open_loop_two_policies_sweep(tmp_path):
+def own_span(block: dict) -> float:
+    reqs = block["requests"]
+    return max(r["start_s"] + r["e2e_s"] for r in reqs) - min(r["scheduled_s"] for r in reqs)
+
+
+def test_interleaved_two_policies_sweep(tmp_path):
     out = tmp_path / "run"
     with FakeServer(FakeConfig(itl_ms=2.0, prefill_ms_per_token=0.02)) as srv:
         rc = load.main(["--base-url", srv.base_url, "--policies", "colocated,disaggregated",
+                        "--policy-runs", "interleaved",
                         "--request-rates", "40,inf", "--num-prompts", "6", "--input-len", "uniform:20:80",
                         "--output-len", "uniform:3:8", "--long-fraction", "0.3", "--long-input-len", "400",
-                        "--num-warmups", "1", "--goodput", "ttft:1000", "tpot:100", "--out", str(out),
-                        "--no-progress", "--seed", "5"])
+                        "--warmup-batch", "1", "--warmup-max-batches", "2", "--goodput", "ttft:1000", "tpot:100",
+                        "--out", str(out), "--no-progress", "--seed", "5"])
         bodies = list(srv.bodies)
     assert rc == 0
     run = json.loads((out / "results.json").read_text())
@@ -61,8 +68,13 @@ def test_open_loop_two_policies_sweep(tmp_path):
         ("rate inf", "colocated"), ("rate inf", "disaggregated")]
     assert [b["request_rate"] for b in blocks] == [40.0, 40.0, "inf", "inf"]
     assert blocks[0]["policy_request_rate"] == 20.0
+    assert run["policy_runs"] == "interleaved" and "interleaved" in run["policy_runs_note"]
     for b in blocks:
         assert b["num_prompts"] == 6 and b["completed"] == 6
+        # labelled as the shared run, and its duration is this policy's own requests' span
+        assert b["policy_runs"] == "interleaved" and b["duration_basis"] == "own requests' span in the shared run"
+        assert b["duration"] == pytest.approx(own_span(b))
+        assert sum(r["kind"] == "long" for r in b["requests"]) == 2  # 30% of 6, rounded
         check_block_against_records(b, {"ttft": 1000.0, "tpot": 100.0})
         # the server's own timeline came back, for the policy this block stands for
         assert b["timings_reported"] == 6
@@ -80,8 +92,8 @@ def test_open_loop_two_policies_sweep(tmp_path):
     # open loop: sent on schedule (rate inf: all at 0)
     for r in blocks[2]["requests"]:
         assert r["scheduled_s"] == 0.0 and r["start_s"] < 2.0
-    # what went on the wire: 2 warmups + 24 measured, streamed, ignore_eos, the policy field
-    assert len(bodies) == 26
+    # what went on the wire: 2 warm-up batches of 1 per policy + 24 measured, streamed, ignore_eos, the policy field
+    assert len(bodies) == 28
     assert all(b["stream"] and b["ignore_eos"] and b["model"] == "fake-model" for b in bodies)
     assert sorted({b["policy"] for b in bodies}) == ["colocated", "disaggregated"]
     # the files
@@ -89,20 +101,72 @@ def test_open_loop_two_policies_sweep(tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "summary.md").read_text()
     for b in blocks:
-        row = f"| {b['load_label']} | {b['policy']} | {b['completed']} | {b['failed']} | " \
-              f"{b['request_throughput']:.2f} | {b['output_throughput']:.0f} | {b['median_ttft_ms']:.1f} | " \
-              f"{b['p90_ttft_ms']:.1f} | {b['p99_ttft_ms']:.1f} |"
+        row = f"| {b['policy']} | point | {b['load_label']} | {b['completed']} | {b['failed']} | " \
+              f"{b['duration']:.1f} | {b['request_throughput']:.2f} | {b['output_throughput']:.0f} | " \
+              f"{b['median_ttft_ms']:.1f} | {b['p90_ttft_ms']:.1f} | {b['p99_ttft_ms']:.1f} |"
         assert row in md
-    assert "Server phases" in md and "ttft <= 1000 ms" in md
+    assert "Server phases" in md and "ttft <= 1000 ms" in md and "policy runs: **interleaved**" in md
     assert run["environment"]["machine"]["cpu_count"] and run["environment"]["versions"]["python"]
     assert run["model"] == "fake-model" and run["slos_ms"] == {"ttft": 1000.0, "tpot": 100.0}
+
+
+def test_separate_runs_each_policy_on_its_own_duration(tmp_path):
+    """The default: each policy alone, on the same lengths and the same (scaled) schedule, points
+    alternating ABBA; the disaggregated requests carry a 200 ms transfer here, so its runs last longer
+    and its throughput, from its own duration, is lower (a shared duration would make them equal)."""
+    out = tmp_path / "separate"
+    with FakeServer(FakeConfig(itl_ms=2.0, prefill_ms_per_token=0.25, transfer_ms_per_token=5.0)) as srv:
+        rc = load.main(["--base-url", srv.base_url, "--policies", "colocated,disaggregated",
+                        "--request-rates", "10,20", "--num-prompts", "12", "--input-len", "40", "--output-len", "4",
+                        "--long-fraction", "0.25", "--long-input-len", "60", "--warmup-batch", "2",
+                        "--warmup-max-batches", "3", "--goodput", "ttft:5000", "--out", str(out), "--no-progress"])
+        bodies = list(srv.bodies)
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())
+    assert run["policy_runs"] == "separate" and run["long_prompts_per_run"] == 3
+    blocks = run["results"]
+    # ABBA: the second point runs the policies in the other order
+    assert [(b["load_label"], b["arm"]) for b in blocks] == [
+        ("rate 10/s", "colocated"), ("rate 10/s", "disaggregated"),
+        ("rate 20/s", "disaggregated"), ("rate 20/s", "colocated")]
+    for b in blocks:
+        check_block_against_records(b)
+        assert b["policy_runs"] == "separate" and b["duration_basis"] == "own run" and b["phase"] == "point"
+        assert b["policy_request_rate"] == b["request_rate"]  # the whole offered rate goes to this policy
+        assert b["duration"] == pytest.approx(own_span(b), abs=0.05)  # first send at 0 -> its own last answer
+        assert {r["timings"]["policy"] for r in b["requests"]} == {b["policy"]}
+        assert sum(r["kind"] == "long" for r in b["requests"]) == 3  # 25% of 12, exactly
+        assert b["saturation"]["saturated"] is not None  # judged (its own tests are in test_load_capacity.py)
+    by = {(b["load_label"], b["arm"]): b for b in blocks}
+    for rate in ("rate 10/s", "rate 20/s"):
+        colo, dis = by[(rate, "colocated")], by[(rate, "disaggregated")]
+        # the same lengths and the same schedule for both policies
+        assert [r["prompt_len"] for r in colo["requests"]] == [r["prompt_len"] for r in dis["requests"]]
+        assert [r["scheduled_s"] for r in colo["requests"]] == [r["scheduled_s"] for r in dis["requests"]]
+        # each run's own duration: the transfer (200-300 ms here) shows in the disaggregated one only
+        assert 0.12 < dis["duration"] - colo["duration"] < 0.6
+        assert colo["request_throughput"] > dis["request_throughput"] * 1.05
+    # one seeded schedule: at 20/s it is the 10/s one in half the time
+    assert np.allclose([r["scheduled_s"] * 2 for r in by[("rate 20/s", "colocated")]["requests"]],
+                       [r["scheduled_s"] for r in by[("rate 10/s", "colocated")]["requests"]])
+    # fresh text per run: no two measured runs sent the same prompt
+    measured = bodies[-48:]
+    assert len({b["prompt"] for b in measured}) == 48
+    assert [b["policy"] for b in measured] == ["colocated"] * 12 + ["disaggregated"] * 24 + ["colocated"] * 12
+    for arm in run["arms"]:
+        w = arm["warmup"]
+        assert 2 <= w["batches"] <= 3 and w["batch_size"] == 2 and len(w["median_ttft_ms"]) == w["batches"]
+    assert len(bodies) == 48 + sum(a["warmup"]["batches"] * 2 for a in run["arms"])
+    md = (out / "summary.md").read_text()
+    assert "policy runs: **separate**" in md and "3 of 12 prompts long (25%)" in md
+    assert "warm-up: " in md and (out / GOODPUT_PNG).is_file()
 
 
 def test_closed_loop_without_policies_or_timings(tmp_path):
     out = tmp_path / "closed"
     with FakeServer(FakeConfig(itl_ms=1.0, emit_timings=False)) as srv:
         rc = load.main(["--base-url", srv.base_url, "--model", "fake-model", "--concurrency", "1,3",
-                        "--num-prompts", "6", "--input-len", "30", "--output-len", "4", "--num-warmups", "0",
+                        "--num-prompts", "6", "--input-len", "30", "--output-len", "4", "--warmup-batch", "0",
                         "--out", str(out), "--no-progress"])
         bodies = list(srv.bodies)
     assert rc == 0
@@ -126,7 +190,7 @@ def test_failures_are_recorded_not_fatal(tmp_path):
     with FakeServer(FakeConfig(itl_ms=1.0)) as srv:
         # "sideways" is refused by the server for every request of that policy
         rc = load.main(["--base-url", srv.base_url, "--policies", "colocated,sideways", "--num-prompts", "3",
-                        "--input-len", "10", "--output-len", "3", "--num-warmups", "0", "--out", str(out),
+                        "--input-len", "10", "--output-len", "3", "--warmup-batch", "0", "--out", str(out),
                         "--no-progress", "--no-plots"])
     assert rc == 1  # one policy completed nothing
     blocks = json.loads((out / "results.json").read_text())["results"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bench import load
+from bench.load_session import LoadPoint, make_samples, plan, warmup_batch
 from bench.workload import (LengthDist, PromptBuilder, WorkloadError, arrival_times, assign_policies,
                             load_tokenizer, long_count, mooncake_samples, sharegpt_samples, synthetic_samples)
 
@@ -110,8 +111,8 @@ def _args(**over):
 
 def test_plan_pairs_prompts_across_policies_on_one_schedule():
     args = _args(policies=["colocated", "disaggregated"], num_prompts=50, input_len="uniform:5:500", seed=4)
-    samples = load.make_samples(args, PromptBuilder(), copies=2, text_seed=1)
-    planned = load.plan(samples, args.policies, load.LoadPoint("rate", 5.0), args, 0)
+    samples = make_samples(args, PromptBuilder(), copies=2, text_seed=1)
+    planned = plan(samples, args.policies, LoadPoint("rate", 5.0), args)
     assert [p.index for p in planned] == list(range(100))
     assert [p.policy for p in planned] == ["colocated", "disaggregated"] * 50
     colo = [p.sample.prompt_len for p in planned if p.policy == "colocated"]
@@ -119,6 +120,19 @@ def test_plan_pairs_prompts_across_policies_on_one_schedule():
     assert colo == disagg  # the same lengths for both policies
     times = [p.send_at_s for p in planned]
     assert times == sorted(times) and np.allclose(times, arrival_times(100, 5.0, 1.0, seed=4))
+    # every rate draws from the same seed: the schedule at 10/s is the one at 5/s in half the time
+    faster = [p.send_at_s for p in plan(samples, args.policies, LoadPoint("rate", 10.0), args)]
+    assert np.allclose(np.array(faster) * 2, times)
+
+
+def test_warmup_batch_spans_the_lengths():
+    args = _args(num_prompts=40, input_len="uniform:10:50", long_fraction=0.25, long_input_len="uniform:900:1000")
+    samples = make_samples(args, PromptBuilder(), copies=1, text_seed=1)
+    batch = warmup_batch(samples, 4)
+    lens = sorted(s.prompt_len for s in samples)
+    assert [s.prompt_len for s in batch] == [lens[0], lens[13], lens[26], lens[39]]
+    assert batch[-1].kind == "long" and batch[0].kind == "short"
+    assert len(warmup_batch(samples[:2], 4)) == 2
 
 
 def test_load_points_validation():

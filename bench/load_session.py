@@ -1,0 +1,252 @@
+"""The runs of one `pdserve-bench load` invocation: what each run sends, and in what order.
+
+    LoadPoint                      a rate, a concurrency or a trace speed
+    make_samples / plan            the prompts (lengths from --seed, text fresh per run) and their send times
+                                   (arrivals from --seed too: every arm meets the same schedule, scaled by 1/rate)
+    Session.measure(client, arm, point)   one run of one arm -> a result block (throughput over its own
+                                   duration, saturation judged, SLO target checked)
+    run_separate(session, arms, points)   each arm alone: its own server in turn, warm-up, then the given
+                                   points or the capacity search and its sweep
+    run_interleaved(...)           the shared run: request i with policy i mod n (labelled in every block)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.capacity import capacity_and_sweep, meets_target, saturation
+from bench.load_arms import Arm, ArmServer, default_server_command
+from bench.load_runner import Planned, SendOptions, run_closed_loop, run_open_loop, warmup_until_steady
+from bench.metrics import summarize
+from bench.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
+                            synthetic_samples)
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    kind: str  # "rate" | "concurrency" | "trace"
+    value: float | None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "rate":
+            return "rate inf" if math.isinf(self.value) else f"rate {self.value:.4g}/s"
+        if self.kind == "concurrency":
+            return f"concurrency {int(self.value)}"
+        return f"trace x{self.value:g}"
+
+    @property
+    def axis(self) -> str:
+        return {"rate": "offered request rate (req/s)", "concurrency": "requests in flight",
+                "trace": "trace speedup"}[self.kind]
+
+
+def make_samples(args, builder, copies: int, text_seed: int):
+    if args.dataset == "synthetic":
+        return synthetic_samples(args.num_prompts, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
+                                 builder, seed=args.seed, text_seed=text_seed, long_fraction=args.long_fraction,
+                                 long_input_len=LengthDist.parse(args.long_input_len), copies=copies)
+    if args.dataset_path is None:
+        raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
+    if args.dataset == "sharegpt":
+        return sharegpt_samples(args.dataset_path, args.num_prompts, builder, seed=args.seed,
+                                output_len=args.sharegpt_output_len, max_len=args.max_model_len, copies=copies)
+    return mooncake_samples(args.dataset_path, builder, n=args.num_prompts, block_size=args.trace_block_size,
+                            speedup=args.trace_speedup, seed=text_seed)
+
+
+def plan(samples, policies, point: LoadPoint, args):
+    """Every run's arrivals come from --seed: the same schedule for every arm, scaled by 1/rate."""
+    assigned = assign_policies(len(samples), policies)
+    if point.kind == "rate":
+        times = arrival_times(len(samples), point.value, args.burstiness, seed=args.seed)
+    elif point.kind == "trace":
+        times = [s.arrival_s for s in samples]
+    else:
+        times = [None] * len(samples)
+    return [Planned(i, s, pol, None if t is None else float(t)) for i, (s, pol, t) in
+            enumerate(zip(samples, assigned, times))]
+
+
+def warmup_batch(samples, k: int):
+    """k samples whose lengths span the workload's, shortest to longest."""
+    ordered = sorted(samples, key=lambda s: s.prompt_len)
+    k = min(k, len(ordered))
+    return [ordered[round(i * (len(ordered) - 1) / max(1, k - 1))] for i in range(k)]
+
+
+def _rate(value):
+    return None if value is None else ("inf" if math.isinf(value) else value)
+
+
+def result_block(records, duration: float, point: LoadPoint, args, slos, percentiles, *, arm: str | None,
+                 policy: str | None, policy_runs: str, phase: str = "point", factor: float | None = None,
+                 n_policies: int = 1) -> dict:
+    rate = point.value if point.kind == "rate" else None
+    block = {
+        "arm": arm,
+        "policy": policy,
+        "policy_runs": policy_runs,
+        "phase": phase,  # "point" (a given load point), "probe" (capacity search) or "sweep"
+        "point": point.label if phase == "point" else ("probe" if phase == "probe" else f"{factor:g}x capacity"),
+        "sweep_factor": factor,
+        "load_kind": point.axis + (", all policies" if n_policies > 1 else ""),
+        "load_label": point.label,
+        "request_rate": _rate(rate),
+        "policy_request_rate": _rate(None if rate is None else rate / n_policies),
+        "burstiness": args.burstiness if point.kind == "rate" else None,
+        "max_concurrency": int(point.value) if point.kind == "concurrency" else None,
+        "trace_speedup": point.value if point.kind == "trace" else None,
+        "duration_basis": "own run" if policy_runs == "separate" else "own requests' span in the shared run",
+    }
+    block.update(summarize(records, duration, slos, percentiles))
+    block["goodput_target"] = args.goodput_target if slos else None
+    block["meets_goodput_target"] = meets_target(block["goodput_fraction"], args.goodput_target) if slos else None
+    sat_rate = None if rate is None else rate / n_policies
+    block["saturation"] = saturation(records, duration, sat_rate) if sat_rate is not None else None
+    return block
+
+
+def own_span(records) -> float:
+    """First scheduled send -> last answer over these records (a policy's duration inside a shared run)."""
+    if not records:
+        return 0.0
+    return max(r.start_s + (r.e2e_s or 0.0) for r in records) - min(r.scheduled_s for r in records)
+
+
+class Session:
+    """One benchmark invocation: the arguments, the prompt builder, and a counter that gives every
+    run fresh prompt text (lengths and arrivals stay those of --seed)."""
+
+    def __init__(self, args, builder, slos, percentiles, out: Path):
+        self.args, self.builder, self.slos, self.percentiles, self.out = args, builder, slos, percentiles, out
+        self.opts = SendOptions(ignore_eos=not args.no_ignore_eos, stream_usage=args.stream_usage,
+                                extra_body=args.extra_body)
+        self.runs = 0
+
+    def samples(self, copies: int = 1):
+        self.runs += 1
+        return make_samples(self.args, self.builder, copies, text_seed=self.args.seed + 1000 * self.runs)
+
+    async def send(self, client, planned, point: LoadPoint, label: str):
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(planned), desc=label, disable=self.args.no_progress, file=sys.stderr)
+        try:
+            if point.kind == "concurrency":
+                return await run_closed_loop(client, planned, int(point.value), self.opts, lambda r: bar.update())
+            return await run_open_loop(client, planned, self.opts, lambda r: bar.update())
+        finally:
+            bar.close()
+
+    async def warmup(self, client, policy: str | None, samples) -> dict | None:
+        a = self.args
+        if a.warmup_batch <= 0:
+            return None
+        batch = warmup_batch(samples, a.warmup_batch)
+        fresh = (lambda k: retext(batch, self.builder, a.seed + 7919 * (k + 1))) if a.dataset == "synthetic" \
+            else (lambda k: batch)
+        report = await warmup_until_steady(client, fresh, policy, self.opts, max_batches=a.warmup_max_batches,
+                                           tolerance=a.warmup_tolerance)
+        medians = ", ".join(f"{m:.1f}" for m in report.median_ttft_ms)
+        print(f"warm-up {policy or 'default'}: {report.batches} batch(es) of {report.batch_size}, median TTFT "
+              f"{medians} ms, {'steady' if report.steady else 'NOT steady within the bound'}", file=sys.stderr)
+        return report.to_dict()
+
+    async def measure(self, client, arm, point: LoadPoint, phase: str = "point", factor: float | None = None) -> dict:
+        planned = plan(self.samples(), [arm.policy] if arm.policy else None, point, self.args)
+        records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}")
+        block = result_block(records, duration, point, self.args, self.slos, self.percentiles, arm=arm.label,
+                             policy=arm.policy, policy_runs="separate", phase=phase, factor=factor)
+        sat = block["saturation"] or {}
+        verdict = "" if block["meets_goodput_target"] is None else \
+            f", goodput {block['goodput_fraction']:.2f} ({'pass' if block['meets_goodput_target'] else 'fail'})"
+        print(f"{arm.label} {phase} {point.label}: {block['completed']}/{block['num_prompts']} done in "
+              f"{duration:.1f} s{verdict}{', SATURATED' if sat.get('saturated') else ''}", file=sys.stderr)
+        return block
+
+
+async def _arm_client(session: Session, arm, stack):
+    """A client for the arm's server, starting the server first when the arm has its own."""
+    from client import AsyncClient
+    a = session.args
+    info = {"label": arm.label, "policy": arm.policy}
+    url = a.base_url
+    if arm.server_args is not None:
+        head = shlex.split(a.server_command) if a.server_command else default_server_command()
+        command = head + shlex.split(a.server_args) + list(arm.server_args)
+        log = session.out / f"server-{arm.label}.log"
+        server = ArmServer(command, log, start_timeout_s=a.server_timeout, label=arm.label)
+        print(f"arm {arm.label}: starting {shlex.join(command)} (log {log})", file=sys.stderr)
+        url = await stack.enter_async_context(server)
+        info.update(server={"command": shlex.join(command), "log": log.name, "startup_s": server.startup_s})
+    client = await stack.enter_async_context(AsyncClient(url, model=a.model, timeout_s=a.request_timeout))
+    info.update(base_url=url, model=await client.resolve_model())
+    return client, info
+
+
+async def run_separate(session: Session, arms, points) -> tuple[list[dict], list[dict]]:
+    """Each arm alone. Arms with their own servers go one after another (search or points); arms sharing
+    the --base-url server take each given point in turn, order flipped every point (ABBA...)."""
+    a = session.args
+    infos, blocks = [], []
+    shared = all(arm.server_args is None for arm in arms) and not a.capacity_search and len(arms) > 1
+    if shared:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = []
+            for arm in arms:
+                client, info = await _arm_client(session, arm, stack)
+                info["warmup"] = await session.warmup(client, arm.policy, session.samples())
+                clients.append(client)
+                infos.append(info)
+            for k, point in enumerate(points):
+                order = list(range(len(arms))) if k % 2 == 0 else list(range(len(arms)))[::-1]
+                for i in order:
+                    blocks.append(await session.measure(clients[i], arms[i], point))
+        return infos, blocks
+    for arm in arms:
+        async with contextlib.AsyncExitStack() as stack:
+            client, info = await _arm_client(session, arm, stack)
+            info["warmup"] = await session.warmup(client, arm.policy, session.samples())
+            if a.capacity_search:
+                cap, mine = await capacity_and_sweep(
+                    lambda rate, phase, factor: session.measure(client, arm, LoadPoint("rate", rate), phase, factor),
+                    start_rate=a.search_start_rate, max_probes=a.search_max_probes, precision=a.search_precision,
+                    target=a.goodput_target, factors=a.sweep_factors)
+                info["capacity"] = cap.to_dict()
+                print(f"arm {arm.label}: capacity {cap.rate if cap.rate is not None else 'below the lowest probe'}"
+                      f" req/s (first fail {cap.first_fail}, {len(cap.probes)} probes)", file=sys.stderr)
+                blocks += mine
+            else:
+                for point in points:
+                    blocks.append(await session.measure(client, arm, point))
+            infos.append(info)
+    return infos, blocks
+
+
+async def run_interleaved(session: Session, arms, points) -> tuple[list[dict], list[dict]]:
+    """The shared run: request i with policy i mod n, each prompt length once per policy."""
+    a = session.args
+    policies = [arm.policy for arm in arms]
+    copies = len(policies) if not a.no_pair and a.dataset != "mooncake" else 1
+    blocks = []
+    async with contextlib.AsyncExitStack() as stack:
+        client, info = await _arm_client(session, Arm("interleaved", None), stack)
+        infos = [{**info, "label": arm.label, "policy": arm.policy,
+                  "warmup": await session.warmup(client, arm.policy, session.samples())} for arm in arms]
+        for point in points:
+            planned = plan(session.samples(copies), policies if policies != [None] else None, point, a)
+            records, _ = await session.send(client, planned, point, point.label)
+            for arm in arms:
+                mine = [r for r in records if r.policy == arm.policy]
+                blocks.append(result_block(mine, own_span(mine), point, a, session.slos, session.percentiles,
+                                           arm=arm.label, policy=arm.policy, policy_runs="interleaved",
+                                           n_policies=len(arms)))
+    return infos, blocks
+
+
