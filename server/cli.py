@@ -23,7 +23,7 @@ import socket
 import sys
 import tempfile
 
-from workers.transfer.base import MODES, TRANSPORTS
+from workers.protocol import MODES, TRANSPORTS  # not workers.transfer: the router does not import torch
 
 log = logging.getLogger("pdserve")
 
@@ -256,8 +256,6 @@ def run_router(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workers.cli import exit_now
-
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "router":
         p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
@@ -272,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         add_worker_arguments(p)
         args = p.parse_args(argv)
         run = run_embedded
+    from workers.cli import exit_now  # after parsing: `pdserve --help` must not pay for torch (workers.cli imports it)
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.parent_pid is not None:
         from workers.cli import die_with_parent

@@ -18,7 +18,8 @@ dispatched | ... workers ... | token1_landed | first_token. Between dispatched a
 workers' own durations (P.Timeline) are subtracted from the router's round trip, and what is left is
 the messages' flight (`hops`): every stretch the workers report is disjoint from the others and from
 the flights, so hops >= 0 (zmq, where the prefill worker's "landed" is the decode worker's ack, is
-the one exception: the ack's flight back is inside transfer_exposed and short of hops). The first
+the one exception: the ack's flight back is inside transfer_exposed and short of hops; with nixl,
+the decode worker's wait for the write notifications after the done notice is in hops). The first
 decode step makes token 2; it is inside e2e_ms, never inside ttft_ms (token 1 comes from prefill).
 """
 

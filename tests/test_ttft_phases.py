@@ -7,12 +7,15 @@
   the same phases, and there they sum to the TTFT histogram's sum.
 - The split's arithmetic with a stamp missing (no server): that part goes to `unattributed`.
 - README.md's table of phases is workers/phases.py's list, row for row.
+- What the router and the client import for this stays torch-free (`pdserve --help` included).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -120,3 +123,15 @@ def test_readme_lists_the_phases_as_the_code_defines_them():
     text = (ROOT / "README.md").read_text()
     table = text[text.index("| phase | clock | from -> to |\n|---|---|---|\n"):].split("\n\n")[0].splitlines()[2:]
     assert table == [f"| `{p.name}` | {p.clock} | {p.meaning} |" for p in PHASES]
+
+
+def test_router_client_and_phases_stay_torch_free():
+    code = ("import sys, runpy; sys.argv = ['pdserve', '--help']\n"
+            "import workers.phases, server.app, client\n"
+            "try:\n    runpy.run_module('server.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "--transport {ipc,nixl,zmq}" in run.stdout, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == "False", run.stderr
+    from workers.transfer import base  # the router names transports torch-free: the same ones
+    assert (P.TRANSPORTS, P.MODES) == (base.TRANSPORTS, base.MODES)

@@ -34,6 +34,10 @@ import msgspec
 
 PROTOCOL_VERSION = 2  # 2: Timeline's inbox, pickup and emit stamps (the TTFT phases)
 ROLES = ("prefill", "decode", "colocated")
+# Register.transport and .mode take these (workers/transfer/base.py implements them; a test holds the
+# two lists equal); here so the router, torch-free, can name them
+TRANSPORTS = ("ipc", "nixl", "zmq")
+MODES = ("bulk", "layer")
 
 
 class ProtocolError(ValueError):
