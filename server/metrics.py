@@ -24,8 +24,8 @@ class Metrics:
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", ["policy"], buckets=_SLOW, registry=r)
         self.itl = Histogram("pdserve_itl_seconds", "Time between tokens", ["policy"], buckets=_FAST, registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "Request latency", ["policy"], buckets=_SLOW, registry=r)
-        self.queue = Histogram("pdserve_queue_seconds", "Arrival to prefill start", ["policy"], buckets=_SLOW,
-                               registry=r)
+        self.queue = Histogram("pdserve_queue_seconds", "Arrival to prefill start, less the request's flight "
+                               "(parse + route + inbox + prefill_queue)", ["policy"], buckets=_SLOW, registry=r)
         self.prefill = Histogram("pdserve_prefill_seconds", "Prefill time", ["policy"], buckets=_SLOW, registry=r)
         self.transfer = Histogram("pdserve_transfer_seconds", "KV transfer time (first copy to last)",
                                   ["transport", "mode"], buckets=_FAST, registry=r)
