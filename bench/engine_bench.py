@@ -1,33 +1,45 @@
-"""`pdserve-bench engine`: our engine's prefill and decode step against transformers' own.
+"""`pdserve-bench engine`: our engine's decode steps against the memory roofline, its prefill
+against transformers' (paired, interleaved), and the decodes' gaps while a long prompt prefills.
 
-Same model object, same token ids, same process, one after the other:
+In one run (qwen2.5-7b on one H200 by default; every list is a flag):
 
-    prefill   transformers: model(ids[1, N], past_key_values=DynamicCache(), logits_to_keep=1)
-              + greedy first token (the seeds' method)
-              ours: Engine.prefill_only(fresh request) (paged KV write + first token), then release
-    decode    transformers: model(next[B, 1], past_key_values=cache) on a DynamicCache prefilled
-              to `--context` tokens per sequence, + greedy next token read back to the host
-              ours: Engine.step() with B requests of `--context` prompt tokens, all in decode
+    decode     batch 1, 8, 32, 64 at contexts 1k, 4k, 16k, plus 32 requests with contexts drawn
+               (seeded) from 1k-16k: engine.step() wall time, the requests put straight into decode
+               (reserve + adopt over a pool of random K/V, bench/engine_decode.py); beside each point
+               the roofline: the time to move the weights a step reads plus that batch's KV bytes once,
+               measured with a copy kernel in the same run (at the start and again at the end)
+    prefill    at each --lengths: transformers (model(ids, DynamicCache(), logits_to_keep=1) + argmax on
+               the host, on a second module tree over the same weight tensors) against
+               Engine.prefill_only (paged KV write + first token), --pairs rounds, order shuffled per
+               round (bench/ab.py): the median of the paired ratios ours/transformers and its spread
+    transformers decode   at --hf-decode-context only (not a target): one DynamicCache step against
+               one engine step, interleaved the same way
+    chunked    --chunk-decodes requests decoding at --chunk-context, then a --chunk-prompt-token prompt
+               arrives through add_request; each step's wall time while it prefills and the decodes'
+               inter-token gaps (p50, p99, max; their steady gap before the arrival), with
+               EngineConfig(chunked_prefill=True) and False (after one untimed rehearsal each)
 
-Each number is the median of `--repeats` runs after `--warmup` runs, with
-torch.cuda.synchronize() around every timed call. Targets: prefill within 5% of
-transformers; decode at batch 1 no slower than transformers; decode at batch 32 within
-2x of our own batch 1. Writes JSON (machine, versions, per-length and per-batch numbers)
-to bench/results/engine-<machine>-<date>.json and prints a markdown table last.
+Clocks: host perf_counter with torch.cuda.synchronize() around every timed call. The KV pool is
+sized from the points asked; points that do not fit the GPU (free memory minus --reserve-gb) are
+skipped and listed. Targets (each reported met or missed with its figures): every decode point
+within 2.0x its roofline; batch 1 at 1k <= 5.5 ms; batch 32 at 16k <= 25 ms; prefill within 3%
+of transformers at every length; with chunking the decodes' max gap <= 3x their steady gap.
+Writes JSON (with provenance) to bench/results/engine-<machine>-<date>.json and prints markdown.
 
-GPU run:  pdserve-bench engine --model qwen2.5-7b --device cuda
-CPU smoke test:  pdserve-bench engine --model tiny --device cpu --lengths 64,128 --batches 1,2 --repeats 2
+GPU run (about 3-4 minutes on an H200):  pdserve-bench engine --model qwen2.5-7b --device cuda:0
+CPU smoke test (seconds):  see tests/test_engine_bench.py (tiny model, small lengths)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
+import gc
+import itertools
 import json
-import math
 import platform
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,24 +47,39 @@ from typing import Callable
 
 import torch
 
+from bench import ab, provenance
+from bench import engine_decode as dec
+from bench.engine_report import markdown, targets
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PREFILL_TOLERANCE = 1.05  # ours / transformers
-BATCH_SCALING_LIMIT = 2.0  # our decode step at batch 32 / our batch 1
+BLOCK_SIZE = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="qwen2.5-7b", help="model name or checkpoint dir (default qwen2.5-7b)")
-    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's)")
-    parser.add_argument("--lengths", default="1024,4096,16384,32768",
-                        help="prefill lengths in tokens, comma separated; 1k = 1024 (default 1k,4k,16k,32k)")
-    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma separated (default 1,8,32)")
-    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence for decode (default 1024)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is reported (default 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before each point (default 2)")
-    parser.add_argument("--kv-memory-gb", type=float, default=None,
-                        help="our engine's KV pool in GiB (default 20 on CUDA, 0.25 on CPU)")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<machine>-<date>.json)")
+    a = parser.add_argument
+    a("--model", default="qwen2.5-7b", help="model name or checkpoint dir (default qwen2.5-7b)")
+    a("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    a("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's)")
+    a("--seed", type=int, default=0, help="seeds prompts, contexts and A/B orders (default 0)")
+    a("--lengths", default="1k,4k,16k,32k", help="prefill lengths in tokens; 1k = 1024 (default 1k,4k,16k,32k)")
+    a("--pairs", type=int, default=10, help="prefill rounds, transformers and ours once each (default 10)")
+    a("--batches", default="1,8,32,64", help="decode batch sizes (default 1,8,32,64)")
+    a("--contexts", default="1k,4k,16k", help="decode contexts in tokens per request (default 1k,4k,16k)")
+    a("--mixed-batch", type=int, default=32, help="requests in the mixed-context point; 0 skips it (default 32)")
+    a("--mixed-contexts", default="1k,16k", help="low,high: the mixed point's contexts are drawn from it")
+    a("--repeats", type=int, default=5, help="timed decode steps per point (default 5)")
+    a("--warmup", type=int, default=2, help="untimed steps before those, and untimed prefill rounds (default 2)")
+    a("--hf-decode-context", default="1k", help="context of the transformers decode comparison; 0 skips it")
+    a("--hf-decode-batches", default=None, help="its batch sizes (default: --batches)")
+    a("--chunk-decodes", type=int, default=32, help="chunked scenario: requests decoding (default 32); 0 skips it")
+    a("--chunk-context", default="1k", help="chunked scenario: their context (default 1k)")
+    a("--chunk-prompt", default="16k", help="chunked scenario: the prompt that arrives (default 16k)")
+    a("--chunk-budget", type=int, default=None, help="tokens per step (default: EngineConfig's max_batched_tokens)")
+    a("--chunk-steady-steps", type=int, default=16, help="chunked scenario: steps before the arrival (default 16)")
+    a("--kv-memory-gb", type=float, default=None, help="cap the decode points' KV pool (GiB); default: sized from them")
+    a("--reserve-gb", type=float, default=20.0,
+      help="CUDA: memory left free beside the pool for activations, graphs, transformers' cache (default 20)")
+    a("--out", default=None, help="JSON path (default bench/results/engine-<machine>-<date>.json)")
 
 
 def parse_counts(text: str) -> list[int]:
@@ -70,12 +97,7 @@ def parse_counts(text: str) -> list[int]:
     return out
 
 
-# ---- timing --------------------------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+sync = dec.sync
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -86,21 +108,33 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def summary(runs: list[float]) -> dict:
-    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
-
-
-def repeat(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> dict:
-    for _ in range(warmup):
-        time_ms(fn, device)
-    return summary([time_ms(fn, device) for _ in range(repeats)])
-
-
 def random_ids(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def machine_slug(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def log(msg: str) -> None:
+    print(f"[engine-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ---- transformers, the baseline ------------------------------------------------------------
+
+
+def hf_twin(model):
+    """A second module tree over the same parameter and buffer tensors (no weight copy): it keeps
+    transformers' own attention while the engine re-routes the original's."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, shared)
 
 
 @torch.inference_mode()
@@ -114,252 +148,249 @@ def hf_prefill(model, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return logits
 
 
-def hf_decode_times(model, batch: int, context: int, vocab: int, device: torch.device,
-                    warmup: int, repeats: int) -> dict:
+@torch.inference_mode()
+def hf_decoder(model, batch: int, context: int, vocab: int, device: torch.device, seed: int) -> Callable[[], None]:
+    """A DynamicCache prefilled with `batch` x `context` tokens; returns one decode step
+    (next token [B, 1] in, greedy token back to the host, as Engine.step() has it)."""
     from transformers import DynamicCache
 
-    ids = torch.stack([random_ids(context, vocab, seed=1000 + i) for i in range(batch)]).to(device)
+    ids = torch.stack([random_ids(context, vocab, seed + i) for i in range(batch)]).to(device)
     cache = DynamicCache()
-    with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}  # [B, 1]
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
 
-        def step():
-            out = model(input_ids=state["next"], past_key_values=cache, use_cache=True)
-            state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
-            state["next"].tolist()  # tokens on the host, as Engine.step() has them
+    @torch.inference_mode()
+    def step() -> None:
+        out = model(input_ids=state["next"], past_key_values=cache, use_cache=True)
+        state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
+        state["next"].tolist()
 
-        result = repeat(step, device, warmup, repeats)
-    del cache, state, out
-    return result
-
-
-# ---- our engine ----------------------------------------------------------------------------
-
-
-def ours_prefill(engine, ids: torch.Tensor, tag: str):
-    from workers.engine.request import Request, SamplingParams
-
-    req = Request(tag, ids.tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
-    result = engine.prefill_only(req)
-    engine.release(tag)
-    return result
-
-
-def ours_decode_times(engine, batch: int, context: int, vocab: int, device: torch.device,
-                      warmup: int, repeats: int) -> dict:
-    """B requests of `context` prompt tokens, stepped until all decode together; then time steps."""
-    from workers.engine.request import Request, SamplingParams
-
-    setup_steps = _setup_steps(batch, context, engine.config.max_batched_tokens)
-    params = SamplingParams(max_tokens=setup_steps + warmup + repeats + 4, ignore_eos=True)
-    reqs = [Request(f"bench-decode-b{batch}-{i}", random_ids(context, vocab, seed=1000 + i).tolist(), params)
-            for i in range(batch)]
-    for r in reqs:
-        engine.add_request(r)
-    try:
-        for _ in range(setup_steps):
-            if all(r.output_ids for r in reqs) and not engine.scheduler.waiting:
-                break
-            engine.step()
-        if not all(r.output_ids for r in reqs):
-            raise RuntimeError(f"batch {batch}: not every request was prefilled after {setup_steps} steps; "
-                               f"raise --kv-memory-gb")
-
-        def step():
-            outs = engine.step()
-            if len(outs) != batch:
-                raise RuntimeError(f"a decode step of batch {batch} returned {len(outs)} outputs")
-
-        return repeat(step, device, warmup, repeats)
-    finally:
-        for r in reqs:
-            engine.abort(r.request_id)
-
-
-def _setup_steps(batch: int, context: int, max_batched_tokens: int) -> int:
-    # the scheduler alternates prefill and decode steps while requests are admitted
-    return 2 * math.ceil(batch * context / max_batched_tokens) + 4
+    return step
 
 
 # ---- the run -------------------------------------------------------------------------------
 
 
-def machine_info(device: torch.device) -> dict:
-    import transformers
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
-    return {
-        "device": name,
-        "device_type": device.type,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
 
 
-def machine_slug(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+def decode_points(args, batches: list[int], contexts: list[int]) -> list[dict]:
+    points = [{"kind": "uniform", "batch": b, "contexts": [c] * b, "context": c} for c in contexts for b in batches]
+    if args.mixed_batch:
+        low, high = parse_counts(args.mixed_contexts)
+        points.append({"kind": "mixed", "batch": args.mixed_batch, "context": None,
+                       "contexts": dec.mixed_contexts(args.mixed_batch, low, high, args.seed), "range": [low, high]})
+    return points
 
 
-def log(msg: str) -> None:
-    print(f"[engine-bench] {msg}", file=sys.stderr, flush=True)
+def make_engine(loaded, device: torch.device, dtype: torch.dtype, **fields):
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+    from workers.engine.kv_cache import dtype_name
+
+    engine = Engine(EngineConfig(model=loaded.name, device=str(device), dtype=dtype_name(dtype),
+                                 block_size=BLOCK_SIZE, **fields), loaded=loaded)
+    dec.fill_random(engine.kv.pool)
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:
     from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.engine.kv_cache import dtype_name
     from workers.engine.models import load_model
 
-    lengths, batches = parse_counts(args.lengths), parse_counts(args.batches)
-    if args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    lengths, batches, contexts = parse_counts(args.lengths), parse_counts(args.batches), parse_counts(args.contexts)
+    hf_ctx = 0 if args.hf_decode_context.strip() == "0" else parse_counts(args.hf_decode_context)[0]
+    hf_batches = parse_counts(args.hf_decode_batches) if args.hf_decode_batches else batches
+    if args.repeats < 1 or args.warmup < 0 or args.pairs < 1:
+        raise ValueError("--repeats and --pairs must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    kv_gb = args.kv_memory_gb or (20.0 if device.type == "cuda" else 0.25)
+    prov = provenance.collect([str(device)])
+    t_start = time.monotonic()
 
     log(f"loading {args.model} on {device}")
-    t0 = time.monotonic()
     loaded = load_model(args.model, args.dtype, str(device))
-    load_s = time.monotonic() - t0
+    load_s = time.monotonic() - t_start
     model = loaded.model
     dtype = next(model.parameters()).dtype
     vocab = model.config.vocab_size
-    log(f"loaded in {load_s:.1f} s ({dtype})")
+    twin = hf_twin(model)
+    weights = dec.weight_bytes(model)
+    bpt = kv_bytes_per_token(model, dtype)
+    log(f"loaded in {load_s:.1f} s ({dtype}); a decode step reads {weights['read_per_step'] / 1e9:.2f} GB of weights")
 
-    # transformers first: the engine switches the model's attention to the paged one
-    hf_prefill_ms, hf_logits = {}, {}
-    for n in lengths:
-        ids = random_ids(n, vocab, seed=n)
-        log(f"transformers prefill {n} tokens")
-        hf_prefill_ms[n] = repeat(lambda: hf_prefill(model, ids, device), device, args.warmup, args.repeats)
-        hf_logits[n] = hf_prefill(model, ids, device).float().cpu()
-        _free(device)
-    hf_decode_ms = {}
-    for b in batches:
-        log(f"transformers decode step, batch {b}, context {args.context}")
-        hf_decode_ms[b] = hf_decode_times(model, b, args.context, vocab, device, args.warmup, args.repeats)
-        _free(device)
+    # ---- which decode points fit, and the pool they need
+    steps = args.warmup + args.repeats + 2
+    points = decode_points(args, batches, contexts)
+    for p in points:
+        p["blocks"] = sum(dec.blocks_for(c + steps, BLOCK_SIZE) for c in p["contexts"])
+        p["kv_bytes"] = sum(p["contexts"]) * bpt
+        p["bytes"] = weights["read_per_step"] + p["kv_bytes"]
+    block_bytes = bpt * BLOCK_SIZE
+    if args.kv_memory_gb:
+        budget = int(args.kv_memory_gb * 2**30 // block_bytes)
+    elif device.type == "cuda":
+        budget = int((torch.cuda.mem_get_info(device)[0] - args.reserve_gb * 2**30) // block_bytes)
+    else:
+        budget = None
+    skipped = [p for p in points if budget is not None and p["blocks"] > budget]
+    points = [p for p in points if p not in skipped]
+    for p in skipped:
+        log(f"skipping decode batch {p['batch']} ({p['kind']}): needs {p['blocks'] * block_bytes / 2**30:.1f} GiB "
+            f"of KV, {budget * block_bytes / 2**30:.1f} GiB fit")
+    hf_points = hf_batches if hf_ctx else []
+    num_blocks = max([p["blocks"] for p in points]
+                     + [dec.blocks_for(max(lengths) + 1, BLOCK_SIZE)]
+                     + [b * dec.blocks_for(hf_ctx + args.warmup + args.pairs + 2, BLOCK_SIZE) for b in hf_points]) + 8
 
-    decode_tokens = args.context + _setup_steps(max(batches), args.context, 8192) + args.warmup + args.repeats + 4
-    config = EngineConfig(
-        model=args.model, device=str(device), dtype=dtype_name(dtype), block_size=16,
-        kv_memory_gb=kv_gb, max_num_seqs=max(64, max(batches)), max_batched_tokens=8192,
-        # a prompt of exactly the model's context still needs room for its first token
-        max_model_len=max(loaded.max_model_len, max(lengths) + 1, decode_tokens),
-    )
-    engine = Engine(config, loaded=loaded)
-    log(f"engine: {engine.layout.num_blocks} blocks of {engine.layout.block_size} tokens ({kv_gb} GiB)")
-    prefill_rows = []
-    for n in lengths:
-        ids = random_ids(n, vocab, seed=n)
-        log(f"engine prefill {n} tokens")
-        ours = repeat(lambda: ours_prefill(engine, ids, f"bench-prefill-{n}"), device, args.warmup, args.repeats)
-        check = ours_prefill(engine, ids, f"bench-prefill-{n}-check")
-        ratio = ours["median"] / hf_prefill_ms[n]["median"]
-        prefill_rows.append({
-            "tokens": n,
-            "kv_bytes": n * engine.layout.bytes_per_token,
-            "transformers_ms": hf_prefill_ms[n],
-            "ours_ms": ours,
-            "ratio": ratio,
-            "target": f"ours <= {PREFILL_TOLERANCE} x transformers",
-            "met": ratio <= PREFILL_TOLERANCE,
-            # sanity, not a target: the same last-token logits (bf16 kernels may differ slightly)
-            "first_token_agrees": int(check.first_token) == int(hf_logits[n].argmax()),
-            "max_abs_logit_diff": float((check.logits.float().cpu() - hf_logits[n]).abs().max()),
-        })
-        _free(device)
+    log(f"roofline copies for {len(points)} points (start)")
+    roof_start = dec.copy_roofline([p["bytes"] for p in points], device, args.warmup, args.repeats)
+
+    # ---- chunked prefill, on and off (small engines, before the big pool exists)
+    chunked = {}
+    if args.chunk_decodes:
+        c_ctx, c_prompt = parse_counts(args.chunk_context)[0], parse_counts(args.chunk_prompt)[0]
+        budget_tokens = args.chunk_budget or EngineConfig().max_batched_tokens
+        bound = dec.chunked_steps_bound(c_prompt, budget_tokens, args.chunk_decodes)
+        c_steps = args.chunk_steady_steps + bound + 8
+        c_blocks = args.chunk_decodes * dec.blocks_for(c_ctx + c_steps, BLOCK_SIZE) \
+            + dec.blocks_for(c_prompt + 8, BLOCK_SIZE) + 8
+        for on in (True, False):
+            log(f"chunked scenario, chunked_prefill={on}: {args.chunk_decodes} decodes at {c_ctx}, "
+                f"a {c_prompt}-token prompt arrives (budget {budget_tokens} tokens a step)")
+            engine = make_engine(loaded, device, dtype, num_blocks=c_blocks, max_num_seqs=args.chunk_decodes + 1,
+                                 max_batched_tokens=budget_tokens, chunked_prefill=on,
+                                 max_model_len=max(c_prompt, c_ctx + c_steps) + 16)
+            scenario = dict(decodes=args.chunk_decodes, context=c_ctx, prompt=c_prompt,
+                            steady_steps=args.chunk_steady_steps, after_steps=4, seed=args.seed)
+            dec.chunked_scenario(engine, device, tag=f"rehearsal-{on}", **scenario)  # untimed: shapes, graphs
+            chunked["on" if on else "off"] = {"chunked_prefill": on, "budget_tokens": budget_tokens, **scenario,
+                                              **dec.chunked_scenario(engine, device, tag=f"chunk-{on}", **scenario)}
+            del engine
+            free(device)
+
+    # ---- the big engine: prefill A/B, transformers decode A/B, the decode points
+    max_len = max(max(lengths) + 1, max(c for p in points for c in p["contexts"]) + steps + 4, hf_ctx + steps + 4)
+    engine = make_engine(loaded, device, dtype, num_blocks=num_blocks,
+                         max_num_seqs=max([p["batch"] for p in points] + hf_points + [1]),
+                         max_batched_tokens=max(8192, max(lengths)), chunked_prefill=False,
+                         max_model_len=max(max_len, loaded.max_model_len))
+    log(f"engine: {engine.layout.num_blocks} blocks of {BLOCK_SIZE} tokens "
+        f"({engine.layout.num_blocks * block_bytes / 2**30:.1f} GiB)")
+    prefill_rows = [prefill_ab(engine, twin, n, vocab, device, args) for n in lengths]
+    free(device)
+    hf_rows = [hf_decode_ab(engine, twin, b, hf_ctx, vocab, device, args) for b in hf_points]
+    free(device)
+    for i, p in enumerate(points):
+        log(f"decode batch {p['batch']}, {p['kind']} context {p['context'] or p['range']}")
+        p["ours_ms"] = dec.decode_point(engine, p["contexts"], device, args.warmup, args.repeats,
+                                        seed=args.seed + i, tag=f"decode-{i}")
+    del engine
+    free(device)
+    log("roofline copies (end)")
+    roof_end = dec.copy_roofline([p["bytes"] for p in points], device, args.warmup, args.repeats)
+
     decode_rows = []
-    for b in batches:
-        log(f"engine decode step, batch {b}, context {args.context}")
-        ours = ours_decode_times(engine, b, args.context, vocab, device, args.warmup, args.repeats)
-        decode_rows.append({
-            "batch": b,
-            "context": args.context,
-            "transformers_ms": hf_decode_ms[b],
-            "ours_ms": ours,
-            "ratio": ours["median"] / hf_decode_ms[b]["median"],
-            "ours_tokens_per_s": b / ours["median"] * 1e3,
-            "transformers_tokens_per_s": b / hf_decode_ms[b]["median"] * 1e3,
-        })
-        _free(device)
+    for p in points:
+        both = roof_start[p["bytes"]]["runs"] + roof_end[p["bytes"]]["runs"]
+        roof = ab.summary(both)
+        row = {k: p[k] for k in ("kind", "batch", "context", "kv_bytes", "bytes", "ours_ms")}
+        if p["kind"] == "mixed":
+            row.update(contexts=p["contexts"], range=p["range"], context_sum=sum(p["contexts"]))
+        row.update(roofline_ms=roof, copy_gbps=p["bytes"] / (roof["median"] / 1e3) / 1e9,
+                   roofline_start_ms=roof_start[p["bytes"]]["median"], roofline_end_ms=roof_end[p["bytes"]]["median"],
+                   copy_chunks=[roof_start[p["bytes"]]["chunks"], roof_end[p["bytes"]]["chunks"]],
+                   ratio=p["ours_ms"]["median"] / roof["median"],
+                   tokens_per_s=p["batch"] / p["ours_ms"]["median"] * 1e3)
+        decode_rows.append(row)
 
     result = {
         "benchmark": "engine",
-        "machine": machine_info(device),
+        "provenance": provenance.finish(prov),
         "config": {
-            "model": loaded.name, "dtype": dtype_name(dtype), "block_size": config.block_size,
-            "kv_memory_gb": kv_gb, "kv_blocks": engine.layout.num_blocks,
-            "kv_bytes_per_token": engine.layout.bytes_per_token,
-            "repeats": args.repeats, "warmup": args.warmup, "decode_context": args.context,
-            "lengths": lengths, "batches": batches, "model_load_s": round(load_s, 2),
+            "model": loaded.name, "dtype": str(dtype).removeprefix("torch."), "block_size": BLOCK_SIZE,
+            "kv_bytes_per_token": bpt, "weight_bytes": weights, "seed": args.seed,
+            "repeats": args.repeats, "warmup": args.warmup, "pairs": args.pairs,
+            "lengths": lengths, "batches": batches, "contexts": contexts, "model_load_s": round(load_s, 2),
+            "run_s": round(time.monotonic() - t_start, 1),
+            "roofline_method": "one copy_ of N/2 bytes into N/2 bytes (N = weights a step reads + the batch's KV "
+                               "bytes): N bytes of memory traffic; the median over the copies at the start and the "
+                               "end of the run; host clock with device synchronisation",
         },
-        "prefill": prefill_rows,
         "decode": decode_rows,
-        "targets": targets(prefill_rows, decode_rows),
+        "skipped": [{"kind": p["kind"], "batch": p["batch"], "context": p["context"],
+                     "kv_gib_needed": p["blocks"] * block_bytes / 2**30,
+                     "kv_gib_available": budget * block_bytes / 2**30} for p in skipped],
+        "prefill": prefill_rows,
+        "transformers_decode": hf_rows,
+        "chunked": chunked,
     }
+    result["targets"] = targets(result)
     out = Path(args.out) if args.out else RESULTS_DIR / (
         f"engine-{machine_slug(device)}-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    log(f"wrote {out}")
+    out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    log(f"wrote {out} after {result['config']['run_s']} s")
     print(markdown(result))
     return 0
 
 
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def prefill_ab(engine, twin, n: int, vocab: int, device: torch.device, args) -> dict:
+    from workers.engine.request import Request, SamplingParams
 
+    log(f"prefill {n} tokens: transformers and ours interleaved x {args.pairs}")
+    prompts: dict[int, torch.Tensor] = {}
+    calls = itertools.count()
 
-def targets(prefill_rows: list[dict], decode_rows: list[dict]) -> dict:
-    by_batch = {row["batch"]: row for row in decode_rows}
-    b1, b32 = by_batch.get(1), by_batch.get(32)
+    def prompt(i: int) -> torch.Tensor:  # one prompt per round, shared by both arms
+        if i not in prompts:
+            prompts.clear()
+            prompts[i] = random_ids(n, vocab, seed=args.seed * 1_000_003 + n * 1009 + i)
+        return prompts[i]
+
+    def ours(ids: torch.Tensor):
+        tag = f"prefill-{n}-{next(calls)}"
+        result = engine.prefill_only(Request(tag, ids.tolist(), SamplingParams(max_tokens=1, ignore_eos=True)))
+        engine.release(tag)
+        return result
+
+    arms = {"transformers": lambda i: time_ms(lambda: hf_prefill(twin, prompt(i), device), device),
+            "ours": lambda i: time_ms(lambda: ours(prompt(i)), device)}
+    got = ab.interleave(arms, args.pairs, seed=args.seed + n, warmup=args.warmup)
+    check_ids = random_ids(n, vocab, seed=n)  # sanity, not a target: the same last-token logits
+    theirs, mine = hf_prefill(twin, check_ids, device).float().cpu(), ours(check_ids)
+    paired = ab.paired(got.results["transformers"], got.results["ours"])
     return {
-        "prefill_within_5pct": {str(row["tokens"]): row["met"] for row in prefill_rows},
-        # null: the batch sizes needed for that target were not measured
-        "decode_b1_not_slower": None if b1 is None else b1["ours_ms"]["median"] <= b1["transformers_ms"]["median"],
-        "decode_b32_within_2x_b1": None if b1 is None or b32 is None
-        else b32["ours_ms"]["median"] <= BATCH_SCALING_LIMIT * b1["ours_ms"]["median"],
+        "tokens": n,
+        "transformers_ms": ab.summary(got.results["transformers"]),
+        "ours_ms": ab.summary(got.results["ours"]),
+        "paired": paired,
+        "ratio": paired["ratio"]["median"],
+        "orders": got.orders,
+        "first_token_agrees": int(mine.first_token) == int(theirs.argmax()),
+        "max_abs_logit_diff": float((mine.logits.float().cpu() - theirs).abs().max()),
     }
 
 
-def _cell(s: dict) -> str:
-    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
-
-
-def markdown(result: dict) -> str:
-    m, c = result["machine"], result["config"]
-    lines = [
-        f"engine bench: {c['model']} {c['dtype']} on {m['device']}, torch {m['torch']}, "
-        f"transformers {m['transformers']}, median of {c['repeats']} (min-max), ms",
-        "",
-        "| prefill tokens | transformers | ours | ours/transformers | within 5% |",
-        "|---:|---:|---:|---:|:---:|",
-    ]
-    for row in result["prefill"]:
-        lines.append(f"| {row['tokens']} | {_cell(row['transformers_ms'])} | {_cell(row['ours_ms'])} | "
-                     f"{row['ratio']:.3f} | {'yes' if row['met'] else 'NO'} |")
-    lines += ["", f"| decode batch (context {c['decode_context']}) | transformers | ours | ours/transformers | ours tok/s |",
-              "|---:|---:|---:|---:|---:|"]
-    for row in result["decode"]:
-        lines.append(f"| {row['batch']} | {_cell(row['transformers_ms'])} | {_cell(row['ours_ms'])} | "
-                     f"{row['ratio']:.3f} | {row['ours_tokens_per_s']:.0f} |")
-    t = result["targets"]
-    verdict = {True: "met", False: "NOT met", None: "not measured"}
-    lines += ["", f"decode b1 <= transformers b1: {verdict[t['decode_b1_not_slower']]}; "
-                  f"decode b32 <= 2x our b1: {verdict[t['decode_b32_within_2x_b1']]}"]
-    return "\n".join(lines)
+def hf_decode_ab(engine, twin, batch: int, context: int, vocab: int, device: torch.device, args) -> dict:
+    log(f"decode step at {context}, batch {batch}: transformers and ours interleaved x {args.pairs}")
+    hf_step = hf_decoder(twin, batch, context, vocab, device, seed=args.seed + 7 * batch)
+    reqs = dec.adopt_batch(engine, [context] * batch, f"hf-ab-{batch}", args.warmup + args.pairs + 2, args.seed)
+    try:
+        got = ab.interleave({"transformers": lambda i: time_ms(hf_step, device),
+                             "ours": lambda i: dec.decode_step(engine, reqs, device)},
+                            args.pairs, seed=args.seed + batch, warmup=args.warmup)
+    finally:
+        for r in reqs:
+            engine.abort(r.request_id)
+    paired = ab.paired(got.results["transformers"], got.results["ours"])
+    return {"batch": batch, "context": context, "transformers_ms": ab.summary(got.results["transformers"]),
+            "ours_ms": ab.summary(got.results["ours"]), "paired": paired, "ratio": paired["ratio"]["median"]}
 
 
 if __name__ == "__main__":  # `python -m bench.engine_bench ...`, the same as `pdserve-bench engine ...`

@@ -72,9 +72,9 @@ def git_state() -> dict:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
-def bus_ids(devices: list[str]) -> list[str]:
-    """PCI bus ids of the CUDA devices named (torch's numbering follows CUDA_VISIBLE_DEVICES,
-    nvidia-smi's does not, so the bus id is what both agree on)."""
+def cuda_devices(devices: list[str]) -> list[dict]:
+    """{bus_id, name} of each CUDA device named, once each. torch's numbering follows
+    CUDA_VISIBLE_DEVICES and nvidia-smi's does not, so the PCI bus id is what both agree on."""
     names = sorted({d for d in devices if str(d).startswith("cuda")})
     if not names:
         return []
@@ -85,10 +85,11 @@ def bus_ids(devices: list[str]) -> list[str]:
         dev = torch.device(name)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
-        if hasattr(props, "pci_bus_id"):
-            out.append(f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0")
-        else:  # an older torch: nvidia-smi's index, right unless CUDA_VISIBLE_DEVICES reorders
-            out.append(str(index))
+        bus = getattr(props, "pci_bus_id", None)
+        # an older torch without PCI ids: nvidia-smi's index, right unless CUDA_VISIBLE_DEVICES reorders
+        bus_id = str(index) if bus is None else f"{props.pci_domain_id:08x}:{bus:02x}:{props.pci_device_id:02x}.0"
+        if all(d["bus_id"] != bus_id for d in out):
+            out.append({"bus_id": bus_id, "name": props.name})
     return out
 
 
@@ -113,16 +114,13 @@ def gpu_state(ids: list[str]) -> list[dict] | None:
     return rows
 
 
-def _gpus(ids: list[str]) -> list[dict] | None:
-    if not ids:
+def _gpus(cuda: list[dict]) -> list[dict] | None:
+    if not cuda:
         return None
-    text = _run(["nvidia-smi", "-i", ",".join(ids), "--query-gpu=pci.bus_id,name,driver_version,memory.total",
-                 "--format=csv,noheader"])
-    if text is None:
-        import torch
-
-        return [{"name": torch.cuda.get_device_name(i), "bus_id": b, "driver": None}
-                for i, b in enumerate(ids)]
+    text = _run(["nvidia-smi", "-i", ",".join(d["bus_id"] for d in cuda),
+                 "--query-gpu=pci.bus_id,name,driver_version,memory.total", "--format=csv,noheader"])
+    if text is None:  # no nvidia-smi: what torch knows
+        return [{**d, "driver": None, "memory": None} for d in cuda]
     rows = []
     for line in text.splitlines():
         bus, name, driver, memory = (c.strip() for c in line.split(",", 3))
@@ -132,7 +130,8 @@ def _gpus(ids: list[str]) -> list[dict] | None:
 
 def collect(devices: list[str] | None = None, argv: list[str] | None = None) -> dict:
     """Everything above for a run on `devices` (e.g. ["cuda:0"], ["cpu"]); GPU fields None on CPU."""
-    ids = bus_ids(devices or [])
+    cuda = cuda_devices(devices or [])
+    ids = [d["bus_id"] for d in cuda]
     return {
         **git_state(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -144,7 +143,7 @@ def collect(devices: list[str] | None = None, argv: list[str] | None = None) -> 
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "devices": list(devices or []),
-        "gpus": _gpus(ids),
+        "gpus": _gpus(cuda),
         "versions": {p: _version(p) for p in PACKAGES},
         "gpu_bus_ids": ids,
         "gpu_start": gpu_state(ids),

@@ -1,0 +1,219 @@
+"""The decode side of `pdserve-bench engine`: batches put straight into decode, their step
+times, the memory roofline beside them, and the chunked-prefill scenario.
+
+    fill_random(pool)                       random K/V over the whole pool, once per engine (a decode
+                                            step's time does not depend on the values it reads)
+    adopt_batch(engine, contexts, ...)      reserve(id, n) + adopt(req, first_token) per request: each
+                                            joins the running batch at once, no prefill, so a batch of
+                                            64 x 16k contexts is built in milliseconds
+    decode_steps(engine, reqs, ...)         host wall time of engine.step() (CUDA-synchronised around it),
+                                            each step one token for every request of the batch
+    weight_bytes(model)                     bytes a decode step reads of the weights: all parameters but
+                                            the input embedding table (a step gathers only B rows of it;
+                                            a tied table counts once, as the output layer reads all of it)
+    copy_roofline(sizes, device, ...)       for N bytes: one copy_ of N/2 bytes into another N/2 bytes,
+                                            i.e. N bytes of HBM traffic, the time to read N bytes once if
+                                            reads and writes stream at one rate; in chunks when the two
+                                            buffers do not fit (then `chunks` > 1)
+    chunked_scenario(engine, ...)           decodes running, a long prompt arrives via add_request: every
+                                            step's wall time while it prefills and the decodes' token gaps
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from bench import ab
+from workers.engine.request import Request, SamplingParams
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fill_random(pool: torch.Tensor) -> None:
+    if pool.dtype.is_floating_point:
+        pool.uniform_(-1.0, 1.0)
+    else:
+        pool.view(torch.uint8).random_(0, 64)
+    sync(pool.device)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def adopt_batch(engine, contexts: list[int], tag: str, max_tokens: int, seed: int) -> list[Request]:
+    """Requests of the given context lengths, each in decode with random prompt ids and first token."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs: list[Request] = []
+    try:
+        for i, n in enumerate(contexts):
+            rid = f"{tag}-{i}"
+            if engine.reserve(rid, n) is None:
+                raise RuntimeError(f"{tag}: no room in the KV pool for request {i} of {len(contexts)} ({n} tokens); "
+                                   "the pool is sized from the points asked: pass fewer or a larger --kv-memory-gb")
+            ids = torch.randint(0, engine.vocab_size, (n + 1,), generator=gen).tolist()
+            req = Request(rid, ids[:n], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            engine.adopt(req, ids[n])
+            reqs.append(req)
+    except BaseException:
+        for r in reqs:
+            engine.abort(r.request_id)
+        raise
+    return reqs
+
+
+def timed_step(engine, device: torch.device) -> tuple[float, list]:
+    sync(device)
+    start = time.perf_counter()
+    outs = engine.step()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3, outs
+
+
+def decode_step(engine, reqs: list[Request], device: torch.device) -> float:
+    """One step that must be a decode of exactly this batch; its ms."""
+    ms, outs = timed_step(engine, device)
+    got = {o.request_id for o in outs}
+    if got != {r.request_id for r in reqs}:
+        raise RuntimeError(f"a decode step of a batch of {len(reqs)} returned outputs for {len(got)} requests")
+    return ms
+
+
+def decode_point(engine, contexts: list[int], device: torch.device, warmup: int, repeats: int, seed: int,
+                 tag: str) -> dict:
+    reqs = adopt_batch(engine, contexts, tag, max_tokens=warmup + repeats + 2, seed=seed)
+    try:
+        times = [decode_step(engine, reqs, device) for _ in range(warmup + repeats)]
+    finally:
+        for r in reqs:
+            engine.abort(r.request_id)
+    return ab.summary(times[warmup:])
+
+
+def weight_bytes(model) -> dict:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors listed once
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    return {"total": total, "read_per_step": total if tied else total - emb.numel() * emb.element_size(),
+            "input_embedding_excluded": not tied}
+
+
+def copy_roofline(sizes: list[int], device: torch.device, warmup: int, repeats: int,
+                  memory_cap: int | None = None) -> dict[int, dict]:
+    """{N: summary of ms for N bytes of traffic, + gbps (N / median) and chunks}."""
+    half = max(sizes) // 2
+    if memory_cap is None and device.type == "cuda":
+        memory_cap = int(torch.cuda.mem_get_info(device)[0] * 0.9)
+    cap = max(1, min(half, (memory_cap or 2 * half) // 2))
+    src = torch.zeros(cap, dtype=torch.uint8, device=device)
+    dst = torch.zeros(cap, dtype=torch.uint8, device=device)
+    out = {}
+    try:
+        for n in sorted(set(sizes)):
+            h = n // 2
+            chunks = [min(cap, h - i) for i in range(0, h, cap)]
+
+            def copy():
+                for c in chunks:
+                    dst[:c].copy_(src[:c])
+
+            for _ in range(warmup):
+                copy()
+            runs = []
+            for _ in range(repeats):
+                sync(device)
+                start = time.perf_counter()
+                copy()
+                sync(device)
+                runs.append((time.perf_counter() - start) * 1e3)
+            s = ab.summary(runs)
+            out[n] = {**s, "gbps": n / (s["median"] / 1e3) / 1e9, "chunks": len(chunks)}
+    finally:
+        del src, dst
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def mixed_contexts(batch: int, low: int, high: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(batch)]
+
+
+def percentile(values: list[float], q: int) -> float:
+    """q in 1..99; linear between the nearest values."""
+    s = sorted(values)
+    return s[0] if len(s) == 1 else statistics.quantiles(s, n=100, method="inclusive")[q - 1]
+
+
+def chunked_steps_bound(prompt: int, budget: int, decodes: int) -> int:
+    """Steps the long prompt may take to prefill: its chunks, each possibly followed by a decode-only step."""
+    return 2 * blocks_for(prompt, max(1, budget - decodes)) + 4
+
+
+def chunked_scenario(engine, device: torch.device, decodes: int, context: int, prompt: int, steady_steps: int,
+                     after_steps: int, seed: int, tag: str) -> dict:
+    """`decodes` requests decoding at `context`, then a `prompt`-token request arrives. Token times are
+    the host clock at each step's return (tokens are on the host then)."""
+    bound = chunked_steps_bound(prompt, engine.config.max_batched_tokens, decodes)
+    reqs = adopt_batch(engine, [context] * decodes, f"{tag}-bg", steady_steps + bound + after_steps + 4, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    long = Request(f"{tag}-long", torch.randint(0, engine.vocab_size, (prompt,), generator=gen).tolist(),
+                   SamplingParams(max_tokens=after_steps + 2, ignore_eos=True))
+    token_times: dict[str, list[float]] = {r.request_id: [] for r in reqs}
+    steps: list[dict] = []
+
+    def step(phase: str) -> None:
+        ms, outs = timed_step(engine, device)
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id in token_times:
+                token_times[o.request_id].append(now)
+        steps.append({"phase": phase, "ms": ms, "decodes": sum(o.request_id in token_times for o in outs)})
+
+    try:
+        for _ in range(steady_steps):
+            step("steady")
+        arrival = time.perf_counter()
+        engine.add_request(long)
+        while not long.output_ids:
+            if len(steps) >= steady_steps + bound:
+                raise RuntimeError(f"{tag}: the {prompt}-token prompt took more than {bound} steps to prefill")
+            step("prefill")
+        first_token = time.perf_counter()
+        for _ in range(after_steps):
+            step("after")
+    finally:
+        for r in reqs:
+            engine.abort(r.request_id)
+        engine.abort(long.request_id)
+    steady, during = [], []
+    for times in token_times.values():
+        for a, b in zip(times, times[1:]):
+            gap = (b - a) * 1e3
+            if b <= arrival:
+                steady.append(gap)
+            elif a < first_token:  # the gap overlaps the prefill
+                during.append(gap)
+    if not steady or not during:
+        raise RuntimeError(f"{tag}: no token gaps measured (steady {len(steady)}, during prefill {len(during)})")
+    steady_gap = statistics.median(steady)
+    return {
+        "steady_gap_ms": ab.spread(steady),
+        "gap_during_prefill_ms": {"p50": percentile(during, 50), "p99": percentile(during, 99), "max": max(during),
+                                  "n": len(during)},
+        "max_gap_over_steady": max(during) / steady_gap,
+        "prefill_steps": sum(s["phase"] == "prefill" for s in steps),
+        "prefill_step_ms": [s["ms"] for s in steps if s["phase"] == "prefill"],
+        "decodes_per_prefill_step": [s["decodes"] for s in steps if s["phase"] == "prefill"],
+        "ttft_ms": (first_token - arrival) * 1e3,
+        "steps": steps,
+    }
