@@ -46,6 +46,7 @@ class Capacity:
     precision: float
     target: float
     probes: list[Probe] = field(default_factory=list)
+    out_of_time: bool = False  # the time budget ran out before the search (or its sweep) finished
 
     @property
     def converged(self) -> bool:
@@ -54,14 +55,16 @@ class Capacity:
 
     def to_dict(self) -> dict:
         return {"capacity_rate": self.rate, "first_failing_rate": self.first_fail, "converged": self.converged,
-                "precision": self.precision, "goodput_target": self.target,
+                "precision": self.precision, "goodput_target": self.target, "out_of_time": self.out_of_time,
                 "probes": [asdict(p) for p in self.probes]}
 
 
 async def search_capacity(probe: Callable[[float], Awaitable[bool]], start_rate: float, *, max_probes: int = 8,
-                          precision: float = 0.1, target: float = 0.9) -> Capacity:
+                          precision: float = 0.1, target: float = 0.9,
+                          out_of_time: Callable[[], bool] = lambda: False) -> Capacity:
     """Doubling from start_rate while probes pass (halving while they fail), then bisection of
-    [best pass, first fail] until it is within `precision` (relative) or max_probes ran."""
+    [best pass, first fail] until it is within `precision` (relative), max_probes ran, or
+    out_of_time() says so before a probe (the first probe always runs)."""
     if start_rate <= 0 or not math.isfinite(start_rate):
         raise ValueError(f"the search starts at a finite rate > 0, got {start_rate}")
     if max_probes < 1 or precision <= 0:
@@ -69,6 +72,9 @@ async def search_capacity(probe: Callable[[float], Awaitable[bool]], start_rate:
     cap = Capacity(None, None, precision, target)
     rate = start_rate
     while len(cap.probes) < max_probes:
+        if cap.probes and out_of_time():
+            cap.out_of_time = True
+            break
         passed = await probe(rate)
         cap.probes.append(Probe(rate, passed))
         if passed:
@@ -146,10 +152,11 @@ def is_steady(medians_ms: list[float], tolerance: float) -> bool:
 
 
 async def capacity_and_sweep(measure: Callable[[float, str, float | None], Awaitable[dict]], *, start_rate: float,
-                             max_probes: int, precision: float, target: float,
-                             factors: list[float]) -> tuple[Capacity, list[dict]]:
+                             max_probes: int, precision: float, target: float, factors: list[float],
+                             out_of_time: Callable[[], bool] = lambda: False) -> tuple[Capacity, list[dict]]:
     """`measure(rate, phase, factor)` runs one open-loop point and returns its result block (with
-    `goodput_fraction`). Probes first, then the sweep at capacity x each factor (none when every probe failed)."""
+    `goodput_fraction`). Probes first, then the sweep at capacity x each factor (none when every probe
+    failed); no run starts once out_of_time()."""
     blocks: list[dict] = []
 
     async def probe(rate: float) -> bool:
@@ -157,8 +164,12 @@ async def capacity_and_sweep(measure: Callable[[float, str, float | None], Await
         blocks.append(block)
         return meets_target(block["goodput_fraction"], target)
 
-    cap = await search_capacity(probe, start_rate, max_probes=max_probes, precision=precision, target=target)
+    cap = await search_capacity(probe, start_rate, max_probes=max_probes, precision=precision, target=target,
+                                out_of_time=out_of_time)
     if cap.rate is not None:
         for factor in sorted({f for f in factors if f > 0}):
+            if out_of_time():
+                cap.out_of_time = True
+                break
             blocks.append(await measure(cap.rate * factor, "sweep", factor))
     return cap, blocks

@@ -109,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="stop when first failing rate / best passing rate - 1 is at most this")
     lo.add_argument("--goodput-target", type=float, default=0.9, help="share of requests that must meet the SLOs")
     lo.add_argument("--sweep-factors", type=_floats, default=[0.5, 1.0, 1.5], help="sweep rates = capacity x these")
+    lo.add_argument("--arm-budget", type=float, default=math.inf,
+                    help="seconds of search and sweep per arm; no further run starts past it (default: no limit)")
 
     wu = p.add_argument_group("warm-up (per arm, before its first run)")
     wu.add_argument("--warmup-batch", type=int, default=4,
@@ -201,7 +203,8 @@ def _jsonable(value):
 
 def _command_line() -> str:
     prog = Path(sys.argv[0])
-    head = ["python", "-m", "bench.load"] if prog.name == "load.py" else [prog.name]
+    modules = {"load.py": "bench.load", "cli.py": "bench.cli"}
+    head = ["python", "-m", modules[prog.name]] if prog.name in modules else [prog.name]
     return shlex.join(head + sys.argv[1:])
 
 

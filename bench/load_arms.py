@@ -5,7 +5,9 @@
         started with those flags (after the common --server-args)
     Arm("colocated", "colocated")          an arm served by the server at --base-url
     async with ArmServer(cmd, log) as url   start the server, wait for its "ready: <url>" line,
-                                            stop it (SIGTERM, then SIGKILL) on the way out
+                                            stop it on the way out (SIGTERM, waiting for it to exit
+                                            (pdserve waits for its workers), so the next arm finds
+                                            the devices free; SIGKILL after 60 s)
 
 The server is a subprocess whose stdout and stderr go to the log file; `pdserve` and
 `python -m bench.load_fake_server` both print "... ready: http://host:port" once they serve.

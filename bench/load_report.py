@@ -120,7 +120,8 @@ def _capacity_lines(run: dict) -> list[str]:
         flagged |= saturated
         probes = ", ".join(f"{p['rate']:.3g}: {'pass' if p['passed'] else 'fail'}" for p in cap["probes"])
         lines.append(f"| {label} | {_fmt(cap['capacity_rate'], 3)} | {_fmt(cap['first_failing_rate'], 3)} | "
-                     f"{'yes' if cap['converged'] else 'no'} | {'**yes**' if saturated else 'no'} | {probes} |")
+                     f"{'yes' if cap['converged'] else 'no'}{' (out of time)' if cap.get('out_of_time') else ''} | "
+                     f"{'**yes**' if saturated else 'no'} | {probes} |")
     if flagged:
         lines += ["", "A capacity run marked saturated met the SLOs while its queue grew: a longer run "
                   "(more --num-prompts) would fail it, so that capacity is an upper bound."]
@@ -135,7 +136,9 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
     lines = [
         f"# Load run {env['date']}",
         "",
-        f"- server: {run['base_url']}, model `{run['model']}`; policies: {', '.join(run['policies'] or ['(server default)'])}",
+        (f"- servers: a fresh one per arm, one arm after another (below), model `{run['model']}`"
+         if any(arm.get("server") for arm in run.get("arms") or []) else f"- server: {run['base_url']}, model "
+         f"`{run['model']}`") + f"; policies: {', '.join(run['policies'] or ['(server default)'])}",
         f"- policy runs: **{policy_runs}**: {run.get('policy_runs_note', '')}",
         *_arm_lines(run),
         f"- workload: {run['workload']}",

@@ -16,6 +16,7 @@ import contextlib
 import math
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,13 +215,17 @@ async def run_separate(session: Session, arms, points) -> tuple[list[dict], list
             client, info = await _arm_client(session, arm, stack)
             info["warmup"] = await session.warmup(client, arm.policy, session.samples())
             if a.capacity_search:
+                deadline = time.monotonic() + a.arm_budget
                 cap, mine = await capacity_and_sweep(
                     lambda rate, phase, factor: session.measure(client, arm, LoadPoint("rate", rate), phase, factor),
                     start_rate=a.search_start_rate, max_probes=a.search_max_probes, precision=a.search_precision,
-                    target=a.goodput_target, factors=a.sweep_factors)
+                    target=a.goodput_target, factors=a.sweep_factors, out_of_time=lambda: time.monotonic() > deadline)
                 info["capacity"] = cap.to_dict()
-                print(f"arm {arm.label}: capacity {cap.rate if cap.rate is not None else 'below the lowest probe'}"
-                      f" req/s (first fail {cap.first_fail}, {len(cap.probes)} probes)", file=sys.stderr)
+                found = "below the lowest probe" if cap.rate is None else \
+                    f"{cap.rate:.4g} req/s" + (f" (first fail {cap.first_fail:.4g})" if cap.first_fail else
+                                               " at least (no probe failed)")
+                print(f"arm {arm.label}: capacity {found}, {len(cap.probes)} probes"
+                      + (", stopped by --arm-budget" if cap.out_of_time else ""), file=sys.stderr)
                 blocks += mine
             else:
                 for point in points:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench import load
-from bench.capacity import is_steady, saturation, search_capacity
+from bench.capacity import capacity_and_sweep, is_steady, saturation, search_capacity
 from bench.metrics import RequestRecord
 from client import Client, ClientError
 
@@ -38,12 +38,40 @@ def test_search_doubles_then_bisects_to_the_limit():
     # bounded: a tight precision stops at max_probes, not converged, bracket still right
     cap, seen = _search(13.7, 1.0, max_probes=6, precision=0.001)
     assert len(seen) == 6 and not cap.converged and cap.rate <= 13.7 < cap.first_fail
+    # out of time: no probe starts once the clock says so (the first always runs)
+    seen = []
+
+    async def probe(rate: float) -> bool:
+        seen.append(rate)
+        return rate <= 13.7
+
+    cap = asyncio.run(search_capacity(probe, 1.0, max_probes=12, out_of_time=lambda: len(seen) >= 3))
+    assert seen == [1.0, 2.0, 4.0] and cap.out_of_time and cap.rate == 4.0 and not cap.converged
+    cap = asyncio.run(search_capacity(probe, 1.0, max_probes=12, out_of_time=lambda: True))
+    assert len(cap.probes) == 1 and cap.out_of_time
     cap, _ = _search(0.01, 1.0, max_probes=3)
     assert cap.rate is None and cap.first_fail == 0.25 and not cap.converged
     cap, _ = _search(1e9, 1.0, max_probes=3)
     assert cap.rate == 4.0 and cap.first_fail is None and not cap.converged
     with pytest.raises(ValueError):
         _search(1.0, 0.0)
+
+
+def test_capacity_then_sweep_through_one_measure():
+    calls = []
+
+    async def measure(rate: float, phase: str, factor):
+        calls.append((phase, rate, factor))
+        return {"goodput_fraction": 1.0 if rate <= 13.7 else 0.5}
+
+    cap, blocks = asyncio.run(capacity_and_sweep(measure, start_rate=1.0, max_probes=12, precision=0.05, target=0.9,
+                                                 factors=[1.5, 0.5, 0.5]))
+    assert len(blocks) == len(calls) and [c[0] for c in calls].count("probe") == len(cap.probes)
+    assert calls[-2:] == [("sweep", cap.rate * 0.5, 0.5), ("sweep", cap.rate * 1.5, 1.5)]
+    calls.clear()
+    cap, _ = asyncio.run(capacity_and_sweep(measure, start_rate=1.0, max_probes=12, precision=0.05, target=0.9,
+                                            factors=[0.5], out_of_time=lambda: len(calls) >= 4))
+    assert [c[0] for c in calls] == ["probe"] * 4 and cap.out_of_time
 
 
 def _records(sends: list[float], finish_of) -> list[RequestRecord]:
