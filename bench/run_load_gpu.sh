@@ -1,70 +1,91 @@
 #!/usr/bin/env bash
-# Colocated vs disaggregated under the same load, on one GPU, with qwen2.5-7b (random weights,
-# the exact Qwen2.5-7B shape): pdserve starts a colocated worker and a prefill + decode pair, all
-# three on cuda:0 (KV moves over CUDA IPC), and `pdserve-bench load` sends a mix of long (8k-16k
-# tokens) and short (256-2k) prompts, request i with policy i mod 2, at a sweep of Poisson rates.
+# Colocated vs disaggregated on equal hardware, each arm its own fresh pdserve (started and stopped
+# by `pdserve-bench load --arm ...`, one arm after the other), with qwen2.5-7b (random weights, the
+# exact Qwen2.5-7B shape). Each arm: warm-up batches until steady, a capacity search (the highest
+# Poisson rate at which >= 90% of requests meet GOODPUT: doubling from START_RATE, then bisection,
+# at most MAX_PROBES runs), then a sweep at capacity x SWEEP_FACTORS; no run starts after ARM_BUDGET
+# seconds of search and sweep (the JSON says when that cut it short). Every arm gets the same seeded
+# prompt lengths (LONG_FRACTION of them long, exactly) and the same seeded arrival schedule.
 #
-#   bench/run_load_gpu.sh                       # defaults below; about 6-9 minutes on one H200
-#   RATES=1,2,3 NUM_PROMPTS=20 bench/run_load_gpu.sh
-#   MODE=layer OUT=bench/results/load-gpu-layer bench/run_load_gpu.sh
-#   SMOKE=1 bench/run_load_gpu.sh               # 4 prompts at one rate: checks the setup in ~2 min
+#   one GPU (DEVICES=cuda:0, the default):
+#     colocated      one colocated worker alone on the GPU      (--prefill-workers 0 --decode-workers 0)
+#     disaggregated  one prefill + one decode worker sharing it (--no-colocated; KV over TRANSPORT)
+#   two GPUs (DEVICES=cuda:0,cuda:1):
+#     colocated      two colocated workers, one per GPU         (--colocated-workers 2, the router picks
+#                                                                the less loaded)
+#     disaggregated  prefill on cuda:0, decode on cuda:1        (--no-colocated)
 #
-# Knobs (environment): RATES (req/s, both policies together), NUM_PROMPTS (per policy and rate),
-# LONG_FRACTION, SHORT_LEN, LONG_LEN, OUTPUT_LEN, TRANSPORT (ipc|nixl|zmq), MODE (bulk|layer),
-# KV_GB (KV pool per worker, GiB; three workers share the GPU with 15 GiB of weights each), PORT,
-# GOODPUT (SLOs), DEVICE, OUT, MODEL. Results: $OUT/results.json, summary.md, *.png, server.log, gpu.txt.
-# A CPU dry run of the script itself (about a minute):
-#   MODEL=tiny DEVICE=cpu KV_GB=0.2 SHORT_LEN=uniform:16:64 LONG_LEN=uniform:200:400 OUTPUT_LEN=4 SMOKE=1 \
-#     bench/run_load_gpu.sh
+#   bench/run_load_gpu.sh                        # defaults below: about 6 minutes on one H200, 9 at most
+#   DEVICES=cuda:0,cuda:1 bench/run_load_gpu.sh  # the two-GPU comparison
+#   NUM_PROMPTS=32 OUTPUT_LEN=128 bench/run_load_gpu.sh
+#   SMOKE=1 bench/run_load_gpu.sh                # 12 prompts, 2 probes, one sweep point: checks the setup
+#   OUT=$OUT/load bench/run_load_gpu.sh          # on the device machine (after source .whl/prelude.sh)
+#
+# Knobs (environment): DEVICES, MODEL, NUM_PROMPTS (per run), SHORT_LEN, LONG_LEN, LONG_FRACTION,
+# OUTPUT_LEN, GOODPUT (SLOs), START_RATE, MAX_PROBES, PRECISION, SWEEP_FACTORS, ARM_BUDGET, WARMUP_BATCH,
+# WARMUP_MAX, TRANSPORT (ipc|nixl|zmq), MODE (bulk|layer), KV_GB (KV pool per worker, GiB),
+# SERVER_EXTRA (more pdserve flags for both arms), PYTHON, OUT. Time: each arm's server start (~30 s
+# a worker to build the model; both of an arm's workers build at once), its warm-up (seconds), at
+# most ARM_BUDGET s of runs plus the one running when it ran out; a run lasts about
+# NUM_PROMPTS / min(rate, capacity) s plus the last answers (OUTPUT_LEN decode steps).
+# Results in $OUT: results.json, summary.md, *.png, server-<arm>.log, gpu-start.txt, gpu-end.txt.
+#
+# A CPU dry run of the script itself (tiny model; about 3 minutes on 2 cores):
+#   MODEL=tiny DEVICES=cpu KV_GB=0.2 SHORT_LEN=uniform:16:64 LONG_LEN=uniform:200:400 OUTPUT_LEN=4 \
+#     GOODPUT="ttft:5000 tpot:1000" START_RATE=2 SERVER_EXTRA="--threads 1" SMOKE=1 bench/run_load_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
+if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; fi
+PYTHON=${PYTHON:-python3}
 
 MODEL=${MODEL:-qwen2.5-7b}
-PORT=${PORT:-8000}
-DEVICE=${DEVICE:-cuda:0}
+DEVICES=${DEVICES:-cuda:0}
 TRANSPORT=${TRANSPORT:-ipc}
 MODE=${MODE:-bulk}
 KV_GB=${KV_GB:-16}
-RATES=${RATES:-0.5,1,2}
 NUM_PROMPTS=${NUM_PROMPTS:-24}
 LONG_FRACTION=${LONG_FRACTION:-0.25}
-SHORT_LEN=${SHORT_LEN:-uniform:256:2048}
-LONG_LEN=${LONG_LEN:-uniform:8192:16384}
-OUTPUT_LEN=${OUTPUT_LEN:-128}
-GOODPUT=${GOODPUT:-ttft:3000 tpot:100}
-if [ "${SMOKE:-0}" = 1 ]; then RATES=${SMOKE_RATE:-1}; NUM_PROMPTS=4; fi
+SHORT_LEN=${SHORT_LEN:-uniform:256:1024}
+LONG_LEN=${LONG_LEN:-uniform:4096:8192}
+OUTPUT_LEN=${OUTPUT_LEN:-64}
+GOODPUT=${GOODPUT:-ttft:2000 tpot:100}
+START_RATE=${START_RATE:-1}
+MAX_PROBES=${MAX_PROBES:-6}
+PRECISION=${PRECISION:-0.2}
+SWEEP_FACTORS=${SWEEP_FACTORS:-0.5,1.5}
+ARM_BUDGET=${ARM_BUDGET:-150}
+WARMUP_BATCH=${WARMUP_BATCH:-4}
+WARMUP_MAX=${WARMUP_MAX:-4}
+SERVER_EXTRA=${SERVER_EXTRA:-}
+if [ "${SMOKE:-0}" = 1 ]; then NUM_PROMPTS=12; MAX_PROBES=2; SWEEP_FACTORS=0.5; WARMUP_MAX=3; fi
 OUT=${OUT:-bench/results/load-gpu-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 
-nvidia-smi > "$OUT/gpu.txt" 2>&1 || echo "nvidia-smi not available" > "$OUT/gpu.txt"
+IFS=, read -r -a DEVICE_LIST <<< "$DEVICES"
+case ${#DEVICE_LIST[@]} in
+  1) COLOCATED="--prefill-workers 0 --decode-workers 0 --colocated-workers 1" ;;
+  2) COLOCATED="--prefill-workers 0 --decode-workers 0 --colocated-workers 2" ;;
+  *) echo "DEVICES lists one device (colocated alone vs prefill + decode sharing it) or two" \
+          "(two colocated vs prefill on one, decode on the other), got '$DEVICES'"; exit 2 ;;
+esac
+DISAGGREGATED="--no-colocated --prefill-workers 1 --decode-workers 1"
+COMMON="--model $MODEL --devices $DEVICES --transport $TRANSPORT --mode $MODE --kv-memory-gb $KV_GB $SERVER_EXTRA"
 
-# `python -m server.cli` is `pdserve` (works without the console script on PATH)
-python -m server.cli --model "$MODEL" --port "$PORT" --devices "$DEVICE" --transport "$TRANSPORT" --mode "$MODE" \
-  --kv-memory-gb "$KV_GB" > "$OUT/server.log" 2>&1 &
-SERVER_PID=$!
-stop_server() {
-  if kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM "$SERVER_PID"
-    wait "$SERVER_PID" || true
-  fi
+gpu_state() {  # clocks, power and memory, for the record (no GPU: says so)
+  nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used \
+    --format=csv > "$1" 2>&1 || echo "nvidia-smi not available" > "$1"
 }
-trap stop_server EXIT
-
-echo "waiting for pdserve (log: $OUT/server.log)"
-for _ in $(seq 1 600); do
-  if grep -q "pdserve ready" "$OUT/server.log"; then break; fi
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "pdserve exited before it was ready:"; tail -50 "$OUT/server.log"; exit 1
-  fi
-  sleep 1
-done
-grep "pdserve ready" "$OUT/server.log" || { echo "pdserve not ready after 600 s"; tail -50 "$OUT/server.log"; exit 1; }
+gpu_state "$OUT/gpu-start.txt"
 
 # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
-python -m bench.load --base-url "http://127.0.0.1:$PORT" --policies colocated,disaggregated \
-  --request-rates "$RATES" --num-prompts "$NUM_PROMPTS" \
-  --input-len "$SHORT_LEN" --long-fraction "$LONG_FRACTION" --long-input-len "$LONG_LEN" \
-  --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --num-warmups 2 --request-timeout 900 \
-  --goodput $GOODPUT --out "$OUT" --no-progress
+"$PYTHON" -m bench.cli load \
+  --arm "colocated=colocated:$COLOCATED" --arm "disaggregated=disaggregated:$DISAGGREGATED" \
+  --server-args "$COMMON" --server-timeout 900 \
+  --capacity-search --goodput $GOODPUT --search-start-rate "$START_RATE" --search-max-probes "$MAX_PROBES" \
+  --search-precision "$PRECISION" --sweep-factors "$SWEEP_FACTORS" --arm-budget "$ARM_BUDGET" \
+  --num-prompts "$NUM_PROMPTS" --input-len "$SHORT_LEN" --long-fraction "$LONG_FRACTION" \
+  --long-input-len "$LONG_LEN" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" \
+  --warmup-batch "$WARMUP_BATCH" --warmup-max-batches "$WARMUP_MAX" --request-timeout 600 \
+  --out "$OUT" --no-progress
+gpu_state "$OUT/gpu-end.txt"
 echo "results in $OUT"
