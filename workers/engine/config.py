@@ -25,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's own limit
     attention: str = "auto"  # "auto": the Triton kernels on CUDA where Triton is installed; "reference": gather + SDPA
     compile: bool = True  # CUDA: torch.compile each decoder layer around attention (fused norms, rotary, MLP)
+    fuse_qkv: bool = True  # CUDA: one Q/K/V projection instead of three (fusion.py)
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
 
     def __post_init__(self):

@@ -69,7 +69,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs,
                                   kernels=config.attention == "auto" and attention.use_kernels(self.device),
-                                  compile_layers=config.compile and self.device.type == "cuda")
+                                  compile_layers=config.compile and self.device.type == "cuda",
+                                  fuse_qkv=config.fuse_qkv and self.device.type == "cuda")
         self.sampler = Sampler(self.device)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # waiting or running in the scheduler

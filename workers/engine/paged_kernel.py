@@ -150,7 +150,11 @@ def _combine(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, 
 
 # ---- launch -----------------------------------------------------------------------------
 
-BLOCK_N = 64  # keys per inner iteration (several 16-token blocks)
+# Keys per inner iteration (several 16-token blocks). Decode's defaults (128 keys, 8 waves of
+# programs, 2 stages, KV heads side by side) came from a sweep on the H200, interleaved, at
+# batch 32 x 16k, 8 x 16k and 64 x 4k (bench/attention_bench.py --sweep): 3.42 / 1.44 / 2.34 TB/s,
+# within 3% of the best config at each shape. Prefill tiles keep 64.
+BLOCK_N = 64
 PREFILL_ROWS = 64  # rows (query tokens x padded heads) per prefill tile
 
 
@@ -170,8 +174,8 @@ def _sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def decode_split(batch: int, kv_heads: int, max_ctx: int, device: torch.device, waves: int = 4,
-                 block_n: int = BLOCK_N) -> tuple[int, int]:
+def decode_split(batch: int, kv_heads: int, max_ctx: int, device: torch.device, waves: int = 8,
+                 block_n: int = 128) -> tuple[int, int]:
     """(split_len, num_splits) for a decode of `batch` requests of at most `max_ctx` keys: enough
     programs to fill the GPU `waves` times over, each slice a multiple of BLOCK_N keys."""
     want = max(1, math.ceil(waves * _sms(device) / (batch * kv_heads)))
@@ -194,9 +198,9 @@ def _gqa(q: torch.Tensor, pool_layer: torch.Tensor) -> tuple[int, int, int]:
 
 
 def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
-                 scale: float, max_ctx: int, out: torch.Tensor | None = None, waves: int = 4,
-                 block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
-                 heads_first: bool = False) -> torch.Tensor:
+                 scale: float, max_ctx: int, out: torch.Tensor | None = None, waves: int = 8,
+                 block_n: int = 128, num_warps: int = 4, num_stages: int = 2,
+                 heads_first: bool = True) -> torch.Tensor:
     """q: [B, H, D], one token per request; table: [B, max_blocks]; ctx_lens: [B] keys per request
     (its new token included, already written to the pool); max_ctx >= every ctx_lens (a host
     number, so the launch shape is static and CUDA graphs can capture it) -> [B, H, D]."""

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from workers.engine import attention
+from workers.engine import attention, fusion
 from workers.engine.kv_cache import KVCache
 from workers.engine.request import Request
 
@@ -40,7 +40,7 @@ def compile_decoder_layers(model) -> None:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, block_size: int, scratch_block: int,
                  max_num_seqs: int, max_model_len: int, cuda_graphs: bool, kernels: bool = False,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, fuse_qkv: bool = False):
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -54,6 +54,8 @@ class ModelRunner:
                 cfg._attn_implementation = model.config._attn_implementation
         # transformers returns a 4-D mask as-is, so it builds none; attention ignores it
         self.placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        if fuse_qkv:
+            fusion.fuse_qkv(model)
         if compile_layers:
             compile_decoder_layers(model)
         self.graphs = None

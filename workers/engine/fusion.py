@@ -1,0 +1,71 @@
+"""One projection for Q, K and V: a decode step at small batch reads each weight once, and three
+small matrix-vector products (K and V are 8x smaller than Q in a 7B model) cost three launches,
+three split-K reductions and a bandwidth the small ones never reach. One [hidden, q+k+v] product
+does the same arithmetic in one kernel (measured on the H200 at batch 1: the q/k/v products and
+their reductions were 0.7 ms of a 5.6 ms step).
+
+`fuse_qkv(model)` replaces, in every attention module whose shape it knows (Llama and Qwen2 style:
+q_proj, k_proj, v_proj, o_proj, rotary applied by the model module's `apply_rotary_pos_emb`, no
+per-head norms, no sliding window), its three projections by one `qkv_proj` and its forward by
+`forward_fused` below, which is transformers' own forward with the three products as one. The old
+weights are freed. Modules of any other shape are left as they are; the count fused is returned.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+from torch import nn
+
+from workers.engine import attention
+
+
+def _fusable(module: nn.Module) -> bool:
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+        return False
+    if getattr(module, "q_norm", None) is not None or getattr(module, "k_norm", None) is not None:
+        return False
+    if getattr(module, "sliding_window", None):
+        return False
+    rotary = getattr(importlib.import_module(type(module).__module__), "apply_rotary_pos_emb", None)
+    return rotary is not None and hasattr(module, "head_dim") and hasattr(module, "scaling")
+
+
+def forward_fused(self, hidden_states, position_embeddings, attention_mask=None, *args, **kwargs):
+    # hidden_states: [1, T, hidden] -> ([1, T, hidden], None), as the module's own forward
+    shape = hidden_states.shape[:-1]
+    q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+    q = q.view(*shape, -1, self.head_dim).transpose(1, 2)  # [1, H, T, D]
+    k = k.view(*shape, -1, self.head_dim).transpose(1, 2)  # [1, KVH, T, D]
+    v = v.view(*shape, -1, self.head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = self.apply_rotary(q, k, cos, sin)
+    out, _ = attention.paged_attention(self, q, k, v, attention_mask, scaling=self.scaling)
+    return self.o_proj(out.reshape(*shape, -1)), None
+
+
+@torch.no_grad()
+def fuse_qkv(model: nn.Module) -> int:
+    fused = 0
+    for module in model.modules():
+        if not _fusable(module):
+            continue
+        projs = [module.q_proj, module.k_proj, module.v_proj]
+        has_bias = [p.bias is not None for p in projs]
+        if any(has_bias) and not all(has_bias):
+            continue
+        qkv = nn.Linear(projs[0].in_features, sum(p.out_features for p in projs), bias=all(has_bias),
+                        device=projs[0].weight.device, dtype=projs[0].weight.dtype)
+        qkv.weight.copy_(torch.cat([p.weight for p in projs]))
+        if qkv.bias is not None:
+            qkv.bias.copy_(torch.cat([p.bias for p in projs]))
+        module.qkv_sizes = [p.out_features for p in projs]
+        module.qkv_proj = qkv
+        del module.q_proj, module.k_proj, module.v_proj
+        module.apply_rotary = importlib.import_module(type(module).__module__).apply_rotary_pos_emb
+        module.forward = types.MethodType(forward_fused, module)
+        fused += 1
+    return fused
