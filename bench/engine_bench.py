@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else RESULTS_DIR / (
         f"engine-{machine_slug(device)}-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     log(f"wrote {out} after {result['config']['run_s']} s")
     print(markdown(result))
     return 0
@@ -344,26 +344,32 @@ def prefill_ab(engine, twin, n: int, vocab: int, device: torch.device, args) -> 
     from workers.engine.request import Request, SamplingParams
 
     log(f"prefill {n} tokens: transformers and ours interleaved x {args.pairs}")
-    prompts: dict[int, torch.Tensor] = {}
+    prompts: dict[int, tuple[torch.Tensor, list[int]]] = {}
     calls = itertools.count()
 
-    def prompt(i: int) -> torch.Tensor:  # one prompt per round, shared by both arms
+    def prompt(i: int) -> tuple[torch.Tensor, list[int]]:  # one prompt per round, shared by both arms
         if i not in prompts:
             prompts.clear()
-            prompts[i] = random_ids(n, vocab, seed=args.seed * 1_000_003 + n * 1009 + i)
+            ids = random_ids(n, vocab, seed=args.seed * 1_000_003 + n * 1009 + i)
+            prompts[i] = (ids, ids.tolist())
         return prompts[i]
 
-    def ours(ids: torch.Tensor):
+    def ours(ids: list[int]):
         tag = f"prefill-{n}-{next(calls)}"
-        result = engine.prefill_only(Request(tag, ids.tolist(), SamplingParams(max_tokens=1, ignore_eos=True)))
+        result = engine.prefill_only(Request(tag, ids, SamplingParams(max_tokens=1, ignore_eos=True)))
         engine.release(tag)
         return result
 
-    arms = {"transformers": lambda i: time_ms(lambda: hf_prefill(twin, prompt(i), device), device),
-            "ours": lambda i: time_ms(lambda: ours(prompt(i)), device)}
+    def timed(arm: str, i: int) -> float:
+        ids, as_list = prompt(i)  # made before the clock starts
+        if arm == "transformers":
+            return time_ms(lambda: hf_prefill(twin, ids, device), device)
+        return time_ms(lambda: ours(as_list), device)
+
+    arms = {"transformers": lambda i: timed("transformers", i), "ours": lambda i: timed("ours", i)}
     got = ab.interleave(arms, args.pairs, seed=args.seed + n, warmup=args.warmup)
     check_ids = random_ids(n, vocab, seed=n)  # sanity, not a target: the same last-token logits
-    theirs, mine = hf_prefill(twin, check_ids, device).float().cpu(), ours(check_ids)
+    theirs, mine = hf_prefill(twin, check_ids, device).float().cpu(), ours(check_ids.tolist())
     paired = ab.paired(got.results["transformers"], got.results["ours"])
     return {
         "tokens": n,
