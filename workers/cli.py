@@ -31,7 +31,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (or --kv-memory-gb)")
     g.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool size in GiB")
     g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at once")
-    g.add_argument("--max-batched-tokens", type=int, default=8192, help="prompt tokens per prefill step")
+    g.add_argument("--max-batched-tokens", type=int, default=8192,
+                   help="with --no-chunked-prefill: prompt tokens per prefill step (a longer prompt runs alone)")
+    g.add_argument("--chunk-tokens", type=int, default=512,
+                   help="prompt tokens per step; each step also carries every running request's next token")
+    g.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                   help="prefill whole prompts in steps of their own (running requests wait for them)")
+    g.add_argument("--attention", default="auto", choices=["auto", "reference"],
+                   help="auto: Triton paged kernels on CUDA; reference: gather + SDPA (CPU always)")
+    g.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="CUDA: run decoder layers eagerly (no torch.compile, no fused Q/K/V)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
@@ -42,7 +51,9 @@ def engine_config(args, kv_shared: bool = False):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                         num_blocks=args.num_blocks, kv_memory_gb=args.kv_memory_gb, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kv_shared=kv_shared,
-                        max_model_len=args.max_model_len)
+                        max_model_len=args.max_model_len, chunked_prefill=args.chunked_prefill,
+                        chunk_tokens=args.chunk_tokens, attention=args.attention, compile=args.compile,
+                        fuse_qkv=args.compile)
 
 
 def serve_parser() -> argparse.ArgumentParser:
