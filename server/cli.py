@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         add_worker_arguments(p)
         args = p.parse_args(argv)
         run = run_embedded
-    from workers.cli import exit_now  # after parsing: `pdserve --help` must not pay for torch (workers.cli imports it)
+    from workers.cli import exit_now  # torch-free, like everything the router imports
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.parent_pid is not None:

@@ -127,7 +127,7 @@ def test_readme_lists_the_phases_as_the_code_defines_them():
 
 def test_router_client_and_phases_stay_torch_free():
     code = ("import sys, runpy; sys.argv = ['pdserve', '--help']\n"
-            "import workers.phases, server.app, client\n"
+            "import workers.phases, server.app, client, workers.cli  # the router imports workers.cli to exit\n"
             "try:\n    runpy.run_module('server.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules, file=sys.stderr)")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -15,8 +15,7 @@ import signal
 import sys
 import threading
 
-from workers.protocol import ROLES
-from workers.transfer.base import MODES, TRANSPORTS
+from workers.protocol import MODES, ROLES, TRANSPORTS
 
 PR_SET_PDEATHSIG = 1
 
