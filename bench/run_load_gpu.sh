@@ -15,7 +15,7 @@
 #                                                                the less loaded)
 #     disaggregated  prefill on cuda:0, decode on cuda:1        (--no-colocated)
 #
-#   bench/run_load_gpu.sh                        # defaults below: about 6 minutes on one H200, 9 at most
+#   bench/run_load_gpu.sh                        # defaults below: an estimated 6 minutes on one H200, 8 at most
 #   DEVICES=cuda:0,cuda:1 bench/run_load_gpu.sh  # the two-GPU comparison
 #   NUM_PROMPTS=32 OUTPUT_LEN=128 bench/run_load_gpu.sh
 #   SMOKE=1 bench/run_load_gpu.sh                # 12 prompts, 2 probes, one sweep point: checks the setup
@@ -53,7 +53,7 @@ START_RATE=${START_RATE:-1}
 MAX_PROBES=${MAX_PROBES:-6}
 PRECISION=${PRECISION:-0.2}
 SWEEP_FACTORS=${SWEEP_FACTORS:-0.5,1.5}
-ARM_BUDGET=${ARM_BUDGET:-150}
+ARM_BUDGET=${ARM_BUDGET:-120}
 WARMUP_BATCH=${WARMUP_BATCH:-4}
 WARMUP_MAX=${WARMUP_MAX:-4}
 SERVER_EXTRA=${SERVER_EXTRA:-}
