@@ -162,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
     args.decode_device = args.decode_device or args.device
     device = torch.device(args.device)
     prov = provenance.collect([args.device, args.decode_device])
+    out = Path(args.out) if args.out else RESULTS_DIR / (
+        f"transfer-{machine_slug(device)}-{datetime.date.today().isoformat()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
     bw_bytes = (args.bandwidth_mib or (1024 if device.type == "cuda" else 64)) * 2**20
 
     log(f"starting prefill ({args.device}) and decode ({args.decode_device}) processes with {args.model}")
@@ -178,26 +181,28 @@ def run(args: argparse.Namespace) -> int:
         longest_blocks = -(-max(lengths) // args.block_size)
         bandwidth["paged_run"] = prefill.ask("paged_copy", blocks=longest_blocks)
         log(f"copy bandwidth: {bandwidth}")
-        rows = [measure_length(n, args, prefill, decode, addresses, transports, modes) for n in lengths]
+        result = {
+            "benchmark": "transfer",
+            "complete": False,  # until every length is in: a run cut short still leaves what it measured
+            "provenance": prov,
+            "config": {"model": model["model"], "dtype": model["dtype"], "layout": model["layout"],
+                       "kv_bytes_per_token": model["bytes_per_token"], "num_layers": model["num_layers"],
+                       "lengths": lengths, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
+                       "tokens_compared": args.tokens, "transports": transports, "modes": modes,
+                       "device": args.device, "decode_device": args.decode_device, "fault": args.fault},
+            "bandwidth": bandwidth,
+            "lengths": [],
+        }
+        for n in lengths:
+            result["lengths"].append(measure_length(n, args, prefill, decode, addresses, transports, modes))
+            out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     finally:
         prefill.close()
         decode.close()
 
-    result = {
-        "benchmark": "transfer",
-        "provenance": provenance.finish(prov),
-        "config": {"model": model["model"], "dtype": model["dtype"], "layout": model["layout"],
-                   "kv_bytes_per_token": model["bytes_per_token"], "num_layers": model["num_layers"],
-                   "lengths": lengths, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
-                   "tokens_compared": args.tokens, "transports": transports, "modes": modes,
-                   "device": args.device, "decode_device": args.decode_device, "fault": args.fault},
-        "bandwidth": bandwidth,
-        "lengths": rows,
-    }
+    result["complete"] = True
+    provenance.finish(prov)
     result["targets"] = targets(result)
-    out = Path(args.out) if args.out else RESULTS_DIR / (
-        f"transfer-{machine_slug(device)}-{datetime.date.today().isoformat()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
     out.with_suffix(".md").write_text(text + "\n")

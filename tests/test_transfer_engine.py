@@ -56,6 +56,7 @@ def test_bench_cpu_smoke(tmp_path):
     result = run_bench(tmp_path, "--model", "tiny", "--device", "cpu", "--lengths", "64,256", "--repeats", "2",
                        "--transports", "ipc,zmq,nixl")
     assert_all_exact(result, ALL_METHODS)
+    assert result["complete"] is True and result["provenance"]["gpu_end"] is None
     row = result["lengths"][-1]
     assert row["kv_bytes"] == 256 * result["config"]["kv_bytes_per_token"]
     assert len(row["prefill_ms"]["runs"]) == 2 * 4  # one plain prefill per round, per transport and seed-copy
