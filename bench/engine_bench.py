@@ -17,7 +17,9 @@ In one run (qwen2.5-7b on one H200 by default; every list is a flag):
     chunked    --chunk-decodes requests decoding at --chunk-context, then a --chunk-prompt-token prompt
                arrives through add_request; each step's wall time while it prefills and the decodes'
                inter-token gaps (p50, p99, max; their steady gap before the arrival), with
-               EngineConfig(chunked_prefill=True) and False (after one untimed rehearsal each)
+               EngineConfig(chunked_prefill=True) and False (after one untimed rehearsal each); the
+               prefill and decode measurements run on the chunked engine (prefill_only does not chunk,
+               adopted requests only decode)
 
 Clocks: host perf_counter with torch.cuda.synchronize() around every timed call. The KV pool is
 sized from the points asked; points that do not fit the GPU (free memory minus --reserve-gb) are
@@ -74,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk-decodes", type=int, default=32, help="chunked scenario: requests decoding (default 32); 0 skips it")
     a("--chunk-context", default="1k", help="chunked scenario: their context (default 1k)")
     a("--chunk-prompt", default="16k", help="chunked scenario: the prompt that arrives (default 16k)")
-    a("--chunk-budget", type=int, default=None, help="tokens per step (default: EngineConfig's max_batched_tokens)")
+    a("--chunk-tokens", type=int, default=None, help="prompt tokens per step with chunking (default: EngineConfig's)")
     a("--chunk-steady-steps", type=int, default=16, help="chunked scenario: steps before the arrival (default 16)")
     a("--kv-memory-gb", type=float, default=None, help="cap the decode points' KV pool (GiB); default: sized from them")
     a("--reserve-gb", type=float, default=20.0,
@@ -244,42 +246,34 @@ def run(args: argparse.Namespace) -> int:
         log(f"skipping decode batch {p['batch']} ({p['kind']}): needs {p['blocks'] * block_bytes / 2**30:.1f} GiB "
             f"of KV, {budget * block_bytes / 2**30:.1f} GiB fit")
     hf_points = hf_batches if hf_ctx else []
+    chunk = None
+    if args.chunk_decodes:
+        chunk = {"decodes": args.chunk_decodes, "context": parse_counts(args.chunk_context)[0],
+                 "prompt": parse_counts(args.chunk_prompt)[0], "steady_steps": args.chunk_steady_steps,
+                 "after_steps": 4, "seed": args.seed}
+        chunk_tokens = args.chunk_tokens or EngineConfig().chunk_tokens
+        chunk["max_prefill_steps"] = dec.chunked_steps_bound(chunk["prompt"], chunk_tokens)
+        chunk_steps = chunk["steady_steps"] + chunk["max_prefill_steps"] + chunk["after_steps"] + 4
+        chunk_blocks = chunk["decodes"] * dec.blocks_for(chunk["context"] + chunk_steps, BLOCK_SIZE) \
+            + dec.blocks_for(chunk["prompt"] + chunk["after_steps"] + 2, BLOCK_SIZE)
     num_blocks = max([p["blocks"] for p in points]
                      + [dec.blocks_for(max(lengths) + 1, BLOCK_SIZE)]
-                     + [b * dec.blocks_for(hf_ctx + args.warmup + args.pairs + 2, BLOCK_SIZE) for b in hf_points]) + 8
+                     + [b * dec.blocks_for(hf_ctx + args.warmup + args.pairs + 2, BLOCK_SIZE) for b in hf_points]
+                     + ([chunk_blocks] if chunk else [])) + 8
 
     log(f"roofline copies for {len(points)} points (start)")
     roof_start = dec.copy_roofline([p["bytes"] for p in points], device, args.warmup, args.repeats)
 
-    # ---- chunked prefill, on and off (small engines, before the big pool exists)
-    chunked = {}
-    if args.chunk_decodes:
-        c_ctx, c_prompt = parse_counts(args.chunk_context)[0], parse_counts(args.chunk_prompt)[0]
-        budget_tokens = args.chunk_budget or EngineConfig().max_batched_tokens
-        bound = dec.chunked_steps_bound(c_prompt, budget_tokens, args.chunk_decodes)
-        c_steps = args.chunk_steady_steps + bound + 8
-        c_blocks = args.chunk_decodes * dec.blocks_for(c_ctx + c_steps, BLOCK_SIZE) \
-            + dec.blocks_for(c_prompt + 8, BLOCK_SIZE) + 8
-        for on in (True, False):
-            log(f"chunked scenario, chunked_prefill={on}: {args.chunk_decodes} decodes at {c_ctx}, "
-                f"a {c_prompt}-token prompt arrives (budget {budget_tokens} tokens a step)")
-            engine = make_engine(loaded, device, dtype, num_blocks=c_blocks, max_num_seqs=args.chunk_decodes + 1,
-                                 max_batched_tokens=budget_tokens, chunked_prefill=on,
-                                 max_model_len=max(c_prompt, c_ctx + c_steps) + 16)
-            scenario = dict(decodes=args.chunk_decodes, context=c_ctx, prompt=c_prompt,
-                            steady_steps=args.chunk_steady_steps, after_steps=4, seed=args.seed)
-            dec.chunked_scenario(engine, device, tag=f"rehearsal-{on}", **scenario)  # untimed: shapes, graphs
-            chunked["on" if on else "off"] = {"chunked_prefill": on, "budget_tokens": budget_tokens, **scenario,
-                                              **dec.chunked_scenario(engine, device, tag=f"chunk-{on}", **scenario)}
-            del engine
-            free(device)
-
-    # ---- the big engine: prefill A/B, transformers decode A/B, the decode points
-    max_len = max(max(lengths) + 1, max(c for p in points for c in p["contexts"]) + steps + 4, hf_ctx + steps + 4)
-    engine = make_engine(loaded, device, dtype, num_blocks=num_blocks,
-                         max_num_seqs=max([p["batch"] for p in points] + hf_points + [1]),
-                         max_batched_tokens=max(8192, max(lengths)), chunked_prefill=False,
-                         max_model_len=max(max_len, loaded.max_model_len))
+    # ---- one engine, chunked prefill on: prefill A/B, transformers decode A/B, the decode points
+    # (adopted requests only decode: the chunked flag does not touch them), then the chunked scenario
+    max_len = max(max(lengths) + 1, max(c for p in points for c in p["contexts"]) + steps + 4, hf_ctx + steps + 4,
+                  chunk["prompt"] + 8 if chunk else 0, chunk["context"] + chunk_steps + 4 if chunk else 0)
+    shape = dict(num_blocks=num_blocks, max_num_seqs=max([p["batch"] for p in points] + hf_points + [1]
+                                                         + ([chunk["decodes"] + 1] if chunk else [])),
+                 max_batched_tokens=max(8192, max(lengths)), max_model_len=max(max_len, loaded.max_model_len))
+    if chunk:
+        shape["chunk_tokens"] = chunk_tokens
+    engine = make_engine(loaded, device, dtype, chunked_prefill=True, **shape)
     log(f"engine: {engine.layout.num_blocks} blocks of {BLOCK_SIZE} tokens "
         f"({engine.layout.num_blocks * block_bytes / 2**30:.1f} GiB)")
     prefill_rows = [prefill_ab(engine, twin, n, vocab, device, args) for n in lengths]
@@ -290,6 +284,17 @@ def run(args: argparse.Namespace) -> int:
         log(f"decode batch {p['batch']}, {p['kind']} context {p['context'] or p['range']}")
         p["ours_ms"] = dec.decode_point(engine, p["contexts"], device, args.warmup, args.repeats,
                                         seed=args.seed + i, tag=f"decode-{i}")
+    chunked = {}
+    for on in ((True, False) if chunk else ()):
+        if not on:  # the same engine shape with chunked prefill off
+            del engine
+            free(device)
+            engine = make_engine(loaded, device, dtype, chunked_prefill=False, **shape)
+        log(f"chunked scenario, chunked_prefill={on}: {chunk['decodes']} decodes at {chunk['context']}, "
+            f"a {chunk['prompt']}-token prompt arrives")
+        dec.chunked_scenario(engine, device, tag=f"rehearsal-{on}", **chunk)  # untimed: shapes, graphs, compiles
+        chunked["on" if on else "off"] = {"chunked_prefill": on, "chunk_tokens": chunk_tokens if on else None,
+                                          **chunk, **dec.chunked_scenario(engine, device, tag=f"chunk-{on}", **chunk)}
     del engine
     free(device)
     log("roofline copies (end)")

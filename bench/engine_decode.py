@@ -154,16 +154,16 @@ def percentile(values: list[float], q: int) -> float:
     return s[0] if len(s) == 1 else statistics.quantiles(s, n=100, method="inclusive")[q - 1]
 
 
-def chunked_steps_bound(prompt: int, budget: int, decodes: int) -> int:
+def chunked_steps_bound(prompt: int, chunk_tokens: int) -> int:
     """Steps the long prompt may take to prefill: its chunks, each possibly followed by a decode-only step."""
-    return 2 * blocks_for(prompt, max(1, budget - decodes)) + 4
+    return 2 * blocks_for(prompt, chunk_tokens) + 4
 
 
 def chunked_scenario(engine, device: torch.device, decodes: int, context: int, prompt: int, steady_steps: int,
-                     after_steps: int, seed: int, tag: str) -> dict:
+                     after_steps: int, seed: int, max_prefill_steps: int, tag: str) -> dict:
     """`decodes` requests decoding at `context`, then a `prompt`-token request arrives. Token times are
     the host clock at each step's return (tokens are on the host then)."""
-    bound = chunked_steps_bound(prompt, engine.config.max_batched_tokens, decodes)
+    bound = max_prefill_steps
     reqs = adopt_batch(engine, [context] * decodes, f"{tag}-bg", steady_steps + bound + after_steps + 4, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     long = Request(f"{tag}-long", torch.randint(0, engine.vocab_size, (prompt,), generator=gen).tolist(),

@@ -100,9 +100,10 @@ def markdown(result: dict) -> str:
                          f"{_ratio(r['paired'])} |")
     if result["chunked"]:
         any_run = next(iter(result["chunked"].values()))
+        chunk_tokens = result["chunked"].get("on", {}).get("chunk_tokens")
         lines += ["", f"A {any_run['prompt']}-token prompt arrives while {any_run['decodes']} requests decode at "
-                      f"{any_run['context']} context (step budget {any_run['budget_tokens']} tokens); gaps between "
-                      "a request's tokens, ms, host clock:", "",
+                      f"{any_run['context']} context (chunks of {chunk_tokens} prompt tokens a step when on); gaps "
+                      "between a request's tokens, ms, host clock:", "",
                   "| chunked_prefill | steady gap p50 | gap while prefilling p50 / p99 / max | max / steady | "
                   "prefill steps | longest step | prompt TTFT ms |", "|---|---:|---:|---:|---:|---:|---:|"]
         for r in result["chunked"].values():

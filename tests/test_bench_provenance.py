@@ -17,7 +17,8 @@ esac
 """
 
 
-def test_collect_on_cpu_records_the_commit_and_versions():
+def test_collect_on_cpu_records_the_commit_and_versions(monkeypatch):
+    monkeypatch.delenv("PDSERVE_COMMIT", raising=False)
     record = provenance.collect(["cpu"], argv=["pdserve-bench", "engine", "--device", "cpu"])
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=provenance.REPO, capture_output=True, text=True)
     assert record["commit"] == head.stdout.strip() and isinstance(record["dirty"], bool)
@@ -46,3 +47,10 @@ def test_no_nvidia_smi_means_none(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no nvidia-smi, no git either
     assert provenance.gpu_state(["00000000:19:00.0"]) is None
     assert provenance.gpu_state([]) is None
+
+
+def test_a_copied_tree_takes_its_commit_from_the_launcher(monkeypatch):
+    monkeypatch.setenv("PDSERVE_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("PDSERVE_DIRTY", "1")
+    state = provenance.git_state()
+    assert state == {"commit": "0123456789abcdef", "dirty": True, "commit_from": "PDSERVE_COMMIT"}

@@ -15,7 +15,7 @@ from bench.engine_decode import mixed_contexts
 SMOKE = ["--model", "tiny", "--device", "cpu", "--lengths", "64,128", "--pairs", "3", "--batches", "1,2",
          "--contexts", "64,128", "--mixed-batch", "3", "--mixed-contexts", "64,128", "--repeats", "2",
          "--warmup", "1", "--hf-decode-context", "64", "--chunk-decodes", "4", "--chunk-context", "64",
-         "--chunk-prompt", "256", "--chunk-budget", "64", "--chunk-steady-steps", "4"]
+         "--chunk-prompt", "256", "--chunk-tokens", "64", "--chunk-steady-steps", "4"]
 
 
 def run(tmp_path, argv: list[str]) -> dict:
@@ -82,6 +82,11 @@ def test_engine_bench_cpu_smoke(tmp_path, capsys):
         assert r["steady_gap_ms"]["median"] > 0 and r["steady_gap_ms"]["n"] == 4 * 3  # 4 decodes, 4 steady steps
         assert r["max_gap_over_steady"] == g["max"] / r["steady_gap_ms"]["median"]
         assert r["prefill_steps"] == len(r["prefill_step_ms"]) >= 1 and r["ttft_ms"] > 0
+    # chunks of 64 prompt tokens: the 256-token prompt takes 4 steps, each still decoding all 4 requests;
+    # unchunked it takes one step, in which nothing else runs
+    on, off = result["chunked"]["on"], result["chunked"]["off"]
+    assert on["chunk_tokens"] == 64 and on["prefill_steps"] == 4 and on["decodes_per_prefill_step"] == [4] * 4
+    assert off["chunk_tokens"] is None and off["prefill_steps"] == 1 and off["decodes_per_prefill_step"] == [0]
 
     # every verdict follows from the figures beside it
     t = result["targets"]
