@@ -28,7 +28,7 @@ within 2.0x its roofline; batch 1 at 1k <= 5.5 ms; batch 32 at 16k <= 25 ms; pre
 of transformers at every length; with chunking the decodes' max gap <= 3x their steady gap.
 Writes JSON (with provenance) to bench/results/engine-<machine>-<date>.json and prints markdown.
 
-GPU run (about 3-4 minutes on an H200):  pdserve-bench engine --model qwen2.5-7b --device cuda:0
+GPU run (about 4-5 minutes on an H200: model ~30 s, first compiles, then the points):  pdserve-bench engine --model qwen2.5-7b --device cuda:0
 CPU smoke test (seconds):  see tests/test_engine_bench.py (tiny model, small lengths)
 """
 
@@ -286,10 +286,11 @@ def run(args: argparse.Namespace) -> int:
                                         seed=args.seed + i, tag=f"decode-{i}")
     chunked = {}
     for on in ((True, False) if chunk else ()):
-        if not on:  # the same engine shape with chunked prefill off
-            del engine
+        if not on:  # the same engine with chunked prefill off, its pool only as large as the scenario needs
+            del engine  # (the pool's size does not change a step's time; two large pools might not fit at once)
             free(device)
-            engine = make_engine(loaded, device, dtype, chunked_prefill=False, **shape)
+            engine = make_engine(loaded, device, dtype, chunked_prefill=False,
+                                 **{**shape, "num_blocks": chunk_blocks + 8})
         log(f"chunked scenario, chunked_prefill={on}: {chunk['decodes']} decodes at {chunk['context']}, "
             f"a {chunk['prompt']}-token prompt arrives")
         dec.chunked_scenario(engine, device, tag=f"rehearsal-{on}", **chunk)  # untimed: shapes, graphs, compiles
