@@ -28,7 +28,8 @@ within 2.0x its roofline; batch 1 at 1k <= 5.5 ms; batch 32 at 16k <= 25 ms; pre
 of transformers at every length; with chunking the decodes' max gap <= 3x their steady gap.
 Writes JSON (with provenance) to bench/results/engine-<machine>-<date>.json and prints markdown.
 
-GPU run (about 4-5 minutes on an H200: model ~30 s, first compiles, then the points):  pdserve-bench engine --model qwen2.5-7b --device cuda:0
+GPU run (about 4-5 minutes on an H200: model ~30 s, first compiles, then the points):
+    pdserve-bench engine --model qwen2.5-7b --device cuda:0
 CPU smoke test (seconds):  see tests/test_engine_bench.py (tiny model, small lengths)
 """
 
@@ -266,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
 
     # ---- one engine, chunked prefill on: prefill A/B, transformers decode A/B, the decode points
     # (adopted requests only decode: the chunked flag does not touch them), then the chunked scenario
-    max_len = max(max(lengths) + 1, max(c for p in points for c in p["contexts"]) + steps + 4, hf_ctx + steps + 4,
+    max_len = max(max(lengths) + 1, max((c for p in points for c in p["contexts"]), default=0) + steps + 4,
+                  hf_ctx + steps + 4,
                   chunk["prompt"] + 8 if chunk else 0, chunk["context"] + chunk_steps + 4 if chunk else 0)
     shape = dict(num_blocks=num_blocks, max_num_seqs=max([p["batch"] for p in points] + hf_points + [1]
                                                          + ([chunk["decodes"] + 1] if chunk else [])),
@@ -301,20 +303,7 @@ def run(args: argparse.Namespace) -> int:
     log("roofline copies (end)")
     roof_end = dec.copy_roofline([p["bytes"] for p in points], device, args.warmup, args.repeats)
 
-    decode_rows = []
-    for p in points:
-        both = roof_start[p["bytes"]]["runs"] + roof_end[p["bytes"]]["runs"]
-        roof = ab.summary(both)
-        row = {k: p[k] for k in ("kind", "batch", "context", "kv_bytes", "bytes", "ours_ms")}
-        if p["kind"] == "mixed":
-            row.update(contexts=p["contexts"], range=p["range"], context_sum=sum(p["contexts"]))
-        row.update(roofline_ms=roof, copy_gbps=p["bytes"] / (roof["median"] / 1e3) / 1e9,
-                   roofline_start_ms=roof_start[p["bytes"]]["median"], roofline_end_ms=roof_end[p["bytes"]]["median"],
-                   copy_chunks=[roof_start[p["bytes"]]["chunks"], roof_end[p["bytes"]]["chunks"]],
-                   ratio=p["ours_ms"]["median"] / roof["median"],
-                   tokens_per_s=p["batch"] / p["ours_ms"]["median"] * 1e3)
-        decode_rows.append(row)
-
+    decode_rows = [beside_roofline(p, roof_start[p["bytes"]], roof_end[p["bytes"]]) for p in points]
     result = {
         "benchmark": "engine",
         "provenance": provenance.finish(prov),
@@ -344,6 +333,20 @@ def run(args: argparse.Namespace) -> int:
     log(f"wrote {out} after {result['config']['run_s']} s")
     print(markdown(result))
     return 0
+
+
+def beside_roofline(p: dict, start: dict, end: dict) -> dict:
+    """A decode point's row: its step time, the copies of its bytes at the start and the end of the
+    run (their median together is the roofline), and ours / roofline."""
+    roof = ab.summary(start["runs"] + end["runs"])
+    row = {k: p[k] for k in ("kind", "batch", "context", "kv_bytes", "bytes", "ours_ms")}
+    if p["kind"] == "mixed":
+        row.update(contexts=p["contexts"], range=p["range"], context_sum=sum(p["contexts"]))
+    row.update(roofline_ms=roof, copy_gbps=p["bytes"] / (roof["median"] / 1e3) / 1e9,
+               roofline_start_ms=start["median"], roofline_end_ms=end["median"],
+               copy_chunks=[start["chunks"], end["chunks"]], ratio=p["ours_ms"]["median"] / roof["median"],
+               tokens_per_s=p["batch"] / p["ours_ms"]["median"] * 1e3)
+    return row
 
 
 def prefill_ab(engine, twin, n: int, vocab: int, device: torch.device, args) -> dict:
