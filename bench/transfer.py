@@ -349,8 +349,8 @@ def markdown(result: dict) -> str:
         + f"; the longest request's blocks inside one pool ({bw['paged_run']['bytes'] / 2**20:.1f} MiB): "
           f"{bw['paged_run']['strided_gbps']:.1f} GB/s as one strided copy_, "
           f"{bw['paged_run']['per_layer_gbps']:.1f} GB/s as one copy_ per layer",
-        f"{c['repeats']} rounds per transport after {c['warmup']} warm-up, each running plain prefill, bulk and "
-        f"layer once in a shuffled order; a new seeded prompt per run; medians; extra = that mode's prefill minus "
+        f"{c['repeats']} rounds per transport after {c['warmup']} warm-up, each running plain prefill and "
+        f"{' and '.join(c['modes'])} once in a shuffled order; a new seeded prompt per run; medians; extra = that mode's prefill minus "
         f"the plain prefill of the same round, median (min..max) of the paired differences; exact = the reserved "
         f"blocks poisoned with NaN, then {c['tokens_compared']} greedy tokens and their logits bitwise equal to a "
         f"colocated run of the same prompt, in every run",
