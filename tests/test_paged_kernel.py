@@ -1,6 +1,6 @@
 """The Triton paged-attention kernels against the reference path, on the CPU through Triton's
-interpreter (the same kernel source the GPU compiles; the H200 check in bench/engine_bench.py
-and bench/attention_bench.py runs it compiled, in bf16)."""
+interpreter (the same kernel source the GPU compiles; `pdserve-bench attention` checks it compiled,
+in bf16, on the GPU)."""
 
 from __future__ import annotations
 
