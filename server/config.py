@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from server.schemas import POLICIES
+from workers.auth import RouterKeys
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt is under 1 MB of text or of token ids
 
 
 @dataclass
@@ -20,12 +23,19 @@ class RouterConfig:
     token_timeout_s: float = 120.0  # longest silence from a worker during a request before it fails
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
     default_chat_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
+    keys: RouterKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
+    api_key: str | None = field(default=None, repr=False)  # HTTP: `Authorization: Bearer <key>` required
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
             raise ValueError("heartbeat interval must be positive and misses at least 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max body size must be at least 1 KiB, got {self.max_body_bytes} bytes")
+        if self.api_key is not None and len(self.api_key) < 16:
+            raise ValueError("the API key must be at least 16 characters (e.g. `openssl rand -hex 24`)")
         if self.kv_deadline_s <= 1.0:
             raise ValueError(f"kv deadline must exceed 1 s, got {self.kv_deadline_s}")
 

@@ -48,6 +48,9 @@ class Metrics:
                                  registry=r)
         self.lost_workers = Counter("pdserve_workers_lost", "Workers dropped (missed heartbeats or exited)",
                                     ["role"], registry=r)
+        self.control_dropped = Counter("pdserve_control_dropped", "Frames on the register socket that were "
+                                       "dropped or refused, by reason (junk, stranger, rate-limited, id held, ...)",
+                                       ["reason"], registry=r)
 
     def worker_seen(self, worker: str, role: str, queue_depth: int, running: int, free_blocks: int) -> None:
         self.queue_depth.labels(worker, role).set(queue_depth)

@@ -1,21 +1,32 @@
 """The router's view of its workers: registration, heartbeats, liveness, choice, and message delivery.
 
     WorkerPool(cfg, metrics)
-      .start() / .stop()          bind the registration endpoint (PULL); a reader thread takes each
-                                  message off it as it lands and stamps it; one task handles them, one sweeps
+      .start() / .stop()          bind the registration endpoint (PULL, a CURVE server when cfg.keys); a
+                                  reader thread takes each message off it as it lands, stamps and screens it;
+                                  one task handles what passed, one sweeps
       .pick(role, ...)            the least-loaded live worker of a role, or NoWorker
-      .send(worker, msg)          PUSH to the worker's control endpoint
+      .send(worker, msg)          PUSH to the worker's control endpoint (a CURVE client of the worker key)
       .open_inbox(request_id)     per-request queue the receive task fills with that request's messages,
                                   as (message, time.monotonic() it landed on the router)
       .attach(request_id, worker) the request depends on that worker: if it is dropped, the inbox gets
-                                  WorkerLost
+                                  WorkerLost; only workers attached to a request can deliver to it
 
 A worker is dropped when it says Goodbye or misses `heartbeat_misses` heartbeats in a row; nothing
 is routed to it afterwards and every request attached to it gets WorkerLost at once.
 
+Identity: a worker id belongs to the incarnation (workers/protocol.py) that registered it while that
+one lives: a Register of a held id from another incarnation is refused (retry later), and every other
+message counts only under the incarnation that holds its worker id.
+
 Why a reader thread: a token that lands while the event loop is busy (streaming other requests,
 parsing, JSON) would be stamped only when the loop gets to it; stamped on arrival, that wait counts
-as the router's own (`first_token_send`), and `hops` (workers/phases.py) is the messages' flight.
+as the router's own (`first_token_send`), and `hops` (workers/phases.py) is the messages' flight. The
+same thread screens what lands, so a flood never reaches the event loop (and /health): junk frames and
+messages of unknown incarnations are counted and dropped there (logged at most once per interval), and
+what unknown peers get an answer to (a Register, a Heartbeat) passes at a bounded rate. Liveness is
+judged from the thread's own stamps, not from how far the loop got: libzmq serves the connections
+with pending frames in turn, so once the thread has read a batch, every worker that had sent
+something before the batch began has been heard.
 """
 
 from __future__ import annotations
@@ -32,9 +43,15 @@ import zmq.asyncio
 
 from server.config import RouterConfig
 from server.metrics import Metrics
+from workers import auth
 from workers import protocol as P
 
 log = logging.getLogger("pdserve.router")
+
+MAX_REGISTER_FRAME = 4 * 2**20  # bytes; the largest real message (a step's Tokens) is a few KB
+MAX_WORKERS = 1024  # live workers; a Register past it is refused (each one costs a socket)
+STRANGER_RATE, STRANGER_BURST = 20.0, 50  # answers a second to unknown incarnations (Register, Heartbeat)
+READ_BATCH = 1000  # frames per hand-off to the loop: the first ones get there without delay
 
 
 class NoWorker(Exception):
@@ -52,6 +69,7 @@ class WorkerLost:
 @dataclass
 class WorkerState:
     info: P.Register
+    incarnation: str
     sock: zmq.asyncio.Socket
     last_seen: float  # time.monotonic()
     free_blocks: int
@@ -72,30 +90,44 @@ class WorkerState:
         worker's own queue as of its last heartbeat, then more free blocks."""
         return (len(self.inflight) + self.queue_depth, -self.free_blocks)
 
-    def describe(self) -> dict:
+    def describe(self, private: bool = True) -> dict:
+        """What /health shows; without `private`, no addresses and no PIDs."""
         i = self.info
-        return {"id": i.worker_id, "role": i.role, "address": i.address, "device": i.device, "dtype": i.dtype,
-                "pid": i.pid, "model": i.model, "transport": i.transport, "mode": i.mode,
-                "kv_address": i.kv_address, "max_model_len": i.max_model_len, "block_size": i.block_size,
-                "num_blocks": i.num_blocks, "free_blocks": self.free_blocks, "queue_depth": self.queue_depth,
-                "running": self.running, "in_flight": len(self.inflight),
-                "last_heartbeat_s": round(time.monotonic() - self.last_seen, 3)}
+        out = {"id": i.worker_id, "role": i.role, "device": i.device, "dtype": i.dtype, "model": i.model,
+               "transport": i.transport, "mode": i.mode, "max_model_len": i.max_model_len,
+               "block_size": i.block_size, "num_blocks": i.num_blocks, "free_blocks": self.free_blocks,
+               "queue_depth": self.queue_depth, "running": self.running, "in_flight": len(self.inflight),
+               "last_heartbeat_s": round(time.monotonic() - self.last_seen, 3)}
+        if private:
+            out.update(address=i.address, kv_address=i.kv_address, pid=i.pid)
+        return out
 
 
 class _Reader:
-    """The registration socket (PULL), read by a thread: every frame stamped (time.monotonic()) as
-    it lands, handed to the event loop in batches."""
+    """The registration socket (PULL), read and screened by a thread: every frame stamped
+    (time.monotonic()) as it lands; what passes goes to the event loop in batches."""
 
     POLL_MS = 50  # wake up this often to notice stop()
 
-    def __init__(self, endpoint: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, endpoint: str, loop: asyncio.AbstractEventLoop, keys: auth.RouterKeys | None,
+                 known: dict[str, str], metrics: Metrics, throttle: auth.Throttle):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REGISTER_FRAME)  # a bigger frame drops its connection
+        self.gate = self.watch = None
+        if keys is not None:
+            self.gate = auth.Gate(self.ctx, keys.gate(), "register socket", throttle)
+            auth.serve_curve(self.sock, keys.router)
+            self.watch = auth.HandshakeWatch(self.sock, server=True)
         self.sock.bind(_bindable(endpoint))
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.frames: asyncio.Queue[list[tuple[float, bytes]]] = asyncio.Queue()  # event loop side
+        self.frames: asyncio.Queue[list[tuple[float, P.FromWorker]]] = asyncio.Queue()  # event loop side
+        self.known = known  # incarnation -> worker id, written by the loop only
+        self.heard: dict[str, float] = {}  # incarnation -> when its latest message landed (this thread)
+        self.caught_up_at = time.monotonic()  # every frame pending at this time has been read
+        self._strangers = auth.TokenBucket(STRANGER_RATE, STRANGER_BURST)
+        self._metrics, self._throttle = metrics, throttle
         self._loop = loop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="pool-reader", daemon=True)
@@ -104,23 +136,71 @@ class _Reader:
     def _read(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        for extra in (self.gate, self.watch):
+            if extra is not None:
+                poller.register(extra.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(self.POLL_MS):
-                    continue
-                batch = []
-                while len(batch) < 1000:  # bounded: the loop gets the first messages without delay
-                    try:
-                        frame = self.sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    batch.append((time.monotonic(), frame))
+                started = time.monotonic()
+                ready = dict(poller.poll(self.POLL_MS))
+                if self.gate is not None and self.gate.sock in ready:
+                    self.gate.answer()
+                if self.watch is not None and self.watch.sock in ready:
+                    for why in self.watch.failures():
+                        self._drop("handshake", "register socket: %s", why)
+                batch = self._read_batch() if self.sock in ready else []
+                self.caught_up_at = started
                 if batch:
                     self._loop.call_soon_threadsafe(self.frames.put_nowait, batch)
         except RuntimeError:  # the event loop closed under us: nothing is listening any more
             pass
         finally:
+            for extra in (self.watch, self.gate):
+                if extra is not None:
+                    extra.close()
             self.sock.close()
+
+    def _read_batch(self) -> list[tuple[float, P.FromWorker]]:
+        batch = []
+        for _ in range(READ_BATCH):
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            landed = time.monotonic()
+            try:
+                env = P.decode_to_router(frame)
+            except P.ProtocolError as e:
+                self._drop("junk", "dropped a frame on the register socket: %s", e)
+                continue
+            if self._admit(env, landed):
+                batch.append((landed, env))
+        return batch
+
+    def _admit(self, env: P.FromWorker, landed: float) -> bool:
+        """Does this message go to the loop? Known incarnations' do; strangers' only what needs an answer."""
+        msg = env.msg
+        owner = self.known.get(env.incarnation)
+        if owner is not None:
+            if owner != msg.worker_id:
+                self._drop("impostor", "dropped a %s naming worker %s under the incarnation of %s",
+                           type(msg).__name__, msg.worker_id, owner)
+                return False
+            self.heard[env.incarnation] = landed
+            return True
+        if isinstance(msg, (P.Register, P.Heartbeat)):
+            if self._strangers.take():
+                return True
+            self._drop("rate_limited", "dropped a %s from an unknown worker incarnation (over %.0f a second)",
+                       type(msg).__name__, STRANGER_RATE)
+            return False
+        self._drop("stranger", "dropped a %s naming worker %s from an unknown incarnation (not registered, or "
+                   "dropped already)", type(msg).__name__, msg.worker_id)
+        return False
+
+    def _drop(self, reason: str, text: str, *args) -> None:
+        self._metrics.control_dropped.labels(reason).inc()
+        self._throttle(reason, logging.WARNING, text, *args)
 
     def stop(self) -> None:
         self._stop.set()
@@ -141,24 +221,27 @@ class WorkerPool:
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
         self.workers: dict[str, WorkerState] = {}
+        self.known: dict[str, str] = {}  # incarnation -> worker id of every live worker (the reader reads it)
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.address: str | None = None  # the bound registration endpoint
         self.changed = asyncio.Event()  # set on every registration or drop (for waiters)
+        self.throttle = auth.Throttle(log)
         # requests failed because their worker was dropped for silence: if that same process comes
         # back (it was slow, not dead) it is told to abort them, so it frees their blocks
-        self._orphans: dict[tuple[str, int], set[str]] = {}
+        self._orphans: dict[tuple[str, str], set[str]] = {}  # (worker id, incarnation) -> request ids
         self._reader: _Reader | None = None
-        self._unhandled = 0  # messages of the batch being handled still to go
         self._tasks: list[asyncio.Task] = []
 
     # ---- life cycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._reader = _Reader(self.cfg.register, asyncio.get_running_loop())
+        self._reader = _Reader(self.cfg.register, asyncio.get_running_loop(), self.cfg.keys, self.known,
+                               self.metrics, self.throttle)
         self.address = self._reader.address
         self._tasks = [asyncio.create_task(self._receive(), name="pool-receive"),
                        asyncio.create_task(self._sweep(), name="pool-sweep")]
-        log.info("workers register at %s", self.address)
+        log.info("workers register at %s (%s)", self.address,
+                 "CURVE: only the deployment's worker key" if self.cfg.keys else "no authentication")
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -167,6 +250,7 @@ class WorkerPool:
         for w in list(self.workers.values()):
             w.sock.close()
         self.workers.clear()
+        self.known.clear()
         if self._reader is not None:
             self._reader.stop()
         self.ctx.term()
@@ -216,7 +300,7 @@ class WorkerPool:
         return worker_id in self.workers
 
     async def send(self, worker: WorkerState, msg) -> None:
-        await worker.sock.send(P.encode(msg))
+        await worker.sock.send(P.from_router(worker.incarnation, msg))
 
     async def wait_for(self, predicate, timeout: float | None = None) -> bool:
         """Wait until predicate(self) holds (re-checked on every registration or drop)."""
@@ -238,50 +322,50 @@ class WorkerPool:
     async def _receive(self) -> None:
         while True:
             batch = await self._reader.frames.get()
-            for i, (landed, frame) in enumerate(batch):
-                self._unhandled = len(batch) - i
+            for landed, env in batch:
                 try:
-                    msg = P.decode_to_router(frame)
-                except P.ProtocolError as e:
-                    log.error("dropped a message: %s", e)
-                    continue
-                try:
-                    await self._dispatch(msg, landed)
+                    await self._dispatch(env, landed)
                 except Exception:  # one bad message must not stop the router from hearing its workers
-                    log.exception("handling %s failed", type(msg).__name__)
-            self._unhandled = 0
+                    log.exception("handling %s failed", type(env.msg).__name__)
 
-    async def _dispatch(self, msg, landed: float) -> None:
+    async def _dispatch(self, env: P.FromWorker, landed: float) -> None:
+        msg, inc = env.msg, env.incarnation
         if isinstance(msg, P.Register):
-            await self._on_register(msg)
-        elif isinstance(msg, P.Heartbeat):
-            await self._on_heartbeat(msg)
+            await self._on_register(inc, msg, landed)
+            return
+        w = self.workers.get(msg.worker_id)
+        if w is None or w.incarnation != inc:  # dropped between the reader's screen and now; or a stranger
+            if isinstance(msg, P.Heartbeat):  # we restarted, or dropped it for silence: register again
+                await self._answer_stranger(msg.address, inc, P.RegisterAck(
+                    P.PROTOCOL_VERSION, False, self.cfg.heartbeat_interval_s,
+                    error="this router does not know this worker process", retry=True))
+            return
+        w.last_seen = max(w.last_seen, landed)
+        if isinstance(msg, P.Heartbeat):
+            w.free_blocks, w.queue_depth, w.running = msg.free_blocks, msg.queue_depth, msg.running
+            self.metrics.worker_seen(w.id, w.role, msg.queue_depth, msg.running, msg.free_blocks)
         elif isinstance(msg, P.Goodbye):
-            w = self.workers.get(msg.worker_id)
-            if w is not None:
-                self._drop(w, f"it exited ({msg.reason})")
+            self._drop(w, f"it exited ({msg.reason})")
         elif isinstance(msg, P.Tokens):
-            self._touch(msg.worker_id)
             for out in msg.outputs:
-                self._deliver(out.request_id, out, landed)
+                self._deliver(w, out.request_id, out, landed)
         else:  # Reserved, PrefillDone, RequestFailed
-            self._touch(msg.worker_id)
-            self._deliver(msg.request_id, msg, landed)
+            self._deliver(w, msg.request_id, msg, landed)
 
-    def _deliver(self, request_id: str, msg, landed: float) -> None:
+    def _deliver(self, w: WorkerState, request_id: str, msg, landed: float) -> None:
         q = self.inboxes.get(request_id)
-        if q is not None:
+        if q is not None and request_id in w.inflight:
             q.put_nowait((msg, landed))
+        elif q is not None:  # a worker writing to a request that is not routed to it
+            self.metrics.control_dropped.labels("not_routed").inc()
+            self.throttle("not_routed", logging.WARNING, "dropped a %s from %s for request %s, which is not routed "
+                          "to it", type(msg).__name__, w.id, request_id)
         else:
             log.debug("message %s for finished request %s", type(msg).__name__, request_id)
 
-    def _touch(self, worker_id: str) -> None:
-        w = self.workers.get(worker_id)
-        if w is not None:
-            w.last_seen = time.monotonic()
-
-    async def _on_register(self, reg: P.Register) -> None:
+    async def _on_register(self, inc: str, reg: P.Register, landed: float) -> None:
         refusal = None
+        old = self.workers.get(reg.worker_id)
         if reg.version != P.PROTOCOL_VERSION:
             refusal = (f"worker {reg.worker_id} speaks protocol version {reg.version}, this router "
                        f"{P.PROTOCOL_VERSION}; run the same pdserve version on both")
@@ -290,32 +374,45 @@ class WorkerPool:
                        f"start the worker with --model {self.cfg.model}")
         elif reg.role not in P.ROLES:
             refusal = f"worker {reg.worker_id} has unknown role {reg.role!r}"
-        old = self.workers.get(reg.worker_id)
-        if old is not None and (old.info.pid != reg.pid or old.info.address != reg.address):
-            self._drop(old, "a new process registered under its id")
-            old = None
+        elif old is None and len(self.workers) >= MAX_WORKERS:
+            refusal = f"this router has {MAX_WORKERS} workers already; worker {reg.worker_id} is not taken"
         if refusal is not None:
-            log.error("refused: %s", refusal)
-            sock = self._connect(reg.address)
-            await sock.send(P.encode(P.RegisterAck(P.PROTOCOL_VERSION, False, error=refusal)))
-            sock.close(linger=1000)
+            self.metrics.control_dropped.labels("refused").inc()
+            self.throttle("refused", logging.ERROR, "refused: %s", refusal)
+            await self._answer_stranger(reg.address, inc, P.RegisterAck(P.PROTOCOL_VERSION, False, error=refusal))
+            return
+        if old is not None and old.incarnation != inc:
+            held = (f"worker id {reg.worker_id} is held by a live worker process (pid {old.info.pid}, heard "
+                    f"{time.monotonic() - old.last_seen:.1f}s ago); give this one another --worker-id, or wait: "
+                    f"the id is free {self.cfg.heartbeat_timeout_s:.1f}s after that process goes silent")
+            self.metrics.control_dropped.labels("id_held").inc()
+            self.throttle("id_held", logging.WARNING, "refused a registration: %s", held)
+            await self._answer_stranger(reg.address, inc, P.RegisterAck(P.PROTOCOL_VERSION, False, error=held,
+                                                                        retry=True))
             return
         if old is None:
-            w = WorkerState(reg, self._connect(reg.address), time.monotonic(), reg.free_blocks)
+            w = WorkerState(reg, inc, self._connect(reg.address), landed, reg.free_blocks)
             self.workers[reg.worker_id] = w
-            for rid in self._orphans.pop((reg.worker_id, reg.pid), ()):
-                await w.sock.send(P.encode(P.Abort(rid, "the router dropped this worker for silence and failed "
-                                                        "the request")))
+            self.known[inc] = reg.worker_id
+            for rid in self._orphans.pop((reg.worker_id, inc), ()):
+                await self.send(w, P.Abort(rid, "the router dropped this worker for silence and failed the request"))
             log.info("worker %s registered: %s on %s, control %s%s", reg.worker_id, reg.role, reg.device,
                      reg.address, f", KV {reg.transport}/{reg.mode}" if reg.transport else "")
             self.metrics.workers.labels(reg.role).set(len(self.alive(reg.role)))
             self.changed.set()
         else:
             w = old
-            w.last_seen = time.monotonic()
-        await w.sock.send(P.encode(P.RegisterAck(P.PROTOCOL_VERSION, True, self.cfg.heartbeat_interval_s)))
+            w.last_seen = max(w.last_seen, landed)
+        await self.send(w, P.RegisterAck(P.PROTOCOL_VERSION, True, self.cfg.heartbeat_interval_s))
         if old is None:
             await self._introduce(w)
+
+    async def _answer_stranger(self, address: str, inc: str, ack: P.RegisterAck) -> None:
+        """One message to a process that is not (or no longer) a registered worker, on a socket of its
+        own; the reader lets such messages through at a bounded rate, so these sockets stay few."""
+        sock = self._connect(address)
+        await sock.send(P.from_router(inc, ack))
+        sock.close(linger=500)
 
     async def _introduce(self, w: WorkerState) -> None:
         """Have every prefill worker shake hands with every decode worker it can send to, as soon as
@@ -327,24 +424,14 @@ class WorkerPool:
         else:
             return
         for p, d in pairs:
-            await p.sock.send(P.encode(P.Connect(d.id, d.info.kv_address)))
-
-    async def _on_heartbeat(self, hb: P.Heartbeat) -> None:
-        w = self.workers.get(hb.worker_id)
-        if w is None:  # we restarted, or dropped it for silence: ask it to register again
-            sock = self._connect(hb.address)
-            await sock.send(P.encode(P.RegisterAck(P.PROTOCOL_VERSION, False, self.cfg.heartbeat_interval_s,
-                                                   error="this router does not know the worker", retry=True)))
-            sock.close(linger=1000)
-            return
-        w.last_seen = time.monotonic()
-        w.free_blocks, w.queue_depth, w.running = hb.free_blocks, hb.queue_depth, hb.running
-        self.metrics.worker_seen(w.id, w.role, hb.queue_depth, hb.running, hb.free_blocks)
+            await self.send(p, P.Connect(d.id, d.info.kv_address))
 
     def _connect(self, address: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
+        if self.cfg.keys is not None:  # only the holder of the worker key's secret completes the handshake
+            auth.connect_curve(sock, self.cfg.keys.router, self.cfg.keys.worker_public)
         sock.connect(address)
         return sock
 
@@ -353,27 +440,39 @@ class WorkerPool:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 4)
-            if self._unhandled or not self._reader.frames.empty():
-                # messages wait to be handled: after a stall of the router itself (CPU starved, a long
-                # tokenization) the heartbeats are here, just not read yet; judge after reading them
-                continue
-            now = time.monotonic()
-            for w in list(self.workers.values()):
-                silent = now - w.last_seen
-                if silent > self.cfg.heartbeat_timeout_s:
-                    self._drop(w, f"no heartbeat for {silent:.1f}s (limit {self.cfg.heartbeat_timeout_s:.1f}s)")
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop every worker the reader has not heard from for longer than the heartbeat timeout, judged
+        at the time up to which the reader has read everything (after a stall of the router itself,
+        the heartbeats are in the socket, just not read yet: judge after reading them)."""
+        heard = self._reader.heard
+        horizon = self._reader.caught_up_at
+        for w in list(self.workers.values()):
+            last = max(w.last_seen, heard.get(w.incarnation, 0.0))
+            silent = horizon - last
+            if silent > self.cfg.heartbeat_timeout_s:
+                self._drop(w, f"no heartbeat for {silent:.1f}s (limit {self.cfg.heartbeat_timeout_s:.1f}s)")
+        for inc in [i for i in heard if i not in self.known]:  # dropped meanwhile
+            heard.pop(inc, None)
 
     def _drop(self, w: WorkerState, reason: str) -> None:
         if self.workers.get(w.id) is not w:
             return
         del self.workers[w.id]
+        self.known.pop(w.incarnation, None)
         w.sock.close()
         log.warning("worker %s (%s) dropped: %s", w.id, w.role, reason)
         self.metrics.workers.labels(w.role).set(len(self.alive(w.role)))
         self.metrics.lost_workers.labels(w.role).inc()
         self.metrics.worker_gone(w.id, w.role)
         for rid in w.inflight:
-            self._deliver(rid, WorkerLost(w.id, reason), time.monotonic())
+            self._deliver_lost(rid, WorkerLost(w.id, reason))
         if w.inflight:
-            self._orphans[(w.id, w.info.pid)] = set(w.inflight)
+            self._orphans[(w.id, w.incarnation)] = set(w.inflight)
         self.changed.set()
+
+    def _deliver_lost(self, request_id: str, lost: WorkerLost) -> None:
+        q = self.inboxes.get(request_id)
+        if q is not None:
+            q.put_nowait((lost, time.monotonic()))

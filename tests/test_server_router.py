@@ -1,4 +1,5 @@
-"""The router against fake workers: real ZMQ and the real protocol, scripted behaviour, no model.
+"""The router against fake workers: real ZMQ (CURVE, the deployment's keys) and the real protocol,
+scripted behaviour, no model.
 
 Each FakeWorker is a thread that registers, heartbeats and answers control messages the way a
 test script says, so failures (a silent worker, a failing prefill, a hanging one, a client that
@@ -8,6 +9,7 @@ leaves) happen exactly when the test wants them.
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 from contextlib import contextmanager
@@ -19,6 +21,7 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.config import RouterConfig
 from server.tokenizer import load_tokenizer
+from workers import auth
 from workers import protocol as P
 from workers.phases import NAMES as PHASE_NAMES
 
@@ -34,9 +37,11 @@ def tokenizer():
 class FakeWorker(threading.Thread):
     def __init__(self, router: str, role: str, worker_id: str, on_message=None, *, model: str = "tiny",
                  version: int = P.PROTOCOL_VERSION, max_model_len: int = 64, transport: str | None = "ipc",
-                 queue_depth: int = 0):
+                 queue_depth: int = 0, keys: auth.WorkerKeys | None = None):
         super().__init__(daemon=True)
         self.router, self.role, self.worker_id = router, role, worker_id
+        self.keys = keys
+        self.incarnation = secrets.token_hex(16)
         self.on_message = on_message or (lambda w, m: None)
         self.model, self.version, self.max_model_len = model, version, max_model_len
         self.transport = transport if role != "colocated" else None
@@ -63,18 +68,32 @@ class FakeWorker(threading.Thread):
     def run(self) -> None:
         ctx = zmq.Context()
         control = ctx.socket(zmq.PULL)
+        gate = None
+        if self.keys is not None:  # as a real worker: only the router's key gets in
+            gate = auth.Gate(ctx, self.keys.control_gate(), "fake control socket", auth.Throttle(auth.log))
+            auth.serve_curve(control, self.keys.worker)
         port = control.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         push = ctx.socket(zmq.PUSH)
+        if self.keys is not None:
+            auth.connect_curve(push, self.keys.worker, self.keys.router_public)
         push.connect(self.router)
         reg = P.Register(self.version, self.worker_id, self.role, self.address, self.model, self.max_model_len, 16,
                          1000, 1000, "cpu", "float32", 4242, self.transport, "bulk" if self.transport else None,
                          "tcp://127.0.0.1:1" if self.role == "decode" else None)
-        push.send(P.encode(reg))
+
+        def send(m) -> None:
+            push.send(P.from_worker(self.incarnation, m))
+
+        send(reg)
         next_beat = time.monotonic() + HEARTBEAT_S
         while not self.stopped.is_set():
+            if gate is not None:
+                gate.answer()
             if control.poll(5):
-                msg = P.decode_to_worker(control.recv())
+                env = P.decode_to_worker(control.recv())
+                assert env.incarnation == self.incarnation, env
+                msg = env.msg
                 if self.silent.is_set():
                     continue
                 if isinstance(msg, P.RegisterAck):
@@ -82,17 +101,19 @@ class FakeWorker(threading.Thread):
                     if msg.ok:
                         self.registered.set()
                     elif msg.retry:
-                        push.send(P.encode(reg))
+                        send(reg)
                 else:
                     self.received.append(msg)
                     self.on_message(self, msg)
             with self._lock:
                 out, self._outbox = self._outbox, []
             for m in out:
-                push.send(P.encode(m))
+                send(m)
             if time.monotonic() >= next_beat and not self.silent.is_set():
-                push.send(P.encode(P.Heartbeat(self.worker_id, self.address, 1000, self.queue_depth, 0, time.time())))
+                send(P.Heartbeat(self.worker_id, self.address, 1000, self.queue_depth, 0, time.time()))
                 next_beat = time.monotonic() + HEARTBEAT_S
+        if gate is not None:
+            gate.close()
         control.close(0)
         push.close(0)
         ctx.term()
@@ -103,12 +124,15 @@ class FakeWorker(threading.Thread):
 
 @contextmanager
 def router(tokenizer, **overrides):
+    router_keys, worker_keys = auth.new_deployment()
     cfg = RouterConfig(model="tiny", register="tcp://127.0.0.1:0", heartbeat_interval_s=HEARTBEAT_S,
-                       heartbeat_misses=MISSES, kv_deadline_s=3.0, token_timeout_s=2.0, **overrides)
+                       heartbeat_misses=MISSES, kv_deadline_s=3.0, token_timeout_s=2.0, keys=router_keys,
+                       **overrides)
     app = create_app(cfg, tokenizer)
     workers: list[FakeWorker] = []
 
     def add(role, worker_id, on_message=None, **kw) -> FakeWorker:
+        kw.setdefault("keys", worker_keys)
         w = FakeWorker(app.state.router.pool.address, role, worker_id, on_message, **kw)
         workers.append(w)
         w.start()
@@ -118,6 +142,7 @@ def router(tokenizer, **overrides):
     try:
         with TestClient(app) as client:
             client.add_worker = add
+            client.worker_keys = worker_keys
             yield client
     finally:
         for w in workers:
@@ -253,7 +278,7 @@ def test_registration_refuses_other_versions_and_models(tokenizer):
     with router(tokenizer) as client:
         pool = client.app.state.router.pool
         for kw, words in (({"version": P.PROTOCOL_VERSION + 1}, "protocol version"), ({"model": "other"}, "--model tiny")):
-            w = FakeWorker(pool.address, "colocated", f"bad-{len(words)}", **kw)
+            w = FakeWorker(pool.address, "colocated", f"bad-{len(words)}", keys=client.worker_keys, **kw)
             w.start()
             deadline = time.monotonic() + 5
             while not w.acks and time.monotonic() < deadline:

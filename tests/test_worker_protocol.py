@@ -1,4 +1,5 @@
-"""The control-plane protocol: every message survives msgpack, and nothing else gets in."""
+"""The control-plane protocol: every message survives msgpack in its envelope, nothing else gets in,
+and every number is bounded before any code sees it."""
 
 from __future__ import annotations
 
@@ -32,14 +33,17 @@ TO_WORKER = [
 ]
 
 
+INC = "5f0c3a9d2b7e41c8a6d0f1e2b3c4d5e6"
+
+
 @pytest.mark.parametrize("msg", TO_ROUTER, ids=lambda m: type(m).__name__)
 def test_worker_to_router_round_trip(msg):
-    assert P.decode_to_router(P.encode(msg)) == msg
+    assert P.decode_to_router(P.from_worker(INC, msg)) == P.FromWorker(INC, msg)
 
 
 @pytest.mark.parametrize("msg", TO_WORKER, ids=lambda m: type(m).__name__)
 def test_router_to_worker_round_trip(msg):
-    assert P.decode_to_worker(P.encode(msg)) == msg
+    assert P.decode_to_worker(P.from_router(INC, msg)) == P.FromRouter(INC, msg)
 
 
 def test_sampling_becomes_engine_params():
@@ -48,13 +52,58 @@ def test_sampling_becomes_engine_params():
             params.ignore_eos) == (5, 0.7, 0.9, 40, 3, ["\n"], True)
 
 
+def test_temperatures_that_would_overflow_the_logits_sample_greedily():
+    assert P.Sampling(temperature=1e-40).to_params().temperature == 0.0
+    assert P.Sampling(temperature=P.MIN_TEMPERATURE).to_params().temperature == P.MIN_TEMPERATURE
+
+
+def _generate(**sampling) -> bytes:
+    """A Generate frame built by hand (the structs themselves would refuse nothing at encode time)."""
+    body = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [],
+            "ignore_eos": False, **sampling}
+    return msgspec.msgpack.encode({"incarnation": INC, "msg": {"type": "generate", "request_id": "r1",
+                                                               "prompt_ids": [1, 2], "sampling": body}})
+
+
 @pytest.mark.parametrize("frame", [
     pickle.dumps({"type": "generate"}),  # a pickle is not msgpack: refused, never unpickled
     msgspec.msgpack.encode({"type": "shutdown_everything"}),  # unknown tag
     msgspec.msgpack.encode({"type": "generate", "request_id": 5}),  # wrong field type, missing fields
-    P.encode(P.Heartbeat("w", "tcp://x:1", 1, 0, 0, 0.0)),  # a worker->router message sent the wrong way
+    P.encode(P.Generate("r1", [1], S)),  # no envelope: no incarnation
+    P.from_worker(INC, P.Heartbeat("w", "tcp://x:1", 1, 0, 0, 0.0)),  # worker->router sent the wrong way
+    msgspec.msgpack.encode({"incarnation": "", "msg": msgspec.to_builtins(P.Abort("r1", "x"))}),  # empty id
+    _generate(seed=2**63),  # past the engine's 64-bit signed seed
+    _generate(seed=-1),
+    _generate(max_tokens=0),
+    _generate(max_tokens=2**31),
+    _generate(top_k=2**31),
+    _generate(top_k=-1),
+    _generate(temperature=float("nan")),
+    _generate(temperature=float("inf")),
+    _generate(top_p=0.0),
+    _generate(stop=["x"] * 17),
+    msgspec.msgpack.encode({"incarnation": INC, "msg": {"type": "prefill", "request_id": "r1", "prompt_ids": [1],
+                            "sampling": {}, "decode_worker": "d", "kv_address": "tcp://x:1", "dst_blocks": [-4],
+                            "deadline_s": 5.0}}),  # a negative block id
+    msgspec.msgpack.encode({"incarnation": INC, "msg": {"type": "generate", "request_id": "r" * 300,
+                            "prompt_ids": [1], "sampling": {}}}),  # an id past 256 characters
     b"",
 ])
 def test_anything_else_is_a_protocol_error(frame):
     with pytest.raises(P.ProtocolError, match="protocol version"):
         P.decode_to_worker(frame)
+
+
+def test_the_bounds_let_the_extremes_through():
+    frame = _generate(seed=P.MAX_SEED, max_tokens=P.MAX_INT32, top_k=P.MAX_INT32, temperature=100.0)
+    s = P.decode_to_worker(frame).msg.sampling
+    assert (s.seed, s.max_tokens, s.top_k, s.temperature) == (P.MAX_SEED, P.MAX_INT32, P.MAX_INT32, 100.0)
+
+
+def test_worker_to_router_bounds():
+    bad = msgspec.msgpack.encode({"incarnation": INC, "msg": {"type": "tokens", "worker_id": "w", "outputs": [
+        {"request_id": "r1", "token_id": -1, "text": "x"}]}})
+    with pytest.raises(P.ProtocolError):
+        P.decode_to_router(bad)
+    with pytest.raises(P.ProtocolError):  # a worker message without its incarnation
+        P.decode_to_router(P.encode(P.Goodbye("w", "bye")))

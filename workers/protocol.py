@@ -15,7 +15,8 @@ Worker -> router
     RequestFailed any role: a request could not go on (kind says why); its blocks are already freed
 
 Router -> worker
-    RegisterAck   accepted (with the heartbeat interval to use) or refused (version or model mismatch)
+    RegisterAck   accepted (with the heartbeat interval to use), refused (version or model mismatch: exit),
+                  or retry (the router does not know this incarnation, or another live one holds the id)
     Generate      colocated: run this request to completion
     Reserve       decode: reserve blocks for the prompt's KV, wait for it until the deadline
     Prefill       prefill: prefill, push the KV into the decode worker's reserved blocks, report
@@ -24,15 +25,25 @@ Router -> worker
 
 Never pickle: every frame is msgpack of one of the structs below, decoded against the union
 of the direction it travels, so an unknown or malformed message is an error, not code to run.
+Every number and list is bounded at decode time (msgspec constraints): a value torch or the
+engine could not take is refused with the frame, before any code sees it.
+
+Identity: each worker process draws a random incarnation id when it starts. Every frame travels in
+an envelope that carries it: FromWorker(incarnation, message) to the router, FromRouter(incarnation
+of the addressee, message) to a worker. The router accepts a worker's messages only under the
+incarnation that registered its id, and refuses a Register for an id a live incarnation holds;
+a worker drops anything addressed to another incarnation. (The sockets themselves are CURVE,
+workers/auth.py: only the router's key reaches a worker's control socket.)
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: Timeline's inbox, pickup and emit stamps (the TTFT phases)
+# 2: Timeline's inbox, pickup and emit stamps (the TTFT phases); 3: envelopes with the incarnation, bounds
+PROTOCOL_VERSION = 3
 ROLES = ("prefill", "decode", "colocated")
 # Register.transport and .mode take these (workers/transfer/base.py implements them; a test holds the
 # two lists equal); here so the router, torch-free, can name them
@@ -44,21 +55,44 @@ class ProtocolError(ValueError):
     """A frame that is not a message of this protocol (or of this direction)."""
 
 
+# ---- bounds: what a field may hold, checked when a frame is decoded ------------------------------
+
+MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
+MAX_INT32 = 2**31 - 1
+MAX_COUNT = 2**40  # blocks, bytes of KV, free blocks: far above any pool
+MAX_PROMPT_TOKENS = 1 << 21
+# temperatures below this sample the top token with probability 1 to float32 precision; dividing
+# logits by them overflows to inf (then NaN), so they are greedy (the same cut vLLM makes)
+MIN_TEMPERATURE = 1e-5
+
+Id = Annotated[str, msgspec.Meta(max_length=256)]  # worker and request ids
+Address = Annotated[str, msgspec.Meta(max_length=512)]
+Text = Annotated[str, msgspec.Meta(max_length=1 << 16)]  # error messages, reasons, token text
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
+Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
 class Sampling(msgspec.Struct, frozen=True):
     """Sampling parameters on the wire (mirrors workers.engine.request.SamplingParams)."""
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = []
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] = 0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
+    stop: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=16)] = []
     ignore_eos: bool = False
 
     def to_params(self):
         from workers.engine.request import SamplingParams
 
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return SamplingParams(max_tokens=self.max_tokens, temperature=temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=list(self.stop), ignore_eos=self.ignore_eos)
 
 
@@ -79,76 +113,76 @@ class Timeline(msgspec.Struct, frozen=True):
 
 class Register(msgspec.Struct, tag="register", frozen=True):
     version: int
-    worker_id: str
-    role: str
-    address: str  # this worker's control endpoint (router PUSHes here)
-    model: str
-    max_model_len: int
-    block_size: int
-    num_blocks: int  # blocks requests can get (the pool may hold a few more for the engine itself)
-    free_blocks: int
-    device: str
-    dtype: str
-    pid: int
-    transport: str | None = None  # prefill and decode
-    mode: str | None = None
-    kv_address: str | None = None  # decode: where senders reach its KV receiver
+    worker_id: Id
+    role: Annotated[str, msgspec.Meta(max_length=32)]
+    address: Address  # this worker's control endpoint (router PUSHes here)
+    model: Address
+    max_model_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    num_blocks: Count  # blocks requests can get (the pool may hold a few more for the engine itself)
+    free_blocks: Count
+    device: Annotated[str, msgspec.Meta(max_length=64)]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    pid: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
+    transport: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # prefill and decode
+    mode: Annotated[str, msgspec.Meta(max_length=32)] | None = None
+    kv_address: Address | None = None  # decode: where senders reach its KV receiver
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
-    worker_id: str
-    address: str
-    free_blocks: int
-    queue_depth: int  # requests waiting on this worker (not yet running)
-    running: int  # requests running (decoding) on this worker
+    worker_id: Id
+    address: Address
+    free_blocks: Count
+    queue_depth: Count  # requests waiting on this worker (not yet running)
+    running: Count  # requests running (decoding) on this worker
     sent_at: float  # time.time()
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
-    worker_id: str
-    reason: str
+    worker_id: Id
+    reason: Text
 
 
 class Reserved(msgspec.Struct, tag="reserved", frozen=True):
-    worker_id: str
-    request_id: str
-    block_ids: list[int]
-    kv_address: str
+    worker_id: Id
+    request_id: Id
+    block_ids: BlockIds
+    kv_address: Address
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
-    worker_id: str
-    request_id: str
-    first_token: int
+    worker_id: Id
+    request_id: Id
+    first_token: TokenId
     timeline: Timeline
     transfer_ms: float  # first copy issued -> last copy complete (sender's clock)
     transfer_exposed_ms: float  # prefill end -> last copy complete (this worker's clock): what TTFT pays
-    kv_bytes: int
-    copies: int
+    kv_bytes: Count
+    copies: Count
 
 
 class TokenOut(msgspec.Struct, frozen=True):
-    request_id: str
-    token_id: int
-    text: str
+    request_id: Id
+    token_id: TokenId
+    text: Text
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: Annotated[str, msgspec.Meta(max_length=32)] | None = None
     timeline: Timeline | None = None  # on the last token of a request
 
 
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):
-    worker_id: str
-    outputs: list[TokenOut]
+    worker_id: Id
+    outputs: Annotated[list[TokenOut], msgspec.Meta(max_length=1 << 16)]
 
 
 FAILURE_KINDS = ("invalid", "capacity", "transfer", "timeout", "aborted", "internal")
 
 
 class RequestFailed(msgspec.Struct, tag="request_failed", frozen=True):
-    worker_id: str
-    request_id: str
-    kind: str  # one of FAILURE_KINDS
-    error: str
+    worker_id: Id
+    request_id: Id
+    kind: Annotated[str, msgspec.Meta(max_length=32)]  # one of FAILURE_KINDS
+    error: Text
 
 
 # ---- router -> worker ------------------------------------------------------------------------
@@ -157,67 +191,94 @@ class RequestFailed(msgspec.Struct, tag="request_failed", frozen=True):
 class RegisterAck(msgspec.Struct, tag="register_ack", frozen=True):
     version: int
     ok: bool
-    heartbeat_interval_s: float = 1.0
-    error: str | None = None
-    retry: bool = False  # ok=False: True = register again (router restarted), False = refused, exit
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 1.0
+    error: Text | None = None
+    retry: bool = False  # ok=False: True = register again (router restarted, id busy), False = refused, exit
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
-    request_id: str
-    prompt_ids: list[int]
+    request_id: Id
+    prompt_ids: TokenIds
     sampling: Sampling
 
 
 class Reserve(msgspec.Struct, tag="reserve", frozen=True):
-    request_id: str
-    prompt_ids: list[int]  # decode keeps the prompt to continue it (adopt)
+    request_id: Id
+    prompt_ids: TokenIds  # decode keeps the prompt to continue it (adopt)
     sampling: Sampling
-    deadline_s: float  # from receipt: blocks come back if the KV has not landed by then
+    deadline_s: Seconds  # from receipt: blocks come back if the KV has not landed by then
 
 
 class Prefill(msgspec.Struct, tag="prefill", frozen=True):
-    request_id: str
-    prompt_ids: list[int]
+    request_id: Id
+    prompt_ids: TokenIds
     sampling: Sampling
-    decode_worker: str
-    kv_address: str  # the decode worker's KV receiver
-    dst_blocks: list[int]
-    deadline_s: float  # from receipt: give up (and free the blocks) if not transferred by then
+    decode_worker: Id
+    kv_address: Address  # the decode worker's KV receiver
+    dst_blocks: BlockIds
+    deadline_s: Seconds  # from receipt: give up (and free the blocks) if not transferred by then
 
 
 class Connect(msgspec.Struct, tag="connect", frozen=True):
-    decode_worker: str
-    kv_address: str
+    decode_worker: Id
+    kv_address: Address
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
-    request_id: str
-    reason: str
+    request_id: Id
+    reason: Text
 
 
 ToRouter = Union[Register, Heartbeat, Goodbye, Reserved, PrefillDone, Tokens, RequestFailed]
 ToWorker = Union[RegisterAck, Generate, Reserve, Prefill, Connect, Abort]
 
+
+# ---- envelopes: every frame, each direction ------------------------------------------------------
+
+
+class FromWorker(msgspec.Struct, frozen=True):
+    incarnation: Incarnation  # the sending process's, drawn at its start
+    msg: ToRouter
+
+
+class FromRouter(msgspec.Struct, frozen=True):
+    incarnation: Incarnation  # the addressee's: a worker drops frames meant for another process
+    msg: ToWorker
+
+
 _encoder = msgspec.msgpack.Encoder()
-_to_router = msgspec.msgpack.Decoder(ToRouter)
-_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_to_router = msgspec.msgpack.Decoder(FromWorker)
+_to_worker = msgspec.msgpack.Decoder(FromRouter)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_to_router(frame: bytes) -> ToRouter:
+def from_worker(incarnation: str, msg: ToRouter) -> bytes:
+    return _encoder.encode(FromWorker(incarnation, msg))
+
+
+def from_router(incarnation: str, msg: ToWorker) -> bytes:
+    return _encoder.encode(FromRouter(incarnation, msg))
+
+
+def decode_to_router(frame: bytes) -> FromWorker:
     try:
         return _to_router.decode(frame)
-    except msgspec.DecodeError as e:
-        raise ProtocolError(f"bad worker->router frame ({len(frame)} bytes): {e}; "
-                            f"is the worker running pdserve protocol version {PROTOCOL_VERSION}?") from e
+    except msgspec.DecodeError as e:  # ValidationError (a bound, a type) is one too
+        raise ProtocolError(f"bad worker->router frame ({len(frame)} bytes): {_short(e)}; "
+                            f"is the worker running pdserve protocol version {PROTOCOL_VERSION}?") from None
 
 
-def decode_to_worker(frame: bytes) -> ToWorker:
+def decode_to_worker(frame: bytes) -> FromRouter:
     try:
         return _to_worker.decode(frame)
     except msgspec.DecodeError as e:
-        raise ProtocolError(f"bad router->worker frame ({len(frame)} bytes): {e}; "
-                            f"is the router running pdserve protocol version {PROTOCOL_VERSION}?") from e
+        raise ProtocolError(f"bad router->worker frame ({len(frame)} bytes): {_short(e)}; "
+                            f"is the router running pdserve protocol version {PROTOCOL_VERSION}?") from None
+
+
+def _short(e: Exception) -> str:
+    text = str(e)
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -6,7 +6,13 @@
       main thread     take what the inbox holds -> role.handle(msg, arrived); role.tick() (engine
                       steps, prefills, transfers); every engine and transport call happens here
       heartbeat thread  Register until the router acknowledges, then Heartbeat every interval
-                      (free KV blocks, queue depth); it only reads counters, never the engine
+                      (free KV blocks, queue depth); it only reads counters, never the engine; it
+                      also watches its CURVE handshakes: a router that refuses our key (or holds
+                      another key than the one we have for it) stops this worker with that reason
+
+Who is obeyed: the control socket is a CURVE server whose Gate lets in only the router's public key
+(workers/auth.py), and every frame carries the incarnation id this process drew at start; frames for
+another incarnation, or that do not decode, are dropped, counted and logged at most once per interval.
 
 Why a thread for the inbox: a message that lands while the main thread runs a step (a long prefill,
 a decode batch) would otherwise sit unread, and unstamped, until the step ends; that wait is the
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import threading
@@ -36,6 +43,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from workers import auth
 from workers import protocol as P
 from workers.engine.config import EngineConfig
 from workers.transfer.base import TransferConfig
@@ -43,6 +51,7 @@ from workers.transfer.base import TransferConfig
 log = logging.getLogger("pdserve.worker")
 
 IDLE_POLL_MS = 50  # nothing to do: wake up this often to notice a stop request
+MAX_CONTROL_FRAME = 64 * 2**20  # bytes; a Generate of the longest prompt is a few MB
 
 
 @dataclass
@@ -54,6 +63,7 @@ class WorkerConfig:
     router: str = "tcp://127.0.0.1:7100"  # the router's registration endpoint
     advertise_host: str | None = None  # host the router should use when `control` binds a wildcard
     worker_id: str | None = None  # default: <role>-<host>-<pid>
+    keys: auth.WorkerKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
 
     def __post_init__(self):
         if self.role not in P.ROLES:
@@ -63,18 +73,24 @@ class WorkerConfig:
 
 
 class RouterLink:
-    """The PUSH socket to the router; sends never block the loop (a gone router drops messages)."""
+    """The PUSH socket to the router; sends never block the loop (a gone router drops messages).
+    With `watch`, its failed CURVE handshakes can be read from `.watch` (the heartbeat thread's link)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str):
+    def __init__(self, ctx: zmq.Context, endpoint: str, incarnation: str, keys: auth.WorkerKeys | None,
+                 watch: bool = False):
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        if keys is not None:
+            auth.connect_curve(self.sock, keys.worker, keys.router_public)
+        self.watch = auth.HandshakeWatch(self.sock, server=False) if watch and keys is not None else None
         self.sock.connect(endpoint)
         self.endpoint = endpoint
+        self.incarnation = incarnation
 
     def send(self, msg) -> bool:
         try:
-            self.sock.send(P.encode(msg), zmq.NOBLOCK)
+            self.sock.send(P.from_worker(self.incarnation, msg), zmq.NOBLOCK)
             return True
         except zmq.Again:
             log.error("router at %s is not taking messages (queue full); dropped %s", self.endpoint,
@@ -82,15 +98,26 @@ class RouterLink:
             return False
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.sock.close()
 
 
 class Inbox:
-    """The control socket (PULL), read by its own thread: every frame is stamped on arrival."""
+    """The control socket (PULL), read by its own thread: every frame is stamped on arrival.
+    With keys, a CURVE server whose Gate lets in the router's key only (answered by the same thread)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, advertise_host: str | None):
+    def __init__(self, ctx: zmq.Context, endpoint: str, advertise_host: str | None, keys: auth.WorkerKeys | None,
+                 throttle: auth.Throttle):
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME)  # a bigger frame drops its connection
+        self.gate = self.watch = None
+        self.throttle = throttle
+        if keys is not None:
+            self.gate = auth.Gate(ctx, keys.control_gate(), "control socket", throttle)
+            auth.serve_curve(self.sock, keys.worker)
+            self.watch = auth.HandshakeWatch(self.sock, server=True)
         self.address = bind_endpoint(self.sock, endpoint, advertise_host)
         self._frames: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -114,10 +141,19 @@ class Inbox:
     def _read(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        for extra in (self.gate, self.watch):
+            if extra is not None:
+                poller.register(extra.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(IDLE_POLL_MS):  # wake up now and then to notice close()
+                ready = dict(poller.poll(IDLE_POLL_MS))  # wake up now and then to notice close()
+                if not ready:
                     continue
+                if self.gate is not None and self.gate.sock in ready:
+                    self.gate.answer()
+                if self.watch is not None and self.watch.sock in ready:
+                    for why in self.watch.failures():
+                        self.throttle("handshake", logging.WARNING, "control socket: %s", why)
                 while True:
                     try:
                         frame = self.sock.recv(zmq.NOBLOCK)
@@ -125,13 +161,20 @@ class Inbox:
                         break
                     self._frames.put((time.monotonic(), frame))
         finally:
+            if self.watch is not None:
+                self.watch.close()
+            if self.gate is not None:
+                self.gate.close()
             self.sock.close()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        else:  # never started: the socket is still ours
+        else:  # never started: the sockets are still ours
+            for extra in (self.watch, self.gate):
+                if extra is not None:
+                    extra.close()
             self.sock.close()
 
 
@@ -155,6 +198,8 @@ class Worker:
 
         self.cfg = cfg
         self.worker_id: str = cfg.worker_id
+        self.incarnation = secrets.token_hex(16)  # this process; the router binds our id to it
+        self.throttle = auth.Throttle(log)
         if engine is None:
             from workers.engine.engine import Engine
 
@@ -165,9 +210,9 @@ class Worker:
                     log.info("%s: decode graphs captured in %.1f s", cfg.worker_id, spent)
         self.engine = engine
         self.ctx = zmq.Context()
-        self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host)
+        self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host, cfg.keys, self.throttle)
         self.address = self.inbox.address
-        self.router = RouterLink(self.ctx, cfg.router)
+        self.router = RouterLink(self.ctx, cfg.router, self.incarnation, cfg.keys)
         self.role = make_role(cfg.role, self)
         self.registered = threading.Event()
         self.heartbeat_interval_s = 1.0
@@ -233,9 +278,14 @@ class Worker:
 
     def _on_frame(self, arrived: float, frame: bytes) -> None:
         try:
-            msg = P.decode_to_worker(frame)
+            envelope = P.decode_to_worker(frame)
         except P.ProtocolError as e:
-            log.error("%s: dropped a message: %s", self.worker_id, e)
+            self.throttle("bad_frame", logging.ERROR, "%s: dropped a message: %s", self.worker_id, e)
+            return
+        msg = envelope.msg
+        if envelope.incarnation != self.incarnation:  # for an earlier process under our id, or forged
+            self.throttle("stranger", logging.WARNING, "%s: dropped a %s addressed to another incarnation of "
+                          "this worker id", self.worker_id, type(msg).__name__)
             return
         if isinstance(msg, P.RegisterAck):
             self._on_register_ack(msg)
@@ -249,22 +299,42 @@ class Worker:
                 log.info("%s: registered with the router (heartbeat every %.2fs)", self.worker_id,
                          ack.heartbeat_interval_s)
             self.registered.set()
-        elif ack.retry:  # the router restarted and forgot us: register again
-            log.warning("%s: router asks to register again (%s)", self.worker_id, ack.error)
+        elif ack.retry:  # the router restarted and forgot us, or our id is still held: register again
+            self.throttle("retry", logging.WARNING, "%s: router asks to register again (%s)", self.worker_id,
+                          ack.error)
             self.registered.clear()
         else:
             self.fatal_error = f"the router refused this worker: {ack.error}"
             self.stop(self.fatal_error)
 
     def _heartbeat_loop(self) -> None:
-        link = RouterLink(self.ctx, self.cfg.router)
+        link = RouterLink(self.ctx, self.cfg.router, self.incarnation, self.cfg.keys, watch=True)
         try:
             while not self._stop.is_set():
                 link.send(self.heartbeat() if self.registered.is_set() else self.registration())
-                self._stop.wait(self.heartbeat_interval_s)
+                if self._wait_watching(link, self.heartbeat_interval_s):
+                    return
             link.send(P.Goodbye(self.worker_id, self._stop_reason))
         finally:
             link.close()
+
+    def _wait_watching(self, link: RouterLink, seconds: float) -> bool:
+        """Wait (until stop) while watching the link's handshakes; True if the router refused us."""
+        end = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+            if link.watch is None:
+                self._stop.wait(left)
+                continue
+            if not link.watch.sock.poll(min(left, IDLE_POLL_MS / 1e3) * 1e3):
+                continue
+            failures = link.watch.failures()
+            if failures:
+                self.fatal_error = (f"the router at {link.endpoint} refused this worker at connect: {failures[0]}; "
+                                    "start it with --keys set to the worker folder of the router's deployment "
+                                    "(`pdserve keygen DIR` wrote DIR/worker)")
+                self.stop(self.fatal_error)  # run() logs it on the way out
+                return True
+        return False
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,328 @@
+"""Who may talk to whom on the control plane: CURVE keys, the ZAP gate, handshake failures, throttled logs.
+
+A deployment is one router and its workers. Two CURVE key pairs (ZeroMQ's Curve25519) per deployment:
+
+    router key   the router's own; workers take orders only from its public key
+    worker key   shared by every worker; the router lets in only its public key, and so does a decode
+                 worker's KV receiver (prefill workers are its clients)
+
+Sockets (server = the side that binds; its Gate answers libzmq's ZAP requests):
+    router   register PULL          server, router key; Gate lets in the worker key
+    worker   control PULL           server, worker key; Gate lets in the router key only
+    decode   KV receiver ROUTER     server, worker key; Gate lets in the worker key
+    clients  router -> worker PUSH, worker -> router PUSH, prefill -> decode DEALER: each checks the
+             server's public key in the handshake, so a process without the matching secret key cannot
+             pose as the router or a worker, and everything after the handshake is encrypted
+
+Key files (`pdserve keygen DIR`), in ZeroMQ's certificate format; secret files 0600 in 0700 folders:
+    DIR/router/router.key_secret  DIR/router/worker.key    stays on the router's machine
+    DIR/worker/worker.key_secret  DIR/worker/router.key    copied to every worker machine
+`pdserve` (router with its workers) makes fresh keys for each run and writes only the worker folder,
+inside its private run directory.
+
+Rules for every loop that reads a socket: a failure of someone else's making (a refused key, a junk
+frame) is counted and logged through a Throttle (one line per kind per interval, with how many it left
+out), and no state is kept per unknown peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger("pdserve.auth")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks every CURVE server socket of a context
+ROUTER_SECRET, ROUTER_PUBLIC = "router.key_secret", "router.key"
+WORKER_SECRET, WORKER_PUBLIC = "worker.key_secret", "worker.key"
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class KeyFileError(ValueError):
+    """Key files missing, malformed or readable by others."""
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    public: bytes  # z85, 40 bytes
+    secret: bytes = field(repr=False)  # z85, 40 bytes; never in a repr or a log
+
+    @classmethod
+    def generate(cls) -> "KeyPair":
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+
+@dataclass(frozen=True)
+class RouterKeys:
+    router: KeyPair
+    worker_public: bytes
+
+    def gate(self) -> dict[bytes, str]:
+        return {self.worker_public: "worker"}
+
+
+@dataclass(frozen=True)
+class WorkerKeys:
+    worker: KeyPair
+    router_public: bytes
+
+    def control_gate(self) -> dict[bytes, str]:
+        return {self.router_public: "router"}
+
+    def kv_gate(self) -> dict[bytes, str]:
+        return {self.worker.public: "worker"}
+
+
+def new_deployment() -> tuple[RouterKeys, WorkerKeys]:
+    router, worker = KeyPair.generate(), KeyPair.generate()
+    return RouterKeys(router, worker.public), WorkerKeys(worker, router.public)
+
+
+def write_router_keys(folder: str | Path, keys: RouterKeys) -> Path:
+    folder = _private_folder(folder)
+    _write_cert(folder / ROUTER_SECRET, keys.router.public, keys.router.secret)
+    _write_cert(folder / WORKER_PUBLIC, keys.worker_public)
+    return folder
+
+
+def write_worker_keys(folder: str | Path, keys: WorkerKeys) -> Path:
+    folder = _private_folder(folder)
+    _write_cert(folder / WORKER_SECRET, keys.worker.public, keys.worker.secret)
+    _write_cert(folder / ROUTER_PUBLIC, keys.router_public)
+    return folder
+
+
+def keygen(folder: str | Path) -> tuple[Path, Path]:
+    """A new deployment's key folders under `folder`: (router folder, worker folder)."""
+    router, worker = new_deployment()
+    base = Path(folder)
+    return write_router_keys(base / "router", router), write_worker_keys(base / "worker", worker)
+
+
+def load_router_keys(folder: str | Path) -> RouterKeys:
+    folder = Path(folder)
+    public, secret = _read_cert(folder / ROUTER_SECRET, secret=True, made_by="pdserve keygen DIR; pass DIR/router")
+    worker_public, _ = _read_cert(folder / WORKER_PUBLIC, secret=False, made_by="pdserve keygen DIR; pass DIR/router")
+    return RouterKeys(KeyPair(public, secret), worker_public)
+
+
+def load_worker_keys(folder: str | Path) -> WorkerKeys:
+    folder = Path(folder)
+    public, secret = _read_cert(folder / WORKER_SECRET, secret=True, made_by="pdserve keygen DIR; pass DIR/worker")
+    router_public, _ = _read_cert(folder / ROUTER_PUBLIC, secret=False, made_by="pdserve keygen DIR; pass DIR/worker")
+    return WorkerKeys(KeyPair(public, secret), router_public)
+
+
+def _private_folder(folder: str | Path) -> Path:
+    folder = Path(folder)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+def _write_cert(path: Path, public: bytes, secret: bytes | None = None) -> None:
+    """ZeroMQ's certificate format (zmq.auth.load_certificate reads it); created 0600, never overwritten."""
+    text = ["#   pdserve CURVE " + ("secret key pair: keep it private (0600)" if secret else "public key"),
+            "metadata", "curve", f'    public-key = "{public.decode()}"']
+    if secret:
+        text.append(f'    secret-key = "{secret.decode()}"')
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise KeyFileError(f"{path} exists; pdserve keygen does not overwrite keys: pick an empty folder") from None
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(text) + "\n")
+
+
+def _read_cert(path: Path, secret: bool, made_by: str) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise KeyFileError(f"no key file {path}; make the key folders with `{made_by}`")
+    if secret:
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise KeyFileError(f"{path} holds a secret key but is readable by others or not yours "
+                            f"(mode {stat.filemode(st.st_mode)}); chmod 600 {path}")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except ValueError as e:
+        raise KeyFileError(f"{path} is not a CURVE key file ({e}); make it with `{made_by}`") from None
+    for name, key in (("public", public), ("secret", secret_key)):
+        if key is not None and (len(key) != 40 or len(_z85_decode(key, path)) != 32):
+            raise KeyFileError(f"{path}: the {name} key is not a 40-character Z85 CURVE key")
+    if secret and secret_key is None:
+        raise KeyFileError(f"{path} holds no secret key; make the key folders with `{made_by}`")
+    return public, secret_key
+
+
+def _z85_decode(key: bytes, path: Path) -> bytes:
+    try:
+        return z85.decode(key)
+    except (ValueError, KeyError):
+        raise KeyFileError(f"{path}: a key is not valid Z85") from None
+
+
+# ---- sockets ------------------------------------------------------------------------------------
+
+
+def serve_curve(sock: zmq.Socket, pair: KeyPair) -> None:
+    """Make `sock` a CURVE server (before bind); its context needs a Gate first."""
+    sock.curve_secretkey = pair.secret
+    sock.curve_publickey = pair.public
+    sock.curve_server = True
+
+
+def connect_curve(sock: zmq.Socket, pair: KeyPair, server_public: bytes) -> None:
+    """Make `sock` a CURVE client (before connect) of the server holding `server_public`'s secret."""
+    sock.curve_secretkey = pair.secret
+    sock.curve_publickey = pair.public
+    sock.curve_serverkey = server_public
+
+
+class Gate:
+    """The ZAP handler of one ZMQ context: a CURVE client gets in if its public key is in `allowed`
+    (the name becomes the connection's User-Id); any other is refused and logged (throttled).
+
+    Bind it before the context's server sockets; answer it from the thread that polls them
+    (poll `gate.sock`, call `answer()` when readable): libzmq holds a handshake until the answer."""
+
+    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str], where: str, throttle: "Throttle"):
+        self.allowed, self.where, self.throttle = dict(allowed), where, throttle
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(ZAP_ENDPOINT)
+        self.refused = 0
+
+    def answer(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 6:  # not a ZAP request; a REP socket must still answer to go on
+                self.sock.send_multipart([b"1.0", b"", b"500", b"malformed ZAP request", b"", b""])
+                continue
+            version, request_id, _domain, address, _identity, mechanism, *creds = frames
+            key = z85.encode(creds[0]) if mechanism == b"CURVE" and creds and len(creds[0]) == 32 else None
+            name = self.allowed.get(key) if key is not None else None
+            if name is not None:
+                self.sock.send_multipart([version, request_id, b"200", b"OK", name.encode(), b""])
+                continue
+            self.refused += 1
+            who = address.decode(errors="replace") or "a local peer"
+            why = (f"its CURVE key {key.decode()} is not one this socket accepts ({' or '.join(self.allowed.values())} "
+                   f"key of this deployment)" if key else f"it offers {mechanism.decode(errors='replace')}, not CURVE")
+            self.throttle("refused", logging.WARNING, "%s: refused a connection from %s: %s", self.where, who, why)
+            self.sock.send_multipart([version, request_id, b"400", b"key not allowed", b"", b""])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class HandshakeWatch:
+    """A socket's failed CURVE handshakes (a monitor socket: poll `.sock`, read `failures()`)."""
+
+    def __init__(self, sock: zmq.Socket, server: bool):
+        self.server = server
+        self._watched = sock
+        self.sock = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+
+    def failures(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                if not self.sock.poll(0):
+                    return out
+                event = recv_monitor_message(self.sock, zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return out
+            why = describe_failure(int(event["event"]), int(event["value"]), self.server)
+            if why is not None:
+                out.append(why)
+
+    def close(self) -> None:
+        try:
+            self._watched.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.sock.close(linger=0)
+
+
+def describe_failure(event: int, value: int, server: bool) -> str | None:
+    """What a failed handshake means, in words; None where the Gate has said it already (server side)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return None if server else (f"the other side refused this process's CURVE key (ZAP status {value}): this "
+                                    "process does not hold the key of this deployment that it accepts")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return ("a peer without CURVE (plain ZMQ) was refused: not a pdserve process of this deployment, or one "
+                "started without its keys" if server else "the other side does not use CURVE: it is not a pdserve "
+                "process of this deployment (or runs without keys)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return ("a peer encrypted for another server key: its copy of this side's public key is not this "
+                "deployment's" if server else "the other side could not prove it holds the secret key it should")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not server:
+        return ("the other side dropped the CURVE handshake: its key is not the public key this process has "
+                "for it (keys from another `pdserve keygen`?), or it is not a pdserve process")
+    return f"a CURVE handshake failed (event {event:#x}, code {value:#x})"
+
+
+# ---- throttled logging --------------------------------------------------------------------------
+
+
+class Throttle:
+    """Counts events by kind and logs the first of a kind at once, then at most one line per
+    `every_s` seconds, saying how many it left out. Kinds are fixed strings, never peer names,
+    so its state is bounded whoever sends what."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self.logger, self.every_s = logger, every_s
+        self.counts: Counter[str] = Counter()
+        self._last: dict[str, float] = {}
+        self._skipped: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, level: int, msg: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.counts[kind] += 1
+            last = self._last.get(kind)
+            if last is not None and now - last < self.every_s:
+                self._skipped[kind] += 1
+                return
+            skipped = self._skipped.pop(kind, 0)
+            self._last[kind] = now
+        if skipped:
+            msg += f" (and {skipped} more like it in the last {now - last:.0f} s)"
+        self.logger.log(level, msg, *args)
+
+
+class TokenBucket:
+    """At most `rate` events a second on average, `burst` at once (what the router answers unknown peers with)."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, float(burst)
+        self._tokens, self._at = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
