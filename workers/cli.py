@@ -36,8 +36,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per step; each step also carries every running request's next token")
     g.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                    help="prefill whole prompts in steps of their own (running requests wait for them)")
-    g.add_argument("--attention", default="auto", choices=["auto", "reference"],
-                   help="auto: Triton paged kernels on CUDA; reference: gather + SDPA (CPU always)")
+    g.add_argument("--attention", default="auto", choices=["auto", "triton", "reference"],
+                   help="auto: Triton paged decode + flash over gathered prefixes on CUDA; triton: Triton for prefixes too; reference: gather + SDPA (CPU always)")
     g.add_argument("--no-compile", dest="compile", action="store_false",
                    help="CUDA: run decoder layers eagerly (no torch.compile, no fused Q/K/V)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")

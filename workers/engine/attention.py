@@ -13,9 +13,12 @@ Per layer:
   1. write the step's new K/V into the pool at their slots (two index_copy_ calls);
   2. tell the transfer, if any, that this layer's K/V are in place (`on_layer`);
   3. attend (the `attention_mask` argument is the runner's placeholder and is ignored).
-     decode and prefix rows read the pool in place: on CUDA through the Triton kernels in
-     paged_kernel.py; elsewhere (CPU, tests) through the reference below, which gathers a
-     request's blocks and runs SDPA over them. Fresh rows run SDPA over the chunk's own K/V
+     decode rows read the pool in place: on CUDA through the Triton kernel in paged_kernel.py;
+     elsewhere (CPU, tests) through the reference below, which gathers a request's blocks and
+     runs SDPA over them. Prefix rows gather their request's blocks (one copy of the context,
+     small beside the chunk's arithmetic) and run SDPA with a causal mask aligned to the last
+     key: flash attention on CUDA. (paged_kernel's prefill reads the pool in place instead;
+     `attention="triton"` picks it; on the H200 flash was faster, see bench/engine_bench.py.) Fresh rows run SDPA over the chunk's own K/V
      (flash attention on CUDA), exactly as transformers' own prefill does.
 """
 
@@ -27,6 +30,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 ATTN_NAME = "pdserve_paged"
 
@@ -37,7 +41,8 @@ class StepState:
     k_slots: torch.Tensor | None = None  # [T] int64 row in a layer viewed as [blocks*2*block_size, kv_heads, head_dim]
     v_slots: torch.Tensor | None = None  # [T]
     on_layer: Callable[[int], None] | None = None
-    kernels: bool = False  # attend through paged_kernel (CUDA) instead of the reference path
+    kernels: bool = False  # decode rows through paged_kernel (CUDA) instead of the reference path
+    prefix_kernel: bool = False  # prefix rows through paged_kernel too (else gathered, then SDPA: flash on CUDA)
     # decode rows [0, num_decode)
     num_decode: int = 0
     table: torch.Tensor | None = None  # [num_decode, max_blocks] block ids
@@ -110,7 +115,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out[a:b] = F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                   is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
     if step.prefix:
-        if kernels is not None:
+        if kernels is not None and step.prefix_kernel:
             kernels.paged_prefill(q, pool_layer, step.prefix_table, step.prefix_tiles, scale, out)
         else:
             for seq, row, n, pos in step.prefix:
@@ -152,7 +157,9 @@ def reference_prefix(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Ten
     """q: [n, H, D], query tokens at positions pos..pos+n-1 of one request, causal over its blocks -> [n, H, D]."""
     n = q.shape[0]
     k, v = gather(pool_layer, table, pos + n)  # [KVH, pos + n, D]
-    mask = torch.arange(pos + n, device=q.device)[None, :] <= (pos + torch.arange(n, device=q.device))[:, None]
+    # causal aligned to the last key: query i sees keys [0, pos + i]; SDPA runs this as flash
+    # attention on CUDA (GQA included), a materialised mask elsewhere
+    mask = causal_lower_right(n, pos + n)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0).to(q.dtype),
                                          v.unsqueeze(0).to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -23,7 +23,9 @@ class EngineConfig:
     chunk_tokens: int = 512  # prompt tokens per step with chunked_prefill
     kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
     max_model_len: int | None = None  # default: the model's own limit
-    attention: str = "auto"  # "auto": the Triton kernels on CUDA where Triton is installed; "reference": gather + SDPA
+    # "auto": CUDA decodes through the Triton kernel, prefix chunks gathered + flash SDPA; "triton":
+    # prefix chunks through the Triton kernel too; "reference": gather + SDPA for everything (CPU always)
+    attention: str = "auto"
     compile: bool = True  # CUDA: torch.compile each decoder layer around attention (fused norms, rotary, MLP)
     fuse_qkv: bool = True  # CUDA: one Q/K/V projection instead of three (fusion.py)
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
@@ -39,8 +41,8 @@ class EngineConfig:
             raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
         if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0 or self.chunk_tokens <= 0:
             raise ValueError("max_num_seqs, max_batched_tokens and chunk_tokens must be positive")
-        if self.attention not in ("auto", "reference"):
-            raise ValueError(f"attention must be auto or reference, got {self.attention!r}")
+        if self.attention not in ("auto", "triton", "reference"):
+            raise ValueError(f"attention must be auto, triton or reference, got {self.attention!r}")
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device} asked for, but this machine has no CUDA GPU; use --device cpu")

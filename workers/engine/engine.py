@@ -68,7 +68,8 @@ class Engine:
                                    config.chunked_prefill, config.chunk_tokens)
         self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs,
-                                  kernels=config.attention == "auto" and attention.use_kernels(self.device),
+                                  kernels=config.attention != "reference" and attention.use_kernels(self.device),
+                                  prefix_kernel=config.attention == "triton",
                                   compile_layers=config.compile and self.device.type == "cuda",
                                   fuse_qkv=config.fuse_qkv and self.device.type == "cuda")
         self.sampler = Sampler(self.device)

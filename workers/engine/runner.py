@@ -40,13 +40,14 @@ def compile_decoder_layers(model) -> None:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, block_size: int, scratch_block: int,
                  max_num_seqs: int, max_model_len: int, cuda_graphs: bool, kernels: bool = False,
-                 compile_layers: bool = False, fuse_qkv: bool = False):
+                 compile_layers: bool = False, fuse_qkv: bool = False, prefix_kernel: bool = False):
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.scratch_block = scratch_block  # padding rows of a graphed batch write here
         self.device = kv.device
-        self.kernels = kernels  # attention through paged_kernel (CUDA), else the reference path
+        self.kernels = kernels  # decode attention through paged_kernel (CUDA), else the reference path
+        self.prefix_kernel = kernels and prefix_kernel  # prefix chunks through paged_kernel too
         model.config._attn_implementation = attention.register()
         for sub in model.modules():  # some models keep a per-sub-module config
             cfg = getattr(sub, "config", None)
@@ -125,7 +126,7 @@ class ModelRunner:
             step.ctx_lens, step.max_ctx = torch.tensor(ctx, device=dev), max(ctx)
         if prefix_reqs:
             step.prefix_table = self.block_table(prefix_reqs).to(dev)
-            if self.kernels:
+            if self.prefix_kernel:
                 from workers.engine.paged_kernel import prefill_tiles
 
                 g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
@@ -163,6 +164,7 @@ class ModelRunner:
         """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32."""
         attention.STEP.pool = self.kv.pool
         attention.STEP.kernels = self.kernels
+        attention.STEP.prefix_kernel = self.prefix_kernel
         out = self.model(
             input_ids=ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
