@@ -41,6 +41,7 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from workers.auth import WorkerKeys
 from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer.protocol import PROTOCOL_VERSION  # noqa: F401  (re-exported)
 
@@ -85,6 +86,9 @@ class TransferConfig:
     # Tests only. "stall": the sender moves the data, then sends no done notice and fails at its
     # deadline. "drop_done": the sender moves the data and returns as if done, without the notice.
     fault: str | None = None
+    # the deployment's CURVE keys: the KV channel's sockets authenticate and encrypt (endpoint.py);
+    # None: plain sockets (tests and benches of the transports themselves)
+    keys: WorkerKeys | None = None
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:

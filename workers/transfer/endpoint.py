@@ -12,6 +12,11 @@ on the returned Future with a deadline. The loop:
     run the closures handed in, read the readable sockets, then `_tick()` (progress, deadlines)
 
 Subclasses implement `_setup`, `_on_readable(sock)`, `_tick() -> seconds until the next tick`, `_teardown`.
+
+With the deployment's keys (TransferConfig.keys) every KV channel socket is CURVE: a receiver's socket
+is a server (`_secure_server`, before bind) whose Gate, answered on this thread, lets in only the
+worker key; a sender's sockets are clients (`_secure_client`) that check the receiver holds it. Failed
+handshakes on a server are logged throttled; a client learns them from its monitor (sender.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import zmq
 
+from workers import auth
 from workers.transfer.base import TransferError
 
 log = logging.getLogger("pdserve.transfer")
@@ -36,8 +42,12 @@ NOW_S = 50e-6
 
 
 class Endpoint:
-    def __init__(self, name: str):
+    def __init__(self, name: str, keys: auth.WorkerKeys | None = None):
         self._name = name
+        self._keys = keys
+        self._throttle = auth.Throttle(log)
+        self._gate: auth.Gate | None = None
+        self._watches: dict[zmq.Socket, auth.HandshakeWatch] = {}  # monitor socket -> its watch (servers)
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
         self._calls: collections.deque = collections.deque()
@@ -59,6 +69,31 @@ class Endpoint:
         return IDLE_S
 
     def _teardown(self) -> None: ...
+
+    def _secure_server(self, sock: zmq.Socket) -> None:
+        """I/O thread, before bind: with keys, `sock` takes only CURVE clients holding the worker key."""
+        if self._keys is None:
+            return
+        if self._gate is None:
+            self._gate = auth.Gate(self._ctx, self._keys.kv_gate(), self._name, self._throttle)
+            self._poller.register(self._gate.sock, zmq.POLLIN)
+        auth.serve_curve(sock, self._keys.worker)
+        watch = auth.HandshakeWatch(sock, server=True)
+        self._watches[watch.sock] = watch
+        self._poller.register(watch.sock, zmq.POLLIN)
+
+    def _secure_client(self, sock: zmq.Socket) -> None:
+        """Before connect: with keys, `sock` talks only to a server holding the worker key."""
+        if self._keys is not None:
+            auth.connect_curve(sock, self._keys.worker, self._keys.worker.public)
+
+    def _close_security(self) -> None:
+        for watch in self._watches.values():
+            watch.close()
+        self._watches.clear()
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
 
     # ---- caller side ---------------------------------------------------------------------
 
@@ -116,6 +151,7 @@ class Endpoint:
         except BaseException as e:  # handed to the caller of _start()
             self._broken = f"start-up failed: {e}"
             self._ready.set_exception(e)
+            self._close_security()
             self._ctx.destroy(linger=0)
             return
         self._ready.set_result(None)
@@ -131,7 +167,14 @@ class Endpoint:
                         pass
                 self._run_calls()
                 for sock in ready:
-                    if sock is not self._wake_r:
+                    if sock is self._wake_r:
+                        continue
+                    if self._gate is not None and sock is self._gate.sock:
+                        self._gate.answer()
+                    elif sock in self._watches:
+                        for why in self._watches[sock].failures():
+                            self._throttle("handshake", logging.WARNING, "%s: %s", self._name, why)
+                    else:
                         self._on_readable(sock)
                 wait_s = self._tick()
                 if wait_s < 1e-3:
@@ -144,6 +187,7 @@ class Endpoint:
             try:
                 self._teardown()
             finally:
+                self._close_security()
                 self._ctx.destroy(linger=0)
 
     def _run_calls(self) -> None:

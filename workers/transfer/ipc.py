@@ -7,7 +7,11 @@ The decode pool is mapped ONCE per peer into the prefill process, at the handsha
           CUDA IPC only works between two processes (a process cannot open its own handle); the
           decode GPU may differ from the prefill GPU (peer access: the copies then go over NVLink).
     CPU   the decode engine keeps its pool in a /dev/shm file (kv_shared=True, KVCache.shm_path); the
-          sender maps it with torch.from_file(shared=True).
+          sender maps it (mmap, MAP_SHARED) only after checking it is one: named as KVCache names its
+          pools (/dev/shm/pdserve-kv-<pid>-<8 hex>), opened without following links, a regular file
+          with one link, owned by this user, exactly the size the handshake's layout needs. Anything
+          else is refused and never opened for writing, so a handshake cannot point the sender's
+          writes at another file.
 
 Copies, per paired run of blocks (plan.Plan.runs), never per block:
     bulk   finish(): one strided copy_ per run for all layers, dst[:, d:d+n] <- src[:, s:s+n]; on GPU
@@ -25,11 +29,15 @@ Nothing but the handshake, Begin/Accept and the done notice crosses the socket.
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import re
+import stat
 import time
 
 import torch
 
+from workers.engine.kv_cache import SHM_PREFIX
 from workers.transfer import protocol as P
 from workers.transfer.base import TransferError
 from workers.transfer.plan import Plan
@@ -37,6 +45,7 @@ from workers.transfer.receiver import ChannelReceiver
 from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
 
 PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: per-layer copies from this request size up
+POOL_NAME = re.compile(re.escape(SHM_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{8}")  # KVCache's names, nothing else
 SPIN_S = 2e-3  # finish(): spin this long on the side stream's event before napping between queries
 
 
@@ -85,22 +94,40 @@ class Sender(ChannelSender):
 
 
 def map_shm(info: P.ShmInfo, shape: tuple[int, ...], dtype: torch.dtype, address: str) -> torch.Tensor:
-    """Map a pool (or any tensor) another process keeps in a /dev/shm file."""
+    """Map the KV pool another pdserve process keeps in a /dev/shm file, once it is verified as one."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if not os.path.exists(info.path):
-        raise TransferError(f"decode worker at {address} keeps its pool in {info.path}, which this process cannot "
-                            "see; the workers must share /dev/shm (containers: --ipc=host or a shared volume)")
-    if info.nbytes != nbytes or os.path.getsize(info.path) < nbytes:
-        raise TransferError(f"decode worker at {address}: {info.path} holds {os.path.getsize(info.path)} bytes, "
-                            f"its layout needs {nbytes}")
-    return torch.from_file(info.path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+    refused = f"decode worker at {address} named {info.path!r} as its KV pool; refused: "
+    if not POOL_NAME.fullmatch(info.path):
+        raise TransferError(refused + f"not a pdserve pool name ({SHM_PREFIX}<pid>-<8 hex digits>)")
+    if info.nbytes != nbytes:
+        raise TransferError(refused + f"it says {info.nbytes} bytes, the layout it sent needs {nbytes}")
+    try:  # O_NOFOLLOW: a link planted under a pool's name is refused, not followed
+        fd = os.open(info.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise TransferError(refused + "this process cannot see it; the workers must share /dev/shm (containers: "
+                            "--ipc=host or a shared volume)") from None
+    except OSError as e:
+        raise TransferError(refused + f"it cannot be opened as a plain file ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise TransferError(refused + "not a regular file with a single name")
+        if st.st_uid != os.getuid():
+            raise TransferError(refused + f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+        if st.st_size != nbytes:
+            raise TransferError(refused + f"it holds {st.st_size} bytes, the layout needs {nbytes}")
+        mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the file; the tensor keeps the mapping
+    return torch.frombuffer(mapped, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def map_cuda(info: P.CudaIpcInfo, shape: tuple[int, ...], dtype: torch.dtype, address: str) -> torch.Tensor:
     """Open a CUDA allocation another process exported with _share_cuda_(), as a tensor of `shape`."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if info.size_bytes < nbytes:
-        raise TransferError(f"decode worker at {address} exported {info.size_bytes} bytes, its layout needs {nbytes}")
+    if info.size_bytes != nbytes:
+        raise TransferError(f"decode worker at {address} exported {info.size_bytes} bytes, its layout needs {nbytes}; "
+                            "refused")
     torch.cuda.init()
     try:
         storage = torch.UntypedStorage._new_shared_cuda(

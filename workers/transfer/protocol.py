@@ -15,24 +15,35 @@ Receiver -> sender:
     Cancel      the receiver stopped waiting (deadline, or the router gave up): stop writing, then Abort
 
 NIXL notifications (sender agent -> receiver agent, through NIXL itself) carry an XferNote.
+
+Every size, index and count is bounded at decode time (msgspec constraints: a frame outside them is a
+decode error, answered like any unreadable frame); the receiver then checks each against its own
+layout and the request's reservation (receiver.py), the sender each pool it is told to map (ipc.py).
 """
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
 
 from workers.engine.kv_cache import KVLayout
+from workers.protocol import MAX_COUNT, MAX_INT32, BlockIds, Count, Id, Text
+
+Small = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]  # layers, heads, head dim, block size
+Name = Annotated[str, msgspec.Meta(max_length=256)]  # hosts, agent names, paths
+Handle = Annotated[bytes, msgspec.Meta(max_length=256)]  # CUDA IPC handles (64 bytes in practice)
 
 PROTOCOL_VERSION = 1
 
 
 class Layout(msgspec.Struct, frozen=True):
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-    num_blocks: int
+    num_layers: Small
+    num_kv_heads: Small
+    head_dim: Small
+    dtype: Literal["float32", "float16", "bfloat16"]  # the keys of kv_cache.DTYPES
+    block_size: Small
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 
     @classmethod
     def of(cls, layout: KVLayout) -> "Layout":
@@ -50,31 +61,31 @@ class Layout(msgspec.Struct, frozen=True):
 class ShmInfo(msgspec.Struct, tag="shm"):
     """ipc on CPU: the pool is a /dev/shm file; map it with torch.from_file(shared=True)."""
 
-    path: str
-    nbytes: int
+    path: Name
+    nbytes: Count
 
 
 class CudaIpcInfo(msgspec.Struct, tag="cuda_ipc"):
     """ipc on GPU: the fields of torch's UntypedStorage._share_cuda_(), in its order."""
 
-    device: int
-    handle: bytes
-    size_bytes: int
-    offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
+    device: Annotated[int, msgspec.Meta(ge=0, le=1024)]
+    handle: Handle
+    size_bytes: Count
+    offset_bytes: Count
+    ref_counter_handle: Handle
+    ref_counter_offset: Count
+    event_handle: Handle
     event_sync_required: bool
 
 
 class NixlInfo(msgspec.Struct, tag="nixl"):
     """nixl: the receiver agent's metadata and where its registered pool starts."""
 
-    agent: str
-    metadata: bytes
-    base_addr: int
-    device_id: int
-    mem_type: str  # "DRAM" | "VRAM"
+    agent: Name
+    metadata: Annotated[bytes, msgspec.Meta(max_length=16 << 20)]
+    base_addr: Annotated[int, msgspec.Meta(ge=0)]  # up to 2**64 - 1 (msgpack)
+    device_id: Annotated[int, msgspec.Meta(ge=0, le=1024)]
+    mem_type: Literal["DRAM", "VRAM"]
 
 
 class ZmqInfo(msgspec.Struct, tag="zmq"):
@@ -89,78 +100,78 @@ TransportInfo = ShmInfo | CudaIpcInfo | NixlInfo | ZmqInfo
 
 class Hello(msgspec.Struct, tag="hello"):
     version: int
-    transport: str
-    host: str
+    transport: Annotated[str, msgspec.Meta(max_length=32)]
+    host: Name
     layout: Layout
-    sender: str  # a name for logs and errors
+    sender: Name  # a name for logs and errors
 
 
 class Welcome(msgspec.Struct, tag="welcome"):
     version: int
-    host: str
+    host: Name
     layout: Layout
     info: TransportInfo
 
 
 class Refused(msgspec.Struct, tag="refused"):
-    kind: str  # "version" | "transport" | "host" | "layout"
-    error: str
+    kind: Annotated[str, msgspec.Meta(max_length=32)]  # "version" | "transport" | "host" | "layout"
+    error: Text
 
 
 class Begin(msgspec.Struct, tag="begin"):
-    request_id: str
-    dst_blocks: list[int]
-    num_tokens: int
+    request_id: Id
+    dst_blocks: BlockIds
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
 
 
 class Accept(msgspec.Struct, tag="accept"):
-    request_id: str
+    request_id: Id
 
 
 class Reject(msgspec.Struct, tag="reject"):
-    request_id: str
-    error: str
+    request_id: Id
+    error: Text
 
 
 class Chunk(msgspec.Struct, tag="chunk"):
     """Header of one zmq data frame: blocks dst_start..dst_start+num_blocks-1 of `layer`
     (-1: all layers at once, as [num_layers, num_blocks, ...])."""
 
-    request_id: str
-    layer: int
-    dst_start: int
-    num_blocks: int
-    nbytes: int
+    request_id: Id
+    layer: Annotated[int, msgspec.Meta(ge=-1, le=1 << 16)]
+    dst_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+    nbytes: Count
 
 
 class Done(msgspec.Struct, tag="done"):
-    request_id: str
-    first_token: int
-    num_bytes: int
+    request_id: Id
+    first_token: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
+    num_bytes: Count
     started_at: float  # time.time() of the first copy issued
     finished_at: float  # time.time() when the last copy was seen complete
-    writes: int  # nixl: transfers posted (each sends one XferNote); zmq: chunks sent
+    writes: Count  # nixl: transfers posted (each sends one XferNote); zmq: chunks sent
 
 
 class Ack(msgspec.Struct, tag="ack"):
-    request_id: str
+    request_id: Id
     ok: bool
-    error: str | None = None
+    error: Text | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
-    request_id: str
-    reason: str
+    request_id: Id
+    reason: Text
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
-    request_id: str
-    reason: str
+    request_id: Id
+    reason: Text
 
 
 class XferNote(msgspec.Struct, tag="note"):
-    request_id: str
-    seq: int
+    request_id: Id
+    seq: Count
 
 
 ToReceiver = Hello | Begin | Chunk | Done | Abort

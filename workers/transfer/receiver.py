@@ -66,7 +66,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
 
     def __init__(self, kv: KVCache, cfg: TransferConfig):
         KVReceiver.__init__(self, kv, cfg)
-        Endpoint.__init__(self, f"kv-receiver-{self.transport}")
+        Endpoint.__init__(self, f"kv-receiver-{self.transport}", cfg.keys)
         self.layout = kv.layout
         self.host = socket.gethostname()
         self.address = ""
@@ -145,6 +145,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a sender that is gone raises EHOSTUNREACH
         sock.setsockopt(zmq.RCVHWM, 0)
+        self._secure_server(sock)  # CURVE with the deployment's keys (endpoint.py)
         if self.cfg.port:
             sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
             port = self.cfg.port

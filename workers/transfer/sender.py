@@ -12,7 +12,9 @@ Life cycle of a transfer (Transfer.state):
                                   none of our writes can still land
 
 Per peer, the first open() maps or registers the receiver's pool (`_attach`); a disconnect drops
-the peer (`_detach`) and the next open() shakes hands again.
+the peer (`_detach`) and the next open() shakes hands again. With the deployment's keys the
+connection is CURVE (endpoint.py): a receiver that cannot prove it holds the worker key, or refuses
+ours, fails the handshake, and the peer is dropped at once with that reason.
 
 Transports subclass SenderTransfer: layer_done(), _complete(deadline) (move what is left and
 wait until it landed), and on the I/O thread pump() and writes_in_flight().
@@ -32,6 +34,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from workers import auth
 from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer import protocol as P
 from workers.transfer.base import (KVSender, LayoutMismatch, State, Transfer, TransferConfig, TransferError,
@@ -63,7 +66,7 @@ class ChannelSender(Endpoint, KVSender):
 
     def __init__(self, kv: KVCache, cfg: TransferConfig):
         KVSender.__init__(self, kv, cfg)
-        Endpoint.__init__(self, f"kv-sender-{self.transport}")
+        Endpoint.__init__(self, f"kv-sender-{self.transport}", cfg.keys)
         self.layout = kv.layout
         self.host = socket.gethostname()
         self.sender_name = f"{self.host}:{os.getpid()}"
@@ -130,7 +133,8 @@ class ChannelSender(Endpoint, KVSender):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: data frames are bounded by requests in flight
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._secure_client(sock)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_FAILURES)
             sock.connect(address)
             p = Peer(address, sock, monitor)
             self._peers[address] = p
@@ -212,6 +216,11 @@ class ChannelSender(Endpoint, KVSender):
                 event = recv_monitor_message(p.monitor)
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._drop(p.address, "it disconnected (stopped or crashed)")
+                    return
+                why = auth.describe_failure(int(event["event"]), int(event["value"]), server=False)
+                if why is not None:
+                    log.error("KV channel to %s: %s", p.address, why)
+                    self._drop(p.address, f"the CURVE handshake failed: {why}")
                     return
             return
         for _ in range(1000):
