@@ -4,7 +4,14 @@
     POST /v1/chat/completions   messages -> assistant message
     GET  /v1/models             the one model served
     GET  /health                200 when some policy can be served, 503 otherwise; lists the workers
+                                (their addresses and PIDs only to a caller holding the API key)
     GET  /metrics               Prometheus
+
+With an API key (RouterConfig.api_key) every endpoint but /health takes only `Authorization: Bearer
+<key>` (401 otherwise). Bodies over max_body_bytes get 413 before they are read whole; large bodies
+are parsed, and long prompts tokenized, on a small thread pool of their own, so the event loop keeps
+streaming tokens and answering /health; a prompt that cannot fit the context (more characters than
+the context's tokens could hold) is refused before it is tokenized.
 
 The router talks to workers over ZMQ only (server/pool.py); the pool starts and stops with the app.
 """
@@ -12,9 +19,11 @@ The router talks to workers over ZMQ only (server/pool.py); the pool starts and 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -33,6 +42,9 @@ from server.tokenizer import PromptEncoder
 log = logging.getLogger("pdserve.router")
 
 LONG_TEXT_CHARS = 8192  # longer prompts are tokenized off the event loop
+LONG_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
+MESSAGE_CHARS = 64  # what one chat message costs the template and tokenizer beyond its text, roughly
+OFF_LOOP_THREADS = 2  # parsing and tokenizing threads: bounds the memory hostile bodies can take at once
 
 
 class Router:
@@ -45,6 +57,7 @@ class Router:
         self.pool = WorkerPool(cfg, self.metrics)
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
         self.created = S.now_s()
+        self._work = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="parse")
 
     async def start(self) -> None:
         await self.pool.start()
@@ -52,6 +65,36 @@ class Router:
     async def stop(self) -> None:
         await self.dispatcher.close()
         await self.pool.stop()
+        self._work.shutdown(wait=False, cancel_futures=True)
+
+    # ---- access -----------------------------------------------------------------------------------
+
+    def authorized(self, http: Request) -> bool:
+        """No key configured, or the request carries it (compared in constant time)."""
+        if self.cfg.api_key is None:
+            return True
+        scheme, _, token = http.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode())
+
+    def require_key(self, http: Request) -> None:
+        if not self.authorized(http):
+            raise APIError(401, "this server needs an API key: send `Authorization: Bearer <key>` (the key pdserve "
+                           "was started with, --api-key or PDSERVE_API_KEY)", "invalid_request_error", None,
+                           "invalid_api_key")
+
+    async def read_body(self, http: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit."""
+        limit = self.cfg.max_body_bytes
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     # ---- one request ------------------------------------------------------------------------------
 
@@ -62,16 +105,19 @@ class Router:
             raise unknown_model(req.model, self.cfg.model)
         prompt = req.prompt_input()
         param = "messages" if kind == "chat" else "prompt"
+        context = self.pool.max_model_len()
         if kind == "chat":
-            ids = await self._off_loop(self.encoder.chat, prompt, sum(len(m["content"]) for m in prompt))
+            chars = sum(len(m["content"]) for m in prompt)
+            self._check_fits(chars, context, param)
+            ids = await self._off_loop(self.encoder.chat, prompt, chars + MESSAGE_CHARS * len(prompt))
         elif isinstance(prompt, str):
+            self._check_fits(len(prompt), context, param)
             ids = await self._off_loop(self.encoder.text, prompt, len(prompt))
         else:
             ids = self.encoder.check_ids(prompt)
         if not ids:
             raise bad_request(f"`{param}` encodes to no tokens; send some text", param, "empty_prompt")
         n = len(ids)
-        context = self.pool.max_model_len()
         max_tokens = req.max_tokens
         if context is not None:
             if n >= context:
@@ -89,17 +135,26 @@ class Router:
         clock.prepared = time.monotonic()  # the end of the `parse` phase
         return Job(request_id, ids, req.sampling(max_tokens), policy, clock)
 
-    @staticmethod
-    async def _off_loop(fn, arg, chars: int):
-        """Tokenize long text in a thread: the event loop keeps streaming other requests' tokens."""
-        if chars < LONG_TEXT_CHARS:
+    def _check_fits(self, chars: int, context: int | None, param: str) -> None:
+        """A prompt of more characters than `context` tokens can hold cannot fit: refuse it untokenized
+        (tokenizing megabytes takes seconds and hundreds of MB)."""
+        if context is not None and chars > context * self.encoder.max_chars_per_token:
+            raise bad_request(f"the prompt is {chars} characters, more than the model's context of {context} tokens "
+                              f"can hold; shorten the prompt", param, "context_length_exceeded")
+
+    async def _off_loop(self, fn, arg, size: int, threshold: int = LONG_TEXT_CHARS):
+        """Parse or tokenize big input on the router's own threads: the event loop keeps streaming
+        other requests' tokens, and at most OFF_LOOP_THREADS such jobs hold memory at once."""
+        if size < threshold:
             return fn(arg)
-        return await asyncio.to_thread(fn, arg)
+        return await asyncio.get_running_loop().run_in_executor(self._work, fn, arg)
 
     async def handle(self, kind: str, http: Request) -> Response:
         clock = Clock.start()  # arrival: parsing and tokenizing count as the router's queue time
+        self.require_key(http)
         cls = S.ChatRequest if kind == "chat" else S.CompletionRequest
-        req = S.parse_body(await http.body(), cls)
+        raw = await self.read_body(http)
+        req = await self._off_loop(lambda body: S.parse_body(body, cls), raw, len(raw), LONG_BODY_BYTES)
         rid = S.new_id(kind)
         job = await self.prepare(kind, req, rid, clock)
         plan = self.dispatcher.plan(job)
@@ -164,15 +219,23 @@ class Router:
 
     # ---- read-only endpoints ----------------------------------------------------------------------
 
-    def health(self) -> JSONResponse:
+    def health(self, private: bool) -> JSONResponse:
+        """`private` (no API key configured, or the caller holds it): worker addresses and PIDs too."""
         policies = {p: self.dispatcher.servable(p) for p in ("colocated", "disaggregated")}
         ok = any(policies.values())
         body = {"status": "ok" if ok else "unavailable", "model": self.cfg.model, "policy": self.cfg.policy,
-                "policies": policies, "register": self.pool.address,
-                "workers": [w.describe() for w in self.pool.workers.values()]}
+                "policies": policies, "workers": [w.describe(private) for w in self.pool.workers.values()]}
+        if private:
+            body["register"] = self.pool.address
         if not ok:
-            body["message"] = (f"no worker can serve requests yet; start workers with --router {self.pool.address}")
+            body["message"] = "no worker can serve requests yet; start workers with --router " + (
+                self.pool.address if private else "<the router's register endpoint>")
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body is {size} bytes or more; this server takes at most {limit} "
+                    f"(--max-body-mb)", "invalid_request_error", None, "body_too_large")
 
 
 async def _disconnected(http: Request) -> None:
@@ -226,15 +289,17 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
         return await router.handle("chat", request)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        router.require_key(request)
         return S.models_body(cfg.model, router.created)
 
     @app.get("/health")
-    async def health():
-        return router.health()
+    async def health(request: Request):
+        return router.health(private=router.authorized(request))
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        router.require_key(request)
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

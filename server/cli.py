@@ -4,10 +4,16 @@
                                      worker (smollm2-135m, GPUs when present, transport ipc); prints
                                      "pdserve ready: <url>" once every worker registered
     pdserve --transport nixl --mode layer --devices cuda:0,cuda:1 --no-colocated
-    pdserve router --register tcp://0.0.0.0:7100 --host 0.0.0.0
-                                     only the router; workers started elsewhere register at --register
+    pdserve keygen DIR               CURVE keys for a deployment across machines: DIR/router, DIR/worker
+    pdserve router --keys DIR/router --register tcp://10.0.0.1:7100 --host 10.0.0.1
+                                     only the router; workers started elsewhere (with --keys DIR/worker)
+                                     register at --register
 
-Ctrl-C or SIGTERM stops the router and every worker it started (no orphans).
+Everything binds to loopback unless an address is given. The control plane is CURVE-authenticated:
+`pdserve` makes fresh keys for the workers it starts (the worker key pair in a 0600 file in its
+private run directory, never on a command line); `pdserve router` needs the keys of `pdserve keygen`.
+`--api-key` (or PDSERVE_API_KEY, or --api-key-file) makes the HTTP API take only `Authorization:
+Bearer <key>`. Ctrl-C or SIGTERM stops the router and every worker it started (no orphans).
 """
 
 from __future__ import annotations
@@ -23,17 +29,19 @@ import socket
 import sys
 import tempfile
 
+from workers.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
 from workers.protocol import MODES, TRANSPORTS  # not workers.transfer: the router does not import torch
 
 log = logging.getLogger("pdserve")
 
 
 def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> None:
+    from server.config import DEFAULT_MAX_BODY_BYTES
     from server.schemas import POLICIES
 
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, qwen2.5-7b or a checkpoint dir")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, when the model's is not on this machine")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all; then set --api-key)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port; the ready line says which)")
     p.add_argument("--register", default=register_default,
                    help="ZMQ endpoint workers register at (port 0: any free port)"
@@ -47,6 +55,13 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
     p.add_argument("--kv-deadline", type=float, default=60.0, help="seconds a decode reservation waits for its KV")
     p.add_argument("--token-timeout", type=float, default=120.0,
                    help="seconds of silence from a worker before its request fails")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on the HTTP API (/health without it shows no addresses "
+                        "or PIDs); default: $PDSERVE_API_KEY. A flag is visible in `ps`: prefer the variable or "
+                        "--api-key-file")
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
+                   help="largest HTTP request body in MiB (413 above it)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--parent-pid", type=int, default=None,
@@ -78,13 +93,27 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for every worker to register (the first start converts the model)")
 
 
-def router_config(args):
+def router_config(args, keys):
     from server.config import RouterConfig
 
-    return RouterConfig(model=args.model, tokenizer=args.tokenizer, register=args.register, policy=args.policy,
-                        auto_threshold=args.auto_threshold, heartbeat_interval_s=args.heartbeat_interval,
-                        heartbeat_misses=args.heartbeat_misses, kv_deadline_s=args.kv_deadline,
-                        token_timeout_s=args.token_timeout)
+    try:
+        return RouterConfig(model=args.model, tokenizer=args.tokenizer, register=args.register, policy=args.policy,
+                            auto_threshold=args.auto_threshold, heartbeat_interval_s=args.heartbeat_interval,
+                            heartbeat_misses=args.heartbeat_misses, kv_deadline_s=args.kv_deadline,
+                            token_timeout_s=args.token_timeout, keys=keys, api_key=api_key(args),
+                            max_body_bytes=int(args.max_body_mb * 2**20))
+    except ValueError as e:
+        sys.exit(f"pdserve: {e}")
+
+
+def api_key(args) -> str | None:
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                return f.readline().strip() or None
+        except OSError as e:
+            sys.exit(f"pdserve: cannot read --api-key-file {args.api_key_file}: {e.strerror}")
+    return args.api_key or None
 
 
 def worker_args(args) -> list[str]:
@@ -184,16 +213,19 @@ def run_embedded(args) -> int:
         sys.exit("pdserve: no workers to start; drop --no-colocated or ask for prefill/decode workers")
     devices = [args.device] if args.device else (args.devices.split(",") if args.devices else default_devices())
     specs = plan_workers(counts, devices, worker_args(args))
-    rundir = tempfile.mkdtemp(prefix="pdserve-")
+    rundir = tempfile.mkdtemp(prefix="pdserve-")  # 0700: only this user can reach what is inside
+    # fresh keys for this run: the router's stay in memory, the workers' go to a 0600 file they read
+    router_keys, worker_keys = new_deployment()
+    keys_dir = write_worker_keys(os.path.join(rundir, "keys"), worker_keys)
     # the endpoint is fixed before the router binds it, so the workers start loading at once
     if args.register is None:
         args.register = f"ipc://{rundir}/register"
     elif args.register.startswith("tcp://") and args.register.endswith(":0"):
         args.register = f"{args.register[:-2]}:{free_port(args.register[6:-2])}"
-    cfg = router_config(args)
+    cfg = router_config(args, router_keys)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
-    launcher = Launcher(specs, cfg.register)
+    launcher = Launcher(specs, cfg.register, str(keys_dir))
     watchers: list[asyncio.Task] = []
     try:
         launcher.start()
@@ -242,7 +274,14 @@ def run_router(args) -> int:
     from server.app import create_app
     from server.tokenizer import load_tokenizer
 
-    cfg = router_config(args)
+    if args.keys is None:
+        sys.exit("pdserve router: --keys DIR is required: the router folder of `pdserve keygen DIR` (workers get "
+                 "DIR/worker with their --keys); only workers holding that key can register")
+    try:
+        keys = load_router_keys(args.keys)
+    except KeyFileError as e:
+        sys.exit(f"pdserve router: {e}")
+    cfg = router_config(args, keys)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
     app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
@@ -255,17 +294,37 @@ def run_router(args) -> int:
     return asyncio.run(serve(app, sock, args, after_start))
 
 
+def keygen(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve keygen", description="Write the CURVE keys of a deployment across "
+                                "machines: DIR/router (for `pdserve router --keys`, stays on its machine) and "
+                                "DIR/worker (for `pdserve-worker --keys`, copy it to every worker machine).")
+    p.add_argument("dir", help="a new or empty folder")
+    args = p.parse_args(argv)
+    try:
+        router, worker = keygen_folders(args.dir)
+    except KeyFileError as e:
+        sys.exit(f"pdserve keygen: {e}")
+    print(f"router keys: {router}  (pdserve router --keys {router})\n"
+          f"worker keys: {worker}  (pdserve-worker --keys {worker}; copy this folder, mode 0700, to each worker "
+          f"machine)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "keygen":
+        return keygen(argv[1:])
     if argv and argv[0] == "router":
         p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
-                                    "elsewhere (pdserve-worker --router ...) register with it.")
-        add_router_arguments(p, register_default="tcp://0.0.0.0:7100")
+                                    "elsewhere (pdserve-worker --router ... --keys DIR/worker) register with it.")
+        add_router_arguments(p, register_default="tcp://127.0.0.1:7100")
+        p.add_argument("--keys", default=None, help="the router folder `pdserve keygen DIR` wrote (DIR/router)")
         args = p.parse_args(argv[1:])
         run = run_router
     else:
         p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
-                                    epilog="`pdserve router --help`: the router alone.")
+                                    epilog="`pdserve router --help`: the router alone; `pdserve keygen DIR`: keys "
+                                           "for workers on other machines.")
         add_router_arguments(p, register_default=None)
         add_worker_arguments(p)
         args = p.parse_args(argv)

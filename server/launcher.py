@@ -50,15 +50,16 @@ def plan_workers(counts: dict[str, int], devices: list[str], common: list[str]) 
 
 
 class Launcher:
-    def __init__(self, specs: list[WorkerSpec], router_endpoint: str):
+    def __init__(self, specs: list[WorkerSpec], router_endpoint: str, keys_dir: str):
         self.specs = specs
         self.router_endpoint = router_endpoint
+        self.keys_dir = keys_dir  # the worker key folder (0700, its secret file 0600): a path, never a key
         self.procs: dict[str, subprocess.Popen] = {}
         self.reported: set[str] = set()
 
     def command(self, spec: WorkerSpec) -> list[str]:
         return [sys.executable, "-m", "workers.cli", "--role", spec.role, "--device", spec.device,
-                "--worker-id", spec.worker_id, "--router", self.router_endpoint,
+                "--worker-id", spec.worker_id, "--router", self.router_endpoint, "--keys", self.keys_dir,
                 "--parent-pid", str(os.getpid()), *spec.args]
 
     def start(self) -> None:

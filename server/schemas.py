@@ -2,6 +2,13 @@
 
 Request models convert themselves: `.sampling(...)` gives the wire Sampling, `.prompt_input()`
 the text, token ids or chat messages to tokenize. Bad input raises APIError (400) naming the field.
+
+Hostile input is refused before it costs anything: the body parses with NaN/Infinity refused and
+nesting at most MAX_JSON_DEPTH deep; every string (keys too) must be valid Unicode (a lone
+surrogate such as \\ud800 cannot be tokenized or encoded); at most MAX_MESSAGES chat messages;
+every number inside the control protocol's bounds (workers/protocol.py: seed 0..2**63-1, top_k and
+max_tokens below 2**31, at most 16 stop strings of 4096 characters), so nothing reaches msgpack or
+torch that they would fail on; a temperature under MIN_TEMPERATURE samples greedily.
 pdserve extensions: `policy` (colocated | disaggregated | auto), `top_k`, `ignore_eos`,
 `return_token_ids`. Sampling defaults to greedy (temperature 0) unless the request says otherwise.
 """
@@ -9,6 +16,7 @@ pdserve extensions: `policy` (colocated | disaggregated | auto), `top_k`, `ignor
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -16,24 +24,97 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from server.errors import APIError, bad_request
-from workers.protocol import Sampling
+from workers.protocol import MAX_INT32, MAX_PROMPT_TOKENS, MAX_SEED, MIN_TEMPERATURE, Sampling
 
 POLICIES = ("colocated", "disaggregated", "auto")
 MAX_STOP = 16
+MAX_STOP_CHARS = 4096  # workers/protocol.py's bound on one stop string
+MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) is 5 levels
+MAX_MESSAGES = 2048  # chat messages per request (OpenAI's own cap)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:  # the C parser nests the stack once per level: refuse, do not crash
+        field = _deep_field(raw)
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+                          + (f" (in `{field}`)" if field else ""), field, "invalid_json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON ({e}); send a JSON object, "
                           f"e.g. {{\"prompt\": \"Hello\", \"max_tokens\": 16}}", code="invalid_json")
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    check_tree(data)
+    messages = data.get("messages")
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        raise bad_request(f"`messages` holds {len(messages)} messages; at most {MAX_MESSAGES} per request",
+                          "messages", "too_many_messages")
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
+
+
+def _no_constant(name: str):
+    raise bad_request(f"the request body holds {name}, which is not JSON; send a finite number", code="invalid_json")
+
+
+def check_tree(data: dict) -> None:
+    """Nesting depth and valid Unicode everywhere, without recursion (the depth is what is checked)."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at `{_dotted(path)}`)",
+                              str(path[0]), "invalid_json")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, path + (k,))
+                if isinstance(v, (dict, list, str)):
+                    stack.append((v, path + (k,), depth + 1))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                if isinstance(v, (dict, list, str)):
+                    stack.append((v, path + (i,), depth + 1))
+        else:
+            _check_text(value, path)
+
+
+def _check_text(text: str, path: tuple) -> None:
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        where = _dotted(path)
+        raise bad_request(f"`{where}` holds a lone surrogate (\\u{ord(bad.group()):04x} at character {bad.start()}), "
+                          f"which is not valid Unicode text; send UTF-8 text", where, "invalid_text")
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+
+
+def _deep_field(raw: bytes) -> str | None:
+    """The top-level field whose value nests too deep for the parser, found without parsing (strings are
+    one token each, so this walks only brackets until the depth is passed)."""
+    depth, key, last = 0, None, None
+    for m in _JSON_TOKEN.finditer(raw):
+        t = m.group()
+        if t in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return key
+        elif t in (b"]", b"}"):
+            depth -= 1
+        elif t == b":":
+            if depth == 1 and last is not None:
+                key = last
+        else:
+            last = t[1:-1].decode("utf-8", "replace") if depth == 1 else None
+    return key
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -98,20 +179,24 @@ class _Common(BaseModel):
                               "policy", "invalid_policy")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise bad_request(f"`max_tokens` must be a positive integer, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens > MAX_INT32:
+            raise bad_request(f"`max_tokens` must be at most {MAX_INT32}, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
             raise bad_request(f"`temperature` must be between 0 and 2 (0 = greedy), got {self.temperature}",
                               "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise bad_request(f"`top_p` must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < 0:
-            raise bad_request(f"`top_k` must be >= 0 (0 turns it off), got {self.top_k}", "top_k")
-        if self.seed is not None and self.seed < 0:
-            raise bad_request(f"`seed` must be a non-negative integer, got {self.seed}", "seed")
+        if not 0 <= self.top_k <= MAX_INT32:
+            raise bad_request(f"`top_k` must be between 0 (off) and {MAX_INT32}, got {self.top_k}", "top_k")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad_request(f"`seed` must be an integer from 0 to 2**63-1 ({MAX_SEED}), got {self.seed}", "seed")
         stops = self.stop_list()
         if any(not s for s in stops):
             raise bad_request("`stop` strings must not be empty", "stop")
         if len(stops) > MAX_STOP:
             raise bad_request(f"at most {MAX_STOP} `stop` strings, got {len(stops)}", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(f"`stop` strings must be at most {MAX_STOP_CHARS} characters", "stop")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -119,7 +204,9 @@ class _Common(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling(self, max_tokens: int) -> Sampling:
-        return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        # logits / a temperature this small overflow to inf: below it, sampling is greedy anyway
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p, top_k=self.top_k,
                         seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos)
 
 
@@ -156,6 +243,9 @@ class CompletionRequest(_Common):
             if not p:
                 raise bad_request("`prompt` is an empty list of token ids; send at least one token", "prompt",
                                   "empty_prompt")
+            if len(p) > MAX_PROMPT_TOKENS:
+                raise bad_request(f"`prompt` holds {len(p)} token ids; at most {MAX_PROMPT_TOKENS}", "prompt",
+                                  "context_length_exceeded")
             return p
         if isinstance(p, list) and all(isinstance(t, (str, list)) for t in p):
             raise bad_request(f"`prompt` holds {len(p)} prompts; pdserve takes one prompt per request "

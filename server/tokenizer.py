@@ -26,6 +26,7 @@ class PromptEncoder:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
 
     def text(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
@@ -43,3 +44,12 @@ class PromptEncoder:
             raise bad_request(f"`prompt` token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
                               "prompt", "invalid_token_ids")
         return ids
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """An upper bound on the characters of text one token stands for: the longest vocabulary entry
+    (byte-level BPE spells one byte per character, so a token never covers more characters than its
+    entry), times 4 where a normalizer runs first (NFKC and friends can shrink text before it is split)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    normalized = not tokenizer.is_fast or tokenizer.backend_tokenizer.normalizer is not None
+    return max(1, longest) * (4 if normalized else 1)

@@ -1,5 +1,6 @@
 """`pdserve router` alone, with a worker started separately by `pdserve-worker` (as on another
-machine): it registers, serves, and on SIGTERM says goodbye so the router stops routing to it at once."""
+machine) holding the worker keys of `pdserve keygen`: it registers, serves, and on SIGTERM says
+goodbye so the router stops routing to it at once."""
 
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_router_alone_with_a_worker_started_elsewhere():
+def test_router_alone_with_a_worker_started_elsewhere(tmp_path):
+    keygen = subprocess.run([sys.executable, "-m", "server.cli", "keygen", str(tmp_path / "keys")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert keygen.returncode == 0, keygen.stderr
     register = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "server.cli", "router", "--model", "tiny", "--port", "0", "--register", register,
-           "--heartbeat-interval", "2"]
+           "--heartbeat-interval", "2", "--keys", str(tmp_path / "keys" / "router")]
     with Pdserve(command=cmd) as srv:
         h = srv.get("/health")
         assert h.status_code == 503 and h.json()["workers"] == [] and register in h.json()["message"]
@@ -34,6 +38,7 @@ def test_router_alone_with_a_worker_started_elsewhere():
 
         worker = subprocess.Popen([sys.executable, "-m", "workers.cli", "--role", "colocated", "--model", "tiny",
                                    "--router", register, "--worker-id", "far-away", "--threads", "1",
+                                   "--keys", str(tmp_path / "keys" / "worker"),
                                    "--num-blocks", "64", "--parent-pid", str(os.getpid())], cwd=ROOT)
         try:
             h = srv.wait_for(lambda h: h["status"] == "ok", timeout=120, what="the worker to register")

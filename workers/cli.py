@@ -1,6 +1,6 @@
 """`pdserve-worker`: run one worker process, or generate locally from the command line.
 
-    pdserve-worker --role decode --model smollm2-135m --device cuda:1 --transport nixl \\
+    pdserve-worker --role decode --model smollm2-135m --device cuda:1 --transport nixl --keys keys/worker \\
         --router tcp://10.0.0.1:7100 --control tcp://10.0.0.2:7201 --kv-host 10.0.0.2 --kv-port 7300
     pdserve-worker generate "What is the capital of France?" --chat --max-tokens 32
 """
@@ -74,6 +74,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="endpoint this worker binds for router messages (port 0: any free port)")
     g.add_argument("--advertise-host", default=None, help="host to give the router when --control binds 0.0.0.0")
     g.add_argument("--worker-id", default=None, help="default: <role>-<hostname>-<pid>")
+    g.add_argument("--keys", required=True, metavar="DIR",
+                   help="the worker key folder of the deployment (`pdserve keygen DIR` wrote DIR/worker; `pdserve` "
+                        "passes its own): CURVE on every control and KV socket")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process dies (set by `pdserve`, which starts its workers with it)")
     p.add_argument("--log-level", default="INFO")
@@ -126,8 +129,15 @@ def serve(argv: list[str]) -> int:
 
         die_with_parent(args.parent_pid, on_parent_death)
 
+    from workers.auth import KeyFileError, load_worker_keys
     from workers.transfer.base import TransferConfig
     from workers.worker import Worker, WorkerConfig
+
+    try:
+        keys = load_worker_keys(args.keys)
+    except KeyFileError as e:
+        print(f"pdserve-worker: {e}", file=sys.stderr)
+        return 2
 
     if args.threads:
         import torch
@@ -138,8 +148,9 @@ def serve(argv: list[str]) -> int:
         role=args.role,
         engine=engine_config(args, kv_shared=disaggregated and args.transport == "ipc"),
         transfer=TransferConfig(transport=args.transport, mode=args.mode, host=args.kv_host, port=args.kv_port,
-                                deadline_s=args.handshake_timeout),
+                                deadline_s=args.handshake_timeout, keys=keys),
         control=args.control, router=args.router, advertise_host=args.advertise_host, worker_id=args.worker_id,
+        keys=keys,
     )
     worker = Worker(cfg)
     stopper["worker"] = worker
