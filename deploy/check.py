@@ -8,6 +8,7 @@ each request's timeline, stop pdserve and require that no worker outlives it.
 
 Exit status 0 when every pair matched and every timeline was causal
 (queue + prefill + exposed transfer <= TTFT), 1 otherwise. --json writes every row to a file.
+With PDSERVE_API_KEY set, pdserve requires it and this script sends it (Bearer).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# pdserve reads the same variable: with it set, every request (and /health's PIDs) needs the key
+HEADERS = {"Authorization": f"Bearer {os.environ['PDSERVE_API_KEY']}"} if os.environ.get("PDSERVE_API_KEY") else {}
 
 
 def start(args, transport: str, mode: str) -> tuple[subprocess.Popen, str, list[int]]:
@@ -37,7 +40,7 @@ def start(args, transport: str, mode: str) -> tuple[subprocess.Popen, str, list[
         print(f"  {line.rstrip()}", flush=True)
         if line.startswith("pdserve ready:"):
             url = line.split()[2]
-            pids = [w["pid"] for w in httpx.get(url + "/health").json()["workers"]]
+            pids = [w["pid"] for w in httpx.get(url + "/health", headers=HEADERS).json()["workers"]]
             return proc, url, pids
         if time.monotonic() > end:
             break
@@ -103,7 +106,7 @@ def main() -> int:
             print(f"starting pdserve with {transport}/{mode}", file=sys.stderr, flush=True)
             proc, url, pids = start(args, transport, mode)
             try:
-                with httpx.Client(timeout=600) as client:
+                with httpx.Client(timeout=600, headers=HEADERS) as client:
                     for n, prompt in prompts.items():
                         for rep in range(args.repeats):
                             pair = run_pair(client, url, prompt, args.max_tokens)

@@ -6,7 +6,9 @@
 #   PREFILL=cuda:0,cuda:1 DECODE=cuda:2,cuda:3 COLOCATED=cuda:4 TRANSPORT=nixl MODE=layer deploy/local-gpus.sh
 #
 # The router and every worker get --parent-pid of this script: when the script ends (Ctrl-C, kill,
-# even kill -9) they end too. Logs go to $LOGS/<worker>.log.
+# even kill -9) they end too. Logs go to $LOGS/<worker>.log. The control plane is CURVE: the script
+# makes a deployment's keys (`pdserve keygen`) in a private temporary folder, removed at the end, unless
+# KEYS names a folder `pdserve keygen` wrote already (the router gets $KEYS/router, workers $KEYS/worker).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -22,24 +24,32 @@ COLOCATED=${COLOCATED:-}
 LOGS=${LOGS:-/tmp/pdserve-logs}
 EXTRA=${EXTRA:-}  # more flags for every worker, e.g. "--kv-memory-gb 20"
 mkdir -p "$LOGS"
+made_keys=
+if [ -z "${KEYS:-}" ]; then
+  KEYS=$(mktemp -d -t pdserve-keys.XXXXXX)  # 0700
+  made_keys=$KEYS
+  "$PY" -m server.cli keygen "$KEYS/deployment" > /dev/null
+  KEYS=$KEYS/deployment
+fi
 
 pids=()
 stop() {
   trap - EXIT INT TERM
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   wait || true
+  if [ -n "$made_keys" ]; then rm -rf "$made_keys"; fi
 }
 trap stop EXIT INT TERM
 
 "$PY" -m server.cli router --model "$MODEL" --host "$HOST" --port "$PORT" --register "$REGISTER" \
-  --parent-pid $$ > "$LOGS/router.log" 2>&1 &
+  --keys "$KEYS/router" --parent-pid $$ > "$LOGS/router.log" 2>&1 &
 pids+=($!)
 
 start_worker() {  # role device index
   local id="$1-$3"
   # shellcheck disable=SC2086
   "$PY" -m workers.cli --role "$1" --device "$2" --worker-id "$id" --model "$MODEL" --transport "$TRANSPORT" \
-    --mode "$MODE" --router "$REGISTER" --parent-pid $$ $EXTRA > "$LOGS/$id.log" 2>&1 &
+    --mode "$MODE" --router "$REGISTER" --keys "$KEYS/worker" --parent-pid $$ $EXTRA > "$LOGS/$id.log" 2>&1 &
   pids+=($!)
   echo "started $id on $2 (log $LOGS/$id.log)"
 }

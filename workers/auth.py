@@ -111,7 +111,7 @@ def write_worker_keys(folder: str | Path, keys: WorkerKeys) -> Path:
 def keygen(folder: str | Path) -> tuple[Path, Path]:
     """A new deployment's key folders under `folder`: (router folder, worker folder)."""
     router, worker = new_deployment()
-    base = Path(folder)
+    base = _private_folder(folder)
     return write_router_keys(base / "router", router), write_worker_keys(base / "worker", worker)
 
 
