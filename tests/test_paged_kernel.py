@@ -5,9 +5,6 @@ in bf16, on the GPU)."""
 from __future__ import annotations
 
 import math
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
 
 import pytest
 import torch
