@@ -147,7 +147,7 @@ class _Reader:
                     self.gate.answer()
                 if self.watch is not None and self.watch.sock in ready:
                     for why in self.watch.failures():
-                        self._drop("handshake", "register socket: %s", why)
+                        self._drop("handshake", "register socket: %s", why, kind=why)  # a fixed set of texts
                 batch = self._read_batch() if self.sock in ready else []
                 self.caught_up_at = started
                 if batch:
@@ -198,9 +198,9 @@ class _Reader:
                    "dropped already)", type(msg).__name__, msg.worker_id)
         return False
 
-    def _drop(self, reason: str, text: str, *args) -> None:
+    def _drop(self, reason: str, text: str, *args, kind: str | None = None) -> None:
         self._metrics.control_dropped.labels(reason).inc()
-        self._throttle(reason, logging.WARNING, text, *args)
+        self._throttle(kind or reason, logging.WARNING, text, *args)
 
     def stop(self) -> None:
         self._stop.set()

@@ -16,6 +16,7 @@ pdserve extensions: `policy` (colocated | disaggregated | auto), `top_k`, `ignor
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -36,7 +37,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
     try:
-        data = json.loads(raw, parse_constant=_no_constant)
+        data = json.loads(raw)  # NaN and Infinity parse; check_tree refuses them, naming the field
     except RecursionError:  # the C parser nests the stack once per level: refuse, do not crash
         field = _deep_field(raw)
         raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
@@ -57,27 +58,29 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
         raise _validation_error(e) from None
 
 
-def _no_constant(name: str):
-    raise bad_request(f"the request body holds {name}, which is not JSON; send a finite number", code="invalid_json")
-
-
 def check_tree(data: dict) -> None:
-    """Nesting depth and valid Unicode everywhere, without recursion (the depth is what is checked)."""
+    """Nesting depth, valid Unicode and finite numbers everywhere, without recursion (the depth is what
+    is checked)."""
     stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at `{_dotted(path)}`)",
-                              str(path[0]), "invalid_json")
+                              _dotted(path[:1]), "invalid_json")
         if isinstance(value, dict):
             for k, v in value.items():
                 _check_text(k, path + (k,))
-                if isinstance(v, (dict, list, str)):
+                if isinstance(v, (dict, list, str, float)):
                     stack.append((v, path + (k,), depth + 1))
         elif isinstance(value, list):
             for i, v in enumerate(value):
-                if isinstance(v, (dict, list, str)):
+                if isinstance(v, (dict, list, str, float)):
                     stack.append((v, path + (i,), depth + 1))
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                where = _dotted(path)
+                raise bad_request(f"`{where}` is {value}, which is not JSON; send a finite number", where,
+                                  "invalid_json")
         else:
             _check_text(value, path)
 
@@ -91,7 +94,8 @@ def _check_text(text: str, path: tuple) -> None:
 
 
 def _dotted(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
+    """The field's path, printable: a surrogate in a key is shown escaped (the error must encode as UTF-8)."""
+    return ".".join(str(p) for p in path).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')

@@ -125,9 +125,9 @@ class FakeWorker(threading.Thread):
 @contextmanager
 def router(tokenizer, **overrides):
     router_keys, worker_keys = auth.new_deployment()
-    cfg = RouterConfig(model="tiny", register="tcp://127.0.0.1:0", heartbeat_interval_s=HEARTBEAT_S,
-                       heartbeat_misses=MISSES, kv_deadline_s=3.0, token_timeout_s=2.0, keys=router_keys,
-                       **overrides)
+    settings = dict(model="tiny", register="tcp://127.0.0.1:0", heartbeat_interval_s=HEARTBEAT_S,
+                    heartbeat_misses=MISSES, kv_deadline_s=3.0, token_timeout_s=2.0, keys=router_keys)
+    cfg = RouterConfig(**{**settings, **overrides})
     app = create_app(cfg, tokenizer)
     workers: list[FakeWorker] = []
 

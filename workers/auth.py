@@ -270,14 +270,18 @@ def describe_failure(event: int, value: int, server: bool) -> str | None:
                                     "process does not hold the key of this deployment that it accepts")
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return ("a peer without CURVE (plain ZMQ) was refused: not a pdserve process of this deployment, or one "
-                "started without its keys" if server else "the other side does not use CURVE: it is not a pdserve "
-                "process of this deployment (or runs without keys)")
+                "started without its keys" if server else "the two sides disagree on CURVE: one of them runs "
+                "without keys, or the other side is not a pdserve process")
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return ("a peer encrypted for another server key: its copy of this side's public key is not this "
                 "deployment's" if server else "the other side could not prove it holds the secret key it should")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and server:
+        return ("a peer broke off the CURVE handshake: it does not hold this deployment's keys (or does not use "
+                "CURVE), or it disconnected")
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not server:
         return ("the other side dropped the CURVE handshake: its key is not the public key this process has "
-                "for it (keys from another `pdserve keygen`?), or it is not a pdserve process")
+                "for it (keys from another `pdserve keygen`?), one of the two runs without keys, or it is not a "
+                "pdserve process")
     return f"a CURVE handshake failed (event {event:#x}, code {value:#x})"
 
 

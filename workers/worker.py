@@ -153,7 +153,7 @@ class Inbox:
                     self.gate.answer()
                 if self.watch is not None and self.watch.sock in ready:
                     for why in self.watch.failures():
-                        self.throttle("handshake", logging.WARNING, "control socket: %s", why)
+                        self.throttle(why, logging.WARNING, "control socket: %s", why)  # a fixed set of texts
                 while True:
                     try:
                         frame = self.sock.recv(zmq.NOBLOCK)

@@ -173,7 +173,7 @@ class Endpoint:
                         self._gate.answer()
                     elif sock in self._watches:
                         for why in self._watches[sock].failures():
-                            self._throttle("handshake", logging.WARNING, "%s: %s", self._name, why)
+                            self._throttle(why, logging.WARNING, "%s: %s", self._name, why)  # a fixed set
                     else:
                         self._on_readable(sock)
                 wait_s = self._tick()
