@@ -105,7 +105,7 @@ def test_abort_in_flight_frees_blocks_only_after_the_receiver_lets_go(reference)
         d.role.handle(P.Abort("r2", "test"))
         assert d.engine.blocks.num_free == NUM_BLOCKS - held  # not yet: a write might still land
         pump([d], lambda: d.engine.blocks.num_free == NUM_BLOCKS, 5.0)
-        assert not d.role.cancelling and not d.role.expecting
+        assert not d.engine.requests  # nothing left in any state: the request is gone, its blocks back
         assert not d.take(P.RequestFailed)  # the router asked for it: nothing to report
     finally:
         d.role.close(), d.engine.kv.close()
@@ -148,7 +148,7 @@ def test_prefill_past_its_deadline_or_to_nobody_fails_and_frees_blocks(reference
         p.role.handle(P.Prefill("gone", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=5.0))
         p.role.handle(P.Abort("gone", "client left"))
         [failed] = p.take(P.RequestFailed)
-        assert failed.kind == "aborted" and not p.role.pending
+        assert failed.kind == "aborted" and not p.engine.requests
     finally:
         p.role.close()
 
@@ -168,3 +168,41 @@ def test_colocated_role_rejects_bad_requests_and_reports_its_timeline(reference)
     t = outs[-1].timeline
     assert t.wait_ms >= 0 and t.prefill_ms > 0 and t.first_step_ms > 0
     assert not tokens_of(c, "dropped") and c.engine.blocks.num_free == NUM_BLOCKS
+
+
+def test_one_requests_failed_draw_is_reported_alone_and_the_batch_goes_on(reference, monkeypatch):
+    prompt, expected = reference
+    c = Shell("colocated", engine())
+    draw = c.engine.sampler._draw
+
+    def flaky(row, req):
+        if req.request_id == "bad" and len(req.output_ids) == 1:
+            raise RuntimeError("injected")
+        return draw(row, req)
+
+    monkeypatch.setattr(c.engine.sampler, "_draw", flaky)
+    c.role.handle(P.Generate("ok", prompt, P.Sampling(max_tokens=8, ignore_eos=True)))
+    c.role.handle(P.Generate("bad", prompt, P.Sampling(max_tokens=8, temperature=0.7, seed=1, ignore_eos=True)))
+    pump([c], lambda: finished(c, "ok"))
+    [failed] = c.take(P.RequestFailed)
+    assert failed.request_id == "bad" and failed.kind == "internal"
+    assert "request bad: sampling generated token 1 failed: RuntimeError: injected" in failed.error
+    assert len(tokens_of(c, "bad")) == 1  # token 1 went out before its second draw failed
+    assert [o.token_id for o in tokens_of(c, "ok")] == expected
+    assert not c.engine.requests and c.engine.blocks.num_free == NUM_BLOCKS
+    assert c.role.queue_depth() == 0 and c.role.running() == 0
+
+
+def test_prefill_whose_draw_fails_reports_it_and_frees_blocks(reference, monkeypatch):
+    prompt, _ = reference
+    p = Shell("prefill", engine(), TransferConfig(transport="zmq", deadline_s=0.5))
+    try:
+        monkeypatch.setattr(p.engine.sampler, "_draw", lambda row, req: 1 / 0)
+        p.role.handle(P.Prefill("bad", prompt, P.Sampling(temperature=0.5), "d", "tcp://127.0.0.1:1", [0, 1], 5.0))
+        assert p.role.queue_depth() == 1
+        p.role.tick()
+        [failed] = p.take(P.RequestFailed)
+        assert failed.kind == "internal" and "request bad: sampling generated token 0 failed" in failed.error
+        assert not p.engine.requests and p.engine.blocks.num_free == NUM_BLOCKS and p.role.queue_depth() == 0
+    finally:
+        p.role.close()

@@ -1,21 +1,38 @@
-"""The engine every worker role runs: one model, one KV pool, continuous batching.
+"""The engine every worker role runs: one model, one KV pool, continuous batching, and the one
+record of the requests on this worker.
+
+State: `requests` maps each request id to its Request from admission until it finishes; the
+Request's `status` (request.py: the ladder) is the only record of where it stands. The
+scheduler's queues order the requests it runs; the roles and the KV receiver keep no copy of it,
+they look requests up here. Each call below moves a request along its ladder, or raises
+IllegalTransition and changes nothing.
 
 For the roles:
-    colocated  add_request() + step() until finished
-    prefill    prefill_only(req, on_layer)  -> first token, logits, block ids; release() after the transfer
-    decode     reserve(id, n) -> block ids for a transfer to fill; adopt(req, first_token) once it
-               landed: the request joins the running batch at decode step 2, no prompt token recomputed
+    colocated  add_request(req): WAITING in the scheduler; step() until finished (PREFILLING, RUNNING)
+    prefill    admit(req): WAITING in the prefill queue; prefill_only(req, on_layer) -> first token,
+               logits, block ids (SENDING: the blocks stay for the transfer); release(id) after it
+    decode     admit(req): WAITING for room; reserve(id, n) -> block ids a transfer fills (RESERVED);
+               begin_receiving(id) once the sender began (RECEIVING); adopt(req, first_token) once it
+               landed (RUNNING: the batch at decode step 2, no prompt token recomputed); cancel(id) if
+               aborted while a write may land (CANCELLING), release(id) once none can
+    any        abort(id), fail(id, error): FINISHED, blocks freed; no-op for an id not here
 
-The step (see STYLE: scheduler decides, runner computes, engine records):
+The step (STYLE: scheduler decides, runner computes, engine records):
     work = scheduler.schedule()            # [(request, positions to compute)]: decodes, prompt chunks
     logits = runner.run(work)              # one row per request whose prompt or token is complete
-    tokens = sampler.sample(logits, done); then append, detokenize, stop checks, free finished blocks
+    tokens = sampler.sample(logits, done)  # a token per row, or that request's SamplingError
+    then each token is appended: detokenize, stop checks, finish (blocks freed)
+
+One request cannot fail another: a request whose sampling or detokenization fails finishes alone
+with finish_reason "error" (StepOutput.error says what) and the batch goes on. A forward that
+raises fails the requests of that step (their KV is half written); the others carry on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -24,20 +41,24 @@ from workers.engine import attention
 from workers.engine.block_pool import BlockPool, OutOfBlocks, blocks_for
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
-from workers.engine.request import InvalidRequest, Request, SamplingParams, Status
+from workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
 from workers.engine.runner import ModelRunner
-from workers.engine.sampler import Sampler
+from workers.engine.sampler import Sampler, SamplingError
 from workers.engine.scheduler import Scheduler
+
+log = logging.getLogger("pdserve.engine")
 
 
 @dataclass
 class StepOutput:
     request_id: str
-    token_id: int
+    token_id: int  # -1 when error is set
     text_delta: str
     finished: bool
     finish_reason: str | None = None
     logits: torch.Tensor | None = None  # [vocab] float32 on CPU, when the request asked for it
+    error: str | None = None  # the request failed (finish_reason "error"): what went wrong
+    request: Request | None = field(default=None, repr=False)  # the request itself (its timeline)
 
 
 @dataclass
@@ -74,9 +95,7 @@ class Engine:
                                   fuse_qkv=config.fuse_qkv and self.device.type == "cuda")
         self.sampler = Sampler(self.device)
         self.vocab_size = self.model.config.vocab_size
-        self.requests: dict[str, Request] = {}  # waiting or running in the scheduler
-        self.held: dict[str, Request] = {}  # prefilled by prefill_only, blocks kept until release()
-        self.reserved: dict[str, list[int]] = {}  # reserved for an incoming transfer
+        self.requests: dict[str, Request] = {}  # every request on this worker, until it finishes
 
     def _layout(self, config: EngineConfig) -> KVLayout:
         cfg = self.model.config
@@ -126,14 +145,38 @@ class Engine:
                 f"KV blocks, the pool has {self.blocks.num_blocks}; lower max_tokens or give the worker more KV memory"
             )
 
-    # ---- colocated -----------------------------------------------------------------------
+    # ---- the requests on this worker ----------------------------------------------------------
+
+    def admit(self, req: Request) -> None:
+        """Check a new request and register it, WAITING (what for is the caller's: see the roles)."""
+        if req.request_id in self.requests:
+            raise InvalidRequest(f"request id {req.request_id} is already in use")
+        if req.status is not Status.WAITING:
+            raise IllegalTransition(f"request {req.request_id} is {req.status.value}; admit a new Request")
+        self.validate(req)
+        self.requests[req.request_id] = req
+
+    def in_state(self, *states: Status) -> list[Request]:
+        """The requests in any of these states, in arrival order."""
+        return [r for r in self.requests.values() if r.status in states]
+
+    def counts(self) -> dict[Status, int]:
+        """Requests per state (main thread; the roles publish it for the heartbeat thread)."""
+        out = dict.fromkeys(Status, 0)
+        for r in self.requests.values():
+            out[r.status] += 1
+        return out
+
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise IllegalTransition(f"request {request_id} is not on this worker (never admitted, or finished)")
+        return req
+
+    # ---- colocated -----------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests or req.request_id in self.held or req.request_id in self.reserved:
-            raise InvalidRequest(f"request id {req.request_id} is already in use")
-        self.validate(req)
-        req.arrived = time.monotonic()
-        self.requests[req.request_id] = req
+        self.admit(req)
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
@@ -143,24 +186,16 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return []
-        start = time.monotonic()
-        for r, _ in work:
-            if not r.output_ids:
-                r.prefill_start = r.prefill_start or start
-            elif len(r.output_ids) == 1 and r.first_step_start is None:
-                r.first_step_start = start
-        done = [r for r, n in work if r.num_computed + n == r.num_tokens]
-        logits = self.runner.run(work)
-        tokens = self.sampler.sample(logits, done) if done else []  # reads the tokens back: the step is complete
-        end = time.monotonic()
-        outs = []
-        for i, (r, tok) in enumerate(zip(done, tokens)):
-            if not r.output_ids and r.prefill_end is None:
-                r.prefill_end = end
-            elif r.first_step_start == start:
-                r.first_step_end = end
-            outs.append(self._append(r, tok, logits[i] if r.return_logits else None))
-        return outs
+        start = stamp_start(work)
+        try:
+            logits = self.runner.run(work)  # [len(done), vocab] float32; advances each num_computed
+            done = [r for r, _ in work if r.num_computed == r.num_tokens]
+            tokens = self.sampler.sample(logits, done) if done else []  # reads them back: the step is over
+        except Exception as e:
+            return self._fail_step(work, e)
+        stamp_end(done, start, time.monotonic())
+        return [self._emit(r, tok, logits[i] if r.return_logits else None)
+                for i, (r, tok) in enumerate(zip(done, tokens))]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
                  return_logits: bool = False) -> list[Request]:
@@ -185,83 +220,152 @@ class Engine:
                 if out.request_id == req.request_id:
                     yield out
 
-    def abort(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is not None:
-            self._finish(req, "abort")
-        self.release(request_id)
-
-    # ---- prefill role --------------------------------------------------------------------
+    # ---- prefill role --------------------------------------------------------------------------
 
     def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:
-        """Prefill one request now, sample its first token; its blocks stay until release()."""
-        if req.request_id in self.held or req.request_id in self.requests:
-            raise InvalidRequest(f"request id {req.request_id} is already in use")
-        self.validate(req)
-        need = blocks_for(len(req.prompt_ids), self.layout.block_size)
-        if not self.blocks.can_allocate(need):
-            raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
-        req.block_ids = self.blocks.allocate(need)
-        req.status = Status.RUNNING
-        self.held[req.request_id] = req
+        """Prefill one request now and sample its first token (WAITING -> PREFILLING -> SENDING); its
+        blocks stay until release(). Admits it if the caller has not. On any error (OutOfBlocks, its
+        SamplingError, the forward's) the request is finished and its blocks freed, then it raises."""
+        if self.requests.get(req.request_id) is not req:
+            self.admit(req)
+        req.start_prefill()
         try:
+            need = blocks_for(len(req.prompt_ids), self.layout.block_size)
+            if not self.blocks.can_allocate(need):
+                raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
+            req.block_ids = self.blocks.allocate(need)
             req.prefill_start = time.monotonic()
             logits = self.runner.prefill([req], on_layer)
-            token = self.sampler.sample(logits, [req])[0]
+            [token] = self.sampler.sample(logits, [req])
+            if isinstance(token, SamplingError):
+                raise token
             req.prefill_end = time.monotonic()
-        except BaseException:
-            self.release(req.request_id)
+        except BaseException as e:
+            self._finish(req, "error", f"{type(e).__name__}: {e}")
             raise
         req.output_ids = [token]
+        req.start_sending()
         return PrefillResult(first_token=token, logits=logits[0], block_ids=list(req.block_ids))
 
     def release(self, request_id: str) -> None:
-        """Give back the blocks of a prefilled (held) or reserved request; no-op if none."""
-        req = self.held.pop(request_id, None)
+        """The transfer is over: the blocks of a SENDING (prefill worker) or RESERVED, RECEIVING or
+        CANCELLING (decode worker) request go back; no-op for an id not here."""
+        req = self.requests.get(request_id)
         if req is not None:
-            self.blocks.free(req.block_ids)
-            req.block_ids = []
-            req.status = Status.FINISHED
-        blocks = self.reserved.pop(request_id, None)
-        if blocks is not None:
-            self.blocks.free(blocks)
+            req.release()
+            self._forget(req)
 
-    # ---- decode role ---------------------------------------------------------------------
+    # ---- decode role ---------------------------------------------------------------------------
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        if request_id in self.reserved or request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id} is already in use")
+        """Blocks for num_tokens of prompt KV that a transfer will write (WAITING -> RESERVED), for an
+        admitted request or, for an id not seen yet, a bare reservation whose request comes with
+        adopt(). None: no room now (an admitted request stays WAITING)."""
+        req = self.requests.get(request_id) or Request(request_id, [])
         need = blocks_for(num_tokens, self.layout.block_size)
-        if not self.blocks.can_allocate(need):
+        if req.status is Status.WAITING and not self.blocks.can_allocate(need):
             return None
-        self.reserved[request_id] = self.blocks.allocate(need)
-        return list(self.reserved[request_id])
+        req.reserve()
+        req.block_ids = self.blocks.allocate(need)
+        self.requests[request_id] = req
+        return list(req.block_ids)
+
+    def begin_receiving(self, request_id: str) -> None:
+        """The sender began writing into the request's blocks (RESERVED -> RECEIVING)."""
+        self._get(request_id).start_receiving()
+
+    def cancel(self, request_id: str) -> None:
+        """Aborted while a write may still land (RESERVED or RECEIVING -> CANCELLING): its blocks stay
+        until release(), once the KV receiver says no write can reach them."""
+        self._get(request_id).cancel()
 
     def adopt(self, req: Request, first_token: int) -> StepOutput:
-        """Continue a request whose prompt KV sits in its reserved blocks; returns the output of
-        its first token (which may already finish it)."""
-        blocks = self.reserved.pop(req.request_id, None) or req.block_ids
+        """Continue a request whose prompt KV sits in its reserved blocks (RESERVED or RECEIVING ->
+        RUNNING); returns the output of its first token (which may finish it, or fail it). Raises
+        InvalidRequest, with the request finished and its blocks freed, if they cannot be used."""
+        held = self._get(req.request_id)
+        held.start_running()
+        if held is not req:  # reserved by id alone: the request itself comes now
+            req.take_over(held)
+            self.requests[req.request_id] = req
         try:
-            if len(blocks) * self.layout.block_size < len(req.prompt_ids):
-                raise InvalidRequest(
-                    f"request {req.request_id}: {len(blocks)} blocks cannot hold {len(req.prompt_ids)} prompt tokens"
-                )
-            self.validate(req)
-        except InvalidRequest:
-            self.blocks.free(blocks)  # the reservation ends here: its blocks go back
+            if held is not req:
+                self.validate(req)
+            if len(req.block_ids) * self.layout.block_size < len(req.prompt_ids):
+                raise InvalidRequest(f"request {req.request_id}: {len(req.block_ids)} blocks cannot hold "
+                                     f"{len(req.prompt_ids)} prompt tokens")
+            if not 0 <= first_token < self.vocab_size:
+                raise InvalidRequest(f"request {req.request_id}: first token {first_token} is outside the "
+                                     f"vocabulary (0..{self.vocab_size - 1})")
+        except InvalidRequest as e:
+            self._finish(req, "error", str(e))  # the reservation ends here: its blocks go back
             raise
-        req.block_ids = list(blocks)
         req.num_computed = len(req.prompt_ids)
         req.output_ids = []
         req.adopted = True
-        self.requests[req.request_id] = req
         self.scheduler.adopt(req)
         return self._append(req, first_token, None)
 
-    # ---- bookkeeping ---------------------------------------------------------------------
+    # ---- the end of a request ------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> None:
+        """FINISHED ("abort"), blocks freed; no-op for an id not here. Not while CANCELLING: a late
+        write could still land in its blocks (release() once the receiver lets go)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, "abort")
+
+    def fail(self, request_id: str, error: str) -> None:
+        """FINISHED ("error", with what went wrong), blocks freed; no-op for an id not here."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, "error", error)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        req.finish(reason, error)
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """A finished request leaves: its blocks back to the pool, out of the queues and the dict."""
+        self.scheduler.remove(req)
+        self.blocks.free(req.block_ids)
+        req.block_ids = []
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+
+    # ---- tokens --------------------------------------------------------------------------------
+
+    def _emit(self, req: Request, token: int | SamplingError, logits: torch.Tensor | None) -> StepOutput:
+        """A sampled token recorded, or the request failed alone if its token could not be made."""
+        if isinstance(token, SamplingError):
+            return self._failed(req, str(token))
+        if req.status is Status.PREFILLING:  # its prompt is complete: token 1
+            req.start_running()
+        return self._append(req, token, logits)
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> StepOutput:
         req.output_ids.append(token)
+        try:
+            delta, reason = self._text_and_stop(req, token)
+        except Exception as e:  # this request's text, not the batch's
+            return self._failed(req, f"request {req.request_id}: detokenizing generated token "
+                                     f"{len(req.output_ids) - 1} (id {token}) failed: {type(e).__name__}: {e}")
+        if reason is not None:
+            self._finish(req, reason)
+        return StepOutput(req.request_id, token, delta, reason is not None, reason,
+                          None if logits is None else logits.detach().float().cpu(), request=req)
+
+    def _failed(self, req: Request, error: str) -> StepOutput:
+        self._finish(req, "error", error)
+        return StepOutput(req.request_id, -1, "", True, "error", error=error, request=req)
+
+    def _fail_step(self, work: list[tuple[Request, int]], e: Exception) -> list[StepOutput]:
+        log.exception("an engine step of %d requests failed; failing those requests", len(work))
+        error = f"the engine step that computed it failed: {type(e).__name__}: {e}"
+        return [self._failed(r, f"request {r.request_id}: {error}") for r, _ in work]
+
+    def _text_and_stop(self, req: Request, token: int) -> tuple[str, str | None]:
+        """The text the newest token adds, and why the request stops here (None: it goes on)."""
         p = req.params
         reason = None
         if token in self.eos_token_ids and not p.ignore_eos:
@@ -276,10 +380,7 @@ class Engine:
                 reason = "stop"
         if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens > self.max_model_len):
             reason = "length"
-        if reason is not None:
-            self._finish(req, reason)
-        return StepOutput(req.request_id, token, delta, reason is not None, reason,
-                          None if logits is None else logits.detach().float().cpu())
+        return delta, reason
 
     def _detokenize(self, req: Request) -> str:
         """The text the newest token adds, decoding only a few tokens of context each time
@@ -296,16 +397,25 @@ class Engine:
         req.text += delta
         return delta
 
-    def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req, reason)
-        self.requests.pop(req.request_id, None)
-
     def stats(self) -> dict[str, int]:
-        return {
-            "free_blocks": self.blocks.num_free,
-            "total_blocks": self.blocks.num_blocks,
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "held": len(self.held),
-            "reserved": len(self.reserved),
-        }
+        counts = {s.value: n for s, n in self.counts().items() if s is not Status.FINISHED}
+        return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks, **counts}
+
+
+def stamp_start(work: list[tuple[Request, int]]) -> float:
+    """Stamp the step's start on the requests whose prefill or first decode step it is."""
+    start = time.monotonic()
+    for r, _ in work:
+        if not r.output_ids:
+            r.prefill_start = r.prefill_start or start
+        elif len(r.output_ids) == 1 and r.first_step_start is None:
+            r.first_step_start = start
+    return start
+
+
+def stamp_end(done: list[Request], start: float, end: float) -> None:
+    for r in done:
+        if not r.output_ids and r.prefill_end is None:
+            r.prefill_end = end
+        elif r.first_step_start == start:
+            r.first_step_end = end

@@ -1,4 +1,34 @@
-"""A request's state inside one engine, and the sampling parameters it carries."""
+"""A request's state inside one worker, its state ladder, and the sampling parameters it carries.
+
+One owner: the engine's `requests` dict holds every request this worker knows, from the moment its
+message is taken until it finishes; its `status` is the one record of where it stands, and it moves
+only through the named methods below, each of which checks where it comes from (an illegal move
+raises IllegalTransition naming the request and both states). Torch-free: testable alone.
+
+The ladder, per role (each arrow is one named method below; every state but CANCELLING may also
+finish(): an abort or a failure):
+
+    colocated  WAITING -start_prefill-> PREFILLING -start_running-> RUNNING -finish-> FINISHED
+    prefill    WAITING -start_prefill-> PREFILLING -start_sending-> SENDING -release-> FINISHED
+    decode     WAITING -reserve-> RESERVED -start_receiving-> RECEIVING -start_running-> RUNNING -finish-> FINISHED
+               RESERVED | RECEIVING -start_running-> RUNNING         (the KV landed; the Begin may go unseen)
+               RESERVED | RECEIVING -release-> FINISHED              (the KV will not come)
+               RESERVED | RECEIVING -cancel-> CANCELLING -release-> FINISHED   (aborted, a write in flight)
+    preemption PREFILLING | RUNNING -preempt-> PREEMPTED -start_prefill-> PREFILLING   (colocated, decode)
+
+    WAITING     no KV blocks yet; waits for its turn: the scheduler's (colocated), the prefill queue's
+                (prefill worker), or room to reserve (decode worker)
+    PREFILLING  blocks for its prompt; prompt positions being computed, in one step or over several chunks
+    SENDING     prefill worker: prompt done, token 1 sampled; its KV is moving to a decode worker's blocks,
+                ours are held until release()
+    RESERVED    decode worker: blocks reserved for its prompt's KV, the sender has not begun
+    RECEIVING   decode worker: the sender began writing into those blocks
+    CANCELLING  decode worker: aborted while a write may still land; blocks held until the KV receiver
+                says none can, then release()
+    RUNNING     decoding, a token a step
+    PREEMPTED   its blocks went back to make room; waits at the scheduler's front to be recomputed
+    FINISHED    blocks freed, gone from the engine's dict; finish_reason says why (error: `error` says what)
+"""
 
 from __future__ import annotations
 
@@ -6,9 +36,16 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+SEED_LIMIT = 2**63  # seeds are 0 .. 2**63 - 1 (what msgpack and the HTTP API carry as a signed int64)
+
 
 class InvalidRequest(ValueError):
     """Bad parameters; the message says which field and what is allowed."""
+
+
+class IllegalTransition(RuntimeError):
+    """A request was asked to move along its ladder from a state that does not lead there (a bug in
+    the caller's bookkeeping, not in the request)."""
 
 
 @dataclass
@@ -36,8 +73,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequest(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT):
+            raise InvalidRequest(f"seed must be an integer in 0..2**63-1, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a list of non-empty strings")
         if len(self.stop) > 16:
@@ -47,34 +84,123 @@ class SamplingParams:
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    PREFILLING = "prefilling"
+    SENDING = "sending"
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    CANCELLING = "cancelling"
     RUNNING = "running"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
-@dataclass
+S = Status
+# what each named move may start from (the whole ladder, in one place)
+MOVES: dict[str, tuple[Status, frozenset[Status]]] = {
+    "start_prefill": (S.PREFILLING, frozenset({S.WAITING, S.PREEMPTED})),
+    "start_sending": (S.SENDING, frozenset({S.PREFILLING})),
+    "reserve": (S.RESERVED, frozenset({S.WAITING})),
+    "start_receiving": (S.RECEIVING, frozenset({S.RESERVED})),
+    "start_running": (S.RUNNING, frozenset({S.PREFILLING, S.RESERVED, S.RECEIVING})),
+    "preempt": (S.PREEMPTED, frozenset({S.PREFILLING, S.RUNNING})),
+    "cancel": (S.CANCELLING, frozenset({S.RESERVED, S.RECEIVING})),
+    # abort or failure: anywhere but CANCELLING, whose blocks a late write may still reach
+    "finish": (S.FINISHED, frozenset(Status) - {S.FINISHED, S.CANCELLING}),
+    # the blocks held for a transfer go back: it is over (sent, failed, or the receiver let go)
+    "release": (S.FINISHED, frozenset({S.SENDING, S.RESERVED, S.RECEIVING, S.CANCELLING})),
+}
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Prefill worker: where a request's KV goes (the decode worker's reserved blocks)."""
+
+    worker_id: str
+    address: str  # that worker's KV receiver
+    block_ids: list[int]
+
+
+@dataclass(eq=False)  # a request is itself, not its fields: queues find and remove it by identity
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    status: Status = Status.WAITING  # moved only by the methods below
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "sent" (prefill worker)
+    error: str | None = None  # finish_reason "error": what failed, naming the request
     text: str = ""  # detokenized output so far (stop strings cut it)
     # incremental detokenization: output_ids[prefix_offset:read_offset] is the context that
     # the text of the next tokens is measured against
     prefix_offset: int = 0
     read_offset: int = 0
-    # engine-side timeline, time.monotonic() seconds
-    arrived: float = field(default_factory=time.monotonic)
-    prefill_start: float | None = None
-    prefill_end: float | None = None
-    first_step_start: float | None = None  # first decode step (the one that makes token 2)
-    first_step_end: float | None = None
     num_computed: int = 0  # tokens whose K/V sit in the cache
     return_logits: bool = False  # tests and the transfer check: StepOutput carries the logits
-    # set when the request was adopted with its KV already in block_ids
-    adopted: bool = False
+    adopted: bool = False  # decode worker: its prompt KV came from a prefill worker
+    deadline: float | None = None  # time.monotonic(): past it, this worker stops waiting on its behalf
+    send_to: KVTarget | None = None  # prefill worker: where its KV goes
+    # timeline, time.monotonic() seconds of this process; the roles turn it into P.Timeline
+    arrived: float = field(default_factory=time.monotonic)  # its message reached the worker's socket
+    taken: float | None = None  # the worker's loop handled that message
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    landed: float | None = None  # decode: the KV receiver reported the KV in
+    adopted_at: float | None = None  # decode: adopt() returned token 1
+    token1_sent: float | None = None  # token 1's message handed to the router socket
+    first_step_start: float | None = None  # first decode step (the one that makes token 2)
+    first_step_end: float | None = None
+
+    # ---- the ladder ----------------------------------------------------------------------------
+
+    def start_prefill(self) -> None:
+        self._move("start_prefill")
+
+    def start_sending(self) -> None:
+        self._move("start_sending")
+
+    def reserve(self) -> None:
+        self._move("reserve")
+
+    def start_receiving(self) -> None:
+        self._move("start_receiving")
+
+    def start_running(self) -> None:
+        self._move("start_running")
+
+    def preempt(self) -> None:
+        self._move("preempt")
+
+    def cancel(self) -> None:
+        self._move("cancel")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self._move("finish")
+        self.finish_reason, self.error = reason, error
+
+    def release(self) -> None:
+        reason = "sent" if self.status is Status.SENDING else "abort"
+        self._move("release")
+        self.finish_reason = reason
+
+    def take_over(self, bare: "Request") -> None:
+        """Stand in for the bare reservation made under this id before the request itself was
+        known (Engine.reserve(id, n), then adopt(request)): its blocks and its state."""
+        if self.status is not Status.WAITING or bare.request_id != self.request_id:
+            raise IllegalTransition(f"request {self.request_id} ({self.status.value}) cannot take over the "
+                                    f"reservation of {bare.request_id}; pass a new Request with its id")
+        self.block_ids, self.status = bare.block_ids, bare.status
+        bare.block_ids = []
+
+    def _move(self, name: str) -> None:
+        to, sources = MOVES[name]
+        if self.status not in sources:
+            allowed = ", ".join(sorted(s.value for s in sources))
+            raise IllegalTransition(f"request {self.request_id}: cannot {name.replace('_', ' ')} while "
+                                    f"{self.status.value} (to {to.value} only from: {allowed})")
+        self.status = to
+
+    # ---- tokens --------------------------------------------------------------------------------
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,11 @@
 """Continuous batching: what each request computes in the next step.
 
-Queues: `waiting` (admitted by add(), no KV yet, or preempted) and `running` (blocks in the
-pool for every position it has). A step is a list of (request, n): compute n positions of
-that request from its num_computed on (see runner.py).
+Queues: `waiting` (added by the engine, no KV yet: WAITING, or PREEMPTED at the front) and
+`running` (blocks in the pool for every position it has: PREFILLING, then RUNNING once the
+engine appends its first token). The queues only order requests; their state is the Request's
+own status, which the scheduler moves along its ladder (request.py) when it admits or preempts.
+A step is a list of (request, n): compute n positions of that request from its num_computed on
+(see runner.py).
 
 Chunked prefill (the default, as vLLM and SGLang run): every step carries each running
 request's next token (its decode) plus prompt tokens up to `chunk_tokens` in all: the
@@ -18,8 +21,10 @@ Both:
 - A waiting request is admitted only when the pool has blocks for all its tokens and the
   sequence cap allows. A full pool makes requests wait, never fail.
 - A decode that needs a new block when none is free preempts the newest running request:
-  its blocks go back and it returns to the front of `waiting`, to be prefilled again from
-  its prompt and the tokens it already made.
+  its blocks go back and it returns to the front of `waiting` (PREEMPTED), to be prefilled
+  again from its prompt and the tokens it already made.
+- Finishing is the engine's (it frees the blocks wherever the request is); remove() takes a
+  request out of the queues.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 
 from workers.engine.block_pool import BlockPool, blocks_for
-from workers.engine.request import Request, Status
+from workers.engine.request import IllegalTransition, Request, Status
 
 
 class Scheduler:
@@ -44,12 +49,16 @@ class Scheduler:
         self._last_was_prefill = False
 
     def add(self, req: Request) -> None:
-        req.status = Status.WAITING
+        if req.status is not Status.WAITING:
+            raise IllegalTransition(f"request {req.request_id}: only a waiting request can be scheduled, "
+                                    f"this one is {req.status.value}")
         self.waiting.append(req)
 
     def adopt(self, req: Request) -> None:
-        """A request whose KV is already in req.block_ids joins the running batch."""
-        req.status = Status.RUNNING
+        """A RUNNING request whose KV is already in req.block_ids joins the running batch."""
+        if req.status is not Status.RUNNING:
+            raise IllegalTransition(f"request {req.request_id}: only a running request joins the batch, "
+                                    f"this one is {req.status.value}")
         self.running.append(req)
 
     def has_work(self) -> bool:
@@ -93,9 +102,9 @@ class Scheduler:
             if not self.blocks.can_allocate(need):
                 break
             self.waiting.popleft()
+            req.start_prefill()
             req.block_ids = self.blocks.allocate(need)
             req.num_computed = 0
-            req.status = Status.RUNNING
             self.running.append(req)
             take = n if whole else min(n, budget)
             batch.append((req, take))
@@ -118,19 +127,16 @@ class Scheduler:
         return list(self.running)
 
     def _preempt(self, req: Request) -> None:
+        req.preempt()
         self.running.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
         req.num_computed = 0
-        req.status = Status.WAITING
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str) -> None:
+    def remove(self, req: Request) -> None:
+        """Out of the queues (the engine finishes it and frees its blocks); no-op if not queued."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.blocks.free(req.block_ids)
-        req.block_ids = []
-        req.status = Status.FINISHED
-        req.finish_reason = reason

@@ -1,13 +1,23 @@
-"""What every role shares: the worker it lives in, token messages, failure reports, timelines."""
+"""What every role shares: the worker it lives in, token messages, failure reports, timelines.
+
+A role keeps no record of its requests: each lives in the engine (`engine.requests`, its status
+on the ladder of workers/engine/request.py, its timeline stamps on the Request itself), and the
+role looks it up there. A role turns control messages into engine calls and engine outputs into
+messages. What the heartbeat thread reports (queue depth, running) is a count the main thread
+publishes after each tick, so that thread never reads the engine.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workers import protocol as P
-from workers.engine.request import Request
+from workers.engine.request import Request, Status
+
+if TYPE_CHECKING:
+    from workers.engine.engine import StepOutput
 
 log = logging.getLogger("pdserve.worker")
 
@@ -19,52 +29,54 @@ def ms(start: float | None, end: float | None) -> float | None:
     return (end - start) * 1e3
 
 
-@dataclass
-class Tracked:
-    """A request on this worker: the engine's Request (which stamps prefill start/end and the first
-    decode step itself) and the stamps only the role sees. time.monotonic() of this process."""
-
-    req: Request
-    arrived: float | None = None  # its message reached this worker's socket (the inbox thread's stamp)
-    taken: float | None = None  # the loop handled that message
-    landed: float | None = None  # decode: the KV receiver reported the KV in
-    adopted: float | None = None  # decode: adopt() returned token 1
-    token1_sent: float | None = None  # token 1's Tokens message handed to the router socket
-
-    def timeline(self) -> P.Timeline:
-        r = self.req
-        made = self.adopted if self.adopted is not None else r.prefill_end  # token 1 exists from here
-        return P.Timeline(inbox_ms=ms(self.arrived, self.taken), wait_ms=ms(self.taken, r.prefill_start),
-                          prefill_ms=ms(r.prefill_start, r.prefill_end), pickup_ms=ms(self.landed, self.adopted),
-                          emit_ms=ms(made, self.token1_sent), first_step_ms=ms(r.first_step_start, r.first_step_end))
+def timeline(r: Request) -> P.Timeline:
+    """What this worker measured of a request, on its own clock (stamps a role did not set stay None)."""
+    made = r.adopted_at if r.adopted_at is not None else r.prefill_end  # token 1 exists from here
+    return P.Timeline(inbox_ms=ms(r.arrived, r.taken), wait_ms=ms(r.taken, r.prefill_start),
+                      prefill_ms=ms(r.prefill_start, r.prefill_end), pickup_ms=ms(r.landed, r.adopted_at),
+                      emit_ms=ms(made, r.token1_sent), first_step_ms=ms(r.first_step_start, r.first_step_end))
 
 
 class Role:
     kv_address: str | None = None  # decode: where prefill workers send KV
+    QUEUED: tuple[Status, ...] = ()  # the states the heartbeat reports as queue depth
+    ACTIVE: tuple[Status, ...] = (Status.PREFILLING, Status.RUNNING)  # ... and as running
 
     def __init__(self, worker):
         self.worker = worker
         self.engine = worker.engine
         self.worker_id: str = worker.worker_id
+        self._counts: dict[Status, int] = dict.fromkeys(Status, 0)  # replaced whole, never mutated
 
     # the loop's interface ----------------------------------------------------------------------
 
     def handle(self, msg, arrived: float | None = None) -> None:
         """One control message; `arrived` is when it reached the worker's socket (None: just now)."""
-        raise NotImplementedError
+        self.on_message(msg, arrived)
+        self._counts = self.engine.counts()
 
     def tick(self) -> None:
+        self.advance()
+        self._counts = self.engine.counts()
+
+    def on_message(self, msg, arrived: float | None) -> None:
+        raise NotImplementedError
+
+    def advance(self) -> None:
+        """Whatever the role's requests need next: engine steps, prefills, transfers."""
         raise NotImplementedError
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         """How long the loop may block on the control socket before the next tick."""
         raise NotImplementedError
 
-    def queue_depth(self) -> int:
-        raise NotImplementedError
+    def queue_depth(self) -> int:  # the heartbeat thread
+        counts = self._counts
+        return sum(counts[s] for s in self.QUEUED)
 
-    def running(self) -> int:
-        return len(self.engine.scheduler.running)
+    def running(self) -> int:  # the heartbeat thread
+        counts = self._counts
+        return sum(counts[s] for s in self.ACTIVE)
 
     def close(self) -> None:
         pass
@@ -75,33 +87,26 @@ class Role:
         log.warning("%s: request %s failed (%s): %s", self.worker_id, request_id, kind, error)
         self.worker.send(P.RequestFailed(self.worker_id, request_id, kind, error))
 
-    def send_tokens(self, outputs: list[P.TokenOut]) -> None:
-        if outputs:
-            self.worker.send(P.Tokens(self.worker_id, outputs))
+    def step(self) -> None:
+        """One engine step; its outputs go to the router."""
+        self.emit(self.engine.step())
 
-    def step_and_send(self, live: dict[str, Tracked]) -> None:
-        """One engine step; its tokens go to the router, a finished request's with its timeline.
-        A failed step loses the whole batch: every live request is aborted and reported."""
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            log.exception("%s: engine step failed", self.worker_id)
-            for rid in list(live):
-                live.pop(rid)
-                self.engine.abort(rid)
-                self.fail(rid, "internal", f"engine step failed on {self.worker_id}: {type(e).__name__}: {e}")
-            return
+    def emit(self, outputs: list[StepOutput]) -> None:
+        """Tokens in one message (a finished request's with its timeline); a request that failed
+        alone (its sampling, its text) is reported on its own, the others go on."""
         sent = now()  # stamped before the timelines that carry it are built; the send follows at once
-        out = []
+        tokens = []
         for o in outputs:
-            entry = live.get(o.request_id)
-            if entry is not None and entry.token1_sent is None:
-                entry.token1_sent = sent
-            if o.finished:
-                live.pop(o.request_id, None)
-            timeline = entry.timeline() if entry is not None and o.finished else None
-            out.append(P.TokenOut(o.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason, timeline))
-        self.send_tokens(out)
+            r = o.request
+            if o.error is not None:
+                self.fail(r.request_id, "internal", f"on {self.worker_id}: {o.error}")
+                continue
+            if r.token1_sent is None:
+                r.token1_sent = sent
+            tokens.append(P.TokenOut(r.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason,
+                                     timeline(r) if o.finished else None))
+        if tokens:
+            self.worker.send(P.Tokens(self.worker_id, tokens))
 
 
 def now() -> float:

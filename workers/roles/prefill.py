@@ -1,39 +1,44 @@
 """Prefill role: build a request's KV, push it into a decode worker's reserved blocks, report.
 
-Life cycle of a request:
-    Prefill   -> [pending] (FIFO, one prefill at a time; Abort removes it -> RequestFailed aborted)
-              -> engine.prefill_only(req, on_layer)     layer mode: transfer.layer_done(i) after each layer
-                                                        (the transfer opens at the first layer, once the
-                                                        request's source blocks exist)
-              -> transfer.finish(first_token)           bulk mode: everything moves now; then the decode
-                                                        worker is told "kv done" with the first token
-              -> engine.release()                       our blocks go back at once
+Life cycle of a request (its status, in the engine: workers/engine/request.py):
+    Prefill   -> engine.admit()         WAITING     in arrival order, one prefill at a time (InvalidRequest ->
+                                                    RequestFailed invalid; Abort -> RequestFailed aborted)
+              -> engine.prefill_only(req, on_layer)
+                                        PREFILLING  layer mode: transfer.layer_done(i) after each layer (the
+                                                    transfer opens at the first layer, once the request's
+                                                    source blocks exist)
+              -> transfer.finish(first_token)
+                                        SENDING     bulk mode: everything moves now; then the decode worker is
+                                                    told "kv done" with the first token
+              -> engine.release()       FINISHED    (sent) our blocks go back at once
               -> PrefillDone (timeline: inbox, queue, prefill; exposed transfer = last copy complete -
                                                 prefill end; all on this process's clock)
                  or RequestFailed (invalid | capacity | transfer | timeout | internal; the transfer is
-                                                aborted, the blocks released)
+                                                aborted, engine.fail() frees the blocks)
 
-Deadline: the router gives each Prefill a deadline shorter than the decode worker's reservation;
-past it the request fails with `timeout` before (or instead of) transferring, rather than sending
-KV the decode worker no longer waits for (its receiver would refuse it anyway).
+Deadline: the router gives each Prefill a deadline shorter than the decode worker's reservation
+(the Request's `deadline`); past it the request fails with `timeout` before (or instead of)
+transferring, rather than sending KV the decode worker no longer waits for (its receiver would
+refuse it anyway).
 
 Connect (from the router, when a decode worker with our transport registers) shakes hands with its
 KV receiver at once, so the first request to it does not pay the handshake in its TTFT.
 
-Queues: `pending` only (each entry: the message, when it reached our socket, when the loop took it);
-the engine holds a request's blocks just for the duration of one prefill.
+No queues of its own: the queue is the engine's WAITING requests, in arrival order; where each one's
+KV goes rides on the Request (`send_to`). The engine holds a request's blocks for one prefill and
+its transfer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from workers import protocol as P
 from workers.engine.block_pool import OutOfBlocks
-from workers.engine.request import InvalidRequest, Request
-from workers.roles.base import Role, Tracked, now
+from workers.engine.request import InvalidRequest, KVTarget, Request, Status
+from workers.engine.sampler import SamplingError
+from workers.roles.base import Role, now, timeline
 from workers.transfer.base import State, TransferError, make_sender
 
 log = logging.getLogger("pdserve.worker")
@@ -44,16 +49,25 @@ class PrefillDeadline(TransferError):
 
 
 class PrefillRole(Role):
+    QUEUED = (Status.WAITING,)
+    ACTIVE = (Status.PREFILLING, Status.SENDING)
+
     def __init__(self, worker):
         super().__init__(worker)
         self.mode = worker.cfg.transfer.mode
         self.sender = make_sender(self.engine.kv, worker.cfg.transfer)
-        self.pending: deque[tuple[P.Prefill, float, float]] = deque()  # (message, arrived, taken)
 
-    def handle(self, msg, arrived: float | None = None) -> None:
+    def on_message(self, msg, arrived: float | None) -> None:
         if isinstance(msg, P.Prefill):
             taken = now()
-            self.pending.append((msg, taken if arrived is None else arrived, taken))
+            received = taken if arrived is None else arrived
+            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling.to_params(), arrived=received,
+                          taken=taken, deadline=received + msg.deadline_s,
+                          send_to=KVTarget(msg.decode_worker, msg.kv_address, list(msg.dst_blocks)))
+            try:
+                self.engine.admit(req)
+            except InvalidRequest as e:
+                self.fail(msg.request_id, "invalid", str(e))
         elif isinstance(msg, P.Connect):
             try:
                 self.sender.connect(msg.kv_address)
@@ -61,72 +75,65 @@ class PrefillRole(Role):
                 log.warning("%s: early handshake with %s (%s) failed: %s", self.worker_id, msg.decode_worker,
                             msg.kv_address, e)
         elif isinstance(msg, P.Abort):
-            for item in self.pending:
-                if item[0].request_id == msg.request_id:
-                    self.pending.remove(item)
-                    self.fail(msg.request_id, "aborted", f"aborted before prefill: {msg.reason}")
-                    return
+            req = self.engine.requests.get(msg.request_id)
+            if req is not None and req.status is Status.WAITING:  # later, it is over before we read this
+                self.engine.abort(msg.request_id)
+                self.fail(msg.request_id, "aborted", f"aborted before prefill: {msg.reason}")
         else:
             log.error("%s: prefill worker got %s; only Prefill, Connect and Abort go to prefill workers",
                       self.worker_id, type(msg).__name__)
 
-    def tick(self) -> None:
-        if self.pending:
-            self._run(*self.pending.popleft())
+    def advance(self) -> None:
+        waiting = self.engine.in_state(Status.WAITING)
+        if waiting:
+            self._run(waiting[0])
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
-        return 0 if self.pending else idle_ms
-
-    def queue_depth(self) -> int:
-        return len(self.pending)
-
-    def running(self) -> int:
-        return 0
+        return 0 if self.engine.in_state(Status.WAITING) else idle_ms
 
     def close(self) -> None:
         self.sender.close()
 
-    def _run(self, msg: P.Prefill, received: float, taken: float) -> None:
-        rid = msg.request_id
-        deadline = received + msg.deadline_s
-        req = Request(rid, list(msg.prompt_ids), msg.sampling.to_params())
+    def _run(self, req: Request) -> None:
+        rid, to = req.request_id, req.send_to
+        budget_s = req.deadline - req.arrived
         transfer = None
 
         def open_transfer(src_blocks: list[int]):
-            return self.sender.open(rid, msg.kv_address, list(src_blocks), list(msg.dst_blocks), len(req.prompt_ids))
+            return self.sender.open(rid, to.address, list(src_blocks), list(to.block_ids), len(req.prompt_ids))
 
         def on_layer(layer: int) -> None:
             nonlocal transfer
-            if now() >= deadline:
-                raise PrefillDeadline(f"request {rid}: deadline of {msg.deadline_s:.1f}s passed during prefill "
-                                      f"(layer {layer}); nothing more is sent to {msg.decode_worker}")
+            if now() >= req.deadline:
+                raise PrefillDeadline(f"request {rid}: deadline of {budget_s:.1f}s passed during prefill "
+                                      f"(layer {layer}); nothing more is sent to {to.worker_id}")
             if transfer is None:
                 transfer = open_transfer(req.block_ids)
             transfer.layer_done(layer)
 
         try:
-            if now() >= deadline:
-                raise PrefillDeadline(f"request {rid}: waited {now() - received:.1f}s in the prefill queue, past "
-                                      f"its deadline of {msg.deadline_s:.1f}s; add prefill workers or raise "
+            if now() >= req.deadline:
+                raise PrefillDeadline(f"request {rid}: waited {now() - req.arrived:.1f}s in the prefill queue, past "
+                                      f"its deadline of {budget_s:.1f}s; add prefill workers or raise "
                                       f"the router's --kv-deadline")
             result = self.engine.prefill_only(req, on_layer if self.mode == "layer" else None)
             if transfer is None:
                 transfer = open_transfer(result.block_ids)
-            remaining = deadline - now()
+            remaining = req.deadline - now()
             if remaining <= 0:
-                raise PrefillDeadline(f"request {rid}: deadline of {msg.deadline_s:.1f}s passed before the "
-                                      f"transfer to {msg.decode_worker} could start")
+                raise PrefillDeadline(f"request {rid}: deadline of {budget_s:.1f}s passed before the "
+                                      f"transfer to {to.worker_id} could start")
             stats = transfer.finish(result.first_token, remaining)
         except Exception as e:
             if transfer is not None and transfer.state is not State.DONE:
                 transfer.abort(f"{type(e).__name__}: {e}")
-            self.engine.release(rid)
-            self.fail(rid, _failure_kind(e), _failure_text(e, self.worker_id, msg.decode_worker))
+            text = _failure_text(e, self.worker_id, to.worker_id)
+            self.engine.fail(rid, text)  # no-op where prefill_only already finished it
+            self.fail(rid, _failure_kind(e), text)
             return
         self.engine.release(rid)
         self.worker.send(P.PrefillDone(
-            worker_id=self.worker_id, request_id=rid, first_token=result.first_token,
-            timeline=Tracked(req, arrived=received, taken=taken).timeline(),
+            worker_id=self.worker_id, request_id=rid, first_token=result.first_token, timeline=timeline(req),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,
             transfer_exposed_ms=max(0.0, (stats.finished_at - wall_clock(req.prefill_end)) * 1e3),
             kv_bytes=stats.num_bytes, copies=stats.copies,
@@ -147,12 +154,14 @@ def _failure_kind(e: Exception) -> str:
         return "capacity"
     if isinstance(e, TransferError):
         return "transfer"
+    if isinstance(e, SamplingError):  # this request's logits or draw; the worker is fine
+        return "internal"
     log.exception("prefill failed unexpectedly")
     return "internal"
 
 
 def _failure_text(e: Exception, worker_id: str, decode_worker: str) -> str:
-    if isinstance(e, (InvalidRequest, PrefillDeadline)):
+    if isinstance(e, (InvalidRequest, PrefillDeadline, SamplingError)):
         return str(e)
     if isinstance(e, TransferError):
         return f"KV transfer {worker_id} -> {decode_worker} failed: {e}"

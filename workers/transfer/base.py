@@ -6,6 +6,7 @@ Decode side (receiver), one per decode worker, made once at start:
     .expect(request_id, block_ids, deadline_s)   blocks are reserved and wait for this request's KV
     .poll() -> list[Arrival]                transfers that landed, failed or missed their deadline (non-blocking);
                                             free the blocks of every Arrival with ok=False
+    .began() -> list[str]                   requests whose sender began writing since the last call
     .cancel(request_id)                     stop waiting (router gave up); an Arrival(ok=False) follows once
                                             no write can land any more: free the blocks then, not before
     .close()
@@ -113,6 +114,7 @@ class Arrival:
     # Sender-side wall-clock (time.time()) of the first byte leaving and the last landing.
     started_at: float = 0.0
     finished_at: float = 0.0
+    reported_at: float | None = None  # receiver's time.monotonic() when it reported this (its I/O thread)
 
 
 @dataclass
@@ -151,6 +153,9 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def poll(self) -> list[Arrival]: ...
+
+    @abstractmethod
+    def began(self) -> list[str]: ...
 
     @abstractmethod
     def cancel(self, request_id: str) -> None: ...

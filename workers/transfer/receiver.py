@@ -1,9 +1,9 @@
 """The decode side's endpoint, shared by all transports: handshake, reservations, deadlines, arrivals.
 
-Life cycle of an expected request (on the receiver's I/O thread):
+Life cycle of an expected transfer (on the receiver's I/O thread):
 
     expect()            WAITING     blocks reserved; a Begin naming other blocks, or an id not expected, is rejected
-    Begin               ACCEPTED    Accept sent: the sender may write into the blocks now
+    Begin               ACCEPTED    Accept sent: the sender may write into the blocks now; began() reports it
     Done, data landed               -> Arrival(ok=True, first_token) and Ack(ok)
     Abort                           -> Arrival(ok=False, the sender's reason)
     deadline or cancel() WAITING    -> Arrival(ok=False) at once
@@ -14,6 +14,20 @@ Life cycle of an expected request (on the receiver's I/O thread):
 
 Transports fill in: _setup_transport, _transport_info(hello), _write_chunk (zmq), _progress (nixl),
 _landed(exp), _verify(exp), _before_arrival(exp), _teardown_transport.
+
+Why this module keeps a table of its own (`_expected`) beside the engine's requests: it is not a
+second record of which requests exist or where they stand (that is the engine's Request.status,
+RESERVED -> RECEIVING -> RUNNING, moved by the decode role from what poll() and began() report),
+but of where each *transfer* stands on the wire, and the two differ in owner and in life:
+- Owner: the I/O thread answers a sender's Begin, Chunk and Done the moment they land, while the
+  main thread may be inside a decode step; it cannot read the engine's dict (single-threaded by
+  design) without a lock around every engine call. Its entries hold only what the wire needs:
+  the blocks a sender may name, the sender's identity, the Done, bytes and chunks received, the
+  deadline, why it gave up; touched under this module's lock and handed over as Arrivals.
+- Life: an entry outlives the request's RESERVED/RECEIVING states when it must. An aborted request
+  is CANCELLING in the engine while its entry keeps refusing and cancelling late writes, until no
+  write can land; only then does poll() report it and the blocks go back.
+The role never reads the table; the table never learns the request's status.
 """
 
 from __future__ import annotations
@@ -72,10 +86,8 @@ class ChannelReceiver(Endpoint, KVReceiver):
         self.address = ""
         self._lock = threading.Lock()
         self._expected: dict[str, Expected] = {}
-        self._arrivals: list[Arrival] = []
-        # request id -> time.monotonic() when its Arrival was reported (the decode role pops it: the
-        # start of token 1's pickup on this worker, which its loop may only see after a step)
-        self.reported_at: dict[str, float] = {}
+        self._arrivals: list[Arrival] = []  # each stamped with reported_at: token 1's pickup starts there
+        self._began: list[str] = []  # Begins accepted since the last began()
         self._start(cfg.deadline_s)
 
     # ---- public (engine thread) ------------------------------------------------------------
@@ -99,9 +111,15 @@ class ChannelReceiver(Endpoint, KVReceiver):
             if self._broken is not None:  # the I/O thread is gone: fail everything still waiting
                 for exp in self._expected.values():
                     self._arrivals.append(Arrival(exp.request_id, False, error=f"request {exp.request_id}: "
-                                                  f"the KV receiver failed ({self._broken})"))
+                                                  f"the KV receiver failed ({self._broken})",
+                                                  reported_at=time.monotonic()))
                 self._expected.clear()
             out, self._arrivals = self._arrivals, []
+        return out
+
+    def began(self) -> list[str]:
+        with self._lock:
+            out, self._began = self._began, []
         return out
 
     def cancel(self, request_id: str) -> None:
@@ -220,6 +238,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
                          f"reservation holds {exp.block_ids[:8]}...; pass the block ids reserve() returned")
             else:
                 exp.phase, exp.sender, error = Phase.ACCEPTED, ident, None
+                self._began.append(rid)
         self._send(ident, P.Reject(rid, error) if error else P.Accept(rid))
 
     def _on_chunk(self, ident: bytes, chunk: P.Chunk, data: memoryview) -> None:
@@ -312,8 +331,8 @@ class ChannelReceiver(Endpoint, KVReceiver):
     def _report(self, exp: Expected, arrival: Arrival) -> None:
         with self._lock:
             if self._expected.pop(exp.request_id, None) is not None:
+                arrival.reported_at = time.monotonic()
                 self._arrivals.append(arrival)
-                self.reported_at[exp.request_id] = time.monotonic()
 
     def _send(self, ident: bytes, msg: msgspec.Struct) -> bool:
         try:
