@@ -126,6 +126,18 @@ def worker_args(args) -> list[str]:
     return out + list(args.worker_arg)
 
 
+def warn_if_open(host: str, api_key: str | None) -> None:
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = host == "localhost"
+    if not loopback and api_key is None:
+        log.warning("the HTTP API listens on %s without an API key: anyone who can reach it can use it and see "
+                    "the workers' addresses in /health; set PDSERVE_API_KEY (or --api-key-file)", host)
+
+
 def bind_http(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -223,6 +235,7 @@ def run_embedded(args) -> int:
     elif args.register.startswith("tcp://") and args.register.endswith(":0"):
         args.register = f"{args.register[:-2]}:{free_port(args.register[6:-2])}"
     cfg = router_config(args, router_keys)
+    warn_if_open(args.host, cfg.api_key)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
     launcher = Launcher(specs, cfg.register, str(keys_dir))
@@ -282,6 +295,7 @@ def run_router(args) -> int:
     except KeyFileError as e:
         sys.exit(f"pdserve router: {e}")
     cfg = router_config(args, keys)
+    warn_if_open(args.host, cfg.api_key)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
     app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))

@@ -191,3 +191,21 @@ def test_api_key_guards_everything_but_a_bare_health(tokenizer):  # noqa: F811
         assert "register" not in bare and not {"address", "pid", "kv_address"} & set(bare["workers"][0])
         assert full["register"] and {"address", "pid", "kv_address"} <= set(full["workers"][0])
         assert json.dumps(bare).find("tcp://") == -1
+
+
+def test_the_api_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    import argparse
+
+    from server import cli
+
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY)
+    parser = argparse.ArgumentParser()
+    cli.add_router_arguments(parser, register_default=None)
+    assert cli.api_key(parser.parse_args([])) == KEY
+    key_file = tmp_path / "api-key"
+    key_file.write_text("from-a-file-0123456789\n")
+    assert cli.api_key(parser.parse_args(["--api-key-file", str(key_file)])) == "from-a-file-0123456789"
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    parser = argparse.ArgumentParser()
+    cli.add_router_arguments(parser, register_default=None)
+    assert cli.api_key(parser.parse_args([])) is None
