@@ -1,9 +1,9 @@
 """Hostile HTTP input against a live pdserve (tiny model, one colocated worker, every process real):
 
 - a table of hostile requests: each gets a 4xx naming the field (where there is one), fast, while a
-  sampled stream on the same worker runs beside them and completes every token; a request that is
-  odd but valid (a temperature that would overflow the logits) is served, greedily; the router's
-  memory afterwards is within 20% of before
+  sampled stream on the same worker runs beside them and completes every token; requests that are
+  odd but valid are served (a temperature that would overflow the logits, greedily; seeds 2**50 and
+  2**63-1 with sampling); the router's memory afterwards is within 20% of before
 - the API key (Bearer) on every endpoint but /health, which shows addresses and PIDs only with it
 - the workers pdserve started got their key as a path to a private file, never on a command line
 """
@@ -21,6 +21,7 @@ import pytest
 
 from test_server_harness import TINY, Pdserve
 from test_server_router import colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
+from workers.protocol import MAX_SEED
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -142,7 +143,9 @@ def test_hostile_input_is_refused_and_hurts_no_one(srv):
     greedy = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
     tiny_t = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True,
                                           "temperature": 1e-40, "return_token_ids": True})
-    for r in (greedy, tiny_t):
+    big_seeds = [srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True,
+                                              "temperature": 0.9, "seed": seed}) for seed in (2**50, MAX_SEED)]
+    for r in (greedy, tiny_t, *big_seeds):
         if r.status_code != 200:
             failures.append(f"a valid request: {r.status_code} {r.text[:300]}")
     beside.join(120)
