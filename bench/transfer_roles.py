@@ -52,6 +52,7 @@ from bench.engine_bench import sync
 from bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.engine.kv_cache import SHM_PREFIX
 from workers.engine.request import Request, SamplingParams
 from workers.transfer import protocol as P
 from workers.transfer.base import MODES, TransferConfig, make_receiver, make_sender
@@ -366,7 +367,8 @@ class DecodeSide:
             buf = torch.zeros(shape, dtype=L.torch_dtype, device=self.device)
             info = P.CudaIpcInfo(*buf.untyped_storage()._share_cuda_())
         else:
-            path = f"/dev/shm/pdserve-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            # named like a KV pool: map_shm maps nothing else (and orphans are swept the same way)
+            path = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self.shm_paths.append(path)
             buf = torch.from_file(path, shared=True, size=math.prod(shape), dtype=L.torch_dtype).view(shape)
             info = P.ShmInfo(path, buf.numel() * buf.element_size())
