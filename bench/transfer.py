@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import queue
 import statistics
 import subprocess
@@ -275,7 +276,8 @@ def aggregate(transport: str, mode: str, runs: list[dict], plain: list[float], b
            "prompt_seeds": [r["seed"] for r in runs]}
     if not ok:
         return out
-    med = {k: statistics.median(r[k] for r in ok) for k in ("transfer_ms", "first_step_ms", "colocated_first_step_ms")}
+    med = {k: statistics.median([r[k] for r in ok if r[k] is not None] or [math.nan])
+           for k in ("transfer_ms", "first_step_ms", "colocated_first_step_ms")}
     extra = _paired_ms(plain, runs)
     out.update({
         "transfer_ms": ab.summary([r["transfer_ms"] for r in ok]),

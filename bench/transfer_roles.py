@@ -330,12 +330,18 @@ class DecodeSide:
         self._done(rid)
         tokens_equal = req.output_ids == ref["tokens"]
         first_equal = cmd["logits_sha"] == ref["first_sha"]
-        step = next((i + 1 for i, (a, b) in enumerate(zip(logits, ref["logits"][1:])) if not torch.equal(a, b)), None)
-        exact = tokens_equal and first_equal and step is None and len(logits) == len(ref["logits"]) - 1
+        # a step without logits is one the engine failed (e.g. NaN from blocks the transfer never wrote)
+        step = next((i + 1 for i, (a, b) in enumerate(zip(logits, ref["logits"][1:]))
+                     if a is None or not torch.equal(a, b)), None)
+        failed = req.finish_reason == "error"
+        exact = (not failed and tokens_equal and first_equal and step is None
+                 and len(logits) == len(ref["logits"]) - 1)
         out = {"exact": exact, "tokens_equal": tokens_equal, "first_logits_equal": first_equal,
-               "first_step_ms": (req.first_step_end - req.first_step_start) * 1e3,
+               "first_step_ms": None if req.first_step_end is None else (req.first_step_end - req.first_step_start) * 1e3,
                "colocated_first_step_ms": ref["first_step_ms"]}
-        if not exact:
+        if failed:
+            out["mismatch"] = f"decoding from the transferred KV failed: {req.error}"
+        elif not exact:
             out["mismatch"] = (f"first differing logits at generated token {step}; tokens transferred "
                                f"{self.engine.tokenizer.decode(req.output_ids)!r} vs colocated "
                                f"{self.engine.tokenizer.decode(ref['tokens'])!r}")

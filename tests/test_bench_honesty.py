@@ -44,7 +44,10 @@ def test_a_sender_that_drops_data_fails_the_exact_match(tmp_path, fault):
         # the transport reported success: only the exact-match check sees the missing data
         assert r["failed"] == 0, r["errors"]
         assert r["exact"] is False and r["exact_runs"] == 0, r
-        assert "first differing logits at generated token 1" in r["mismatch"]
+        # the NaN left in a skipped block reaches the logits: the decode engine refuses to pick a
+        # token from them (or, where the poison was overwritten with stale bytes, the logits differ)
+        assert ("logits are not finite" in r["mismatch"]
+                or "first differing logits at generated token 1" in r["mismatch"]), r["mismatch"]
     assert result["targets"]["all_exact"] is False
     assert "FAULT INJECTED" in (tmp_path / "transfer.md").read_text()
 
