@@ -40,7 +40,6 @@ def _command_output(cmd: list[str]) -> str | None:
 def environment() -> dict:
     """The load generator's machine (usually the server's too), software versions and the date."""
     now = dt.datetime.now(dt.timezone.utc)
-    repo = Path(__file__).resolve().parent.parent
     return {
         "date": now.astimezone().strftime("%Y%m%d-%H%M%S"),
         "date_utc": now.isoformat(timespec="seconds"),
@@ -53,8 +52,17 @@ def environment() -> dict:
                                      "--format=csv,noheader"]),
         },
         "versions": {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES}},
-        "git_commit": _command_output(["git", "-C", str(repo), "rev-parse", "HEAD"]),
+        **_git(),
     }
+
+
+def _git() -> dict:
+    """The commit measured, as the other benches record it (bench/provenance.py: PDSERVE_COMMIT on a
+    copied tree, else git). run_load_gpu.sh records the GPUs' clocks and power beside the JSON."""
+    from bench import provenance
+
+    state = provenance.git_state()
+    return {"git_commit": state["commit"], "git_dirty": state["dirty"]}
 
 
 def write_json(path: Path, run: dict) -> None:
