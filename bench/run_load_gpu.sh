@@ -24,7 +24,8 @@
 # Knobs (environment): DEVICES, MODEL, NUM_PROMPTS (per run), SHORT_LEN, LONG_LEN, LONG_FRACTION,
 # OUTPUT_LEN, GOODPUT (SLOs), START_RATE, MAX_PROBES, PRECISION, SWEEP_FACTORS, ARM_BUDGET, WARMUP_BATCH,
 # WARMUP_MAX, TRANSPORT (ipc|nixl|zmq), MODE (bulk|layer), KV_GB (KV pool per worker, GiB),
-# SERVER_EXTRA (more pdserve flags for both arms), PYTHON, OUT. Time: each arm's server start (~30 s
+# SERVER_EXTRA (more pdserve flags for both arms), UNCHUNKED=1 (a third arm: the colocated worker
+# with --no-chunked-prefill), PYTHON, OUT. Time: each arm's server start (~30 s
 # a worker to build the model; both of an arm's workers build at once), its warm-up (seconds), at
 # most ARM_BUDGET s of runs plus the one running when it ran out; a run lasts about
 # NUM_PROMPTS / min(rate, capacity) s plus the last answers (OUTPUT_LEN decode steps).
@@ -69,6 +70,10 @@ case ${#DEVICE_LIST[@]} in
           "(two colocated vs prefill on one, decode on the other), got '$DEVICES'"; exit 2 ;;
 esac
 DISAGGREGATED="--no-colocated --prefill-workers 1 --decode-workers 1"
+ARMS=(--arm "colocated=colocated:$COLOCATED" --arm "disaggregated=disaggregated:$DISAGGREGATED")
+if [ "${UNCHUNKED:-0}" = 1 ]; then  # the colocated worker without chunked prefill too, a third arm
+  ARMS+=(--arm "colocated-unchunked=colocated:$COLOCATED --worker-arg=--no-chunked-prefill")
+fi
 COMMON="--model $MODEL --devices $DEVICES --transport $TRANSPORT --mode $MODE --kv-memory-gb $KV_GB $SERVER_EXTRA"
 
 gpu_state() {  # clocks, power and memory, for the record (no GPU: says so)
@@ -79,7 +84,7 @@ gpu_state "$OUT/gpu-start.txt"
 
 # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
 "$PYTHON" -m bench.cli load \
-  --arm "colocated=colocated:$COLOCATED" --arm "disaggregated=disaggregated:$DISAGGREGATED" \
+  "${ARMS[@]}" \
   --server-args "$COMMON" --server-timeout 900 \
   --capacity-search --goodput $GOODPUT --search-start-rate "$START_RATE" --search-max-probes "$MAX_PROBES" \
   --search-precision "$PRECISION" --sweep-factors "$SWEEP_FACTORS" --arm-budget "$ARM_BUDGET" \
