@@ -78,6 +78,12 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+def _table_head(cells: list[str]) -> list[str]:
+    """A markdown table's header and delimiter rows; one delimiter per header cell, or the table renders as
+    raw text."""
+    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+
+
 def _arm(block: dict) -> str:
     return block.get("arm") or block.get("policy") or "default"
 
@@ -117,9 +123,8 @@ def _capacity_lines(run: dict) -> list[str]:
     target = caps[0][1]["goodput_target"]
     lines = ["", f"Capacity: the highest probed Poisson rate at which >= {target:.0%} of the requests met every "
              "SLO (DistServe's goodput); the first failing rate bounds it from above.", "",
-             "| arm | capacity (req/s) | first failing rate | converged | capacity run saturated | "
-             "probes (rate: pass/fail) |",
-             "|---|---|---|---|---|---|"]
+             *_table_head(["arm", "capacity (req/s)", "first failing rate", "converged", "capacity run saturated",
+                           "probes (rate: pass/fail)"])]
     flagged = False
     for label, cap in caps:
         at = next((b for b in run["results"] if _arm(b) == label and b.get("phase") == "probe"
@@ -168,10 +173,9 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         f"{THROUGHPUT_RATIO_MIN} of the offered rate, or lateness growing more than {LATENESS_GROWTH_MAX}x from the "
         "first third of the sends to the last (the two numbers in brackets, bench/capacity.py).",
         "",
-        "| arm | phase | load | done | failed | duration (s) | req/s | out tok/s | " + " | ".join(
-            f"TTFT {p}" for p in ps) + " | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | E2E p50 | E2E p99 | "
-        "goodput req/s | SLOs met | saturated (ratio / growth) |",
-        "|" + "---|" * (17 + len(ps)),
+        *_table_head(["arm", "phase", "load", "done", "failed", "duration (s)", "req/s", "out tok/s",
+                      *(f"TTFT {p}" for p in ps), "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "E2E p50",
+                      "E2E p99", "goodput req/s", "SLOs met", "saturated (ratio / growth)"]),
     ]
     for b in blocks:
         met = "-" if b.get("goodput_fraction") is None else \
@@ -188,8 +192,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
             "",
             "Server phases (pdserve `timings`), mean / p99 in ms over the requests that reported them:",
             "",
-            "| arm | phase | load | with timings | " + " | ".join(SERVER_PHASES) + " |",
-            "|" + "---|" * (4 + len(SERVER_PHASES)),
+            *_table_head(["arm", "phase", "load", "with timings", *SERVER_PHASES]),
         ]
         for b in blocks:
             cells = [f"{_fmt(b[f'mean_{n}_ms'])} / {_fmt(b[f'p99_{n}_ms'])}" for n in SERVER_PHASES]
