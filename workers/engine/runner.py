@@ -162,14 +162,16 @@ class ModelRunner:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32."""
-        attention.STEP.pool = self.kv.pool
-        attention.STEP.kernels = self.kernels
-        attention.STEP.prefix_kernel = self.prefix_kernel
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            attention_mask=self.placeholder_mask,
-            use_cache=False,
-            logits_to_keep=keep,
-        )
+        step = attention.STEP
+        step.pool, step.kernels, step.prefix_kernel = self.kv.pool, self.kernels, self.prefix_kernel
+        try:
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                attention_mask=self.placeholder_mask,
+                use_cache=False,
+                logits_to_keep=keep,
+            )
+        finally:  # the step's tensors live no longer than the step (a dropped engine frees its pool)
+            step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
         return out.logits[0].float()
