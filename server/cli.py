@@ -62,6 +62,16 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
     p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                    help="largest HTTP request body in MiB (413 above it)")
+    p.add_argument("--max-inflight-requests", type=int, default=0,
+                   help="admission: requests in flight per role (colocated; prefill, decode) before new ones get "
+                        "429 + Retry-After (0: the role's total KV blocks, as its workers registered them)")
+    p.add_argument("--max-inflight-tokens", type=int, default=0,
+                   help="admission: prompt tokens in flight per role before new requests get 429 (0: twice the "
+                        "role's KV capacity in tokens)")
+    p.add_argument("--retry-after", type=int, default=1, help="seconds in the Retry-After of a 429 or 503")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds in-flight requests may run (new ones get 503) before the rest are "
+                        "aborted and the workers stopped")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--parent-pid", type=int, default=None,
@@ -93,7 +103,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for every worker to register (the first start converts the model)")
 
 
-def router_config(args, keys):
+def router_config(args, keys, expected: dict[str, int] | None = None):
     from server.config import RouterConfig
 
     try:
@@ -101,7 +111,10 @@ def router_config(args, keys):
                             auto_threshold=args.auto_threshold, heartbeat_interval_s=args.heartbeat_interval,
                             heartbeat_misses=args.heartbeat_misses, kv_deadline_s=args.kv_deadline,
                             token_timeout_s=args.token_timeout, keys=keys, api_key=api_key(args),
-                            max_body_bytes=int(args.max_body_mb * 2**20))
+                            max_body_bytes=int(args.max_body_mb * 2**20),
+                            max_inflight_requests=args.max_inflight_requests,
+                            max_inflight_tokens=args.max_inflight_tokens, retry_after_s=args.retry_after,
+                            drain_timeout_s=args.drain_timeout, expected_workers=expected)
     except ValueError as e:
         sys.exit(f"pdserve: {e}")
 

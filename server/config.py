@@ -26,6 +26,12 @@ class RouterConfig:
     keys: RouterKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
     api_key: str | None = field(default=None, repr=False)  # HTTP: `Authorization: Bearer <key>` required
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
+    # admission (server/admission.py), per role; 0: derived from the role's registered KV capacity
+    max_inflight_requests: int = 0  # requests in flight at once (0: the role's total KV blocks)
+    max_inflight_tokens: int = 0  # prompt tokens in flight at once (0: twice the role's KV tokens)
+    retry_after_s: int = 1  # the Retry-After of a 429 or 503 (seconds)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
+    expected_workers: dict[str, int] | None = None  # role -> count; /health says "degraded" while fewer are live
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -36,6 +42,10 @@ class RouterConfig:
             raise ValueError(f"max body size must be at least 1 KiB, got {self.max_body_bytes} bytes")
         if self.api_key is not None and len(self.api_key) < 16:
             raise ValueError("the API key must be at least 16 characters (e.g. `openssl rand -hex 24`)")
+        if self.max_inflight_requests < 0 or self.max_inflight_tokens < 0:
+            raise ValueError("admission bounds must be 0 (derived from the KV capacity) or positive")
+        if self.retry_after_s < 1 or self.drain_timeout_s < 0:
+            raise ValueError("retry-after must be at least 1 s and the drain timeout not negative")
         if self.kv_deadline_s <= 1.0:
             raise ValueError(f"kv deadline must exceed 1 s, got {self.kv_deadline_s}")
 

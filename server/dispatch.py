@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from server.admission import Admission, Ticket, unavailable
 from server.config import RouterConfig
-from server.errors import APIError, bad_request, no_worker, timed_out, worker_failed
+from server.errors import APIError, bad_request, timed_out, worker_failed
 from server.metrics import Metrics
 from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
 from server.timeline import Clock, timings
@@ -66,12 +67,21 @@ class Plan:
     worker: WorkerState | None = None  # colocated
     prefill: WorkerState | None = None
     decode: WorkerState | None = None
+    ticket: Ticket | None = None  # its admission; released when the request ends
+
+
+class Shutdown:
+    """Put in every in-flight request's inbox when the drain timeout passes: the request fails."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, pool: WorkerPool, metrics: Metrics):
         self.cfg, self.pool, self.metrics = cfg, pool, metrics
         self._background: set[asyncio.Task] = set()
+        self.admission = Admission(cfg, pool, metrics)
 
     # ---- choosing ---------------------------------------------------------------------------------
 
@@ -94,6 +104,18 @@ class Dispatcher:
         return [p for p in self.pool.alive("prefill", d.info.transport) if p.info.mode == d.info.mode]
 
     def plan(self, job: Job) -> Plan:
+        """Admit the job (429/503 with Retry-After at once if it cannot be) and pick its workers."""
+        roles = ("colocated",) if job.policy == "colocated" else ("decode", "prefill")
+        ticket = self.admission.admit(job.request_id, roles, len(job.prompt_ids))
+        try:
+            plan = self._pick(job)
+        except BaseException:
+            ticket.release()
+            raise
+        plan.ticket = ticket
+        return plan
+
+    def _pick(self, job: Job) -> Plan:
         try:
             if job.policy == "colocated":
                 return Plan(job, worker=self.pool.pick("colocated"))
@@ -112,7 +134,7 @@ class Dispatcher:
             return Plan(job, prefill=p, decode=d)
         except NoWorker as e:
             self.metrics.requests.labels(job.policy, "no_worker").inc()
-            raise no_worker(f"request {job.request_id} ({job.policy}): {e}") from None
+            raise unavailable(f"request {job.request_id} ({job.policy}): {e}", self.cfg.retry_after_s) from None
 
     # ---- running ----------------------------------------------------------------------------------
 
@@ -131,6 +153,8 @@ class Dispatcher:
             outcome = e.code or e.type
             raise
         finally:
+            if plan.ticket is not None:
+                plan.ticket.release()
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(job.policy, outcome).inc()
 
@@ -224,7 +248,7 @@ class Dispatcher:
         try:
             self.pool.attach(rid, w)
         except NoWorker as e:
-            raise no_worker(f"request {rid}: {e}") from None
+            raise unavailable(f"request {rid}: {e}", self.cfg.retry_after_s) from None
 
     async def _next(self, inbox: asyncio.Queue, job: Job, who: str, timeout: float, what: str) -> tuple:
         """(the request's next message, time.monotonic() it landed on the router)"""
@@ -243,6 +267,8 @@ class Dispatcher:
 
     def _raise_for(self, msg, job: Job):
         rid = job.request_id
+        if isinstance(msg, Shutdown):
+            raise unavailable(f"request {rid}: aborted: {msg.reason}", self.cfg.retry_after_s, "shutting_down")
         if isinstance(msg, WorkerLost):
             raise worker_failed(f"request {rid}: worker {msg.worker_id} was lost mid-request ({msg.reason}); "
                                 f"retry: the router no longer routes to it", code="worker_lost")
@@ -251,7 +277,7 @@ class Dispatcher:
             if msg.kind == "invalid":
                 raise bad_request(text)
             if msg.kind == "capacity":
-                raise APIError(503, text, "service_unavailable", None, "no_capacity")
+                raise unavailable(text, self.cfg.retry_after_s, "no_capacity")
             if msg.kind == "timeout":
                 raise timed_out(text)
             raise worker_failed(text, code=f"{msg.kind}_error")
@@ -269,6 +295,13 @@ class Dispatcher:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def abort_in_flight(self, reason: str) -> int:
+        """Fail every request in flight now (the drain timeout passed); their workers are told to abort."""
+        now = time.monotonic()
+        for q in self.pool.inboxes.values():
+            q.put_nowait((Shutdown(reason), now))
+        return len(self.pool.inboxes)
 
     async def close(self) -> None:
         for t in list(self._background):

@@ -48,6 +48,12 @@ class Metrics:
                                  registry=r)
         self.lost_workers = Counter("pdserve_workers_lost", "Workers dropped (missed heartbeats or exited)",
                                     ["role"], registry=r)
+        self.admitted = Gauge("pdserve_admitted_requests", "Requests admitted and not finished, by role (the "
+                              "router's queue: waiting or running on that role's workers)", ["role"], registry=r)
+        self.admitted_tokens = Gauge("pdserve_admitted_prompt_tokens", "Prompt tokens of the admitted requests, "
+                                     "by role", ["role"], registry=r)
+        self.rejected = Counter("pdserve_rejected", "Requests refused at admission, by role and reason (requests, "
+                                "tokens: over a bound, 429; no_worker, draining: 503)", ["role", "reason"], registry=r)
         self.control_dropped = Counter("pdserve_control_dropped", "Frames on the register socket that were "
                                        "dropped or refused, by reason (junk, stranger, rate-limited, id held, ...)",
                                        ["reason"], registry=r)
