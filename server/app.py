@@ -161,7 +161,7 @@ class Router:
         plan = self.dispatcher.plan(job)
         ids = req.return_token_ids
         if req.stream:
-            return AdmittedStream(self._sse(kind, job, plan, ids), plan.ticket, media_type="text/event-stream",
+            return AdmittedStream(self._sse(kind, job, plan, req), plan.ticket, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts: list[str] = []
         done: Done | None = None
@@ -192,21 +192,29 @@ class Router:
             kind, rid, S.now_s(), self.cfg.model, "".join(parts), done.finish_reason, len(job.prompt_ids),
             len(done.token_ids), done.timings, done.token_ids if ids else None))
 
-    async def _sse(self, kind: str, job: Job, plan, with_ids: bool):
+    async def _sse(self, kind: str, job: Job, plan, req: S.CompletionRequest | S.ChatRequest):
         rid, created, model = job.request_id, S.now_s(), self.cfg.model
+        with_ids = req.return_token_ids
+        # OpenAI's include_usage: every event says "usage": null, and a last one (empty choices) the usage
+        usage_event = req.stream_options is not None and req.stream_options.include_usage
         first = True
         held: Token | None = None
         try:
             async for event in self.dispatcher.execute(plan):
                 if isinstance(event, Token) and not event.last:
                     yield _event(S.chunk_body(kind, rid, created, model, event.text, first,
-                                              token_ids=[event.token_id] if with_ids else None))
+                                              token_ids=[event.token_id] if with_ids else None,
+                                              null_usage=usage_event))
                     first = False
                 elif isinstance(event, Token):
                     held = event  # the Done follows at once: one final event carries both
                 else:
                     body = S.chunk_body(kind, rid, created, model, held.text if held else "", first,
-                                        event.finish_reason, [held.token_id] if with_ids and held else None)
+                                        event.finish_reason, [held.token_id] if with_ids and held else None,
+                                        null_usage=usage_event)
+                    if usage_event:
+                        yield _event(body)
+                        body = S.usage_chunk_body(kind, rid, created, model)
                     body["usage"] = S.usage(len(job.prompt_ids), len(event.token_ids))
                     body["timings"] = event.timings
                     yield _event(body)

@@ -11,6 +11,11 @@ max_tokens below 2**31, at most 16 stop strings of 4096 characters), so nothing 
 torch that they would fail on; a temperature under MIN_TEMPERATURE samples greedily.
 pdserve extensions: `policy` (colocated | disaggregated | auto), `top_k`, `ignore_eos`,
 `return_token_ids`. Sampling defaults to greedy (temperature 0) unless the request says otherwise.
+
+Nothing is silently ignored: a field no model here declares is refused (400, naming it), and so is a
+field OpenAI or vLLM defines that pdserve does not implement (UNSUPPORTED: `tools`, `logprobs`, `n` > 1,
+penalties, ...) unless it holds its neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: false`),
+which changes nothing and is what many clients send by default.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     check_tree(data)
+    refuse_unsupported(data, model_cls)
     messages = data.get("messages")
     if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
         raise bad_request(f"`messages` holds {len(messages)} messages; at most {MAX_MESSAGES} per request",
@@ -56,6 +62,47 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
         return model_cls.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
+
+
+# OpenAI or vLLM fields pdserve does not implement -> the values that change nothing (accepted, dropped)
+UNSUPPORTED: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "min_tokens": (0,), "min_p": (0,), "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,),
+    "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "stop_token_ids": ([],), "use_beam_search": (False,), "length_penalty": (1,), "prediction": (),
+    "modalities": (["text"],), "audio": (), "reasoning_effort": (), "web_search_options": (), "store": (False,),
+    "metadata": (), "service_tier": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "chat_template": (), "chat_template_kwargs": (),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "truncate_prompt_tokens": (),
+}
+_WHY = {"tools": "pdserve has no tool calling", "tool_choice": "pdserve has no tool calling",
+        "functions": "pdserve has no function calling", "function_call": "pdserve has no function calling",
+        "response_format": "pdserve returns plain text only, `{\"type\": \"text\"}`"}
+
+
+def refuse_unsupported(data: dict, model_cls: type[BaseModel]) -> None:
+    """Refuse, naming it, a field pdserve does not implement; drop it when it holds a neutral value (or
+    null: clients send null for "not set"). A field the model declares is the model's to check."""
+    for name in [k for k in data if k in UNSUPPORTED and k not in model_cls.model_fields]:
+        value, neutral = data[name], UNSUPPORTED[name]
+        if value is None or any(_same(value, v) for v in neutral):
+            del data[name]
+            continue
+        hint = f"leave it out or set it to {json.dumps(neutral[0])}" if neutral else "leave it out"
+        if name == "n":
+            raise bad_request(f"`n` must be 1: pdserve returns one choice per request (`n` > 1 is not supported), "
+                              f"got {_show(value)}; {hint}", name, "unsupported_field")
+        why = f" ({_WHY[name]})" if name in _WHY else ""
+        raise bad_request(f"`{name}` is not supported by pdserve{why}, got {_show(value)}; {hint}", name,
+                          "unsupported_field")
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal and of the same JSON type (false is not 0 here: `logprobs: 0` asks for logprobs)."""
+    def kind(v):
+        return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v)
+    return kind(value) == kind(neutral) and value == neutral
 
 
 def check_tree(data: dict) -> None:
@@ -127,6 +174,10 @@ def _validation_error(e: ValidationError) -> APIError:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         return bad_request(f"`{param}` is required", param=param, code="missing_field")
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"`{param}` is not a field pdserve knows, so it is not supported; leave it out (the "
+                           f"fields each endpoint takes: the README's Requests section, or GET /openapi.json)",
+                           param=param, code="unsupported_field")
     if err["type"] == "value_error":
         return bad_request(msg, param=param)
     given = err.get("input")
@@ -141,8 +192,16 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's: `include_usage` adds a last event before [DONE] with empty `choices` and the usage (and
+    pdserve's timings); the other events then carry `"usage": null`."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool = False
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -152,14 +211,11 @@ class _Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    n: int = 1
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     policy: str | None = None
     return_token_ids: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user tag: accepted, changes nothing
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -171,13 +227,9 @@ class _Common(BaseModel):
         raise ValueError(f"`stop` must be a string or a list of strings, got {_show(v)}")
 
     def check_common(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"`n` must be 1 (pdserve returns one choice per request), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise bad_request(f"`{name}` is not supported by pdserve; leave it out or set it to 0", name)
-        if self.logit_bias:
-            raise bad_request("`logit_bias` is not supported by pdserve; leave it out", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("`stream_options` applies only to streamed responses: set `stream` to true or "
+                              "leave `stream_options` out", "stream_options")
         if self.policy is not None and self.policy not in POLICIES:
             raise bad_request(f"unknown policy {self.policy!r}; `policy` must be one of {', '.join(POLICIES)}",
                               "policy", "invalid_policy")
@@ -216,21 +268,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Any = None
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise bad_request("`echo` is not supported by pdserve; leave it out", "echo")
-        if self.logprobs is not None:
-            raise bad_request("`logprobs` is not supported by pdserve; leave it out", "logprobs")
-        if self.best_of not in (None, 1):
-            raise bad_request("`best_of` must be 1 or left out", "best_of")
-        if self.suffix is not None:
-            raise bad_request("`suffix` is not supported by pdserve; leave it out", "suffix")
 
     def prompt_input(self) -> str | list[int]:
         """The prompt as text or token ids; one prompt per request."""
@@ -259,7 +299,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
@@ -279,14 +319,11 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
 
     def check(self) -> None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         self.check_common()
-        if self.logprobs:
-            raise bad_request("`logprobs` is not supported by pdserve; leave it out", "logprobs")
 
     def prompt_input(self) -> list[dict]:
         if not self.messages:
@@ -330,7 +367,8 @@ def response_body(kind: str, rid: str, created: int, model: str, text: str, fini
 
 
 def chunk_body(kind: str, rid: str, created: int, model: str, text: str, first: bool,
-               finish_reason: str | None = None, token_ids: list[int] | None = None) -> dict:
+               finish_reason: str | None = None, token_ids: list[int] | None = None,
+               null_usage: bool = False) -> dict:
     if kind == "chat":
         delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -340,7 +378,16 @@ def chunk_body(kind: str, rid: str, created: int, model: str, text: str, first: 
         obj = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if null_usage:  # stream_options.include_usage: the usage comes in its own last event
+        body["usage"] = None
+    return body
+
+
+def usage_chunk_body(kind: str, rid: str, created: int, model: str) -> dict:
+    """include_usage's last event before [DONE]: no choices; the caller adds `usage` (and `timings`)."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
 
 
 def models_body(model: str, created: int) -> dict:
