@@ -233,13 +233,22 @@ class Router:
         """`private` (no API key configured, or the caller holds it): worker addresses and PIDs too."""
         policies = {p: self.dispatcher.servable(p) for p in ("colocated", "disaggregated")}
         ok = any(policies.values())
-        body = {"status": "ok" if ok else "unavailable", "model": self.cfg.model, "policy": self.cfg.policy,
+        short = self.pool.shortfall(self.cfg.expected_workers)
+        draining = self.dispatcher.admission.draining
+        status = "draining" if draining else "unavailable" if not ok else "degraded" if short else "ok"
+        body = {"status": status, "model": self.cfg.model, "policy": self.cfg.policy,
                 "policies": policies, "workers": [w.describe(private) for w in self.pool.workers.values()]}
+        if short:  # still serving (200), with fewer workers than configured
+            body["missing"] = short
+            body["message"] = "fewer workers than configured: " + ", ".join(
+                f"{role} {n} missing of {self.cfg.expected_workers[role]}" for role, n in short.items())
         if private:
             body["register"] = self.pool.address
         if not ok:
             body["message"] = "no worker can serve requests yet; start workers with --router " + (
                 self.pool.address if private else "<the router's register endpoint>")
+        if draining:  # 503: a load balancer stops sending here
+            ok, body["message"] = False, "shutting down: in-flight requests finish, new ones get 503"
         return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -72,6 +72,9 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests may run (new ones get 503) before the rest are "
                         "aborted and the workers stopped")
+    p.add_argument("--expect-workers", default=None, metavar="ROLE=N,...",
+                   help="/health says \"degraded\" while fewer workers of a role are live, e.g. prefill=2,decode=2 "
+                        "(pdserve: the counts it starts)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--parent-pid", type=int, default=None,
@@ -103,8 +106,24 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for every worker to register (the first start converts the model)")
 
 
+def expected_counts(text: str | None) -> dict[str, int] | None:
+    from workers.protocol import ROLES
+
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        role, _, n = part.partition("=")
+        if role.strip() not in ROLES or not n.strip().isdigit():
+            sys.exit(f"pdserve: --expect-workers takes ROLE=N,... with roles {', '.join(ROLES)}; got {part!r}")
+        out[role.strip()] = int(n)
+    return out
+
+
 def router_config(args, keys, expected: dict[str, int] | None = None):
     from server.config import RouterConfig
+
+    expected = expected_counts(args.expect_workers) or expected
 
     try:
         return RouterConfig(model=args.model, tokenizer=args.tokenizer, register=args.register, policy=args.policy,
@@ -247,7 +266,7 @@ def run_embedded(args) -> int:
         args.register = f"ipc://{rundir}/register"
     elif args.register.startswith("tcp://") and args.register.endswith(":0"):
         args.register = f"{args.register[:-2]}:{free_port(args.register[6:-2])}"
-    cfg = router_config(args, router_keys)
+    cfg = router_config(args, router_keys, {role: n for role, n in counts.items() if n})
     warn_if_open(args.host, cfg.api_key)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)

@@ -149,6 +149,11 @@ class WorkerPool:
         roomy = [w for w in candidates if w.free_blocks >= need_blocks]
         return min(roomy or candidates, key=WorkerState.load)
 
+    def shortfall(self, expected: dict[str, int] | None) -> dict[str, int]:
+        """role -> how many workers fewer than `expected` are live (roles at or above their count left out)."""
+        live = {role: len(self.alive(role)) for role in (expected or {})}
+        return {role: n - live[role] for role, n in (expected or {}).items() if live[role] < n}
+
     def max_model_len(self) -> int | None:
         lens = [w.info.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
