@@ -2,13 +2,18 @@
 
     POST /v1/completions        prompt -> text (stream: SSE, last event carries usage and timings)
     POST /v1/chat/completions   messages -> assistant message
-    GET  /v1/models             the one model served
+    GET  /v1/models             the one model served; GET /v1/models/{id}: that model, or 404
+    POST /tokenize              vLLM's: a prompt or chat messages -> token ids (and count, context)
+    POST /detokenize            vLLM's: token ids -> text
+    GET  /version               pdserve's version
+    GET  /openapi.json          the API, request bodies included
     GET  /health                200 when some policy can be served, 503 otherwise; lists the workers
                                 (their addresses and PIDs only to a caller holding the API key)
     GET  /metrics               Prometheus
 
 With an API key (RouterConfig.api_key) every endpoint but /health takes only `Authorization: Bearer
-<key>` (401 otherwise). Bodies over max_body_bytes get 413 before they are read whole; large bodies
+<key>` (401 otherwise); /metrics too unless RouterConfig.public_metrics. Every response carries
+`x-request-id` (server/request_id.py). Bodies over max_body_bytes get 413 before they are read whole; large bodies
 are parsed, and long prompts tokenized, on a small thread pool of their own, so the event loop keeps
 streaming tokens and answering /health; a prompt that cannot fit the context (more characters than
 the context's tokens could hold) is refused before it is tokenized.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -37,6 +43,7 @@ from server.dispatch import Dispatcher, Done, Job, Token
 from server.errors import APIError, bad_request, unknown_model
 from server.metrics import CONTENT_TYPE, Metrics
 from server.pool import WorkerPool
+from server.request_id import RequestIdHeader
 from server.timeline import Clock
 from server.tokenizer import PromptEncoder
 
@@ -157,6 +164,7 @@ class Router:
         raw = await self.read_body(http)
         req = await self._off_loop(lambda body: S.parse_body(body, cls), raw, len(raw), LONG_BODY_BYTES)
         rid = S.new_id(kind)
+        http.state.request_id = rid  # the response's x-request-id (server/request_id.py)
         job = await self.prepare(kind, req, rid, clock)
         plan = self.dispatcher.plan(job)
         ids = req.return_token_ids
@@ -229,6 +237,37 @@ class Router:
 
     # ---- read-only endpoints ----------------------------------------------------------------------
 
+    async def tokenize(self, http: Request) -> JSONResponse:
+        self.require_key(http)
+        raw = await self.read_body(http)
+        req = await self._off_loop(lambda body: S.parse_body(body, S.TokenizeRequest), raw, len(raw), LONG_BODY_BYTES)
+        self._check_model(req.model)
+        prompt = req.prompt_input()
+        context = self.pool.max_model_len()
+        if isinstance(prompt, str):
+            self._check_fits(len(prompt), context, "prompt")
+            ids = await self._off_loop(lambda p: self.encoder.text(p, req.add_special_tokens), prompt, len(prompt))
+        else:
+            chars = sum(len(m["content"]) for m in prompt)
+            self._check_fits(chars, context, "messages")
+            ids = await self._off_loop(lambda m: self.encoder.chat(m, req.add_generation_prompt), prompt,
+                                       chars + MESSAGE_CHARS * len(prompt))
+        strs = self.encoder.token_strs(ids) if req.return_token_strs else None
+        return JSONResponse(S.tokenize_body(ids, context, strs))
+
+    async def detokenize(self, http: Request) -> JSONResponse:
+        self.require_key(http)
+        raw = await self.read_body(http)
+        req = await self._off_loop(lambda body: S.parse_body(body, S.DetokenizeRequest), raw, len(raw),
+                                   LONG_BODY_BYTES)
+        self._check_model(req.model)
+        ids = self.encoder.check_ids(req.check(), "tokens")
+        return JSONResponse({"prompt": await self._off_loop(self.encoder.decode, ids, len(ids))})
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.cfg.model:
+            raise unknown_model(model, self.cfg.model)
+
     def health(self, private: bool) -> JSONResponse:
         """`private` (no API key configured, or the caller holds it): worker addresses and PIDs too."""
         policies = {p: self.dispatcher.servable(p) for p in ("colocated", "disaggregated")}
@@ -250,6 +289,13 @@ class Router:
         if draining:  # 503: a load balancer stops sending here
             ok, body["message"] = False, "shutting down: in-flight requests finish, new ones get 503"
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def _too_large(size: int, limit: int) -> APIError:
@@ -279,7 +325,15 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan)
+    # the docs pages are off (they load scripts from a CDN); /openapi.json is served below, behind the key
+    app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    app.add_middleware(RequestIdHeader)
+    completion_body, completion_schemas = S.openapi_body(S.CompletionRequest)
+    chat_body, chat_schemas = S.openapi_body(S.ChatRequest)
+    tokenize_body, tokenize_schemas = S.openapi_body(S.TokenizeRequest)
+    detokenize_body, detokenize_schemas = S.openapi_body(S.DetokenizeRequest)
+    schemas = completion_schemas | chat_schemas | tokenize_schemas | detokenize_schemas
     app.state.router = router
 
     @app.exception_handler(APIError)
@@ -290,7 +344,8 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException):
         hint = f"{request.method} {request.url.path}: {e.detail}"
         if e.status_code == 404:
-            hint += "; endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+            hint += ("; endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
+                     "/version, /health, /metrics, /openapi.json")
         return APIError(e.status_code, hint, "invalid_request_error", None, None).response()
 
     @app.exception_handler(Exception)
@@ -299,18 +354,45 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
         return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None,
                         "internal_error").response()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=completion_body)
     async def completions(request: Request):
         return await router.handle("completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=chat_body)
     async def chat_completions(request: Request):
         return await router.handle("chat", request)
 
     @app.get("/v1/models")
     async def models(request: Request):
         router.require_key(request)
-        return S.models_body(cfg.model, router.created)
+        return S.models_body(cfg.model, router.created, router.pool.max_model_len())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        router.require_key(request)
+        if model_id != cfg.model:
+            raise unknown_model(model_id, cfg.model)
+        return S.model_card(cfg.model, router.created, router.pool.max_model_len())
+
+    @app.post("/tokenize", openapi_extra=tokenize_body)
+    async def tokenize(request: Request):
+        return await router.tokenize(request)
+
+    @app.post("/detokenize", openapi_extra=detokenize_body)
+    async def detokenize(request: Request):
+        return await router.detokenize(request)
+
+    @app.get("/version")
+    async def version(request: Request):
+        router.require_key(request)
+        return {"version": _version()}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request):
+        router.require_key(request)
+        doc = app.openapi()  # built once and cached by FastAPI; the bodies' schemas joined in once
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return JSONResponse(doc)
 
     @app.get("/health")
     async def health(request: Request):
@@ -318,7 +400,8 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        router.require_key(request)
+        if not cfg.public_metrics:
+            router.require_key(request)
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -60,6 +60,8 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
                         "or PIDs); default: $PDSERVE_API_KEY. A flag is visible in `ps`: prefer the variable or "
                         "--api-key-file")
     p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with an API key: serve /metrics without it too (a Prometheus scraper that holds no key)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                    help="largest HTTP request body in MiB (413 above it)")
     p.add_argument("--max-inflight-requests", type=int, default=0,
@@ -130,6 +132,7 @@ def router_config(args, keys, expected: dict[str, int] | None = None):
                             auto_threshold=args.auto_threshold, heartbeat_interval_s=args.heartbeat_interval,
                             heartbeat_misses=args.heartbeat_misses, kv_deadline_s=args.kv_deadline,
                             token_timeout_s=args.token_timeout, keys=keys, api_key=api_key(args),
+                            public_metrics=args.public_metrics,
                             max_body_bytes=int(args.max_body_mb * 2**20),
                             max_inflight_requests=args.max_inflight_requests,
                             max_inflight_tokens=args.max_inflight_tokens, retry_after_s=args.retry_after,

@@ -25,6 +25,7 @@ class RouterConfig:
     default_chat_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
     keys: RouterKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
     api_key: str | None = field(default=None, repr=False)  # HTTP: `Authorization: Bearer <key>` required
+    public_metrics: bool = False  # /metrics answers without the API key (a scraper on a trusted network)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
     # admission (server/admission.py), per role; 0: derived from the role's registered KV capacity
     max_inflight_requests: int = 0  # requests in flight at once (0: the role's total KV blocks)

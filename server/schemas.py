@@ -338,6 +338,50 @@ class ChatRequest(_Common):
         return out
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt` (text) or chat `messages` (through the chat template), not both."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: the tokenizer's BOS/EOS, as /v1/completions adds them
+    add_generation_prompt: bool = True  # messages only: end with the assistant's turn, as chat requests do
+    return_token_strs: bool = False
+
+    def prompt_input(self) -> str | list[dict]:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send either `prompt` (text) or `messages` (a chat), not both or neither",
+                              "prompt" if self.prompt is not None else "messages", "missing_field")
+        if self.prompt is not None:
+            return self.prompt
+        return ChatRequest(messages=self.messages).prompt_input()
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids -> text."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> list[int]:
+        if len(self.tokens) > MAX_PROMPT_TOKENS:
+            raise bad_request(f"`tokens` holds {len(self.tokens)} ids; at most {MAX_PROMPT_TOKENS}", "tokens",
+                              "context_length_exceeded")
+        return self.tokens
+
+
+def openapi_body(model_cls: type[BaseModel]) -> tuple[dict, dict]:
+    """The route's `openapi_extra` documenting `model_cls` as its JSON body (handlers read the body
+    themselves, through parse_body's limits), and the schemas it refers to, for components."""
+    schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
+    body = {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+    return body, {model_cls.__name__: schema, **defs}
+
+
 # ---- responses -----------------------------------------------------------------------------------
 
 
@@ -390,8 +434,19 @@ def usage_chunk_body(kind: str, rid: str, created: int, model: str) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
 
 
-def models_body(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}]}
+def model_card(model: str, created: int, max_model_len: int | None) -> dict:
+    card = {"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len  # vLLM's extension: the context, in tokens
+    return card
+
+
+def models_body(model: str, created: int, max_model_len: int | None = None) -> dict:
+    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
+
+
+def tokenize_body(ids: list[int], max_model_len: int | None, token_strs: list[str] | None) -> dict:
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
 
 
 def now_s() -> int:

@@ -28,22 +28,30 @@ class PromptEncoder:
         self.vocab_size = len(tokenizer)
         self.max_chars_per_token = max_chars_per_token(tokenizer)
 
-    def text(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
+    def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.tokenizer.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt",
                               "messages", "no_chat_template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def check_ids(self, ids: list[int]) -> list[int]:
+    def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise bad_request(f"`prompt` token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
-                              "prompt", "invalid_token_ids")
+            raise bad_request(f"`{param}` token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                              param, "invalid_token_ids")
         return ids
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (byte-level BPE spelling, e.g. "Ġthe")."""
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 def max_chars_per_token(tokenizer) -> int:

@@ -1,13 +1,19 @@
-"""The OpenAI surface users bring, against the router with fake workers (no model): fields pdserve does
-not implement are refused naming the field (their neutral values pass), `stream_options.include_usage`
-as OpenAI sends it, driven by the official `openai` client where it matters."""
+"""The OpenAI and vLLM surface users bring, against the router with fake workers (no model): fields
+pdserve does not implement are refused naming the field (their neutral values pass),
+`stream_options.include_usage` as OpenAI sends it, vLLM's /tokenize, /detokenize, /version and
+/v1/models/{id}, `x-request-id` on responses, /openapi.json documenting the bodies, the API key on every
+route but /health; driven by the official `openai` client where it matters."""
 
 from __future__ import annotations
+
+import importlib.metadata
+import json
 
 import openai
 import pytest
 
 from test_server_router import colocated_echo, router, sse_events, tokenizer  # noqa: F401  (a fixture)
+from workers import protocol as P
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
 COMPLETION = {"prompt": "Hello there", "max_tokens": 3}
@@ -47,7 +53,7 @@ def _path(body: dict) -> str:
 @pytest.fixture(scope="module")
 def client(tokenizer):  # noqa: F811
     with router(tokenizer) as c:
-        c.add_worker("colocated", "c0", colocated_echo(3))
+        c.worker = c.add_worker("colocated", "c0", colocated_echo(3))
         yield c
 
 
@@ -116,3 +122,126 @@ def test_openai_client_plain_requests(oai):
     assert chat.choices[0].message.content == "<100><101><102>" and chat.usage.completion_tokens == 3
     done = oai.completions.create(model="tiny", prompt="Hello there", max_tokens=3)
     assert done.choices[0].text == "<100><101><102>" and done.choices[0].finish_reason == "length"
+
+
+# ---- vLLM's utility endpoints ------------------------------------------------------------------------
+
+
+def test_tokenize_gives_the_ids_a_request_would_send(client, tokenizer):  # noqa: F811
+    r = client.post("/tokenize", json={"prompt": "Hello there", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = tokenizer.encode("Hello there")
+    assert r.json() == {"count": len(ids), "max_model_len": 64, "tokens": ids,
+                        "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    # a chat through the template: the very ids a chat request hands its worker
+    r = client.post("/tokenize", json={"messages": CHAT["messages"]})
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    sent = client.worker.got(P.Generate)[-1].prompt_ids
+    assert r.json()["tokens"] == sent and r.json()["count"] == len(sent) and r.json()["token_strs"] is None
+    bare = client.post("/tokenize", json={"messages": CHAT["messages"], "add_generation_prompt": False}).json()
+    assert sent[:bare["count"]] == bare["tokens"] and bare["count"] < len(sent)
+
+
+@pytest.mark.parametrize("body,param", [({}, "messages"), ({"prompt": "a", "messages": CHAT["messages"]}, "prompt"),
+                                        ({"prompt": "a", "model": "gpt-4"}, "model"), ({"prompt": 5}, "prompt"),
+                                        ({"prompt": "a", "n": 2}, "n"), ({"prompt": "a", "xyz": 1}, "xyz")])
+def test_tokenize_refuses_bad_bodies_naming_the_field(client, body, param):
+    r = client.post("/tokenize", json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+def test_detokenize_round_trips_and_refuses_ids_outside_the_vocabulary(client, tokenizer):  # noqa: F811
+    ids = tokenizer.encode("Hello there, friend")
+    r = client.post("/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": "Hello there, friend"}, r.text
+    r = client.post("/detokenize", json={"tokens": [len(tokenizer) + 5]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "vocabulary" in r.text
+    r = client.post("/detokenize", json={"tokens": ["a"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens.0", r.text
+
+
+def test_version_and_one_model(client, oai):
+    assert client.get("/version").json() == {"version": importlib.metadata.version("pdserve")}
+    card = oai.models.retrieve("tiny")
+    assert card.id == "tiny" and card.owned_by == "pdserve"
+    assert client.get("/v1/models/tiny").json()["max_model_len"] == 64
+    r = client.get("/v1/models/org/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and "'tiny'" in r.text
+
+
+# ---- x-request-id ----------------------------------------------------------------------------------
+
+
+def test_x_request_id_is_echoed_or_is_the_body_id(client):
+    r = client.post("/v1/completions", json=COMPLETION)
+    assert r.headers["x-request-id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-")
+    r = client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "trace-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42" and r.json()["id"] != "trace-42"
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True},
+                       headers={"x-request-id": "trace-43"}) as r:
+        events = sse_events(r)
+        assert r.headers["x-request-id"] == "trace-43" and events[-1] == "[DONE]"
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        events = sse_events(r)
+        assert r.headers["x-request-id"] == events[0]["id"]
+    r = client.post("/v1/completions", json={"prompt": "hi", "tools": [1]}, headers={"x-request-id": "trace-44"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "trace-44"
+    r = client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "x" * 257})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
+
+
+# ---- /openapi.json ---------------------------------------------------------------------------------
+
+
+def _refs(node) -> set[str]:
+    if isinstance(node, dict):
+        return ({node["$ref"]} if "$ref" in node else set()) | {r for v in node.values() for r in _refs(v)}
+    if isinstance(node, list):
+        return {r for v in node for r in _refs(v)}
+    return set()
+
+
+def test_openapi_documents_every_request_body(client):
+    doc = client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    bodies = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatRequest",
+              "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+    for path, name in bodies.items():
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{name}"} and schemas[name]["title"] == name
+        assert schemas[name]["additionalProperties"] is False  # unknown fields are refused
+    assert {"policy", "ignore_eos", "return_token_ids", "top_k", "stream_options"} <= set(
+        schemas["CompletionRequest"]["properties"])
+    assert schemas["ChatRequest"]["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/ChatMessage"}
+    assert not {"tools", "n", "logprobs"} & set(schemas["ChatRequest"]["properties"])
+    for ref in _refs(doc):  # every reference resolves
+        assert ref.removeprefix("#/components/schemas/") in schemas, ref
+    assert {"/v1/models/{model_id}", "/version"} <= set(doc["paths"])
+    json.dumps(doc)
+
+
+# ---- the API key -----------------------------------------------------------------------------------
+
+KEY = "k3y-" + "0123456789abcdef" * 2
+PROBES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": {"prompt": "a"},
+          "/detokenize": {"tokens": [1]}}
+
+
+def _routes(app) -> list[tuple[str, str]]:
+    return [(m, r.path.replace("{model_id:path}", "tiny")) for r in app.routes for m in getattr(r, "methods", ())
+            if m != "HEAD"]
+
+
+@pytest.mark.parametrize("public_metrics", [False, True])
+def test_the_api_key_guards_every_route_but_health(tokenizer, public_metrics):  # noqa: F811
+    with router(tokenizer, api_key=KEY, public_metrics=public_metrics) as c:
+        c.add_worker("colocated", "c0", colocated_echo(1))
+        routes = _routes(c.app)
+        assert len(routes) >= 10 and ("GET", "/openapi.json") in routes
+        for method, path in routes:
+            kw = {"json": PROBES.get(path, {})} if method == "POST" else {}
+            bare = c.request(method, path, **kw)
+            held = c.request(method, path, headers={"Authorization": f"Bearer {KEY}"}, **kw)
+            assert held.status_code == 200, (method, path, held.text)
+            open_route = path == "/health" or (path == "/metrics" and public_metrics)
+            assert bare.status_code == (200 if open_route else 401), (method, path, bare.text)
