@@ -12,9 +12,9 @@
     GET  /metrics               Prometheus
 
 With an API key (RouterConfig.api_key) every endpoint but /health takes only `Authorization: Bearer
-<key>` (401 otherwise); /metrics too unless RouterConfig.public_metrics. Every response carries
-`x-request-id` (server/request_id.py). Bodies over max_body_bytes get 413 before they are read whole; large bodies
-are parsed, and long prompts tokenized, on a small thread pool of their own, so the event loop keeps
+<key>` (401 otherwise); /metrics too unless RouterConfig.public_metrics. A request's `x-request-id`
+comes back on its response, else completions carry their id there (server/request_id.py). Bodies
+over max_body_bytes get 413 before they are read whole; large bodies are parsed, and long prompts tokenized, on a small thread pool of their own, so the event loop keeps
 streaming tokens and answering /health; a prompt that cannot fit the context (more characters than
 the context's tokens could hold) is refused before it is tokenized.
 
