@@ -69,3 +69,23 @@ def test_tools_are_refused_on_both_policies(oai, policy):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, extra_body={"policy": policy})
     assert e.value.body["param"] == "tools" and "not supported" in e.value.body["message"]
+
+
+def test_pdserve_client_reads_include_usage_and_the_request_id(srv):
+    from client import Client, ServerError
+
+    with Client(srv.url) as c:
+        stream = c.stream_complete(PROMPT, policy="disaggregated", max_tokens=MAX_TOKENS, ignore_eos=True,
+                                   extra={"stream_options": {"include_usage": True}})
+        deltas = list(stream)
+        done = stream.result
+        assert sum(d.is_token for d in deltas) == MAX_TOKENS and done.usage.completion_tokens == MAX_TOKENS
+        assert done.timings is not None and done.timings.policy == "disaggregated"
+        assert done.text == _completion_text(c)
+        with pytest.raises(ServerError) as e:  # refused after the request got its id: the header names it
+            c.complete("x" * 20, max_tokens=10**6)
+        assert e.value.status == 400 and e.value.request_id.startswith("cmpl-")
+
+
+def _completion_text(c) -> str:
+    return c.complete(PROMPT, policy="colocated", max_tokens=MAX_TOKENS, ignore_eos=True).text
