@@ -13,7 +13,8 @@ Everything binds to loopback unless an address is given. The control plane is CU
 `pdserve` makes fresh keys for the workers it starts (the worker key pair in a 0600 file in its
 private run directory, never on a command line); `pdserve router` needs the keys of `pdserve keygen`.
 `--api-key` (or PDSERVE_API_KEY, or --api-key-file) makes the HTTP API take only `Authorization:
-Bearer <key>`. Ctrl-C or SIGTERM stops the router and every worker it started (no orphans).
+Bearer <key>`. Ctrl-C or SIGTERM drains (no new requests, those in flight finish for up to
+--drain-timeout), then stops the router and every worker it started (no orphans).
 """
 
 from __future__ import annotations
@@ -216,21 +217,32 @@ def _uvicorn_server(app, args):
 
 
 async def serve(app, sock: socket.socket, args, after_start, on_stop=None) -> int:
-    """Run uvicorn on `sock`; once it is up, `await after_start(stop_event)`; Ctrl-C/SIGTERM stop it all
-    (on_stop() runs at once, e.g. to stop workers while uvicorn winds down; a second signal kills)."""
+    """Run uvicorn on `sock`; once it is up, `await after_start(stop_event)`. Ctrl-C/SIGTERM drain: no new
+    requests (503 + Retry-After), the ones in flight finish for up to --drain-timeout, the rest are
+    aborted; then uvicorn stops and on_stop() runs (e.g. to stop the workers, idle by then); a second
+    signal exits at once."""
     server = _uvicorn_server(app, args)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    drained: list[asyncio.Task] = []
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
             print(f"pdserve: second {sig.name}; exiting now", file=sys.stderr, flush=True)
             os._exit(130)  # workers follow: PR_SET_PDEATHSIG and their parent-watch
-        print(f"pdserve: {sig.name}; shutting down", file=sys.stderr, flush=True)
+        print(f"pdserve: {sig.name}; draining, then shutting down", file=sys.stderr, flush=True)
         stop.set()
-        server.should_exit = True
-        if on_stop is not None:
-            on_stop()
+        drained.append(loop.create_task(drain_then_stop()))  # a reference: tasks are weakly held
+
+    async def drain_then_stop() -> None:
+        try:
+            pending, aborted = await app.state.router.dispatcher.drain(args.drain_timeout)
+            print(f"pdserve: drained {pending - aborted} of {pending} requests in flight"
+                  + (f"; aborted {aborted} at the drain timeout" if aborted else ""), file=sys.stderr, flush=True)
+        finally:
+            server.should_exit = True
+            if on_stop is not None:
+                on_stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)

@@ -303,6 +303,23 @@ class Dispatcher:
             q.put_nowait((Shutdown(reason), now))
         return len(self.pool.inboxes)
 
+    async def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Stop admitting (new requests get 503 + Retry-After), let what is in flight finish for up to
+        timeout_s, then fail the rest with an error that says so. (in flight at the start, aborted)"""
+        adm = self.admission
+        adm.start_drain()
+        pending = adm.in_flight
+        log.warning("draining: %d requests in flight, up to %.0fs (--drain-timeout); new requests get 503",
+                    pending, timeout_s)
+        if await adm.wait_idle(timeout_s):
+            return pending, 0
+        aborted = self.abort_in_flight(f"the server is shutting down and its drain timeout ({timeout_s:.0f}s, "
+                                       f"--drain-timeout) passed before this request finished")
+        log.warning("drain timeout: aborted %d requests", aborted)
+        await adm.wait_idle(PREFILL_REPORT_GRACE_S)  # their errors reach the clients; the workers are told
+        await asyncio.sleep(0.1)  # the aborts to the workers go out (spawned sends)
+        return pending, aborted
+
     async def close(self) -> None:
         for t in list(self._background):
             t.cancel()
