@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from server.errors import APIError, bad_request
 from workers.protocol import MAX_INT32, MAX_PROMPT_TOKENS, MAX_SEED, MIN_TEMPERATURE, Sampling
@@ -207,15 +207,18 @@ class _Common(BaseModel):
     max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = Field(0, description="pdserve (and vLLM): sample from the k most likely tokens; 0: off")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    policy: str | None = None
-    return_token_ids: bool = False
-    user: str | None = None  # OpenAI's end-user tag: accepted, changes nothing
+    ignore_eos: bool = Field(False, description="pdserve (and vLLM): generate max_tokens tokens, past the "
+                             "end-of-sequence token")
+    policy: str | None = Field(None, description="pdserve: colocated | disaggregated | auto (prompts shorter "
+                               "than the router's threshold stay colocated); default: the router's --policy")
+    return_token_ids: bool = Field(False, description="pdserve: each choice (or stream event) carries its "
+                                   "token ids")
+    user: str | None = Field(None, description="OpenAI's end-user tag: accepted, changes nothing")
 
     @field_validator("stop", mode="before")
     @classmethod

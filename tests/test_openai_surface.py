@@ -212,6 +212,7 @@ def test_openapi_documents_every_request_body(client):
         assert schemas[name]["additionalProperties"] is False  # unknown fields are refused
     assert {"policy", "ignore_eos", "return_token_ids", "top_k", "stream_options"} <= set(
         schemas["CompletionRequest"]["properties"])
+    assert "disaggregated" in schemas["ChatRequest"]["properties"]["policy"]["description"]
     assert schemas["ChatRequest"]["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/ChatMessage"}
     assert not {"tools", "n", "logprobs"} & set(schemas["ChatRequest"]["properties"])
     for ref in _refs(doc):  # every reference resolves
