@@ -92,15 +92,20 @@ def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_requests():
 
 def test_streams_past_the_drain_timeout_end_with_an_error_that_says_so():
     timeout = 1.0
-    with Pdserve(*TINY, "--prefill-workers", "0", "--decode-workers", "0", "--drain-timeout", str(timeout)) as srv:
-        s = Stream(srv.url, {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True})
-        s.start()
-        assert s.started.wait(60)
+    with Pdserve(*TINY, "--drain-timeout", str(timeout)) as srv:
+        streams = [Stream(srv.url, {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+                                    "policy": policy}) for policy in ("colocated", "disaggregated")]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.started.wait(60)
         start, pids = sigterm(srv)
-        s.join(30)
-        assert s.ended_at is not None and s.ended_at - start < timeout + 2.0, "the stream was not cut at the timeout"
-        assert s.events[-1] == "[DONE]"
-        err = s.events[-2]["error"]
-        assert err["code"] == "shutting_down" and "--drain-timeout" in err["message"], err
-        assert len(s.events) < 1000
+        for s in streams:
+            s.join(30)
+            assert s.ended_at is not None and s.ended_at - start < timeout + 2.0, "not cut at the drain timeout"
+            assert s.events[-1] == "[DONE]"
+            err = s.events[-2]["error"]
+            assert err["code"] == "shutting_down" and "--drain-timeout" in err["message"], err
+            assert len(s.events) < 1000
+        # the workers were told to abort, then stopped: every one (prefill too) exits on its own
         assert_clean_exit(srv, pids, start, timeout + 15)
