@@ -30,6 +30,7 @@ close transports, free the KV pool (and its /dev/shm file).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -51,6 +52,7 @@ from workers.transfer.base import TransferConfig
 log = logging.getLogger("pdserve.worker")
 
 IDLE_POLL_MS = 50  # nothing to do: wake up this often to notice a stop request
+STOP_GRACE_S = 5.0  # a worker still stopping this long after SIGTERM dumps its stacks and exits
 MAX_CONTROL_FRAME = 64 * 2**20  # bytes; a Generate of the longest prompt is a few MB
 
 
@@ -252,6 +254,9 @@ class Worker:
     def install_signal_handlers(self) -> None:
         def on_signal(signum, _frame):
             self.stop(f"signal {signal.Signals(signum).name}")
+            # a stop that hangs must not outlive the launcher's patience: after STOP_GRACE_S the
+            # threads' stacks go to the log (so the hang can be found) and the process exits
+            faulthandler.dump_traceback_later(STOP_GRACE_S, exit=True)
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
