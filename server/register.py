@@ -75,11 +75,7 @@ class RegisterReader:
         self._thread.start()
 
     def _read(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        for extra in (self.gate, self.watch):
-            if extra is not None:
-                poller.register(extra.sock, zmq.POLLIN)
+        poller = auth.poller(self.sock, self.gate, self.watch)
         try:
             while not self._stop.is_set():
                 started = time.monotonic()

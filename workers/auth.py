@@ -263,6 +263,17 @@ class HandshakeWatch:
         self.sock.close(linger=0)
 
 
+def poller(sock: zmq.Socket, gate: "Gate | None", watch: "HandshakeWatch | None") -> zmq.Poller:
+    """A poller for `sock` and, where they exist, its ZAP gate and handshake watch: a reader thread
+    answers all three from one wait."""
+    out = zmq.Poller()
+    out.register(sock, zmq.POLLIN)
+    for extra in (gate, watch):
+        if extra is not None:
+            out.register(extra.sock, zmq.POLLIN)
+    return out
+
+
 def describe_failure(event: int, value: int, server: bool) -> str | None:
     """What a failed handshake means, in words; None where the Gate has said it already (server side)."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

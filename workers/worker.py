@@ -141,11 +141,7 @@ class Inbox:
                 return out
 
     def _read(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        for extra in (self.gate, self.watch):
-            if extra is not None:
-                poller.register(extra.sock, zmq.POLLIN)
+        poller = auth.poller(self.sock, self.gate, self.watch)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(IDLE_POLL_MS))  # wake up now and then to notice close()
