@@ -211,6 +211,13 @@ class Request:
         n = len(self.prompt_ids)
         return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (a chunk of a long prompt, every step)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -106,7 +106,7 @@ class ModelRunner:
         prefix_reqs = []
         for r, n in chunks:
             a, row = r.num_computed, len(ids)
-            ids.extend(r.all_ids[a:a + n])
+            ids.extend(r.tokens(a, a + n))
             positions.extend(range(a, a + n))
             blocks_at.extend(r.block_ids[p // bs] for p in range(a, a + n))
             if a == 0:
