@@ -19,7 +19,8 @@ _FLOAT_FIELDS = (
     "queue_ms", "prefill_ms", "transfer_ms", "transfer_exposed_ms", "first_decode_step_ms",
     "ttft_ms", "e2e_ms", "decode_tokens_per_s",
 )
-_INT_FIELDS = ("kv_bytes", "prompt_tokens", "completion_tokens")
+_INT_FIELDS = ("kv_bytes", "prompt_tokens", "completion_tokens", "cached_tokens", "recomputed_tokens",
+               "kv_skipped_tokens")
 _STR_FIELDS = ("policy", "transport", "mode", "prefill_worker", "decode_worker", "worker")
 
 
@@ -42,6 +43,9 @@ class Timings:
     worker: str | None = None  # the colocated worker, or the decode worker
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache gave (not computed)
+    recomputed_tokens: int | None = None  # prompt tokens computed for this request
+    kv_skipped_tokens: int | None = None  # disaggregated: held by the decode worker already, not transferred
     ttft_phases: dict[str, float | None] | None = None  # the server's `ttft_phases_ms`
     extra: dict = field(default_factory=dict)
 

@@ -223,7 +223,8 @@ class Router:
                     if usage_event:
                         yield _event(body)
                         body = S.usage_chunk_body(kind, rid, created, model)
-                    body["usage"] = S.usage(len(job.prompt_ids), len(event.token_ids))
+                    body["usage"] = S.usage(len(job.prompt_ids), len(event.token_ids),
+                                            event.timings.get("cached_tokens"))
                     body["timings"] = event.timings
                     yield _event(body)
         except APIError as e:

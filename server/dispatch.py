@@ -199,6 +199,7 @@ class Dispatcher:
             while True:
                 msg, _ = await self._next(inbox, job, d.id, self.cfg.kv_deadline_s + 5.0, "a KV reservation")
                 if isinstance(msg, P.Reserved):
+                    reserved = msg
                     break
                 self._raise_for(msg, job)
             prefill_deadline = self.cfg.kv_deadline_s - (time.monotonic() - reserve_sent) - PREFILL_DEADLINE_MARGIN_S
@@ -207,7 +208,7 @@ class Dispatcher:
                                 f"({self.cfg.kv_deadline_s:.0f}s); add decode workers or raise --kv-deadline")
             job.clock.dispatched = time.monotonic()
             await self.pool.send(p, P.Prefill(rid, job.prompt_ids, job.sampling, d.id, msg.kv_address,
-                                              msg.block_ids, prefill_deadline))
+                                              msg.block_ids, prefill_deadline, msg.cached_tokens))
             stream = _TokenStream(job, self.metrics)
             while not finished:
                 waiting_for = "tokens" if stream.count else "prefill and KV transfer"
@@ -236,7 +237,7 @@ class Dispatcher:
                 policy="disaggregated", clock=job.clock, prompt_tokens=len(job.prompt_ids),
                 completion_tokens=stream.count, worker=d.id, prefilled_by=report.timeline,
                 decoded_by=stream.last.timeline, prefill=report, prefill_worker=p.id,
-                transport=p.info.transport, mode=p.info.mode))
+                transport=p.info.transport, mode=p.info.mode, kv_skipped_tokens=reserved.cached_tokens))
         finally:
             if not finished:
                 self._abort_all(rid, p, d)

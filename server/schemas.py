@@ -392,9 +392,12 @@ def new_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # OpenAI's field: prompt tokens whose KV was reused, not computed
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def response_body(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
@@ -410,7 +413,7 @@ def response_body(kind: str, rid: str, created: int, model: str, text: str, fini
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens), "timings": timings}
+            "usage": usage(prompt_tokens, completion_tokens, timings.get("cached_tokens")), "timings": timings}
 
 
 def chunk_body(kind: str, rid: str, created: int, model: str, text: str, first: bool,

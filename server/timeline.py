@@ -81,7 +81,7 @@ def ttft_phases(clock: Clock, prefilled_by: P.Timeline | None, token1_by: P.Time
 def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens: int, worker: str,
             prefilled_by: P.Timeline | None, decoded_by: P.Timeline | None,
             prefill: P.PrefillDone | None = None, prefill_worker: str | None = None,
-            transport: str | None = None, mode: str | None = None) -> dict:
+            transport: str | None = None, mode: str | None = None, kv_skipped_tokens: int = 0) -> dict:
     """The `timings` object (field names fixed by the API; ms unless named otherwise)."""
     disaggregated = prefill is not None
     phases = ttft_phases(clock, prefilled_by, decoded_by, prefill.transfer_exposed_ms if disaggregated else None,
@@ -89,6 +89,7 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
     queue = [phases[k] for k in ("parse", "route", "inbox", "prefill_queue")]
     decode_s = None if clock.first_token is None or clock.last_token is None else clock.last_token - clock.first_token
     tps = (completion_tokens - 1) / decode_s if completion_tokens > 1 and decode_s else None
+    cached = prefilled_by.cached_tokens if prefilled_by is not None else None
     return {
         "policy": policy,
         "queue_ms": _r(_sum(*queue)),
@@ -108,6 +109,11 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
         "worker": worker,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
+        # the prefix cache: prompt tokens whose KV the computing worker reused, those it computed, and
+        # (disaggregated) those the decode worker held already, so they were not transferred
+        "cached_tokens": cached,
+        "recomputed_tokens": None if cached is None else prompt_tokens - cached,
+        "kv_skipped_tokens": kv_skipped_tokens if disaggregated else None,
     }
 
 

@@ -183,10 +183,13 @@ def test_streaming_last_event_carries_a_causal_timeline(readme_server, reference
     assert all(c["choices"][0]["finish_reason"] is None and "timings" not in c for c in chunks[:-1])
     last = chunks[-1]
     assert last["choices"][0]["finish_reason"] == "length"
+    details = last["usage"].pop("prompt_tokens_details")  # the prefix cache's share: earlier tests sent it too
     assert last["usage"] == {"prompt_tokens": reference["prompt_tokens"]["completion"],
                              "completion_tokens": MAX_TOKENS,
                              "total_tokens": reference["prompt_tokens"]["completion"] + MAX_TOKENS}
     t = last["timings"]
+    assert details == {"cached_tokens": t["cached_tokens"]}
+    assert t["cached_tokens"] + t["recomputed_tokens"] == t["prompt_tokens"]
     assert t["policy"] == policy
     exposed = t["transfer_exposed_ms"] or 0.0
     if policy == "disaggregated":

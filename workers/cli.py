@@ -36,6 +36,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per step; each step also carries every running request's next token")
     g.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                    help="prefill whole prompts in steps of their own (running requests wait for them)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute every prompt in full (default: reuse the KV of full blocks a previous prompt began with)")
     g.add_argument("--attention", default="auto", choices=["auto", "triton", "reference"],
                    help="auto: Triton paged decode + flash over gathered prefixes on CUDA; triton: Triton for prefixes too; reference: gather + SDPA (CPU always)")
     g.add_argument("--no-compile", dest="compile", action="store_false",
@@ -52,7 +54,7 @@ def engine_config(args, kv_shared: bool = False):
                         max_batched_tokens=args.max_batched_tokens, kv_shared=kv_shared,
                         max_model_len=args.max_model_len, chunked_prefill=args.chunked_prefill,
                         chunk_tokens=args.chunk_tokens, attention=args.attention, compile=args.compile,
-                        fuse_qkv=args.compile)
+                        fuse_qkv=args.compile, prefix_cache=args.prefix_cache)
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -106,6 +106,7 @@ class Timeline(msgspec.Struct, frozen=True):
     pickup_ms: float | None = None  # decode: the KV receiver reported the KV in -> adopt() returned token 1
     emit_ms: float | None = None  # token 1 made (prefill end, or adopt) -> its Tokens message sent
     first_step_ms: float | None = None  # the decode step that makes token 2
+    cached_tokens: Count | None = None  # prompt tokens whose KV this worker reused (its prefix cache)
 
 
 # ---- worker -> router ------------------------------------------------------------------------
@@ -146,8 +147,9 @@ class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
 class Reserved(msgspec.Struct, tag="reserved", frozen=True):
     worker_id: Id
     request_id: Id
-    block_ids: BlockIds
+    block_ids: BlockIds  # the blocks a transfer fills: those after the cached_tokens this worker holds
     kv_address: Address
+    cached_tokens: Count = 0  # leading prompt tokens whose KV is already here (its prefix cache)
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
@@ -215,8 +217,9 @@ class Prefill(msgspec.Struct, tag="prefill", frozen=True):
     sampling: Sampling
     decode_worker: Id
     kv_address: Address  # the decode worker's KV receiver
-    dst_blocks: BlockIds
+    dst_blocks: BlockIds  # for our blocks from skip_tokens // block_size on
     deadline_s: Seconds  # from receipt: give up (and free the blocks) if not transferred by then
+    skip_tokens: Count = 0  # leading prompt tokens the decode worker holds already: not sent
 
 
 class Connect(msgspec.Struct, tag="connect", frozen=True):

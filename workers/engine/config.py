@@ -21,6 +21,7 @@ class EngineConfig:
     max_batched_tokens: int = 8192  # unchunked: prompt tokens per prefill step (a longer prompt runs alone)
     chunked_prefill: bool = True  # a step carries every running decode plus up to chunk_tokens prompt tokens
     chunk_tokens: int = 512  # prompt tokens per step with chunked_prefill
+    prefix_cache: bool = True  # reuse the KV of full blocks a previous prompt began with (prefix_cache.py)
     kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
     max_model_len: int | None = None  # default: the model's own limit
     # "auto": CUDA decodes through the Triton kernel, prefix chunks gathered + flash SDPA; "triton":

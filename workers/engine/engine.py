@@ -38,9 +38,10 @@ from typing import Callable, Iterator
 import torch
 
 from workers.engine import attention
-from workers.engine.block_pool import BlockPool, OutOfBlocks, blocks_for
+from workers.engine.block_pool import OutOfBlocks, blocks_for
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
+from workers.engine.prefix_cache import PrefixCache, names_upto, root_name
 from workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import Sampler, SamplingError
@@ -84,9 +85,11 @@ class Engine:
         self.layout = self._layout(config)
         self.kv = KVCache(self.layout, self.device, shared=config.kv_shared)
         # the pool's last block is scratch space for padding rows; requests get the others
-        self.blocks = BlockPool(self.layout.num_blocks - 1)
+        self.blocks = PrefixCache(self.layout.num_blocks - 1, enabled=config.prefix_cache)
+        # cached KV is only comparable under the same model and layout (the prefix cache's root name)
+        self.prefix_root = root_name(self.model_name, self.layout.describe())
         self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens,
-                                   config.chunked_prefill, config.chunk_tokens)
+                                   config.chunked_prefill, config.chunk_tokens, self.prefix_root)
         self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs,
                                   kernels=config.attention != "reference" and attention.use_kernels(self.device),
@@ -194,6 +197,8 @@ class Engine:
         except Exception as e:
             return self._fail_step(work, e)
         stamp_end(done, start, time.monotonic())
+        for r, _ in work:
+            self._name_blocks(r)
         return [self._emit(r, tok, logits[i] if r.return_logits else None)
                 for i, (r, tok) in enumerate(zip(done, tokens))]
 
@@ -230,16 +235,22 @@ class Engine:
             self.admit(req)
         req.start_prefill()
         try:
-            need = blocks_for(len(req.prompt_ids), self.layout.block_size)
-            if not self.blocks.can_allocate(need):
+            hit = self.scheduler.cached_prefix(req)
+            need = blocks_for(len(req.prompt_ids), self.layout.block_size) - len(hit)
+            if not self.blocks.can_allocate(need, hit):
                 raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
-            req.block_ids = self.blocks.allocate(need)
+            self.blocks.acquire(hit)
+            req.block_ids = hit + self.blocks.allocate(need)
+            req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
+            req.named_blocks = len(hit)
+            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
             req.prefill_start = time.monotonic()
             logits = self.runner.prefill([req], on_layer)
             [token] = self.sampler.sample(logits, [req])
             if isinstance(token, SamplingError):
                 raise token
             req.prefill_end = time.monotonic()
+            self._name_blocks(req)
         except BaseException as e:
             self._finish(req, "error", f"{type(e).__name__}: {e}")
             raise
@@ -258,15 +269,23 @@ class Engine:
     # ---- decode role ---------------------------------------------------------------------------
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Blocks for num_tokens of prompt KV that a transfer will write (WAITING -> RESERVED), for an
-        admitted request or, for an id not seen yet, a bare reservation whose request comes with
-        adopt(). None: no room now (an admitted request stays WAITING)."""
+        """Blocks for num_tokens of prompt KV (WAITING -> RESERVED), for an admitted request or, for an
+        id not seen yet, a bare reservation whose request comes with adopt(). An admitted request's
+        leading blocks may be ones the prefix cache holds: `req.cached_tokens` says how many tokens
+        they cover, and a transfer writes only the blocks after them. None: no room now (an admitted
+        request stays WAITING)."""
         req = self.requests.get(request_id) or Request(request_id, [])
-        need = blocks_for(num_tokens, self.layout.block_size)
-        if req.status is Status.WAITING and not self.blocks.can_allocate(need):
+        hit = self.scheduler.cached_prefix(req) if req.prompt_ids and num_tokens == len(req.prompt_ids) else []
+        need = blocks_for(num_tokens, self.layout.block_size) - len(hit)
+        if req.status is Status.WAITING and not self.blocks.can_allocate(need, hit):
             return None
         req.reserve()
-        req.block_ids = self.blocks.allocate(need)
+        self.blocks.acquire(hit)
+        req.block_ids = hit + self.blocks.allocate(need)
+        req.cached_tokens = len(hit) * self.layout.block_size
+        req.named_blocks = len(hit)
+        if req.prompt_ids:
+            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
         self.requests[request_id] = req
         return list(req.block_ids)
 
@@ -303,6 +322,7 @@ class Engine:
         req.num_computed = len(req.prompt_ids)
         req.output_ids = []
         req.adopted = True
+        self._name_blocks(req)  # the prompt's KV is all here now
         self.scheduler.adopt(req)
         return self._append(req, first_token, None)
 
@@ -324,6 +344,16 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish(reason, error)
         self._forget(req)
+
+    def _name_blocks(self, req: Request) -> None:
+        """Name the request's newly completed full blocks in the prefix cache (a later prompt that
+        begins the same way reuses them)."""
+        bs = self.layout.block_size
+        full = min(req.num_computed, req.num_tokens) // bs
+        if self.blocks.enabled and full > req.named_blocks and req.block_ids:
+            names = names_upto(req, full, bs, self.prefix_root)
+            self.blocks.register(names[req.named_blocks:full], req.block_ids[req.named_blocks:full])
+            req.named_blocks = full
 
     def _forget(self, req: Request) -> None:
         """A finished request leaves: its blocks back to the pool, out of the queues and the dict."""
@@ -399,7 +429,9 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         counts = {s.value: n for s, n in self.counts().items() if s is not Status.FINISHED}
-        return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks, **counts}
+        b = self.blocks
+        return {"free_blocks": b.num_free, "total_blocks": b.num_blocks, "cached_blocks": b.num_cached,
+                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens, **counts}
 
 
 def stamp_start(work: list[tuple[Request, int]]) -> float:

@@ -117,7 +117,8 @@ class KVTarget:
 
     worker_id: str
     address: str  # that worker's KV receiver
-    block_ids: list[int]
+    block_ids: list[int]  # its reserved blocks for our blocks from skip_tokens // block_size on
+    skip_tokens: int = 0  # leading prompt tokens whose KV it holds already (a multiple of the block size)
 
 
 @dataclass(eq=False)  # a request is itself, not its fields: queues find and remove it by identity
@@ -140,6 +141,11 @@ class Request:
     adopted: bool = False  # decode worker: its prompt KV came from a prefill worker
     deadline: float | None = None  # time.monotonic(): past it, this worker stops waiting on its behalf
     send_to: KVTarget | None = None  # prefill worker: where its KV goes
+    # prefix cache (prefix_cache.py): names of its full blocks, how many of block_ids are named there,
+    # and how many prompt tokens came from KV this worker already held (not computed for it)
+    block_names: list[bytes] = field(default_factory=list, repr=False)
+    named_blocks: int = 0
+    cached_tokens: int = 0
     # timeline, time.monotonic() seconds of this process; the roles turn it into P.Timeline
     arrived: float = field(default_factory=time.monotonic)  # its message reached the worker's socket
     taken: float | None = None  # the worker's loop handled that message

@@ -20,6 +20,9 @@ requests, never both; after a prefill step, if anything is running, the next ste
 Both:
 - A waiting request is admitted only when the pool has blocks for all its tokens and the
   sequence cap allows. A full pool makes requests wait, never fail.
+- Admission reuses the longest prefix of the request's full blocks that the prefix cache
+  holds (prefix_cache.py): those blocks are shared, not computed, and its prefill starts
+  after them (at least its last token is computed, for the logits of its next token).
 - A decode that needs a new block when none is free preempts the newest running request:
   its blocks go back and it returns to the front of `waiting` (PREEMPTED), to be prefilled
   again from its prompt and the tokens it already made.
@@ -31,14 +34,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from workers.engine.block_pool import BlockPool, blocks_for
+from workers.engine.block_pool import blocks_for
+from workers.engine.prefix_cache import PrefixCache, names_upto
 from workers.engine.request import IllegalTransition, Request, Status
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockPool, block_size: int, max_num_seqs: int, max_batched_tokens: int,
-                 chunked: bool = False, chunk_tokens: int = 512):
+    def __init__(self, blocks: PrefixCache, block_size: int, max_num_seqs: int, max_batched_tokens: int,
+                 chunked: bool = False, chunk_tokens: int = 512, root: bytes = b""):
         self.blocks = blocks
+        self.root = root  # the prefix cache's root name (model and layout)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -96,20 +101,34 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = req.num_tokens
-            if whole and batch and n > budget:
+            hit = self.cached_prefix(req)
+            cached = len(hit) * self.block_size
+            if whole and batch and n - cached > budget:
                 break
-            need = blocks_for(n, self.block_size)
-            if not self.blocks.can_allocate(need):
+            need = blocks_for(n, self.block_size) - len(hit)
+            if not self.blocks.can_allocate(need, hit):
                 break
             self.waiting.popleft()
+            if req.status is Status.WAITING:  # a preempted one's reuse is not its prompt's
+                req.cached_tokens = cached
+                self.blocks.count(n, cached)
             req.start_prefill()
-            req.block_ids = self.blocks.allocate(need)
-            req.num_computed = 0
+            self.blocks.acquire(hit)
+            req.block_ids = hit + self.blocks.allocate(need)
+            req.num_computed = cached
+            req.named_blocks = len(hit)
             self.running.append(req)
-            take = n if whole else min(n, budget)
+            take = n - cached if whole else min(n - cached, budget)
             batch.append((req, take))
             budget -= take
         return batch
+
+    def cached_prefix(self, req: Request) -> list[int]:
+        """Blocks of the request's longest cached prefix, leaving at least its last token to compute."""
+        full = (req.num_tokens - 1) // self.block_size
+        if not self.blocks.enabled or full == 0:
+            return []
+        return self.blocks.match(names_upto(req, full, self.block_size, self.root))
 
     def _grow_running(self) -> list[Request]:
         """Make sure every running request has a slot for every position it has."""
@@ -131,7 +150,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
-        req.num_computed = 0
+        req.num_computed = req.named_blocks = 0
         self.waiting.appendleft(req)
 
     def remove(self, req: Request) -> None:

@@ -34,7 +34,8 @@ def timeline(r: Request) -> P.Timeline:
     made = r.adopted_at if r.adopted_at is not None else r.prefill_end  # token 1 exists from here
     return P.Timeline(inbox_ms=ms(r.arrived, r.taken), wait_ms=ms(r.taken, r.prefill_start),
                       prefill_ms=ms(r.prefill_start, r.prefill_end), pickup_ms=ms(r.landed, r.adopted_at),
-                      emit_ms=ms(made, r.token1_sent), first_step_ms=ms(r.first_step_start, r.first_step_end))
+                      emit_ms=ms(made, r.token1_sent), first_step_ms=ms(r.first_step_start, r.first_step_end),
+                      cached_tokens=r.cached_tokens)
 
 
 class Role:

@@ -4,8 +4,10 @@ Life cycle of a request (its status, in the engine: workers/engine/request.py):
     Reserve   -> engine.admit()             WAITING     for room, in arrival order (InvalidRequest ->
                                                         RequestFailed invalid; past its deadline ->
                                                         RequestFailed capacity)
-              -> engine.reserve()           RESERVED    receiver.expect(blocks, deadline)
-                                                        -> Reserved(blocks, our KV receiver address)
+              -> engine.reserve()           RESERVED    its leading blocks may be cached here already (the
+                                                        prefix cache): receiver.expect(the others, deadline)
+                                                        -> Reserved(those blocks, our KV receiver address,
+                                                        cached tokens: the prefill worker skips them)
     receiver.began()                        RECEIVING   the sender's Begin was accepted: it writes now
     receiver.poll() -> Arrival ok           RUNNING     engine.adopt(req, first_token): the running batch
                                                         -> Tokens(token 1: it travelled with the KV, we emit it first)
@@ -107,13 +109,14 @@ class DecodeRole(Role):
             blocks = self.engine.reserve(rid, len(req.prompt_ids))
             if blocks is None:
                 return
+            fill = blocks[req.cached_tokens // self.engine.layout.block_size:]  # the rest is cached here
             try:
-                self.receiver.expect(rid, blocks, max(0.0, req.deadline - now()))
+                self.receiver.expect(rid, fill, max(0.0, req.deadline - now()))
             except TransferError as e:
                 self.engine.fail(rid, str(e))
                 self.fail(rid, "transfer", f"decode worker {self.worker_id} cannot take KV for request {rid}: {e}")
                 continue
-            self.worker.send(P.Reserved(self.worker_id, rid, blocks, self.kv_address))
+            self.worker.send(P.Reserved(self.worker_id, rid, fill, self.kv_address, req.cached_tokens))
 
     def _follow_transfers(self) -> None:
         for rid in self.receiver.began():

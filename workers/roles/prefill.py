@@ -4,9 +4,11 @@ Life cycle of a request (its status, in the engine: workers/engine/request.py):
     Prefill   -> engine.admit()         WAITING     in arrival order, one prefill at a time (InvalidRequest ->
                                                     RequestFailed invalid; Abort -> RequestFailed aborted)
               -> engine.prefill_only(req, on_layer)
-                                        PREFILLING  layer mode: transfer.layer_done(i) after each layer (the
+                                        PREFILLING  from its longest prefix in our prefix cache; layer
+                                                    mode: transfer.layer_done(i) after each layer (the
                                                     transfer opens at the first layer, once the request's
-                                                    source blocks exist)
+                                                    source blocks exist); the blocks the decode worker
+                                                    holds already (skip_tokens) are not sent
               -> transfer.finish(first_token)
                                         SENDING     bulk mode: everything moves now; then the decode worker is
                                                     told "kv done" with the first token
@@ -63,8 +65,12 @@ class PrefillRole(Role):
             received = taken if arrived is None else arrived
             req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling.to_params(), arrived=received,
                           taken=taken, deadline=received + msg.deadline_s,
-                          send_to=KVTarget(msg.decode_worker, msg.kv_address, list(msg.dst_blocks)))
+                          send_to=KVTarget(msg.decode_worker, msg.kv_address, list(msg.dst_blocks), msg.skip_tokens))
             try:
+                bs = self.engine.layout.block_size
+                if msg.skip_tokens % bs or msg.skip_tokens >= len(msg.prompt_ids):
+                    raise InvalidRequest(f"request {msg.request_id}: skip_tokens {msg.skip_tokens} must be a multiple "
+                                         f"of the block size {bs} below the prompt's {len(msg.prompt_ids)} tokens")
                 self.engine.admit(req)
             except InvalidRequest as e:
                 self.fail(msg.request_id, "invalid", str(e))
@@ -99,8 +105,10 @@ class PrefillRole(Role):
         budget_s = req.deadline - req.arrived
         transfer = None
 
-        def open_transfer(src_blocks: list[int]):
-            return self.sender.open(rid, to.address, list(src_blocks), list(to.block_ids), len(req.prompt_ids))
+        def open_transfer(src_blocks: list[int]):  # the decode worker holds the first skip_tokens already
+            skip = to.skip_tokens // self.engine.layout.block_size
+            return self.sender.open(rid, to.address, list(src_blocks[skip:]), list(to.block_ids),
+                                    len(req.prompt_ids) - to.skip_tokens)
 
         def on_layer(layer: int) -> None:
             nonlocal transfer
