@@ -244,7 +244,7 @@ def engine_check(args) -> list[dict]:
 
     loaded = load_model("qwen2.5-7b", torch.bfloat16, args.device)
     engines = {backend: Engine(EngineConfig(model="qwen2.5-7b", device=args.device, kv_memory_gb=8,
-                                            attention=backend, max_num_seqs=8), loaded=loaded)
+                                            attention=backend, max_num_seqs=8, prefix_cache=False), loaded=loaded)
                for backend in ("auto", "reference")}
 
     def generate(eng, rid, prompt, forced=None):

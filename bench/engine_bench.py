@@ -196,7 +196,7 @@ def make_engine(loaded, device: torch.device, dtype: torch.dtype, **fields):
     from workers.engine.kv_cache import dtype_name
 
     engine = Engine(EngineConfig(model=loaded.name, device=str(device), dtype=dtype_name(dtype),
-                                 block_size=BLOCK_SIZE, **fields), loaded=loaded)
+                                 block_size=BLOCK_SIZE, prefix_cache=False, **fields), loaded=loaded)
     dec.fill_random(engine.kv.pool)
     return engine
 

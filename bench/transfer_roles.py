@@ -68,10 +68,12 @@ def logits_digest(logits: torch.Tensor) -> str:
 def make_engine(args, device: str, max_len: int, shared: bool) -> Engine:
     blocks = 2 * math.ceil((max_len + args.tokens) / args.block_size) + 8
     # chunked_prefill off: the decode side's colocated reference prefills the prompt in one step,
-    # as prefill_only does on the prefill side, so both compute the same KV bit for bit
+    # as prefill_only does on the prefill side, so both compute the same KV bit for bit; the prefix
+    # cache off: every repeat computes and moves the whole prompt
     return Engine(EngineConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
                                num_blocks=blocks, max_num_seqs=8, max_batched_tokens=max(8192, max_len),
-                               chunked_prefill=False, kv_shared=shared, max_model_len=max_len + args.tokens + 1))
+                               chunked_prefill=False, kv_shared=shared, max_model_len=max_len + args.tokens + 1,
+                               prefix_cache=False))
 
 
 class PrefillSide:
