@@ -250,9 +250,10 @@ class AsyncCompletionStream:
 
 class AsyncClient(_Base):
     def __init__(self, base_url: str = DEFAULT_BASE_URL, model: str | None = None, timeout_s: float | None = 600.0,
-                 max_connections: int | None = None):
+                 max_connections: int | None = None, headers: dict[str, str] | None = None):
         super().__init__(base_url, model, timeout_s)
-        self._http = httpx.AsyncClient(timeout=_timeout(timeout_s), limits=_limits(max_connections))
+        # headers go with every request, e.g. {"Authorization": "Bearer <key>"} for a server with an API key
+        self._http = httpx.AsyncClient(timeout=_timeout(timeout_s), limits=_limits(max_connections), headers=headers)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -26,12 +26,15 @@ class Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens: prompt tokens whose KV was reused
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "Usage | None":
         if not isinstance(data, dict):
             return None
-        return cls(data.get("prompt_tokens"), data.get("completion_tokens"), data.get("total_tokens"))
+        details = data.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(data.get("prompt_tokens"), data.get("completion_tokens"), data.get("total_tokens"), cached)
 
 
 @dataclass(frozen=True)
