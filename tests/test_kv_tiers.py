@@ -1,0 +1,337 @@
+"""The KV tiers below GPU memory on the CPU: a real KVCache pool, tiny layout, every round trip
+checked bitwise against the blocks as they were, into destinations poisoned with NaN first."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+from workers.engine.kv_cache import KVCache, KVLayout
+from workers.engine.kv_tiers import MAGIC, CostModel, DiskTier, HostTier
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4, num_blocks=32)
+ENTRY = LAYOUT.num_layers * LAYOUT.block_bytes
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+@pytest.fixture
+def kv():
+    cache = KVCache(LAYOUT, "cpu")
+    cache.pool.copy_(torch.randn(LAYOUT.shape, generator=torch.Generator().manual_seed(0)))
+    return cache
+
+
+def host_tier(slots: int, disk: DiskTier | None = None, **kw) -> HostTier:
+    return HostTier(LAYOUT, slots * ENTRY, "cpu", disk=disk, probe=False, **kw)
+
+
+def disk_tier(path, entries: int = 64, model: str = "tiny", layout: KVLayout = LAYOUT) -> DiskTier:
+    return DiskTier(path, entries * (ENTRY + 8192), layout, model)
+
+
+def poisoned(pool: torch.Tensor, blocks: list[int]) -> None:
+    pool[:, blocks] = float("nan")
+
+
+def round_trip(tier: HostTier, pool: torch.Tensor, hs: list[bytes], src: list[int], dst: list[int]):
+    expected = pool[:, src].clone()
+    poisoned(pool, dst)
+    handle = tier.load(pool, list(zip(hs, dst)))
+    assert handle.wait(10)
+    return handle, expected
+
+
+def test_host_round_trip_is_bitwise(kv):
+    tier = host_tier(16, staging_bytes=3 * ENTRY)  # copies go in chunks of 3 blocks
+    hs = hashes("a", 7)
+    src = [5, 2, 9, 10, 11, 0, 30]  # scattered GPU blocks, stored into one run of slots
+    assert tier.store(kv.pool, list(zip(hs, src))) == 7
+    handle, expected = round_trip(tier, kv.pool, hs, src, [12, 13, 20, 21, 22, 3, 4])
+    assert handle.error is None and handle.loaded == 7 and handle.bytes == 7 * ENTRY
+    assert handle.done() and handle.seconds >= 0 and set(handle.tier_seconds) == {"host"}
+    assert torch.equal(kv.pool[:, [12, 13, 20, 21, 22, 3, 4]], expected)
+    s = tier.stats()["host"]
+    assert (s.entries, s.bytes, s.capacity_bytes) == (7, 7 * ENTRY, 16 * ENTRY)
+    assert s.stored_bytes == 7 * ENTRY and s.loaded_bytes == 7 * ENTRY
+    assert "host" in tier.cost._gbps  # the finished load fed the cost model
+
+
+def test_a_held_hash_is_not_stored_twice(kv):
+    tier = host_tier(8)
+    hs = hashes("a", 3)
+    tier.store(kv.pool, list(zip(hs, [0, 1, 2])))
+    kv_before = kv.pool[:, [0, 1, 2]].clone()
+    kv.pool[:, [0, 1, 2]] = 7.0  # if stored again, the slots would now hold 7s
+    assert tier.store(kv.pool, list(zip(hs, [0, 1, 2]))) == 3
+    assert tier.stats()["host"].stored_bytes == 3 * ENTRY
+    handle, _ = round_trip(tier, kv.pool, hs, [0, 1, 2], [5, 6, 7])
+    assert handle.error is None and torch.equal(kv.pool[:, [5, 6, 7]], kv_before)
+
+
+def test_lookup_stops_at_the_first_miss(kv):
+    tier = host_tier(8)
+    a, b, c = hashes("x", 3)
+    tier.store(kv.pool, [(a, 0), (c, 2)])
+    assert tier.lookup([a, b, c]) == ["host"]
+    assert tier.lookup([b, a]) == []
+    assert tier.lookup([a, c]) == ["host", "host"]
+    s = tier.stats()["host"]
+    assert (s.hits, s.misses) == (3, 2)
+
+
+def test_lru_eviction_without_disk_drops_the_least_recently_used(kv):
+    tier = host_tier(4)
+    old, new = hashes("old", 4), hashes("new", 2)
+    tier.store(kv.pool, list(zip(old, [0, 1, 2, 3])))
+    tier.load(kv.pool, [(old[0], 10), (old[1], 11)]).wait(10)  # used: now the most recent
+    assert tier.store(kv.pool, list(zip(new, [4, 5]))) == 2
+    assert [tier.lookup([h]) for h in old] == [["host"], ["host"], [], []]
+    assert tier.stats()["host"].evicted == 2 and tier.stats()["host"].entries == 4
+
+
+def test_lru_eviction_under_pressure_goes_to_disk_and_comes_back(kv, tmp_path):
+    disk = disk_tier(tmp_path)
+    tier = host_tier(8, disk, evict_ahead=0.25)  # 2 slots kept free or on their way to disk
+    a, b, c = hashes("a", 6), hashes("b", 2), hashes("c", 2)
+    tier.store(kv.pool, list(zip(a, range(6))))
+    tier.load(kv.pool, [(a[0], 10), (a[1], 11)]).wait(10)  # used: now the most recent
+    tier.store(kv.pool, list(zip(b, [6, 7])))  # fills it: a[2], a[3] leave for disk, in the background
+    tier.flush()
+    assert tier.lookup(a) == ["host", "host", "disk", "disk", "host", "host"]
+    assert tier.stats()["disk"].entries == 2 and len(list(tmp_path.glob("*.kv"))) == 1  # one file per batch
+    assert tier.store(kv.pool, list(zip(c, [8, 9]))) == 2  # room was kept: nothing dropped
+    tier.flush()
+    assert tier.lookup(a[4:]) == ["disk", "disk"] and tier.stats()["host"].dropped == 0
+    handle, expected = round_trip(tier, kv.pool, a, list(range(6)), [20, 21, 22, 23, 24, 25])
+    assert handle.error is None and handle.loaded == 6 and set(handle.tier_seconds) == {"host", "disk"}
+    assert torch.equal(kv.pool[:, 20:26], expected)
+    s = tier.stats()
+    assert s["disk"].loaded_bytes == 4 * ENTRY and s["host"].loaded_bytes == (2 + 2) * ENTRY
+
+
+def test_without_room_kept_the_filling_store_is_dropped_not_waited_for(kv, tmp_path):
+    tier = host_tier(4, disk_tier(tmp_path), evict_ahead=0.0)
+    old, new = hashes("old", 4), hashes("new", 2)
+    tier.store(kv.pool, list(zip(old, range(4))))
+    assert tier.store(kv.pool, list(zip(new, [4, 5]))) == 0  # the LRU pair is still being written
+    assert tier.stats()["host"].dropped == 2
+    tier.flush()
+    assert tier.lookup(old[:2]) == ["disk", "disk"] and tier.slots.num_free == 2
+
+
+def test_evict_ahead_keeps_room_for_the_next_store(kv, tmp_path):
+    tier = host_tier(8, disk_tier(tmp_path), evict_ahead=0.5)
+    first, second = hashes("a", 8), hashes("b", 4)
+    tier.store(kv.pool, list(zip(first, range(8))))  # fills it; 4 more leave for disk at once
+    tier.flush()
+    assert tier.slots.num_free == 4
+    assert tier.store(kv.pool, list(zip(second, range(8, 12)))) == 4  # room now, no drop
+    assert tier.stats()["host"].dropped == 0
+    tier.flush()
+    assert tier.lookup(first[:4]) == ["disk"] * 4
+
+
+def test_disk_round_trip_promotes_to_host(kv, tmp_path):
+    tier = host_tier(8, disk_tier(tmp_path))
+    hs = hashes("d", 5)
+    tier.store(kv.pool, list(zip(hs, [1, 3, 5, 7, 9])))
+    assert tier.spill(hs) == 5
+    tier.flush()
+    assert tier.lookup(hs) == ["disk"] * 5 and tier.stats()["host"].entries == 0
+    handle, expected = round_trip(tier, kv.pool, hs, [1, 3, 5, 7, 9], [20, 21, 22, 23, 24])
+    assert handle.error is None and torch.equal(kv.pool[:, 20:25], expected)
+    assert tier.lookup(hs) == ["host"] * 5  # read back into host slots, and still on disk
+    assert tier.stats()["disk"].entries == 5
+
+
+def spilled(kv, path, hs, blocks, model="tiny"):
+    """A worker that stored these blocks, spilled them to disk and stopped."""
+    tier = host_tier(8, disk_tier(path, model=model))
+    tier.store(kv.pool, list(zip(hs, blocks)))
+    tier.spill(hs)
+    tier.close()
+
+
+def test_a_restarted_disk_tier_reuses_valid_entries(kv, tmp_path):
+    hs = hashes("r", 4)
+    spilled(kv, tmp_path, hs, [0, 1, 2, 3])
+    tier = host_tier(8, disk_tier(tmp_path))
+    assert tier.lookup(hs) == ["disk"] * 4
+    handle, expected = round_trip(tier, kv.pool, hs, [0, 1, 2, 3], [10, 11, 12, 13])
+    assert handle.error is None and torch.equal(kv.pool[:, 10:14], expected)
+
+
+@pytest.mark.parametrize("other", [
+    {"model": "smollm2-135m"},
+    {"layout": KVLayout(3, 2, 8, "float32", 4, 99)},  # another pool size only: still served
+    {"layout": KVLayout(3, 2, 8, "bfloat16", 8, 32)},  # same entry bytes, another dtype and block size
+    {"layout": KVLayout(3, 4, 4, "float32", 4, 32)},  # same entry bytes, other heads x dim
+])
+def test_a_restarted_disk_tier_refuses_another_model_or_layout(kv, tmp_path, other):
+    hs = hashes("r", 3)
+    spilled(kv, tmp_path, hs, [0, 1, 2])
+    layout = other.get("layout", LAYOUT)
+    disk = disk_tier(tmp_path, model=other.get("model", "tiny"), layout=layout)
+    served = layout.compatible_with(LAYOUT) and "model" not in other
+    assert [disk.contains(h) for h in hs] == [served] * 3
+    assert len(list(tmp_path.glob("*.kv"))) == 1  # not served, not deleted either
+
+
+def test_a_corrupt_byte_is_a_miss_never_served(kv, tmp_path):
+    hs = hashes("c", 4)
+    spilled(kv, tmp_path, hs, [0, 1, 2, 3])
+    [path] = tmp_path.glob("*.kv")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - 2 * ENTRY + 5] ^= 0x01  # one bit of entry 2 (of 0..3)
+    path.write_bytes(bytes(raw))
+    tier = host_tier(8, disk_tier(tmp_path))
+    assert tier.lookup(hs) == ["disk"] * 4  # the header is sound: the payload is checked on read
+    expected = kv.pool[:, [0, 1, 2, 3]].clone()
+    poisoned(kv.pool, [10, 11, 12, 13])
+    handle = tier.load(kv.pool, list(zip(hs, [10, 11, 12, 13])))
+    assert handle.wait(10)
+    assert handle.error is not None and "checksum" in handle.error and handle.loaded == 2
+    assert torch.equal(kv.pool[:, [10, 11]], expected[:, :2])
+    assert torch.isnan(kv.pool[:, 12]).all()  # the corrupt entry never reached the pool
+    assert torch.equal(kv.pool[:, 13], expected[:, 3])  # its intact neighbour did
+    assert tier.lookup(hs) == ["host", "host"]  # forgotten: the next lookup stops there
+    assert tier.stats()["disk"].corrupt == 1
+
+
+def test_a_corrupt_header_is_not_indexed(kv, tmp_path):
+    hs = hashes("h", 2)
+    spilled(kv, tmp_path, hs, [0, 1])
+    [path] = tmp_path.glob("*.kv")
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b'"tiny"')
+    raw[at + 1] = ord("T")  # the model name, inside the checksummed header
+    path.write_bytes(bytes(raw))
+    assert raw.startswith(MAGIC)
+    assert not disk_tier(tmp_path).contains(hs[0])
+    path.write_bytes(bytes(raw[:len(raw) - 100]))  # truncated, header restored or not
+    assert not disk_tier(tmp_path).contains(hs[0])
+
+
+def test_a_truncated_file_is_not_indexed(kv, tmp_path):
+    hs = hashes("t", 2)
+    spilled(kv, tmp_path, hs, [0, 1])
+    [path] = tmp_path.glob("*.kv")
+    os.truncate(path, path.stat().st_size - 1)
+    assert not disk_tier(tmp_path).contains(hs[0])
+
+
+def test_disk_is_lru_by_size(kv, tmp_path):
+    one_file = 4096 + 2 * ENTRY  # the header page + two entries
+    disk = DiskTier(tmp_path, 2 * one_file + 100, LAYOUT, "tiny")
+    tier = host_tier(8, disk)
+    runs = [hashes(f"run{i}", 2) for i in range(3)]
+    for i, hs in enumerate(runs):
+        tier.store(kv.pool, list(zip(hs, [2 * i, 2 * i + 1])))
+        tier.spill(hs)
+        tier.flush()
+    assert [tier.lookup(hs) for hs in runs] == [[], ["disk"] * 2, ["disk"] * 2]
+    assert len(list(tmp_path.glob("*.kv"))) == 2 and disk.stats().bytes <= disk.capacity_bytes
+
+
+def test_capacity_accounting_returns_to_zero(kv, tmp_path):
+    disk = disk_tier(tmp_path)
+    tier = host_tier(6, disk)
+    hs = hashes("z", 10)
+    tier.store(kv.pool, list(zip(hs[:6], range(6))))
+    tier.spill(hs[:3])
+    tier.store(kv.pool, list(zip(hs[6:], range(6, 10))))  # evicts to disk under pressure
+    tier.flush()
+    assert tier.stats()["disk"].entries > 0 and tier.stats()["host"].entries > 0
+    tier.discard(hs)
+    tier.flush()
+    s = tier.stats()
+    assert (s["host"].entries, s["host"].bytes) == (0, 0) and tier.slots.num_free == 6
+    assert (s["disk"].entries, s["disk"].bytes) == (0, 0)
+    assert list(tmp_path.glob("*.kv")) == [] and tier.lookup(hs) == []
+
+
+def test_loading_a_hash_in_no_tier_fails_the_handle(kv):
+    tier = host_tier(4)
+    a, b = hashes("m", 2)
+    tier.store(kv.pool, [(a, 0)])
+    handle = tier.load(kv.pool, [(a, 10), (b, 11)])
+    assert handle.wait(10) and handle.loaded == 1 and "in no tier" in handle.error
+
+
+def test_a_pool_of_another_layout_is_refused(kv):
+    tier = host_tier(4)
+    other = KVCache(KVLayout(3, 2, 8, "float32", 8, 8), "cpu")
+    with pytest.raises(ValueError, match="does not match"):
+        tier.store(other.pool, [(b"x", 0)])
+
+
+def test_a_full_store_keeps_its_leading_blocks(kv):
+    tier = host_tier(3)
+    hs = hashes("f", 5)
+    assert tier.store(kv.pool, list(zip(hs, range(5)))) == 3
+    assert tier.lookup(hs) == ["host"] * 3 and tier.stats()["host"].dropped == 2
+
+
+def test_probes_seed_the_cost_model(tmp_path):
+    tier = HostTier(LAYOUT, 8 * ENTRY, "cpu", disk=DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny"))
+    assert tier.cost.bandwidth_gbps("host") > 0 and tier.cost.bandwidth_gbps("disk") > 0
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+# ---- the cost model ------------------------------------------------------------------------
+
+
+def test_cost_model_reloads_before_any_prefill_is_known():
+    cost = CostModel(bytes_per_token=57344)
+    assert cost.should_reload("host", 1000) and cost.break_even_gbps() is None
+    cost.observe_prefill(1000, 0.030)
+    assert cost.should_reload("disk", 1000)  # a tier never measured: reload
+
+
+def test_cost_model_decides_both_ways():
+    cost = CostModel(bytes_per_token=57344)
+    cost.observe_prefill(32768, 32768 * 37e-6)  # the seed's H100 figure at 32k: 37 us/token
+    assert cost.break_even_gbps() == pytest.approx(57344 / 37e-6 / 1e9)  # ~1.55 GB/s
+    cost.seed_bandwidth("host", 27.0)
+    cost.seed_bandwidth("disk", 0.5)
+    assert cost.should_reload("host", 4096) is True
+    assert cost.should_reload("disk", 4096) is False
+    # smollm2: cheap prefill per token, the break-even climbs past a slow disk
+    small = CostModel(bytes_per_token=23040)
+    small.observe_prefill(4096, 4096 * 4.2e-6)
+    small.seed_bandwidth("disk", 5.0)
+    assert small.should_reload("disk", 4096, 23040) is False
+    assert small.break_even_gbps() == pytest.approx(23040 / 4.2e-6 / 1e9)
+    assert not cost.should_reload("host", 0)
+
+
+def test_cost_model_follows_observed_loads():
+    cost = CostModel(bytes_per_token=1000, alpha=0.5)
+    cost.observe_prefill(100, 100 * 1e-6)  # break-even 1 GB/s
+    cost.seed_bandwidth("host", 10.0)
+    assert cost.should_reload("host", 100)
+    cost.observe_load("host", 10**8, 1.0)  # the link turns out to move 0.1 GB/s
+    assert cost.bandwidth_gbps("host") == pytest.approx(0.5 * 10.0 + 0.5 * 0.1)
+    for _ in range(11):
+        cost.observe_load("host", 10**8, 1.0)
+    assert cost.bandwidth_gbps("host") == pytest.approx(0.1, rel=0.05)
+    assert not cost.should_reload("host", 100)
+    cost.observe_prefill(100, 100 * 1e-3)  # prefill got much slower: reload again
+    assert cost.should_reload("host", 100)
+
+
+def test_disk_entries_carry_model_layout_and_checksums(kv, tmp_path):
+    hs = hashes("meta", 2)
+    spilled(kv, tmp_path, hs, [0, 1])
+    [path] = tmp_path.glob("*.kv")
+    raw = path.read_bytes()
+    meta = json.loads(raw[len(MAGIC) + 12:raw.index(b"}", raw.index(b'"entries"')) + 1])
+    assert meta["model"] == "tiny" and meta["layout"]["block_size"] == 4 and "num_blocks" not in meta["layout"]
+    assert [bytes.fromhex(h) for h, _ in meta["entries"]] == hs and all(isinstance(c, int) for _, c in meta["entries"])
