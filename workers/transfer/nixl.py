@@ -29,7 +29,11 @@ UCX settings (environment, read when the agent is created):
     UCX_NET_DEVICES     which NIC (e.g. mlx5_0:1 or eth0) between hosts
     UCX_TCP_PORT_RANGE  when a firewall allows only a range
     UCX_RCACHE_MAX_UNRELEASED=1024  set here by default (unreleased registrations otherwise pile up)
-    UCX_PROTO_INFO=y / UCX_LOG_LEVEL=info   show which transport a transfer took
+    UCX_PROTO_INFO=y / UCX_LOG_LEVEL=info   show which transport a transfer took; set here (into a file of
+                        this process, unless the user chose a UCX log level or file) so that both sides log
+                        the lane of every peer: "KV to <peer> goes over UCX tcp (inter-node cfg#1: puts over
+                        tcp/eth0; ...)" at the handshake, and the sender's TransferStats.extra["ucx_lane"]
+                        carries it (ucx_log.py); GPU memory on a host-staged lane is a warning
 
 Why NIXL moved VRAM at only 0.4 GB/s on the H200 in the first try, and what this transport does:
 both agents lived in ONE process, so UCX took its "self" path, a software emulation over tcp/lo. The
@@ -60,8 +64,10 @@ from workers.transfer.endpoint import log
 from workers.transfer.plan import Plan, descriptors
 from workers.transfer.receiver import ChannelReceiver, Expected
 from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+from workers.transfer.ucx_log import Lane, UcxLog, configure
 
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+UCX_LOG = configure(os.environ)  # before UCX loads: it reads its log settings once
 
 
 def make_agent(role: str):
@@ -112,13 +118,18 @@ class Receiver(ChannelReceiver):
 
     def _setup_transport(self) -> None:
         self.agent, self.region, self.reg = agent_for("decode", self.kv.pool)
+        self.ucx = UcxLog(*UCX_LOG)
+        self.senders_seen: set[str] = set()
 
     def _transport_info(self, hello: P.Hello) -> P.TransportInfo:
         r = self.region
         return P.NixlInfo(self.agent.name, self.agent.get_agent_metadata(), r.base, r.device_id, r.mem_type)
 
     def _progress(self) -> None:
-        for msgs in self.agent.get_new_notifs().values():
+        for agent, msgs in self.agent.get_new_notifs().items():
+            if agent not in self.senders_seen:
+                self.senders_seen.add(agent)
+                report_lane(self.ucx, self.agent.name, f"KV from {agent}", self.region.mem_type)
             for raw in msgs:
                 try:
                     note = P.decode_note(raw)
@@ -137,11 +148,38 @@ class Receiver(ChannelReceiver):
         self.agent.deregister_memory(self.reg)
 
 
-@dataclass(frozen=True)
+def report_lane(ucx: UcxLog, agent: str, what: str, mem_type: str, known: Lane | None = None) -> Lane | None:
+    """Log which UCX transport carries `what` (and any UCX warning since the last look), unless it is
+    what `known` already said; returns the lane."""
+    seen = None if known is None else known.describe()
+    _, problems = ucx.read()
+    for line in problems:
+        log.warning("%s", line)
+    if ucx.path is None:
+        if known is None:
+            log.info("%s: UCX lane unknown: %s", what, ucx.why)
+        return None
+    lane = ucx.latest(agent)
+    if lane is not None and lane.describe() == seen:
+        return lane
+    if lane is None:
+        log.info("%s: UCX has not logged its lanes yet (%s)", what, ucx.path)
+    elif mem_type == "VRAM" and lane.host_staged_for_gpu():
+        log.warning("%s: GPU memory goes over UCX %s, staged through host memory: a slow path; check UCX_TLS "
+                    "(cuda_ipc between processes of one host, rc/dc with GPUDirect between hosts)", what,
+                    lane.describe())
+    else:
+        log.info("%s goes over UCX %s", what, lane.describe())
+    return lane
+
+
+@dataclass
 class Remote:
     agent: str
     region: Region
     layout: KVLayout
+    lane: Lane | None = None  # which UCX transport carries our writes (None: UCX did not say)
+    lane_checked_after_write: bool = False
 
 
 class Sender(ChannelSender):
@@ -149,6 +187,7 @@ class Sender(ChannelSender):
 
     def _setup_transport(self) -> None:
         self.agent, self.region, self.reg = agent_for("prefill", self.kv.pool)
+        self.ucx = UcxLog(*UCX_LOG)
 
     def _attach(self, peer: Peer, welcome: P.Welcome) -> Remote:
         info = welcome.info
@@ -161,7 +200,8 @@ class Sender(ChannelSender):
         except Exception as e:  # nixl raises its own exception types (nixlMismatchError, ...)
             raise TransferError(f"NIXL could not add the decode worker at {peer.address} ({info.agent}): {e!r}; "
                                 "check UCX_TLS / UCX_NET_DEVICES on both hosts") from None
-        return Remote(info.agent, Region(info.base_addr, info.device_id, info.mem_type), peer.layout)
+        lane = report_lane(self.ucx, self.agent.name, f"KV to {peer.address} ({info.agent})", self.region.mem_type)
+        return Remote(info.agent, Region(info.base_addr, info.device_id, info.mem_type), peer.layout, lane)
 
     def _detach(self, peer: Peer) -> None:
         try:
@@ -173,6 +213,16 @@ class Sender(ChannelSender):
     def _teardown_transport(self) -> None:
         self.agent.deregister_memory(self.reg)
 
+    def _lane_after_write(self, peer: Peer) -> None:
+        """Once, after the first write to a peer: UCX prints some protocols only at first use, and a
+        lane it had not logged at the handshake shows up now."""
+        remote: Remote = peer.remote
+        if remote is None or remote.lane_checked_after_write:
+            return
+        remote.lane_checked_after_write = True
+        remote.lane = report_lane(self.ucx, self.agent.name, f"KV to {peer.address} ({remote.agent})",
+                                  self.region.mem_type, remote.lane)
+
     def _new_transfer(self, peer: Peer, plan: Plan) -> "NixlTransfer":
         return NixlTransfer(self, peer, plan)
 
@@ -180,6 +230,7 @@ class Sender(ChannelSender):
 class NixlTransfer(SenderTransfer):
     def __init__(self, sender: Sender, peer: Peer, plan: Plan):
         super().__init__(sender, peer, plan)
+        self.peer_state = peer
         self.agent = sender.agent
         self.local = sender.region
         self.remote: Remote = peer.remote
@@ -231,6 +282,8 @@ class NixlTransfer(SenderTransfer):
         self.pump_in_flight()
         if self.finishing is not None and not self.queue and not self.handles and not self.finishing.done():
             self.finished_at = time.time()
+            if self.error is None:
+                self.sender._lane_after_write(self.peer_state)
             self.finishing.set_result(None)
 
     def _post(self, layers: list[int]) -> None:
@@ -283,6 +336,13 @@ class NixlTransfer(SenderTransfer):
             handle.release()
         except Exception as e:  # NIXL may refuse for a failed or half-gone transfer; dropped either way
             log.info("releasing a NIXL transfer handle of %s: %r", self.request_id, e)
+
+    def stats(self):
+        st = super().stats()
+        lane = self.remote.lane if self.remote is not None else None
+        st.extra["ucx_lane"] = lane.as_dict() if lane is not None else {"unknown": self.sender.ucx.why or
+                                                                        "UCX logged no lane for this peer"}
+        return st
 
     def io_pending(self) -> bool:
         return bool(self.handles) or (bool(self.queue) and self.accepted.is_set())
