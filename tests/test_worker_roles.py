@@ -134,16 +134,24 @@ def test_prefill_past_its_deadline_or_to_nobody_fails_and_frees_blocks(reference
     prompt, _ = reference
     p = Shell("prefill", engine(), TransferConfig(transport="zmq", deadline_s=0.5))
     try:
-        p.role.handle(P.Connect("d", "tcp://127.0.0.1:1"))  # nobody there: a warning, not a failure
-        assert not p.sent
+        started = time.monotonic()
+        p.role.handle(P.Connect("d", "tcp://127.0.0.1:1"))  # nobody there: the handshake starts, nothing waits
+        assert not p.sent and time.monotonic() - started < 0.1
         p.role.handle(P.Prefill("late", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=0.0))
         p.role.tick()
         [failed] = p.take(P.RequestFailed)
         assert failed.kind == "timeout" and "deadline" in failed.error
         p.role.handle(P.Prefill("lost", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=5.0))
-        p.role.tick()
+        started = time.monotonic()
+        p.role.tick()  # the handshake is under way: the request waits, the loop does not
+        assert time.monotonic() - started < 0.1 and not p.sent
+        pump([p], lambda: p.sent, 3.0)  # the handshake's deadline (0.5 s) ends it: the peer is dead
         [failed] = p.take(P.RequestFailed)
-        assert failed.kind in ("transfer", "timeout") and failed.request_id == "lost"
+        assert failed.kind == "transfer" and failed.request_id == "lost" and "unreachable" in failed.error
+        p.role.handle(P.Prefill("next", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=5.0))
+        p.role.tick()  # known dead: fails at once, no second wait
+        [failed] = p.take(P.RequestFailed)
+        assert failed.kind == "transfer" and failed.request_id == "next"
         assert p.engine.blocks.num_free == NUM_BLOCKS
         p.role.handle(P.Prefill("gone", prompt, P.Sampling(), "d", "tcp://127.0.0.1:1", [0, 1], deadline_s=5.0))
         p.role.handle(P.Abort("gone", "client left"))
@@ -196,13 +204,15 @@ def test_one_requests_failed_draw_is_reported_alone_and_the_batch_goes_on(refere
 def test_prefill_whose_draw_fails_reports_it_and_frees_blocks(reference, monkeypatch):
     prompt, _ = reference
     p = Shell("prefill", engine(), TransferConfig(transport="zmq", deadline_s=0.5))
+    d = Shell("decode", engine(), TransferConfig(transport="zmq"))  # a live peer: the prefill starts
     try:
         monkeypatch.setattr(p.engine.sampler, "_draw", lambda row, req: 1 / 0)
-        p.role.handle(P.Prefill("bad", prompt, P.Sampling(temperature=0.5), "d", "tcp://127.0.0.1:1", [0, 1], 5.0))
+        p.role.handle(P.Prefill("bad", prompt, P.Sampling(temperature=0.5), "d", d.role.kv_address, [0, 1], 5.0))
         assert p.role.queue_depth() == 1
-        p.role.tick()
+        pump([p], lambda: p.sent, 5.0)
         [failed] = p.take(P.RequestFailed)
         assert failed.kind == "internal" and "request bad: sampling generated token 0 failed" in failed.error
         assert not p.engine.requests and p.engine.blocks.num_free == NUM_BLOCKS and p.role.queue_depth() == 0
     finally:
         p.role.close()
+        d.role.close(), d.engine.kv.close()

@@ -9,9 +9,10 @@ Life cycle of a request (its status, in the engine: workers/engine/request.py):
                                                     transfer opens at the first layer, once the request's
                                                     source blocks exist); the blocks the decode worker
                                                     holds already (skip_tokens) are not sent
-              -> transfer.finish(first_token)
-                                        SENDING     bulk mode: everything moves now; then the decode worker is
-                                                    told "kv done" with the first token
+              -> transfer.start_finish(first_token), then transfer.poll() on every tick
+                                        SENDING     bulk mode: everything moves once the decode worker accepted;
+                                                    then it is told "kv done" with the first token; meanwhile
+                                                    the loop goes on with other requests (`sending`)
               -> engine.release()       FINISHED    (sent) our blocks go back at once
               -> PrefillDone (timeline: inbox, queue, prefill; exposed transfer = last copy complete -
                                                 prefill end; all on this process's clock)
@@ -25,6 +26,13 @@ refuse it anyway).
 
 Connect (from the router, when a decode worker with our transport registers) shakes hands with its
 KV receiver at once, so the first request to it does not pay the handshake in its TTFT.
+
+Faults stay local: the loop never waits for a decode worker. A request starts its prefill only once
+the handshake with its decode worker is done (sender.reach() READY); one bound for a decode worker
+whose handshake is under way waits without holding up the others; one bound for a DEAD one (it
+disconnected, or failed its handshake) fails at once with `transfer`. A transfer waiting for its
+peer's answers sits in `sending` (the transport's state; the Request is SENDING) and is polled each
+tick; an Abort from the router ends it there, and its blocks come back at once.
 
 No queues of its own: the queue is the engine's WAITING requests, in arrival order; where each one's
 KV goes rides on the Request (`send_to`). The engine holds a request's blocks for one prefill and
@@ -41,9 +49,11 @@ from workers.engine.block_pool import OutOfBlocks
 from workers.engine.request import InvalidRequest, KVTarget, Request, Status
 from workers.engine.sampler import SamplingError
 from workers.roles.base import Role, now, timeline
-from workers.transfer.base import State, TransferError, make_sender
+from workers.transfer.base import PeerState, State, Transfer, TransferError, TransferStats, make_sender
 
 log = logging.getLogger("pdserve.worker")
+
+SENDING_POLL_MS = 1  # a transfer waits for its decode worker's answer: check this often
 
 
 class PrefillDeadline(TransferError):
@@ -58,6 +68,8 @@ class PrefillRole(Role):
         super().__init__(worker)
         self.mode = worker.cfg.transfer.mode
         self.sender = make_sender(self.engine.kv, worker.cfg.transfer)
+        self.sending: dict[str, tuple[Request, Transfer, int]] = {}  # rid -> (request, transfer, first token)
+        self._held = False  # the last tick left WAITING requests for decode workers still shaking hands
 
     def on_message(self, msg, arrived: float | None) -> None:
         if isinstance(msg, P.Prefill):
@@ -74,28 +86,50 @@ class PrefillRole(Role):
                 self.engine.admit(req)
             except InvalidRequest as e:
                 self.fail(msg.request_id, "invalid", str(e))
-        elif isinstance(msg, P.Connect):
-            try:
-                self.sender.connect(msg.kv_address)
-            except TransferError as e:  # not fatal: open() shakes hands again on first use
-                log.warning("%s: early handshake with %s (%s) failed: %s", self.worker_id, msg.decode_worker,
-                            msg.kv_address, e)
+        elif isinstance(msg, P.Connect):  # a decode worker (re)registered: shake hands now, without waiting
+            self.sender.reach(msg.kv_address, fresh=True)
         elif isinstance(msg, P.Abort):
             req = self.engine.requests.get(msg.request_id)
-            if req is not None and req.status is Status.WAITING:  # later, it is over before we read this
+            if req is not None and req.status is Status.WAITING:
                 self.engine.abort(msg.request_id)
                 self.fail(msg.request_id, "aborted", f"aborted before prefill: {msg.reason}")
+            elif msg.request_id in self.sending:  # its decode worker may be gone: do not wait for it
+                req, transfer, _ = self.sending.pop(msg.request_id)
+                transfer.abort(msg.reason)
+                self.engine.fail(msg.request_id, f"aborted during the transfer: {msg.reason}")
+                self.fail(msg.request_id, "aborted", f"aborted during the KV transfer: {msg.reason}")
         else:
             log.error("%s: prefill worker got %s; only Prefill, Connect and Abort go to prefill workers",
                       self.worker_id, type(msg).__name__)
 
     def advance(self) -> None:
-        waiting = self.engine.in_state(Status.WAITING)
-        if waiting:
-            self._run(waiting[0])
+        for rid in list(self.sending):
+            self._follow(rid)
+        req = self._next_ready()
+        if req is not None:
+            self._run(req)
+
+    def _next_ready(self) -> Request | None:
+        """The first WAITING request whose decode worker is ready (or whose deadline passed: _run fails
+        it); those bound for a DEAD decode worker fail now."""
+        self._held = False
+        for req in self.engine.in_state(Status.WAITING):
+            state, why = self.sender.reach(req.send_to.address)
+            if state is PeerState.READY or now() >= req.deadline:
+                return req
+            if state is PeerState.DEAD:
+                text = (f"KV transfer {self.worker_id} -> {req.send_to.worker_id} failed: the decode worker at "
+                        f"{req.send_to.address} is unreachable ({why}); retry the request on another one")
+                self.engine.fail(req.request_id, text)
+                self.fail(req.request_id, "transfer", text)
+            else:
+                self._held = True
+        return None
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
-        return 0 if self.engine.in_state(Status.WAITING) else idle_ms
+        if self.engine.in_state(Status.WAITING) and not self._held:
+            return 0
+        return SENDING_POLL_MS if self.sending or self._held else idle_ms
 
     def close(self) -> None:
         self.sender.close()
@@ -131,17 +165,39 @@ class PrefillRole(Role):
             if remaining <= 0:
                 raise PrefillDeadline(f"request {rid}: deadline of {budget_s:.1f}s passed before the "
                                       f"transfer to {to.worker_id} could start")
-            stats = transfer.finish(result.first_token, remaining)
+            transfer.start_finish(result.first_token, remaining)
         except Exception as e:
-            if transfer is not None and transfer.state is not State.DONE:
-                transfer.abort(f"{type(e).__name__}: {e}")
-            text = _failure_text(e, self.worker_id, to.worker_id)
-            self.engine.fail(rid, text)  # no-op where prefill_only already finished it
-            self.fail(rid, _failure_kind(e), text)
+            self._failed(req, transfer, e)
             return
+        self.sending[rid] = (req, transfer, result.first_token)
+        self._follow(rid)
+
+    def _follow(self, rid: str) -> None:
+        """One look at a transfer waiting for its decode worker: done, failed, or still waiting."""
+        req, transfer, first_token = self.sending[rid]
+        try:
+            stats = transfer.poll()
+        except Exception as e:
+            del self.sending[rid]
+            self._failed(req, transfer, e)
+            return
+        if stats is not None:
+            del self.sending[rid]
+            self._done(req, first_token, stats)
+
+    def _failed(self, req: Request, transfer: Transfer | None, e: Exception) -> None:
+        rid = req.request_id
+        if transfer is not None and transfer.state is not State.DONE:
+            transfer.abort(f"{type(e).__name__}: {e}")
+        text = _failure_text(e, self.worker_id, req.send_to.worker_id)
+        self.engine.fail(rid, text)  # no-op where prefill_only already finished it
+        self.fail(rid, _failure_kind(e), text)
+
+    def _done(self, req: Request, first_token: int, stats: TransferStats) -> None:
+        rid = req.request_id
         self.engine.release(rid)
         self.worker.send(P.PrefillDone(
-            worker_id=self.worker_id, request_id=rid, first_token=result.first_token, timeline=timeline(req),
+            worker_id=self.worker_id, request_id=rid, first_token=first_token, timeline=timeline(req),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,
             transfer_exposed_ms=max(0.0, (stats.finished_at - wall_clock(req.prefill_end)) * 1e3),
             kv_bytes=stats.num_bytes, copies=stats.copies,

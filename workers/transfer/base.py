@@ -15,6 +15,8 @@ Prefill side (sender), one per prefill worker:
     make_sender(kv, cfg)
     .connect(peer, deadline_s)              optional: the handshake with `peer` now (version + layout +
                                             transport metadata; maps or registers its pool), not on first open
+    .reach(peer, fresh=False) -> (PeerState, why)   the same without waiting: READY, CONNECTING or DEAD
+                                            (a failed handshake or a disconnect; requests to it fail at once)
     .open(request_id, peer, src_blocks, dst_blocks, num_tokens) -> Transfer
                                             handshake on first use; then returns at once, the Begin (tells the
                                             receiver the transfer starts) goes out on the sender's I/O thread
@@ -23,6 +25,9 @@ Prefill side (sender), one per prefill worker:
     Transfer.finish(first_token, deadline_s) -> TransferStats
                                             move what is left, wait for it, tell the receiver "kv done", wait
                                             for its ack; raises TransferError (then free the source blocks)
+    Transfer.start_finish(first_token, deadline_s); .poll() -> TransferStats | None
+                                            finish() without waiting (the prefill worker's loop): poll() raises
+                                            TransferError as finish() would
     Transfer.abort(reason)                  give up; the receiver is told
     .close()
 
@@ -65,6 +70,12 @@ def layout_mismatch(prefill: KVLayout, decode: KVLayout, decode_address: str) ->
         f"has {decode.describe()}. Both must serve the same model with the same KV dtype and block size "
         "(only the number of blocks may differ)"
     )
+
+
+class PeerState(enum.Enum):
+    READY = "ready"
+    CONNECTING = "connecting"
+    DEAD = "dead"
 
 
 class State(enum.Enum):
@@ -139,6 +150,12 @@ class Transfer(ABC):
     def finish(self, first_token: int, deadline_s: float | None = None) -> TransferStats: ...
 
     @abstractmethod
+    def start_finish(self, first_token: int, deadline_s: float | None = None) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> TransferStats | None: ...
+
+    @abstractmethod
     def abort(self, reason: str) -> None: ...
 
 
@@ -170,6 +187,9 @@ class KVSender(ABC):
 
     @abstractmethod
     def connect(self, peer: str, deadline_s: float | None = None) -> None: ...
+
+    @abstractmethod
+    def reach(self, peer: str, fresh: bool = False) -> tuple[PeerState, str | None]: ...
 
     @abstractmethod
     def open(self, request_id: str, peer: str, src_blocks: list[int], dst_blocks: list[int],

@@ -12,7 +12,15 @@ Life cycle of a transfer (Transfer.state):
                                   none of our writes can still land
 
 Per peer, the first open() maps or registers the receiver's pool (`_attach`); a disconnect drops
-the peer (`_detach`) and the next open() shakes hands again. With the deployment's keys the
+the peer (`_detach`) and the next open() shakes hands again.
+
+Faults stay with their peer: nothing here makes the engine thread wait on a decode worker.
+    reach(peer)     READY | CONNECTING | DEAD, at once; starts the handshake if there is none. The I/O
+                    thread ends a handshake at its deadline; a peer that failed one, or disconnected,
+                    is DEAD for DEAD_RETRY_S (every request to it fails at once), then tried again
+                    (reach(peer, fresh=True): at once, e.g. when the router introduces it anew)
+    start_finish()  finish() without waiting: poll() moves it on and returns the stats once the decode
+    poll()          worker acked; only local work (the copies, the hand-off of frames) runs in poll() With the deployment's keys the
 connection is CURVE (endpoint.py): a receiver that cannot prove it holds the worker key, or refuses
 ours, fails the handshake, and the peer is dropped at once with that reason.
 
@@ -37,14 +45,15 @@ from zmq.utils.monitor import recv_monitor_message
 from workers import auth
 from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer import protocol as P
-from workers.transfer.base import (KVSender, LayoutMismatch, State, Transfer, TransferConfig, TransferError,
-                                   TransferStats, layout_mismatch)
+from workers.transfer.base import (KVSender, LayoutMismatch, PeerState, State, Transfer, TransferConfig,
+                                   TransferError, TransferStats, layout_mismatch)
 from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
 from workers.transfer.plan import Plan, make_plan
 
 log = logging.getLogger("pdserve.transfer")
 
 ZERO_COPY_MIN = 64 * 1024  # smaller frames are cheaper to copy than to hand to ZMQ zero-copy
+DEAD_RETRY_S = 5.0  # a peer that failed its handshake or went away: requests to it fail at once this long
 
 
 class Peer:
@@ -59,6 +68,8 @@ class Peer:
         self.remote = None  # what the transport attached: a mapped pool, a NIXL agent name
         self.transfers: dict[str, "SenderTransfer"] = {}
         self.alive = True  # False once dropped; the caller side then shakes hands again
+        self.lost: str | None = None  # why it was dropped
+        self.handshake_deadline = 0.0  # time.monotonic(); the I/O thread drops a peer still silent then
 
 
 class ChannelSender(Endpoint, KVSender):
@@ -72,21 +83,57 @@ class ChannelSender(Endpoint, KVSender):
         self.sender_name = f"{self.host}:{os.getpid()}"
         self._peers: dict[str, Peer] = {}  # I/O thread
         self._known: dict[str, Peer] = {}  # caller side: peers past their handshake
+        self._pending: dict[str, Future] = {}  # caller side: handshakes under way -> Future[Peer]
+        self._dead: dict[str, tuple[str, float]] = {}  # caller side: peer -> (why, time.monotonic())
         self._by_sock: dict[zmq.Socket, Peer] = {}
         self._start(cfg.deadline_s)
 
     # ---- public (engine thread) ------------------------------------------------------------
 
     def connect(self, peer: str, deadline_s: float | None = None) -> None:
-        """Shake hands with `peer` now (open() does it on first use otherwise)."""
+        """Shake hands with `peer` now and wait for it (open() does it on first use otherwise)."""
         self._connect(peer, self.cfg.deadline_s if deadline_s is None else deadline_s)
+
+    def reach(self, peer: str, fresh: bool = False) -> tuple[PeerState, str | None]:
+        """Where the handshake with `peer` stands, at once (and why, when DEAD); starts one if there is
+        none. `fresh`: forget that it failed before (it registered anew) and shake hands again."""
+        now = time.monotonic()
+        if fresh:
+            self._dead.pop(peer, None)
+        p = self._known.get(peer)
+        if p is not None:
+            if p.alive:
+                return PeerState.READY, None
+            del self._known[peer]
+            self._dead[peer] = (p.lost or "it went away", now)
+            if fresh:
+                self._dead.pop(peer)
+        fut = self._pending.get(peer)
+        if fut is not None:
+            if not fut.done():
+                return PeerState.CONNECTING, None
+            del self._pending[peer]
+            try:
+                self._known[peer] = fut.result()
+                return PeerState.READY, None
+            except TransferError as e:
+                self._dead[peer] = (str(e), now)
+        dead = self._dead.get(peer)
+        if dead is not None and now - dead[1] < DEAD_RETRY_S:
+            return PeerState.DEAD, dead[0]
+        self._dead.pop(peer, None)
+        self._pending[peer] = self._handshake(peer)
+        return PeerState.CONNECTING, None
 
     def open(self, request_id: str, peer: str, src_blocks: list[int], dst_blocks: list[int],
              num_tokens: int) -> Transfer:
-        """Returns at once for a peer already shaken hands with (the Begin goes out on the I/O thread)."""
-        p = self._known.get(peer)
-        if p is None or not p.alive:
-            p = self._connect(peer, self.cfg.deadline_s)
+        """Returns at once for a peer already shaken hands with (the Begin goes out on the I/O thread);
+        raises at once for a DEAD one; waits for the handshake of a new one (reach() first to avoid that)."""
+        state, why = self.reach(peer)
+        if state is PeerState.DEAD:
+            raise TransferError(f"request {request_id}: the decode worker at {peer} is unreachable ({why}); "
+                                "free the request's prefill blocks and retry it on another decode worker")
+        p = self._known[peer] if state is PeerState.READY else self._connect(peer, self.cfg.deadline_s)
         plan = make_plan(request_id, src_blocks, dst_blocks, num_tokens, self.layout, p.layout)
         t = self._new_transfer(p, plan)
         self._submit(self._begin, p, t, list(dst_blocks), num_tokens)
@@ -113,19 +160,45 @@ class ChannelSender(Endpoint, KVSender):
     # ---- handshake -------------------------------------------------------------------------
 
     def _connect(self, address: str, timeout_s: float) -> Peer:
-        deadline = time.monotonic() + timeout_s
-        ready: Future = self._call(self._peer, address, timeout_s=timeout_s)
+        """Wait (up to timeout_s) for the handshake with `address`, starting it if none is under way."""
+        fut = self._pending.pop(address, None) or self._handshake(address)
         try:
-            p = ready.result(timeout=max(deadline - time.monotonic(), 0.001))
-            self._known[address] = p
-            return p
+            p = fut.result(timeout=max(timeout_s, 0.001))
         except FutureTimeout:
             self._submit(self._drop, address, "no handshake answer")
-            raise TransferError(
+            error = TransferError(
                 f"no handshake answer from the decode worker at {address} within {timeout_s:.1f} s; "
                 "check that it runs, that the address is right and reachable, and that it uses the "
-                f"{self.transport} transport"
-            ) from None
+                f"{self.transport} transport")
+            self._dead[address] = (str(error), time.monotonic())
+            raise error from None
+        except TransferError as e:
+            self._dead[address] = (str(e), time.monotonic())
+            raise
+        self._dead.pop(address, None)
+        self._known[address] = p
+        return p
+
+    def _handshake(self, address: str) -> Future:
+        """Future[Peer]: resolved by the I/O thread once `address` answered the handshake (or failed it,
+        or missed its deadline: TransferError)."""
+        out: Future = Future()
+
+        def relay(ready: Future) -> None:
+            if ready.exception() is not None:
+                out.set_exception(ready.exception())
+            else:
+                out.set_result(ready.result())
+
+        def start() -> None:  # I/O thread
+            self._peer(address).add_done_callback(relay)
+
+        def not_started(f: Future) -> None:  # the sender is closed or broken
+            if f.exception() is not None and not out.done():
+                out.set_exception(f.exception())
+
+        self._submit(start).add_done_callback(not_started)
+        return out
 
     def _peer(self, address: str) -> Future:  # I/O thread
         p = self._peers.get(address)
@@ -137,6 +210,7 @@ class ChannelSender(Endpoint, KVSender):
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_FAILURES)
             sock.connect(address)
             p = Peer(address, sock, monitor)
+            p.handshake_deadline = time.monotonic() + self.cfg.deadline_s
             self._peers[address] = p
             self._by_sock[sock] = self._by_sock[monitor] = p
             self._poller.register(sock, zmq.POLLIN)
@@ -160,7 +234,7 @@ class ChannelSender(Endpoint, KVSender):
         p = self._peers.pop(address, None)
         if p is None:
             return
-        p.alive = False
+        p.alive, p.lost = False, reason
         error = TransferError(f"decode worker at {address}: {reason}")
         if not p.ready.done():
             p.ready.set_exception(error)
@@ -272,7 +346,12 @@ class ChannelSender(Endpoint, KVSender):
 
     def _tick(self) -> float:
         busy = False
+        now = time.monotonic()
         for p in list(self._peers.values()):
+            if not p.ready.done() and now > p.handshake_deadline:
+                self._drop(p.address, f"no handshake answer within {self.cfg.deadline_s:.1f} s (--handshake-timeout); "
+                           f"check that it runs and uses the {self.transport} transport")
+                continue
             for t in list(p.transfers.values()):
                 t.io_step()
                 if t.retired:
@@ -304,35 +383,82 @@ class SenderTransfer(Transfer):
         self.layers_sent: set[int] = set()
         self.layers_before_finish = 0
         self.retired = False  # I/O thread: nothing more to do; forget it
+        self._phase = "open"  # caller side: open -> accept -> ack (or stall) -> done
+        self._first_token = -1
+        self._deadline = 0.0
         self._abort_reason: str | None = None  # I/O thread: tell the receiver once writes have stopped
 
     # ---- caller side -----------------------------------------------------------------------
 
     def finish(self, first_token: int, deadline_s: float | None = None) -> TransferStats:
-        deadline = time.monotonic() + (self.cfg.deadline_s if deadline_s is None else deadline_s)
+        """start_finish(), then wait for each answer of the decode worker until poll() is done."""
+        self.start_finish(first_token, deadline_s)
+        while (stats := self.poll()) is None:
+            left = max(self._deadline - time.monotonic(), 0.0)
+            if self._phase == "accept":
+                self.accepted.wait(left)
+            elif self._phase == "ack":
+                try:
+                    self.ack.result(timeout=left)
+                except (FutureTimeout, TransferError):
+                    pass  # poll() says what happened
+            else:
+                time.sleep(left)
+        return stats
+
+    def start_finish(self, first_token: int, deadline_s: float | None = None) -> None:
+        """Prefill is over: move what is left once the decode worker accepted, then tell it "kv done";
+        returns at once, poll() does the rest."""
+        self._first_token = first_token
+        self._deadline = time.monotonic() + (self.cfg.deadline_s if deadline_s is None else deadline_s)
+        self._phase = "accept"
         self.layers_before_finish = len(self.layers_sent)
+
+    def poll(self) -> TransferStats | None:
+        """None while an answer of the decode worker is due (its accept, its ack); the stats once it
+        acked. Raises TransferError on a failure or past the deadline. Never waits for the peer: only
+        local work runs here (the copies, the hand-off of frames to the I/O thread)."""
         try:
             self.raise_if_failed()
-            self.wait(self.accepted, deadline, "the decode worker's accept")
-            self.raise_if_failed()
-            self._complete(deadline)
-            self.raise_if_failed()
-            if self.cfg.fault == "stall":
-                time.sleep(max(0.0, deadline - time.monotonic()))
+            if self._phase == "accept":
+                if not self.accepted.is_set():
+                    return self._due("the decode worker's accept")
+                self.raise_if_failed()
+                self._complete(self._deadline)
+                self.raise_if_failed()
+                if self.cfg.fault == "stall":
+                    self._phase = "stall"
+                elif self.cfg.fault == "drop_done":
+                    self._phase = "done"
+                else:
+                    done = P.Done(self.request_id, self._first_token, self.plan.num_bytes, self.started_at,
+                                  self.finished_at, self.writes())
+                    self.sender._submit(self.sender.send, self.p, done)
+                    self._phase = "ack"
+            if self._phase == "stall":
+                if time.monotonic() < self._deadline:
+                    return None
                 raise TransferError(f"request {self.request_id}: stalled before the done notice (fault injection)")
-            if self.cfg.fault != "drop_done":
-                done = P.Done(self.request_id, first_token, self.plan.num_bytes, self.started_at, self.finished_at,
-                              self.writes())
-                self.sender._submit(self.sender.send, self.p, done)
-                self.wait(self.ack, deadline, "the decode worker's ack of the done notice")
+            if self._phase == "ack":
+                if not self.ack.done():
+                    return self._due("the decode worker's ack of the done notice")
+                self.ack.result()  # raises the failure that resolved it
                 if self.landed_on_ack:
                     self.finished_at = time.time()
         except TransferError as e:
             self.fail(e)
             raise self.error from None
         self.state = State.DONE
+        self._phase = "done"
         self.sender._submit(self._retire)
         return self.stats()
+
+    def _due(self, name: str) -> None:
+        """Still waiting for `name`: None, or TransferError once the deadline passed."""
+        if time.monotonic() < self._deadline:
+            return None
+        raise TransferError(f"request {self.request_id}: no {name} within the deadline (decode worker {self.peer}); "
+                            "check that it is alive and reachable; free the request's prefill blocks")
 
     def abort(self, reason: str) -> None:
         self.fail(TransferError(f"request {self.request_id}: aborted by the prefill worker: {reason}"))
