@@ -105,6 +105,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker (repeat: --worker-arg=--handshake-timeout --worker-arg=10)")
+    g.add_argument("--no-restart", action="store_true",
+                   help="a worker that dies stays gone (default: restarted with backoff, 0.5 s doubling to 30 s)")
     g.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds to wait for every worker to register (the first start converts the model)")
 
@@ -285,7 +287,7 @@ def run_embedded(args) -> int:
     warn_if_open(args.host, cfg.api_key)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
-    launcher = Launcher(specs, cfg.register, str(keys_dir))
+    launcher = Launcher(specs, cfg.register, str(keys_dir), run_dir=rundir, restart=not args.no_restart)
     watchers: list[asyncio.Task] = []
     try:
         launcher.start()
@@ -299,7 +301,7 @@ def run_embedded(args) -> int:
             while not want <= set(router.pool.workers):
                 dead = launcher.exited()
                 if dead:
-                    for wid, rc in dead:
+                    for wid, _pid, rc in dead:
                         print(f"pdserve: worker {wid} exited with code {rc} before registering (its log is "
                               f"above); stopping", file=sys.stderr, flush=True)
                     return 1
@@ -314,20 +316,15 @@ def run_embedded(args) -> int:
             where = ", ".join(f"{s.worker_id} on {s.device}" for s in specs)
             disagg = f"; KV {args.transport}/{args.mode}" if counts["prefill"] else ""
             print(f"pdserve ready: {url} (model {cfg.model}; {where}{disagg}; policy {cfg.policy})", flush=True)
-            watchers.append(asyncio.create_task(_watch(launcher, stop)))  # keep a reference: tasks are weakly held
+            # supervision: a worker that exits is dropped by the router at once, and restarted;
+            # keep a reference: tasks are weakly held
+            watchers.append(asyncio.create_task(launcher.watch(stop, router.pool.lost)))
             return 0
 
         return asyncio.run(serve(app, sock, args, after_start, on_stop=launcher.terminate))
     finally:
         launcher.stop()
         shutil.rmtree(rundir, ignore_errors=True)
-
-
-async def _watch(launcher, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        for wid, rc in launcher.exited():
-            log.error("worker %s exited with code %d; the router stops routing to it", wid, rc)
-        await asyncio.sleep(1.0)
 
 
 def run_router(args) -> int:

@@ -1,13 +1,26 @@
-"""Worker processes that `pdserve` starts on this machine, and their clean end.
+"""Worker processes that `pdserve` starts on this machine: their supervision and their clean end.
 
-Each worker runs `python -m workers.cli --role ... --parent-pid <ours>` in its own process group
-(so a terminal's Ctrl-C reaches only us, and we stop the workers in order). A worker dies with us
-however we end: we SIGTERM its group on exit, SIGKILL it after a grace period, and the worker
-itself holds PR_SET_PDEATHSIG plus a parent-watch thread for the case we are SIGKILLed.
+Each worker runs `python -m workers.cli --role ... --parent-pid <ours> --run-dir <ours>` in its own
+process group (so a terminal's Ctrl-C reaches only us, and we stop the workers in order). A worker
+dies with us however we end: we SIGTERM its group on exit, SIGKILL it after a grace period, and the
+worker itself holds PR_SET_PDEATHSIG plus a parent-watch thread for the case we are SIGKILLed (it
+then removes its /dev/shm pool and our run directory, and exits at once).
+
+Supervision (`watch()`, on the event loop, from the moment pdserve is ready):
+    a worker exits      its /dev/shm pool is removed at once; on_exit(worker id, pid, why) tells the
+                        router, which drops it now (its requests fail at once, not at the heartbeat
+                        timeout) and /health says "degraded" until it is back
+    restart             after a backoff: RESTART_MIN_S, doubled for each death within STABLE_S of
+                        its start, at most RESTART_MAX_S; the new process registers under the same
+                        worker id and the router has the prefill workers shake hands with it anew
+    --no-restart        a worker that exits stays gone
+Workers are started from the event loop's thread (the main thread): PR_SET_PDEATHSIG fires when
+the thread that forked a child ends, so a worker started from a helper thread would die with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import logging
 import os
@@ -20,6 +33,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger("pdserve.launcher")
 
 ROLE_ORDER = ("prefill", "decode", "colocated")
+RESTART_MIN_S = 0.5  # the first restart of a worker waits this long
+RESTART_MAX_S = 30.0  # the backoff doubles per quick death, up to this
+STABLE_S = 30.0  # a worker up this long before it died starts its backoff from the bottom again
+WATCH_S = 0.2  # how often the supervisor looks at its workers
 
 
 @dataclass
@@ -50,48 +67,99 @@ def plan_workers(counts: dict[str, int], devices: list[str], common: list[str]) 
 
 
 class Launcher:
-    def __init__(self, specs: list[WorkerSpec], router_endpoint: str, keys_dir: str):
-        self.specs = specs
+    def __init__(self, specs: list[WorkerSpec], router_endpoint: str, keys_dir: str, run_dir: str | None = None,
+                 restart: bool = True):
+        self.specs = {s.worker_id: s for s in specs}
         self.router_endpoint = router_endpoint
         self.keys_dir = keys_dir  # the worker key folder (0700, its secret file 0600): a path, never a key
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.reported: set[str] = set()
+        self.run_dir = run_dir
+        self.restart = restart
+        self.procs: dict[str, subprocess.Popen] = {}  # worker id -> its current process
+        self.started_at: dict[str, float] = {}
+        self.restarts = 0
+        self.stopping = False
+        self._quick_deaths: dict[str, int] = {}  # worker id -> deaths in a row within STABLE_S of a start
+        self._due: dict[str, float] = {}  # worker id -> time.monotonic() of its restart
+        self._reported: set[int] = set()  # pids whose exit was reported
 
     def command(self, spec: WorkerSpec) -> list[str]:
-        return [sys.executable, "-m", "workers.cli", "--role", spec.role, "--device", spec.device,
-                "--worker-id", spec.worker_id, "--router", self.router_endpoint, "--keys", self.keys_dir,
-                "--parent-pid", str(os.getpid()), *spec.args]
+        out = [sys.executable, "-m", "workers.cli", "--role", spec.role, "--device", spec.device,
+               "--worker-id", spec.worker_id, "--router", self.router_endpoint, "--keys", self.keys_dir,
+               "--parent-pid", str(os.getpid())]
+        if self.run_dir is not None:
+            out += ["--run-dir", self.run_dir]
+        return out + spec.args
 
     def start(self) -> None:
-        for spec in self.specs:
-            cmd = self.command(spec)
-            log.info("starting %s: %s", spec.worker_id, " ".join(cmd))
-            self.procs[spec.worker_id] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        for spec in self.specs.values():
+            self._start(spec)
 
-    def exited(self) -> list[tuple[str, int]]:
-        """Workers that exited since the last call: (worker id, exit code)."""
+    def _start(self, spec: WorkerSpec) -> None:
+        cmd = self.command(spec)
+        log.info("starting %s: %s", spec.worker_id, " ".join(cmd))
+        self.procs[spec.worker_id] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        self.started_at[spec.worker_id] = time.monotonic()
+
+    def exited(self) -> list[tuple[str, int, int]]:
+        """Workers that exited since the last call: (worker id, pid, exit code; -N: killed by signal N).
+        Their shared memory is removed now; with restarts on, each one's restart is scheduled."""
         out = []
+        now = time.monotonic()
         for wid, p in self.procs.items():
             rc = p.poll()
-            if rc is not None and wid not in self.reported:
-                self.reported.add(wid)
-                out.append((wid, rc))
+            if rc is None or p.pid in self._reported:
+                continue
+            self._reported.add(p.pid)
+            _remove_shared_memory(p.pid)
+            out.append((wid, p.pid, rc))
+            if self.restart and not self.stopping:
+                quick = now - self.started_at[wid] < STABLE_S
+                deaths = self._quick_deaths.get(wid, 0) + 1 if quick else 1
+                self._quick_deaths[wid] = deaths
+                self._due[wid] = now + min(RESTART_MIN_S * 2 ** (deaths - 1), RESTART_MAX_S)
         return out
+
+    def restart_due(self) -> list[str]:
+        """Start again the workers whose backoff is over; their ids."""
+        now = time.monotonic()
+        due = [wid for wid, at in self._due.items() if at <= now and not self.stopping]
+        for wid in due:
+            del self._due[wid]
+            self._start(self.specs[wid])
+            self.restarts += 1
+        return due
+
+    async def watch(self, stop: asyncio.Event, on_exit) -> None:
+        """Until `stop`: report each worker's exit to on_exit(worker id, pid, why) and restart it."""
+        while not stop.is_set():
+            for wid, pid, rc in self.exited():
+                why = f"its process (pid {pid}) " + (f"was killed by {_signal_name(-rc)}" if rc < 0
+                                                     else f"exited with code {rc}")
+                delay = self._due.get(wid)
+                log.error("worker %s: %s; %s", wid, why, "restarting it in %.1fs" % (delay - time.monotonic())
+                          if delay is not None else "not restarted (--no-restart)")
+                on_exit(wid, pid, why)
+            for wid in self.restart_due():
+                log.warning("worker %s restarted (pid %d)", wid, self.procs[wid].pid)
+            await asyncio.sleep(WATCH_S)
 
     def pids(self) -> dict[str, int]:
         return {wid: p.pid for wid, p in self.procs.items()}
 
     def terminate(self) -> None:
-        """SIGTERM every live worker's group now, without waiting (stop() waits)."""
+        """SIGTERM every live worker's group now, without waiting (stop() waits); no more restarts."""
+        self.stopping = True
         for p in self.procs.values():
             if p.poll() is None:
                 _signal_group(p, signal.SIGTERM)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every worker's process group, wait up to grace_s, SIGKILL what is left."""
+        self.stopping = True
         live = [p for p in self.procs.values() if p.poll() is None]
         for p in live:
             _signal_group(p, signal.SIGTERM)
+            _signal_group(p, signal.SIGCONT)  # a stopped worker handles its SIGTERM only once it runs
         end = time.monotonic() + grace_s
         for p in live:
             try:
@@ -107,6 +175,13 @@ class Launcher:
     def kill_now(self) -> None:
         for p in self.procs.values():
             _signal_group(p, signal.SIGKILL)
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

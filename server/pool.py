@@ -11,8 +11,9 @@
       .attach(request_id, worker) the request depends on that worker: if it is dropped, the inbox gets
                                   WorkerLost; only workers attached to a request can deliver to it
 
-A worker is dropped when it says Goodbye or misses `heartbeat_misses` heartbeats in a row; nothing
-is routed to it afterwards and every request attached to it gets WorkerLost at once.
+A worker is dropped when it says Goodbye, misses `heartbeat_misses` heartbeats in a row, or its
+supervisor saw its process exit (`lost`); nothing is routed to it afterwards and every request
+attached to it gets WorkerLost at once.
 
 Identity: a worker id belongs to the incarnation (workers/protocol.py) that registered it while that
 one lives: a Register of a held id from another incarnation is refused (retry later), and every other
@@ -227,7 +228,7 @@ class WorkerPool:
         w.last_seen = max(w.last_seen, landed)
         if isinstance(msg, P.Heartbeat):
             w.free_blocks, w.queue_depth, w.running = msg.free_blocks, msg.queue_depth, msg.running
-            self.metrics.worker_seen(w.id, w.role, msg.queue_depth, msg.running, msg.free_blocks)
+            self.metrics.worker_seen(w.id, w.role, msg.queue_depth, msg.running, msg.free_blocks, w.info.num_blocks)
         elif isinstance(msg, P.Goodbye):
             self._drop(w, f"it exited ({msg.reason})")
         elif isinstance(msg, P.Tokens):
@@ -283,6 +284,7 @@ class WorkerPool:
             log.info("worker %s registered: %s on %s, control %s%s", reg.worker_id, reg.role, reg.device,
                      reg.address, f", KV {reg.transport}/{reg.mode}" if reg.transport else "")
             self.metrics.workers.labels(reg.role).set(len(self.alive(reg.role)))
+            self.metrics.worker_registered(reg.worker_id, reg.role, reg.num_blocks, reg.free_blocks)
             self.changed.set()
         else:
             w = old
@@ -339,6 +341,13 @@ class WorkerPool:
                 self._drop(w, f"no heartbeat for {silent:.1f}s (limit {self.cfg.heartbeat_timeout_s:.1f}s)")
         for inc in [i for i in heard if i not in self.known]:  # dropped meanwhile
             heard.pop(inc, None)
+
+    def lost(self, worker_id: str, pid: int, reason: str) -> None:
+        """The process `pid` that holds `worker_id` is gone (pdserve's supervisor saw it exit): drop it
+        now rather than at the heartbeat timeout. A later incarnation under the same id is untouched."""
+        w = self.workers.get(worker_id)
+        if w is not None and w.info.pid == pid:
+            self._drop(w, reason)
 
     def _drop(self, w: WorkerState, reason: str) -> None:
         if self.workers.get(w.id) is not w:

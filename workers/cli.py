@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -81,6 +82,8 @@ def serve_parser() -> argparse.ArgumentParser:
                         "passes its own): CURVE on every control and KV socket")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process dies (set by `pdserve`, which starts its workers with it)")
+    p.add_argument("--run-dir", default=None,
+                   help="with --parent-pid: that process's private run directory, removed if it dies first")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -111,7 +114,7 @@ def die_with_parent(parent_pid: int, on_parent_death) -> None:
 
     def watch():
         while os.getppid() == parent_pid:
-            threading.Event().wait(0.5)
+            threading.Event().wait(0.25)
         on_parent_death()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -125,8 +128,10 @@ def serve(argv: list[str]) -> int:
         def on_parent_death():
             worker = stopper["worker"]
             if worker is not None:
-                worker.stop("parent process died")
-            else:
+                worker.die(f"parent process {args.parent_pid} died")
+            else:  # still loading: no KV pool yet
+                if args.run_dir:
+                    shutil.rmtree(args.run_dir, ignore_errors=True)
                 os._exit(1)
 
         die_with_parent(args.parent_pid, on_parent_death)
@@ -152,7 +157,7 @@ def serve(argv: list[str]) -> int:
         transfer=TransferConfig(transport=args.transport, mode=args.mode, host=args.kv_host, port=args.kv_port,
                                 deadline_s=args.handshake_timeout, keys=keys),
         control=args.control, router=args.router, advertise_host=args.advertise_host, worker_id=args.worker_id,
-        keys=keys,
+        keys=keys, parent_pid=args.parent_pid, run_dir=args.run_dir,
     )
     worker = Worker(cfg)
     stopper["worker"] = worker

@@ -24,8 +24,12 @@ counts as `hops`, never as work on this worker. The thread only stamps and queue
 handling stay on the main thread, so roles stay single-threaded.
 
 The roles (workers/roles/) hold the per-request state; this module knows nothing about requests.
-Stops on SIGTERM/SIGINT (or the parent's death, see workers/cli.py): Goodbye to the router,
-close transports, free the KV pool (and its /dev/shm file).
+Stops on SIGTERM/SIGINT: Goodbye to the router, close transports, free the KV pool (and its
+/dev/shm file); every step of that has a time limit (STOP_GRACE_S in all, then the stacks go to the
+log and the process exits). The parent's death (PR_SET_PDEATHSIG or the parent-watch thread, see
+workers/cli.py) is not a stop but `die()`: nobody is left to say Goodbye to or to serve, so the
+KV pool's /dev/shm file and the parent's run directory are removed and the process exits at once,
+whatever its threads are doing.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import threading
@@ -53,6 +58,7 @@ log = logging.getLogger("pdserve.worker")
 
 IDLE_POLL_MS = 50  # nothing to do: wake up this often to notice a stop request
 STOP_GRACE_S = 5.0  # a worker still stopping this long after SIGTERM dumps its stacks and exits
+JOIN_S = 1.5  # stopping: the longest wait for one thread, or for the ZMQ context's last messages
 MAX_CONTROL_FRAME = 64 * 2**20  # bytes; a Generate of the longest prompt is a few MB
 
 
@@ -66,6 +72,8 @@ class WorkerConfig:
     advertise_host: str | None = None  # host the router should use when `control` binds a wildcard
     worker_id: str | None = None  # default: <role>-<host>-<pid>
     keys: auth.WorkerKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
+    parent_pid: int | None = None  # the process that started us (pdserve); its death ends us at once
+    run_dir: str | None = None  # that process's private run directory: removed if it dies first
 
     def __post_init__(self):
         if self.role not in P.ROLES:
@@ -168,7 +176,7 @@ class Inbox:
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=JOIN_S)
         else:  # never started: the sockets are still ours
             for extra in (self.watch, self.gate):
                 if extra is not None:
@@ -247,8 +255,22 @@ class Worker:
         self._stop_reason = reason
         self._stop.set()
 
+    def die(self, reason: str) -> None:
+        """The parent died (any thread may call this): remove what it would have removed and exit now."""
+        log.error("%s: %s; exiting now", self.worker_id, reason)
+        self.engine.kv.close()  # unlinks the /dev/shm pool; the mapping stays valid for threads still in it
+        if self.cfg.run_dir:
+            shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        logging.shutdown()
+        os._exit(1)
+
+    def parent_died(self) -> bool:
+        return self.cfg.parent_pid is not None and os.getppid() != self.cfg.parent_pid
+
     def install_signal_handlers(self) -> None:
         def on_signal(signum, _frame):
+            if self.parent_died():  # PR_SET_PDEATHSIG: nobody to drain for
+                self.die(f"parent process {self.cfg.parent_pid} died ({signal.Signals(signum).name})")
             self.stop(f"signal {signal.Signals(signum).name}")
             # a stop that hangs must not outlive the launcher's patience: after STOP_GRACE_S the
             # threads' stacks go to the log (so the hang can be found) and the process exits
@@ -338,12 +360,25 @@ class Worker:
         return False
 
     def close(self) -> None:
+        """Every wait bounded: a thread that does not stop, or a Goodbye the router does not take,
+        costs at most JOIN_S each, never a hang (the process exits without the interpreter's teardown)."""
         self._stop.set()
         if self._heartbeat.is_alive():
-            self._heartbeat.join(timeout=5)
+            self._heartbeat.join(timeout=JOIN_S)  # it says Goodbye on its way out
+            if self._heartbeat.is_alive():
+                log.error("%s: the heartbeat thread did not stop within %.1fs", self.worker_id, JOIN_S)
         self.role.close()
         self.inbox.close()
         self.router.close()
-        self.ctx.term()
         self.engine.kv.close()
+        self.engine.close()  # the KV tiers' threads and files in flight
+        if not self._heartbeat.is_alive():
+            # term() waits for every socket of the context to close and for the Goodbye's linger;
+            # on a thread of its own, so that a socket left open costs JOIN_S, not forever
+            term = threading.Thread(target=self.ctx.term, name="zmq-term", daemon=True)
+            term.start()
+            term.join(JOIN_S)
+            if term.is_alive():
+                log.error("%s: the ZMQ context did not close within %.1fs (a socket still open, or the router "
+                          "not taking the Goodbye); exiting anyway", self.worker_id, JOIN_S)
 
