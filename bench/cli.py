@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "transfer": ("bench.transfer", "KV transfer table: prefill, transfer and first decode step per length"),
     "engine": ("bench.engine_bench", "engine prefill and decode step times against transformers"),
     "attention": ("bench.attention_bench", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
+    "offload": ("bench.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
 
 
