@@ -61,7 +61,7 @@ class Router:
     def __init__(self, cfg: RouterConfig, tokenizer):
         self.cfg = cfg
         self.encoder = PromptEncoder(tokenizer)
-        self.metrics = Metrics()
+        self.metrics = Metrics(cfg.model)
         self.pool = WorkerPool(cfg, self.metrics)
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
         self.created = S.now_s()

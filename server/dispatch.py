@@ -141,12 +141,12 @@ class Dispatcher:
     async def execute(self, plan: Plan) -> AsyncIterator[Token | Done]:
         job = plan.job
         self.metrics.in_flight.inc()
-        outcome = "cancelled"
+        outcome, finish_reason = "cancelled", None
         try:
             run = self._colocated(plan) if job.policy == "colocated" else self._disaggregated(plan)
             async for event in run:
                 if isinstance(event, Done):
-                    outcome = "ok"
+                    outcome, finish_reason = "ok", event.finish_reason
                     self.metrics.observe_timings(event.timings)
                 yield event
         except APIError as e:
@@ -156,7 +156,7 @@ class Dispatcher:
             if plan.ticket is not None:
                 plan.ticket.release()
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(job.policy, outcome).inc()
+            self.metrics.request_ended(job.policy, outcome, finish_reason)
 
     async def _colocated(self, plan: Plan) -> AsyncIterator[Token | Done]:
         job, w = plan.job, plan.worker
@@ -346,8 +346,9 @@ class _TokenStream:
         clock = self.job.clock
         if clock.first_token is None:
             clock.token1_landed, clock.first_token = landed, now
+            self.metrics.first_token(self.job.policy, len(self.job.prompt_ids))
         else:
-            self.metrics.itl.labels(self.job.policy).observe(now - clock.last_token)
+            self.metrics.next_token(self.job.policy, now - clock.last_token)
         clock.last_token = now
         self.token_ids.append(out.token_id)
         self.last = out
