@@ -33,10 +33,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.load_arms import Arm, ArmError
+from bench.load_arms import CACHE_MODES, Arm, ArmError, with_cache_modes
+from bench.load_vllm import CHAT, COMPLETIONS, dataset_name, resolve
 from bench.load_session import LoadPoint, Session, run_interleaved, run_separate
 
-DATASETS = ("synthetic", "sharegpt", "mooncake")
+DATASETS = ("synthetic", "sharegpt", "mooncake", "multiturn")
 POLICY_RUNS = ("separate", "interleaved")
 POLICY_RUNS_NOTE = {
     "separate": "each arm in its own runs (same seeded lengths and arrival schedule); throughput from its own duration",
@@ -58,7 +59,17 @@ def _names(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
-    t.add_argument("--base-url", default="http://127.0.0.1:8000")
+    t.add_argument("--base-url", default=None, help="the server (default http://127.0.0.1:8000, or --host/--port)")
+    t.add_argument("--host", default=None, help="vLLM's spelling: --base-url http://HOST:PORT")
+    t.add_argument("--port", type=int, default=None)
+    t.add_argument("--endpoint", default=None,
+                   help=f"{COMPLETIONS} (default) or {CHAT} (the default for --dataset multiturn); a prompt goes to "
+                        "chat as one user message")
+    t.add_argument("--backend", default=None, help="vLLM's spelling: openai (completions) or openai-chat (chat)")
+    t.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' with every request (default: $OPENAI_API_KEY)")
+    t.add_argument("--header", nargs="*", action="extend", default=None, metavar="KEY=VALUE",
+                   help="headers for every request (an Authorization here wins over --api-key)")
     t.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
     t.add_argument("--policies", type=_names, default=None,
                    help="comma-separated pdserve policies, each an arm on the --base-url server, e.g. "
@@ -68,7 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "request i with policy i mod n")
     t.add_argument("--arm", action="append", default=None, metavar="LABEL=POLICY:FLAGS",
                    help="an arm with its own fresh server, started with --server-command --server-args FLAGS "
-                        "(repeat; arms run one after another)")
+                        "(repeat; arms run one after another); worker flags go as --worker-arg=FLAG")
+    t.add_argument("--cache-arms", type=_names, default=None, metavar="MODE,...",
+                   help=f"each --arm once per KV cache mode ({', '.join(CACHE_MODES)}), labelled ARM:MODE, the "
+                        "worker flags added for it (bench/load_arms.py)")
+    t.add_argument("--cache-host-gb", type=float, default=None, help="--cache-arms: host tier size of the +host modes")
+    t.add_argument("--cache-disk-dir", default=None, help="--cache-arms: disk tier folder of the +disk mode")
+    t.add_argument("--cache-disk-gb", type=float, default=None, help="--cache-arms: disk tier size of the +disk mode")
     t.add_argument("--server-args", default="", help="flags for every arm's server, e.g. '--model qwen2.5-7b'")
     t.add_argument("--server-command", default=None,
                    help="what starts an arm's server (default: this python -m server.cli --port 0 --parent-pid PID)")
@@ -76,12 +93,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset", choices=DATASETS, default="synthetic")
+    w.add_argument("--dataset", "--dataset-name", type=dataset_name, default="synthetic",
+                   help=f"{', '.join(DATASETS)} (vLLM's 'random' is synthetic)")
     w.add_argument("--dataset-path", default=None, help="ShareGPT JSON or Mooncake JSONL file")
-    w.add_argument("--num-prompts", type=int, default=100,
-                   help="prompts per run (interleaved: per policy; trace: first N lines)")
-    w.add_argument("--input-len", default="1024", help="N, fixed:N, uniform:LO:HI or normal:MEAN:STD tokens")
-    w.add_argument("--output-len", default="128", help="as --input-len; max_tokens of each request")
+    w.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per run (default 100; interleaved: per policy; trace: first N lines)")
+    w.add_argument("--input-len", default=None,
+                   help="N, fixed:N, uniform:LO:HI or normal:MEAN:STD tokens (default 1024; multiturn: the first "
+                        "message)")
+    w.add_argument("--output-len", default=None, help="as --input-len (default 128); max_tokens of each request")
+    w.add_argument("--random-input-len", type=int, default=None, help="vLLM's spelling of --input-len N")
+    w.add_argument("--random-output-len", type=int, default=None, help="vLLM's spelling of --output-len N")
+    w.add_argument("--random-range-ratio", type=float, default=None,
+                   help="with --random-*-len N: lengths uniform over [N (1 - R), N (1 + R)], as vLLM")
     w.add_argument("--long-fraction", type=float, default=0.0,
                    help="share of prompts drawn from --long-input-len instead (exactly round(n x share) of them)")
     w.add_argument("--long-input-len", default="uniform:8192:16384")
@@ -96,11 +120,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: one token per generated word, ~4 characters per token for dataset text")
     w.add_argument("--seed", type=int, default=0)
 
+    m = p.add_argument_group("multi-turn (--dataset multiturn, bench/load_multiturn.py)")
+    m.add_argument("--conversations", type=int, default=8, help="conversations per run")
+    m.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    m.add_argument("--new-message-len", default="128", help="each later turn's new user message, as --input-len")
+    m.add_argument("--think-time", type=float, default=0.0, help="seconds from a reply to the next turn")
+
     lo = p.add_argument_group("load")
     lo.add_argument("--request-rate", type=float, default=None, help="requests/s (inf: all at once)")
     lo.add_argument("--request-rates", type=_floats, default=None, help="a sweep, e.g. 1,2,4")
     lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, < 1 burstier")
-    lo.add_argument("--concurrency", type=_floats, default=None, help="closed loop: requests in flight (a list sweeps)")
+    lo.add_argument("--concurrency", type=_floats, default=None,
+                    help="closed loop: requests in flight (a list sweeps; multiturn: conversations in flight)")
+    lo.add_argument("--max-concurrency", type=int, default=None,
+                    help="open loop: at most this many requests in flight, later sends wait (as vLLM)")
     lo.add_argument("--capacity-search", action="store_true",
                     help="find each arm's capacity under --goodput, then sweep around it (instead of given rates)")
     lo.add_argument("--search-start-rate", type=float, default=1.0, help="req/s of the first probe")
@@ -121,18 +154,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     r = p.add_argument_group("requests and results")
     r.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (output lengths vary)")
+    r.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (the default; vLLM's spelling)")
     r.add_argument("--stream-usage", action="store_true", help="send stream_options.include_usage")
     r.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     r.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:50 (metrics: ttft, tpot, e2el)")
-    r.add_argument("--percentiles", type=_floats, default=[50.0, 90.0, 99.0])
+    r.add_argument("--percentiles", "--metric-percentiles", type=_floats, default=[50.0, 90.0, 99.0],
+                   help="percentiles reported (50 and 99 always are)")
+    r.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                   help="--save-result: the metrics whose statistics its files carry (of ttft,tpot,itl,e2el)")
     r.add_argument("--out", default=None, help="output folder (default bench/results/load-<date>/)")
+    r.add_argument("--save-result", action="store_true",
+                   help="also one vLLM-shaped flat JSON per arm and load point (vllm bench serve's keys)")
+    r.add_argument("--result-dir", default=None, help="--save-result's folder (default --out)")
+    r.add_argument("--result-filename", default=None,
+                   help="--save-result's file name (several blocks: numbered after it)")
+    r.add_argument("--label", default=None, help="--save-result: the label its file names start with (default: "
+                                                 "the backend)")
     r.add_argument("--no-plots", action="store_true")
-    r.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    r.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no tqdm progress bar")
 
 
 def load_points(args) -> list[LoadPoint]:
     """The given points; with --capacity-search none (the search picks the rates)."""
+    if args.dataset == "multiturn":
+        if args.capacity_search or args.policy_runs == "interleaved":
+            raise ValueError("a multi-turn run takes given points only: --concurrency N (conversations in flight) "
+                             "or --request-rate R (conversations started per second), each arm in its own runs "
+                             "(no --capacity-search, no --policy-runs interleaved)")
+        if args.concurrency and (args.request_rate is not None or args.request_rates):
+            raise ValueError("choose --request-rate(s) (conversations per second) or --concurrency (conversations "
+                             "in flight), not both")
+        if args.turns < 1 or args.conversations < 1 or args.think_time < 0:
+            raise ValueError("need --conversations >= 1, --turns >= 1 and --think-time >= 0")
+        if args.concurrency:
+            return [LoadPoint("concurrency", c, conversations=True) for c in args.concurrency]
+        rates = args.request_rates or [args.request_rate if args.request_rate is not None else math.inf]
+        return [LoadPoint("rate", r, conversations=True) for r in rates]
     if args.capacity_search:
         if args.dataset == "mooncake" or args.request_rate is not None or args.request_rates or args.concurrency:
             raise ValueError("--capacity-search picks its own Poisson rates: leave out --request-rate(s) and "
@@ -172,6 +230,12 @@ def arms_of(args):
         arms = [Arm.parse(spec) for spec in args.arm]
     else:
         arms = [Arm(p or "default", p) for p in (args.policies or [None])]
+    if args.cache_arms:
+        arms = with_cache_modes(arms, args.cache_arms, host_gb=args.cache_host_gb, disk_dir=args.cache_disk_dir,
+                                disk_gb=args.cache_disk_gb)
+    elif args.cache_host_gb is not None or args.cache_disk_dir is not None or args.cache_disk_gb is not None:
+        raise ValueError("--cache-host-gb / --cache-disk-dir / --cache-disk-gb size the modes of --cache-arms: "
+                         "add --cache-arms (or give the worker flags in each --arm)")
     labels = [a.label for a in arms]
     if len(set(labels)) != len(labels):
         raise ValueError(f"arm labels must differ, got {labels}")
@@ -180,6 +244,13 @@ def arms_of(args):
 
 def workload_text(args) -> str:
     from bench.workload import long_count
+    if args.dataset == "multiturn":
+        think = f", {args.think_time:g} s think time" if args.think_time else ""
+        return (f"multiturn: {args.conversations} conversations x {args.turns} turns, first message {args.input_len}, "
+                f"each later message {args.new_message_len}, replies {args.output_len}{think}, each turn's prompt "
+                f"the previous one + the reply returned + the new message, over {args.endpoint}"
+                + (", ignore_eos" if not args.no_ignore_eos else "")
+                + f", tokens {'by ' + args.tokenizer if args.tokenizer else 'approximated'}")
     if args.dataset == "synthetic":
         text = f"synthetic, input {args.input_len}, output {args.output_len}"
         if args.long_fraction > 0:
@@ -188,9 +259,21 @@ def workload_text(args) -> str:
     else:
         text = f"{args.dataset} {args.dataset_path}"
     interleaved = args.policy_runs == "interleaved"
+    text += f" over {args.endpoint}"
     text += f", {args.num_prompts} prompts per run" + (" per policy" if interleaved and not args.no_pair else "")
+    text += f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""
     text += ", ignore_eos" if not args.no_ignore_eos else ""
     return text + f", tokens {'by ' + args.tokenizer if args.tokenizer else 'approximated'}"
+
+
+SECRET_ARGS = ("api_key", "header", "headers")  # never written down; of the headers only the names are
+
+
+def _recorded_args(args) -> dict:
+    out = {k: _jsonable(v) for k, v in vars(args).items() if not k.startswith("_") and k not in SECRET_ARGS}
+    out["api_key"] = "(set)" if args.api_key else None
+    out["header_names"] = sorted(getattr(args, "headers", None) or {}) or None
+    return out
 
 
 def _jsonable(value):
@@ -205,7 +288,21 @@ def _command_line() -> str:
     prog = Path(sys.argv[0])
     modules = {"load.py": "bench.load", "cli.py": "bench.cli"}
     head = ["python", "-m", modules[prog.name]] if prog.name in modules else [prog.name]
-    return shlex.join(head + sys.argv[1:])
+    return shlex.join(head + redacted(sys.argv[1:]))
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """The command line without the API key's value, nor a header's (it may carry a token)."""
+    out, hide_next = [], False
+    for a in argv:
+        if hide_next and not a.startswith("--"):
+            out.append(a.partition("=")[0] + "=(not recorded)" if "=" in a else "(not recorded)")
+            hide_next = not out[-1].startswith("(")  # --header takes several KEY=VALUE words
+            continue
+        hide_next = a in ("--api-key", "--header")
+        flag, eq, _ = a.partition("=")
+        out.append(f"{flag}=(not recorded)" if eq and flag in ("--api-key", "--header") else a)
+    return out
 
 
 def run(args) -> int:
@@ -214,10 +311,11 @@ def run(args) -> int:
     from bench.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count
 
     try:
+        resolve(args)
         points = load_points(args)
         arms = arms_of(args)
         slos = parse_slos(args.goodput)
-        for spec in (args.input_len, args.output_len, args.long_input_len):
+        for spec in (args.input_len, args.output_len, args.long_input_len, args.new_message_len):
             LengthDist.parse(spec)
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
@@ -245,6 +343,8 @@ def run(args) -> int:
         "environment": env,
         "command": _command_line(),
         "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "backend": args.backend,
         "model": arm_infos[0]["model"],
         "model_id": arm_infos[0]["model"],
         "tokenizer_id": args.tokenizer,
@@ -257,13 +357,17 @@ def run(args) -> int:
         "slos_ms": slos,
         "goodput_target": args.goodput_target if slos else None,
         "percentiles": percentiles,
-        "args": {k: _jsonable(v) for k, v in vars(args).items() if not k.startswith("_")},
+        "args": _recorded_args(args),
         "results": blocks,
     }
     if not args.no_plots:
         from bench.plots import plot_all
         run_record["plots"] = [p.name for p in plot_all(blocks, out)]
     write_json(out / "results.json", run_record)
+    if args.save_result:
+        from bench.load_vllm import save_results
+        run_record["vllm_results"] = [str(p) for p in save_results(run_record, args)]
+        write_json(out / "results.json", run_record)
     summary = markdown(run_record, percentiles)
     (out / "summary.md").write_text(summary)
     print(summary)

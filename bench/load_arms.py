@@ -4,6 +4,9 @@
         an arm labelled "colo", whose requests carry policy "colocated", served by its own server
         started with those flags (after the common --server-args)
     Arm("colocated", "colocated")          an arm served by the server at --base-url
+    with_cache_modes(arms, ["cache-off", "gpu", "gpu+host"], host_gb=8)
+                                            each arm once per KV cache mode, labelled "colocated:gpu+host",
+                                            its workers given that mode's flags (CACHE_MODES)
     async with ArmServer(cmd, log) as url   start the server, wait for its "ready: <url>" line,
                                             stop it on the way out (SIGTERM, waiting for it to exit
                                             (pdserve waits for its workers), so the next arm finds
@@ -27,6 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READY = re.compile(r"\bready: (http://\S+)")
+LABEL = re.compile(r"[\w.+:-]+")  # also a file name part (server-<label>.log)
+
+# KV cache mode -> what it asks of every worker (pdserve passes --worker-arg on); the prefix cache is on by
+# default, the host and disk tiers off. {host_gb}, {disk_dir}, {disk_gb}: the sizes given to with_cache_modes.
+CACHE_MODES = {
+    "cache-off": ("--no-prefix-cache",),
+    "gpu": (),
+    "gpu+host": ("--host-cache-gb={host_gb}",),
+    "gpu+host+disk": ("--host-cache-gb={host_gb}", "--disk-cache-dir={disk_dir}", "--disk-cache-gb={disk_gb}"),
+}
 
 
 class ArmError(RuntimeError):
@@ -44,15 +57,44 @@ class Arm:
         """LABEL=POLICY:FLAGS, e.g. "colocated=colocated:--prefill-workers 0 --decode-workers 0"."""
         label, eq, rest = spec.partition("=")
         policy, colon, flags = rest.partition(":")
-        if not (eq and colon and label.strip() and policy.strip()) or not re.fullmatch(r"[\w.+-]+", label.strip()):
+        if not (eq and colon and label.strip() and policy.strip()) or not LABEL.fullmatch(label.strip()):
             raise ValueError(f"bad --arm {spec!r}: use LABEL=POLICY:SERVER-FLAGS with a label of letters, digits, "
-                             "'.', '+', '-', e.g. colocated=colocated:--prefill-workers 0 --decode-workers 0")
+                             "'.', '+', ':', '-', e.g. colocated=colocated:--prefill-workers 0 --decode-workers 0")
         return cls(label.strip(), policy.strip(), tuple(shlex.split(flags)))
 
     def describe(self) -> str:
         where = "the server at --base-url" if self.server_args is None else \
             f"its own server ({shlex.join(self.server_args) or 'common flags only'})"
         return f"{self.label}: policy {self.policy or '(server default)'}, {where}"
+
+
+def with_cache_modes(arms: list[Arm], modes: list[str], *, host_gb: float | None = None,
+                     disk_dir: str | None = None, disk_gb: float | None = None) -> list[Arm]:
+    """Each arm once per mode, in arm-major order (all of one policy's modes, then the next policy's). The
+    disk tier gets one folder per arm under disk_dir, so no arm reads another's entries."""
+    unknown = [m for m in modes if m not in CACHE_MODES]
+    if unknown or not modes:
+        raise ValueError(f"unknown cache mode(s) {unknown or modes}: use a comma-separated list of "
+                         f"{', '.join(CACHE_MODES)}")
+    if any(a.server_args is None for a in arms):
+        raise ValueError("--cache-arms sets each arm's worker flags, so each arm needs its own server: give the "
+                         "arms by --arm, not --policies")
+    needs = {"{host_gb}": ("--cache-host-gb", host_gb), "{disk_dir}": ("--cache-disk-dir", disk_dir),
+             "{disk_gb}": ("--cache-disk-gb", disk_gb)}
+    out = []
+    for arm in arms:
+        for mode in modes:
+            label = f"{arm.label}:{mode}"
+            flags = []
+            for template in CACHE_MODES[mode]:
+                for key, (flag, value) in needs.items():
+                    if key in template and value is None:
+                        raise ValueError(f"cache mode {mode} needs {flag}")
+                value = template.format(host_gb=host_gb, disk_gb=disk_gb,
+                                        disk_dir=disk_dir and str(Path(disk_dir) / re.sub(r"[^\w.+-]", "_", label)))
+                flags.append(f"--worker-arg={value}")
+            out.append(Arm(label, arm.policy, (*arm.server_args, *flags)))
+    return out
 
 
 def default_server_command() -> list[str]:

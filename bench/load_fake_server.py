@@ -5,7 +5,14 @@ It answers /v1/models, /v1/completions and /v1/chat/completions (streaming and n
 time (one "GPU"), so requests queue behind each other; a prefill takes prefill_ms_per_request +
 prefill_ms_per_token * prompt tokens, so the server serves at most 1 / that many requests a second
 and its queue (and TTFT) grows without bound past that rate; each token then takes `itl_ms`;
-`disaggregated` requests add a KV transfer. Prompt tokens are counted as whitespace-separated words.
+`disaggregated` requests add a KV transfer. Prompt tokens are counted as whitespace-separated words
+(a chat prompt: every message's role and content, in order).
+
+With `prefix_cache_block` > 0 it keeps a prefix cache as a server would: the prompt in blocks of that
+many words, each block known by its words and its parent's (a chain), so a prompt that repeats an
+earlier one's first k whole blocks has k x block cached tokens, reported as
+usage.prompt_tokens_details.cached_tokens and timings.cached_tokens, and its prefill pays only for
+the rest. With `api_key` set, every /v1 route wants `Authorization: Bearer <key>` (401 otherwise).
 
     with FakeServer(FakeConfig(itl_ms=2)) as srv:
         Client(srv.base_url).complete("hi")
@@ -40,6 +47,8 @@ class FakeConfig:
     kv_bytes_per_token: int = 57_344
     default_policy: str = "colocated"
     emit_timings: bool = True
+    prefix_cache_block: int = 0  # words per cached block; 0: no prefix cache
+    api_key: str | None = None
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -47,10 +56,42 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
                                    "code": None}}, status_code=status)
 
 
+class PrefixCache:
+    """Chained block keys seen so far (unbounded: the fake serves tests and short runs)."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.seen: set[int] = set()
+
+    def _keys(self, words: list[str]) -> list[int]:
+        keys, parent = [], 0
+        for i in range(len(words) // self.block):
+            parent = hash((parent, tuple(words[i * self.block:(i + 1) * self.block])))
+            keys.append(parent)
+        return keys
+
+    def lookup_and_insert(self, words: list[str]) -> int:
+        """Cached leading words of this prompt; then its whole blocks are cached too."""
+        keys = self._keys(words)
+        hits = next((i for i, k in enumerate(keys) if k not in self.seen), len(keys))
+        self.seen.update(keys)
+        return hits * self.block
+
+
 def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
     """`bodies`, when given, collects every request body (tests check what the client sent)."""
     app = FastAPI()
     gpu = asyncio.Lock()
+    cache = PrefixCache(cfg.prefix_cache_block) if cfg.prefix_cache_block > 0 else None
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if cfg.api_key is not None and request.url.path.startswith("/v1/") and \
+                request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+            return JSONResponse({"error": {"message": "missing or wrong API key: send Authorization: Bearer <key>",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": "invalid_api_key"}}, status_code=401)
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models():
@@ -69,7 +110,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 return _error(400, "messages must be a non-empty list", "messages")
-            prompt = " ".join(str(m.get("content", "")) for m in messages)
+            prompt = " ".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -84,13 +125,18 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
             policy = "colocated"
         n_prompt = len(prompt.split())
         arrived = time.perf_counter()
+        cached: list[int | None] = [None]
 
         async def prefill() -> dict:
             async with gpu:
                 started = time.perf_counter()
-                await asyncio.sleep((cfg.prefill_ms_per_request + cfg.prefill_ms_per_token * n_prompt) / 1e3)
+                if cache is not None:
+                    cached[0] = cache.lookup_and_insert(prompt.split())
+                computed = n_prompt - (cached[0] or 0)
+                await asyncio.sleep((cfg.prefill_ms_per_request + cfg.prefill_ms_per_token * computed) / 1e3)
             ended = time.perf_counter()
             t = {"policy": policy, "queue_ms": (started - arrived) * 1e3, "prefill_ms": (ended - started) * 1e3,
+                 "cached_tokens": cached[0],
                  "transfer_ms": None, "transfer_exposed_ms": None, "kv_bytes": 0, "transport": None,
                  "mode": None, "prefill_worker": None, "decode_worker": None, "worker": "fake-colocated-0",
                  "prompt_tokens": n_prompt}
@@ -110,8 +156,12 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
                      completion_tokens=n_out)
             return t
 
-        usage = lambda n_out: {"prompt_tokens": n_prompt, "completion_tokens": n_out,  # noqa: E731
-                               "total_tokens": n_prompt + n_out}
+        def usage(n_out: int) -> dict:
+            out = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+            if cached[0] is not None:
+                out["prompt_tokens_details"] = {"cached_tokens": cached[0]}
+            return out
+
         words = [f" tok{i}" for i in range(max_tokens)]
         headers = {"x-request-id": rid}
 
@@ -213,10 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-ms-per-request", type=float, default=FakeConfig.prefill_ms_per_request)
     p.add_argument("--transfer-ms-per-token", type=float, default=FakeConfig.transfer_ms_per_token)
     p.add_argument("--model", default=FakeConfig.model)
+    p.add_argument("--prefix-cache-block", type=int, default=0, help="words per prefix-cache block (0: no cache)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
     args = p.parse_args(argv)
     cfg = FakeConfig(model=args.model, itl_ms=args.itl_ms, prefill_ms_per_token=args.prefill_ms_per_token,
                      prefill_ms_per_request=args.prefill_ms_per_request,
-                     transfer_ms_per_token=args.transfer_ms_per_token)
+                     transfer_ms_per_token=args.transfer_ms_per_token, prefix_cache_block=args.prefix_cache_block,
+                     api_key=args.api_key)
     with FakeServer(cfg, port=args.port or None) as srv:
         print(f"fake server ready: {srv.base_url}", flush=True)
         threading.Event().wait()  # until a signal ends the process

@@ -141,6 +141,25 @@ def _capacity_lines(run: dict) -> list[str]:
     return lines
 
 
+def _per_turn_lines(blocks: list[dict], ps: list[str]) -> list[str]:
+    """Multi-turn runs: TTFT and reuse per turn index, one row per arm, run and turn."""
+    rows = [(b, t) for b in blocks for t in b.get("per_turn") or []]
+    if not rows:
+        return []
+    lines = ["", "Per turn (multi-turn runs; turn 0 is each conversation's first request): TTFT in ms (client clock); "
+             "cached = prompt tokens the server reported reused (usage.prompt_tokens_details.cached_tokens), "
+             "'-' where it reported none; server queue and prefill means from pdserve `timings`.", "",
+             *_table_head(["arm", "load", "turn", "done", "prompt tok (mean)", "cached tok (mean)", "cached share",
+                           *(f"TTFT {p}" for p in ps), "server queue (mean)", "server prefill (mean)"])]
+    for b, t in rows:
+        share = "-" if t["cached_share"] is None else f"{t['cached_share']:.0%}"
+        cells = [_arm(b), b["load_label"], t["turn"], f"{t['completed']}/{t['requests']}",
+                 _fmt(t["mean_prompt_tokens"], 0), _fmt(t["mean_cached_tokens"], 0), share,
+                 *(_fmt(t[f"{p}_ttft_ms"]) for p in ps), _fmt(t["mean_queue_ms"]), _fmt(t["mean_prefill_ms"])]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
 def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
     blocks = run["results"]
     ps = [pct_name(p) for p in percentiles]
@@ -198,6 +217,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
             cells = [f"{_fmt(b[f'mean_{n}_ms'])} / {_fmt(b[f'p99_{n}_ms'])}" for n in SERVER_PHASES]
             lines.append(f"| {_arm(b)} | {b.get('phase', 'point')} | {b['load_label']} | {b['timings_reported']} | "
                          + " | ".join(cells) + " |")
+    lines += _per_turn_lines(blocks, ps)
     failed = [(b["load_label"], _arm(b), e) for b in blocks for e in b["errors"] if e]
     if failed:
         lines += ["", f"First errors ({len(failed)} failed requests in all):", ""]

@@ -1,7 +1,10 @@
 """Sending the planned requests and timing every token.
 
-    send_one          one streamed /v1/completions request -> RequestRecord (TTFT, every gap, E2E, timings)
+    send_one          one streamed request (/v1/completions, or /v1/chat/completions with SendOptions.chat)
+                      -> RequestRecord (TTFT, every gap, E2E, timings, cached tokens, the reply's text)
     run_open_loop     each request at its planned time, whether or not earlier ones have answered
+                      (with max_concurrency: at most that many in flight, later ones wait their turn,
+                      as vllm bench serve's --max-concurrency)
     run_closed_loop   a fixed number of requests in flight; the next goes when one finishes
     warmup_until_steady  unrecorded batches (sent at once) until two in a row agree on median TTFT
                       (bounded); any failure stops the run
@@ -13,6 +16,7 @@ error's message; anything else is a bug and propagates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -30,6 +34,7 @@ class SendOptions:
     ignore_eos: bool = True  # generate exactly max_tokens, so output lengths are the planned ones
     stream_usage: bool = False  # ask for usage in the stream (stream_options.include_usage)
     extra_body: dict | None = None
+    chat: bool = False  # /v1/chat/completions (a prompt goes as one user message) instead of /v1/completions
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class Planned:
     sample: Sample
     policy: str | None
     send_at_s: float | None = None  # open loop: seconds after the run start
+    messages: list[dict] | None = None  # chat: the whole conversation so far (else the prompt as one message)
+    conversation: int | None = None  # multi-turn: which conversation and turn (bench/load_multiturn.py)
+    turn: int | None = None
 
 
 class WarmupFailed(RuntimeError):
@@ -54,16 +62,18 @@ def _body_extra(opts: SendOptions) -> dict:
 async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions) -> RequestRecord:
     rec = RequestRecord(index=p.index, policy=p.policy, prompt_len=p.sample.prompt_len,
                         expected_output_len=p.sample.output_len, planned_prompt_len=p.sample.prompt_len,
-                        kind=p.sample.kind,
+                        kind=p.sample.kind, conversation=p.conversation, turn=p.turn,
                         scheduled_s=p.send_at_s if p.send_at_s is not None else time.perf_counter() - t0)
     start = time.perf_counter()
     rec.start_s = start - t0
     last = None
     events = 0
     try:
-        async with client.stream_complete(p.sample.prompt, policy=p.policy, max_tokens=p.sample.output_len,
-                                          ignore_eos=True if opts.ignore_eos else None,
-                                          extra=_body_extra(opts)) as stream:
+        options = {"policy": p.policy, "max_tokens": p.sample.output_len,
+                   "ignore_eos": True if opts.ignore_eos else None, "extra": _body_extra(opts)}
+        opened = client.stream_chat(p.messages or [{"role": "user", "content": p.sample.prompt}], **options) \
+            if opts.chat else client.stream_complete(p.sample.prompt, **options)
+        async with opened as stream:
             async for delta in stream:
                 if not delta.is_token:
                     continue
@@ -81,12 +91,17 @@ async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions
         rec.request_id = e.request_id
         return rec
     rec.request_id = result.id
+    rec.reply = result.text
     rec.timings = result.timings.to_dict() if result.timings is not None else None
     usage = result.usage
     if usage is not None and usage.prompt_tokens is not None:
         rec.prompt_len = usage.prompt_tokens
     elif result.timings is not None and result.timings.prompt_tokens is not None:
         rec.prompt_len = result.timings.prompt_tokens
+    if usage is not None and usage.cached_tokens is not None:
+        rec.cached_tokens = usage.cached_tokens
+    elif result.timings is not None and result.timings.cached_tokens is not None:
+        rec.cached_tokens = result.timings.cached_tokens
     if usage is not None and usage.completion_tokens is not None:
         rec.output_len = usage.completion_tokens
     elif result.timings is not None and result.timings.completion_tokens is not None:
@@ -103,10 +118,15 @@ async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions
 
 
 async def run_open_loop(client: AsyncClient, planned: list[Planned], opts: SendOptions,
-                        on_done: Callable[[RequestRecord], None] = lambda r: None) -> tuple[list[RequestRecord], float]:
-    """Returns the records (in plan order) and the run's duration in seconds."""
+                        on_done: Callable[[RequestRecord], None] = lambda r: None,
+                        max_concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
+    """Returns the records (in plan order) and the run's duration in seconds. A request held back by
+    max_concurrency keeps its planned send time (scheduled_s), so the wait shows as lateness."""
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
     async def go(p: Planned) -> RequestRecord:
-        rec = await send_one(client, p, t0, opts)
+        async with gate:
+            rec = await send_one(client, p, t0, opts)
         on_done(rec)
         return rec
 

@@ -1,10 +1,11 @@
 """The runs of one `pdserve-bench load` invocation: what each run sends, and in what order.
 
-    LoadPoint                      a rate, a concurrency or a trace speed
+    LoadPoint                      a rate, a concurrency or a trace speed (multi-turn: of conversations)
     make_samples / plan            the prompts (lengths from --seed, text fresh per run) and their send times
                                    (arrivals from --seed too: every arm meets the same schedule, scaled by 1/rate)
     Session.measure(client, arm, point)   one run of one arm -> a result block (throughput over its own
-                                   duration, saturation judged, SLO target checked)
+                                   duration, saturation judged, SLO target checked; multi-turn: TTFT and
+                                   cached tokens per turn, bench/load_multiturn.py)
     run_separate(session, arms, points)   each arm alone: its own server in turn, warm-up, then the given
                                    points or the capacity search and its sweep
     run_interleaved(...)           the shared run: request i with policy i mod n (labelled in every block)
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from bench.capacity import capacity_and_sweep, meets_target, saturation
 from bench.load_arms import Arm, ArmServer, default_server_command
+from bench.load_multiturn import conversations, run_conversations, warmup_samples
 from bench.load_runner import Planned, SendOptions, run_closed_loop, run_open_loop, warmup_until_steady
 from bench.metrics import summarize
 from bench.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
@@ -32,9 +34,14 @@ from bench.workload import (LengthDist, arrival_times, assign_policies, mooncake
 class LoadPoint:
     kind: str  # "rate" | "concurrency" | "trace"
     value: float | None
+    conversations: bool = False  # multi-turn: the rate / concurrency counts conversations, not requests
 
     @property
     def label(self) -> str:
+        if self.conversations:
+            if self.kind == "rate":
+                return "conversations at once" if math.isinf(self.value) else f"conversations {self.value:.4g}/s"
+            return f"{int(self.value)} conversations at a time"
         if self.kind == "rate":
             return "rate inf" if math.isinf(self.value) else f"rate {self.value:.4g}/s"
         if self.kind == "concurrency":
@@ -43,11 +50,21 @@ class LoadPoint:
 
     @property
     def axis(self) -> str:
+        if self.conversations:
+            return "conversations started per second" if self.kind == "rate" else "conversations in flight"
         return {"rate": "offered request rate (req/s)", "concurrency": "requests in flight",
                 "trace": "trace speedup"}[self.kind]
 
 
+def make_conversations(args, builder, text_seed: int):
+    return conversations(args.conversations, args.turns, LengthDist.parse(args.input_len),
+                         LengthDist.parse(args.new_message_len), LengthDist.parse(args.output_len), builder,
+                         seed=args.seed, text_seed=text_seed)
+
+
 def make_samples(args, builder, copies: int, text_seed: int):
+    if args.dataset == "multiturn":  # what warm-up sends: single prompts as long as each turn's
+        return warmup_samples(make_conversations(args, builder, text_seed), builder, text_seed)
     if args.dataset == "synthetic":
         return synthetic_samples(args.num_prompts, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
                                  builder, seed=args.seed, text_seed=text_seed, long_fraction=args.long_fraction,
@@ -88,7 +105,7 @@ def _rate(value):
 def result_block(records, duration: float, point: LoadPoint, args, slos, percentiles, *, arm: str | None,
                  policy: str | None, policy_runs: str, phase: str = "point", factor: float | None = None,
                  n_policies: int = 1) -> dict:
-    rate = point.value if point.kind == "rate" else None
+    rate = point.value if point.kind == "rate" and not point.conversations else None
     block = {
         "arm": arm,
         "policy": policy,
@@ -101,7 +118,10 @@ def result_block(records, duration: float, point: LoadPoint, args, slos, percent
         "request_rate": _rate(rate),
         "policy_request_rate": _rate(None if rate is None else rate / n_policies),
         "burstiness": args.burstiness if point.kind == "rate" else None,
-        "max_concurrency": int(point.value) if point.kind == "concurrency" else None,
+        "max_concurrency": int(point.value) if point.kind == "concurrency" and not point.conversations else
+        args.max_concurrency,
+        "conversation_rate": _rate(point.value) if point.conversations and point.kind == "rate" else None,
+        "conversations_in_flight": int(point.value) if point.conversations and point.kind == "concurrency" else None,
         "trace_speedup": point.value if point.kind == "trace" else None,
         "duration_basis": "own run" if policy_runs == "separate" else "own requests' span in the shared run",
     }
@@ -127,12 +147,16 @@ class Session:
     def __init__(self, args, builder, slos, percentiles, out: Path):
         self.args, self.builder, self.slos, self.percentiles, self.out = args, builder, slos, percentiles, out
         self.opts = SendOptions(ignore_eos=not args.no_ignore_eos, stream_usage=args.stream_usage,
-                                extra_body=args.extra_body)
+                                extra_body=args.extra_body, chat=args.chat)
         self.runs = 0
 
     def samples(self, copies: int = 1):
         self.runs += 1
         return make_samples(self.args, self.builder, copies, text_seed=self.args.seed + 1000 * self.runs)
+
+    def conversations(self):
+        self.runs += 1
+        return make_conversations(self.args, self.builder, text_seed=self.args.seed + 1000 * self.runs)
 
     async def send(self, client, planned, point: LoadPoint, label: str):
         from tqdm import tqdm
@@ -141,7 +165,23 @@ class Session:
         try:
             if point.kind == "concurrency":
                 return await run_closed_loop(client, planned, int(point.value), self.opts, lambda r: bar.update())
-            return await run_open_loop(client, planned, self.opts, lambda r: bar.update())
+            return await run_open_loop(client, planned, self.opts, lambda r: bar.update(),
+                                       max_concurrency=self.args.max_concurrency)
+        finally:
+            bar.close()
+
+    async def converse(self, client, policy: str | None, point: LoadPoint, label: str):
+        from tqdm import tqdm
+
+        a = self.args
+        convs = self.conversations()
+        bar = tqdm(total=len(convs) * a.turns, desc=label, disable=a.no_progress, file=sys.stderr)
+        try:
+            return await run_conversations(
+                client, convs, policy, self.opts, think_s=a.think_time,
+                rate=point.value if point.kind == "rate" else None,
+                concurrency=int(point.value) if point.kind == "concurrency" else None,
+                burstiness=a.burstiness, seed=a.seed, on_done=lambda r: bar.update())
         finally:
             bar.close()
 
@@ -150,7 +190,8 @@ class Session:
         if a.warmup_batch <= 0:
             return None
         batch = warmup_batch(samples, a.warmup_batch)
-        fresh = (lambda k: retext(batch, self.builder, a.seed + 7919 * (k + 1))) if a.dataset == "synthetic" \
+        fresh = (lambda k: retext(batch, self.builder, a.seed + 7919 * (k + 1))) \
+            if a.dataset in ("synthetic", "multiturn") \
             else (lambda k: batch)
         report = await warmup_until_steady(client, fresh, policy, self.opts, max_batches=a.warmup_max_batches,
                                            tolerance=a.warmup_tolerance)
@@ -160,8 +201,11 @@ class Session:
         return report.to_dict()
 
     async def measure(self, client, arm, point: LoadPoint, phase: str = "point", factor: float | None = None) -> dict:
-        planned = plan(self.samples(), [arm.policy] if arm.policy else None, point, self.args)
-        records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}")
+        if point.conversations:
+            records, duration = await self.converse(client, arm.policy, point, f"{arm.label} {point.label}")
+        else:
+            planned = plan(self.samples(), [arm.policy] if arm.policy else None, point, self.args)
+            records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}")
         block = result_block(records, duration, point, self.args, self.slos, self.percentiles, arm=arm.label,
                              policy=arm.policy, policy_runs="separate", phase=phase, factor=factor)
         sat = block["saturation"] or {}
@@ -186,7 +230,8 @@ async def _arm_client(session: Session, arm, stack):
         print(f"arm {arm.label}: starting {shlex.join(command)} (log {log})", file=sys.stderr)
         url = await stack.enter_async_context(server)
         info.update(server={"command": shlex.join(command), "log": log.name, "startup_s": server.startup_s})
-    client = await stack.enter_async_context(AsyncClient(url, model=a.model, timeout_s=a.request_timeout))
+    client = await stack.enter_async_context(AsyncClient(url, model=a.model, timeout_s=a.request_timeout,
+                                                         headers=a.headers or None))
     info.update(base_url=url, model=await client.resolve_model())
     return client, info
 

@@ -50,6 +50,10 @@ class RequestRecord:
     request_id: str | None = None
     timings: dict | None = None  # Timings.to_dict()
     kind: str = ""
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, else timings; None: not reported
+    conversation: int | None = None  # multi-turn: which conversation, and which turn of it (0 = the first)
+    turn: int | None = None
+    reply: str | None = None  # the text the server returned (the next turn's history); not written to JSON
 
     @property
     def tpot_s(self) -> float | None:
@@ -58,7 +62,9 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tpot_s": self.tpot_s}
+        out = {**asdict(self), "tpot_s": self.tpot_s}
+        out["reply_chars"] = None if out.pop("reply") is None else len(self.reply)
+        return out
 
 
 def parse_slos(items: list[str] | None) -> dict[str, float]:
@@ -132,6 +138,12 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
         values = [t[key] for t in with_timings if t.get(key) is not None]
         out.update(stats_ms(name, values, percentiles))
     out["ttft_split_ms"] = ttft_split_ms(records)
+    out.update(peak_output(records))
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    out["cached_tokens_reported"] = len(cached)
+    out["total_cached_tokens"] = sum(cached) if cached else None
+    if any(r.turn is not None for r in records):
+        out["per_turn"] = per_turn(records, percentiles)
     # per-request arrays, vllm's units: seconds for ttfts / itls
     out["input_lens"] = [r.prompt_len for r in records]
     out["output_lens"] = [r.output_len for r in records]
@@ -182,3 +194,44 @@ def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
     out = {k: v / len(rows) for k, v in sums.items()}
     out["server_ttft"] = float(np.mean(server_ttfts)) if server_ttfts else None
     return out
+
+
+def peak_output(records: list[RequestRecord]) -> dict:
+    """vllm bench serve's peak figures: output tokens in the busiest whole second of the run (a token at
+    send + TTFT + the ITLs before it) and the most requests in flight during any one second (a request
+    counts in every second it touched)."""
+    ok = [r for r in records if r.success and r.ttft_s is not None and r.e2e_s is not None]
+    if not ok:
+        return {"max_output_tokens_per_s": None, "max_concurrent_requests": None}
+    t0 = min(r.start_s for r in ok)
+    seconds = int(np.ceil(max(r.start_s + r.e2e_s for r in ok) - t0)) + 1
+    tokens, active = np.zeros(seconds), np.zeros(seconds)
+    for r in ok:
+        times = r.start_s - t0 + r.ttft_s + np.concatenate([[0.0], np.cumsum(r.itls_s)])
+        np.add.at(tokens, np.clip(times.astype(int), 0, seconds - 1), 1)
+        active[int(r.start_s - t0):int(r.start_s - t0 + r.e2e_s) + 1] += 1
+    return {"max_output_tokens_per_s": float(tokens.max()), "max_concurrent_requests": int(active.max())}
+
+
+def per_turn(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES) -> list[dict]:
+    """Multi-turn runs: one row per turn index over every conversation: TTFT statistics, prompt and cached
+    tokens (cached_share = cached / prompt tokens over the requests that reported both), and the server's
+    mean queue and prefill where it sent timings (so a TTFT change can be told from queueing)."""
+    rows = []
+    for turn in sorted({r.turn for r in records if r.turn is not None}):
+        mine = [r for r in records if r.turn == turn]
+        ok = [r for r in mine if r.success]
+        cached = [r for r in ok if r.cached_tokens is not None]
+        timed = [r.timings for r in ok if r.timings]
+        row = {"turn": turn, "requests": len(mine), "completed": len(ok),
+               "mean_prompt_tokens": float(np.mean([r.prompt_len for r in ok])) if ok else None,
+               "cached_tokens_reported": len(cached),
+               "mean_cached_tokens": float(np.mean([r.cached_tokens for r in cached])) if cached else None,
+               "cached_share": (sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_len for r in cached))
+                                if cached else None)}
+        row.update(stats_ms("ttft", [r.ttft_s * 1e3 for r in ok], percentiles))
+        for name in ("queue", "prefill"):
+            values = [t[SERVER_PHASES[name]] for t in timed if t.get(SERVER_PHASES[name]) is not None]
+            row[f"mean_{name}_ms"] = float(np.mean(values)) if values else None
+        rows.append(row)
+    return rows

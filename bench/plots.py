@@ -1,7 +1,8 @@
 """PNG plots of a load run, drawn from the result blocks alone (so `python -m bench.plots results.json`
 redraws them): CDFs of TTFT and ITL per arm (one panel per load point; with a capacity search, per
 sweep factor), p50/p99 TTFT and ITL against the load, SLO attainment and achieved throughput against
-the offered rate (capacity and saturated runs marked), and the TTFT split into server phases per arm.
+the offered rate (capacity and saturated runs marked), the TTFT split into server phases per arm, and
+for multi-turn runs TTFT per turn.
 """
 
 from __future__ import annotations
@@ -236,11 +237,41 @@ def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
     return path
 
 
+def plot_ttft_per_turn(blocks: list[dict], out_dir: Path) -> Path | None:
+    """Multi-turn runs: p50 (solid) and p99 (dashed) TTFT against the turn index, one line per arm and
+    load point; reuse shows as later turns staying flat while their prompts grow."""
+    runs = [b for b in blocks if b.get("per_turn")]
+    if not runs:
+        return None
+    colors = _colors(_policies(runs))
+    multi_point = len(_points(runs)) > 1
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for b in runs:
+        turns = [t["turn"] for t in b["per_turn"]]
+        name = policy_name(b) + (f" {_point(b)}" if multi_point else "")
+        for stat, style in (("median", "-o"), ("p99", "--s")):
+            y = [np.nan if t[f"{stat}_ttft_ms"] is None else t[f"{stat}_ttft_ms"] for t in b["per_turn"]]
+            ax.plot(turns, y, style, color=colors[policy_name(b)],
+                    label=f"{name} {'p50' if stat == 'median' else stat}")
+    ax.set_xlabel("turn (0 = first request of a conversation)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_xticks(sorted({t["turn"] for b in runs for t in b["per_turn"]}))
+    ax.set_title("TTFT per turn")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "ttft_per_turn.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(blocks: list[dict], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     measured = _measured(blocks)
     paths = [*plot_cdfs(measured, out_dir), plot_latency_vs_load(blocks, out_dir),
-             plot_goodput_vs_rate(blocks, out_dir), plot_ttft_split(measured, out_dir)]
+             plot_goodput_vs_rate(blocks, out_dir), plot_ttft_split(measured, out_dir),
+             plot_ttft_per_turn(measured, out_dir)]
     return [p for p in paths if p is not None]
 
 

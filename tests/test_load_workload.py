@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bench import load
+from bench.load_vllm import resolve
 from bench.load_session import LoadPoint, make_samples, plan, warmup_batch
 from bench.workload import (LengthDist, PromptBuilder, WorkloadError, arrival_times, assign_policies,
                             load_tokenizer, long_count, mooncake_samples, sharegpt_samples, synthetic_samples)
@@ -106,6 +107,7 @@ def _args(**over):
     args = p.parse_args([])
     for k, v in over.items():
         setattr(args, k, v)
+    resolve(args, environ={})  # the defaults the vLLM spellings leave open
     return args
 
 
