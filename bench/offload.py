@@ -126,8 +126,10 @@ class Bench:
         blocks = 2 * (blocks_for(max_len, bs) + blocks_for(args.tokens + 1, bs)) + 8
         self.engine = Engine(EngineConfig(model=args.model, device=str(self.device), dtype=args.dtype, block_size=bs,
                                           num_blocks=blocks, max_num_seqs=4, max_batched_tokens=max(8192, max_len),
-                                          chunked_prefill=False, max_model_len=max_len + args.tokens + 1))
-        # ^ unchunked: the reference's prefill is one step, as prefill_only's: the same KV, bit for bit
+                                          chunked_prefill=False, prefix_cache=False,
+                                          max_model_len=max_len + args.tokens + 1))
+        # unchunked: the reference's prefill is one step, as prefill_only's: the same KV, bit for bit;
+        # no prefix cache: recompute must compute, and a reservation must get blocks without this KV
         self.layout = L = self.engine.layout
         self.entry_bytes = L.num_layers * L.block_bytes
         self.row = L.block_bytes // L.itemsize

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
 import os
 import queue
 import struct
@@ -631,11 +632,21 @@ class HostTier:
         row = layout.block_bytes // layout.itemsize  # elements of one block of one layer
         self._row = row
         stage = max(1, min(self.num_slots, staging_bytes // self.entry_bytes))
+        # anonymous pages of our own, page-locked with cudaHostRegister: torch's pinned allocator
+        # rounds an allocation up to a power of two (a 40 GiB tier would lock 64 GiB)
+        self._mem = mmap.mmap(-1, self.num_slots * self.entry_bytes)
+        self._host_bytes = memoryview(self._mem)  # slot i: [i * entry_bytes, (i + 1) * entry_bytes)
+        self._registered = False
         with torch.inference_mode():
+            flat = torch.frombuffer(self._mem, dtype=torch.uint8)
+            if self.pinned:
+                err = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), len(self._mem), 1))  # portable
+                if err != 0:
+                    raise RuntimeError(f"cudaHostRegister of the {len(self._mem) / 2**30:.1f} GiB host tier failed "
+                                       f"(cudaError {err}); lower its size or check the memlock limit (ulimit -l)")
+                self._registered = True
             # [slots, layers, row]: a run of slots is one contiguous range (one DMA, one file write)
-            self.host = torch.empty((self.num_slots, layout.num_layers, row), dtype=layout.torch_dtype,
-                                    pin_memory=self.pinned)
-            self._host_bytes = memoryview(self.host.view(-1).view(torch.uint8).numpy())
+            self.host = flat.view(layout.torch_dtype).view(self.num_slots, layout.num_layers, row)
             self._stage_out = torch.empty((stage, layout.num_layers, row), dtype=layout.torch_dtype, device=self.device)
             self._stage_in = torch.empty_like(self._stage_out)
         self._stage = stage
@@ -1028,3 +1039,6 @@ class HostTier:
         self.flush()
         if self.disk is not None:
             self.disk.close()
+        if self._registered:  # the pages stay mapped (self.host still views them), no longer locked
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+            self._registered = False
