@@ -1,4 +1,4 @@
-"""summary.md's tables render: every table's header, delimiter and body rows have the same number of cells
+"""summary.md's tables render (the main one, capacity, server phases, per turn): every table's header, delimiter and body rows have the same number of cells
 (a table with one delimiter short renders as raw text), for any set of percentiles."""
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ def _block(arm: str, phase: str, rate: float, ps: list[str]) -> dict:
          "timings_reported": 10, "errors": ["HTTP 503: draining"]}
     b |= {f"{p}_ttft_ms": 100.0 + i for i, p in enumerate(ps)}
     b |= {f"mean_{n}_ms": 5.0 for n in SERVER_PHASES} | {f"p99_{n}_ms": 9.0 for n in SERVER_PHASES}
+    b["per_turn"] = [{"turn": t, "requests": 4, "completed": 4, "mean_prompt_tokens": 1000.0 * (t + 1),
+                      "mean_cached_tokens": None if t == 0 else 990.0 * t, "cached_share": None if t == 0 else 0.9,
+                      "mean_queue_ms": 1.0, "mean_prefill_ms": None, **{f"{p}_ttft_ms": 50.0 for p in ps}}
+                     for t in range(3)]
     return b
 
 
@@ -52,7 +56,7 @@ def _tables(text: str) -> list[list[list[str]]]:
 def test_every_table_has_one_delimiter_per_header_cell(percentiles):
     text = markdown(_run(percentiles), percentiles)
     tables = _tables(text)
-    assert len(tables) == 3, text  # capacity, the main table, server phases
+    assert len(tables) == 4, text  # capacity, the main table, server phases, per turn
     for rows in tables:
         header, delimiter, *body = rows
         assert all(set(c) == {"-"} for c in delimiter), rows[:2]
@@ -61,3 +65,6 @@ def test_every_table_has_one_delimiter_per_header_cell(percentiles):
     main = tables[1]
     assert main[0][8:8 + len(percentiles)] == [f"TTFT {pct_name(p)}" for p in percentiles]
     assert main[2][:3] == ["colocated", "probe", "rate 2/s"]
+    per_turn = tables[3]
+    assert len(per_turn) == 2 + 2 * 3  # a row per block and turn
+    assert per_turn[0][7:7 + len(percentiles)] == [f"TTFT {pct_name(p)}" for p in percentiles]
