@@ -192,7 +192,7 @@ class DiskTier:
     SUFFIX = ".kv"
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, layout: KVLayout, model_id: str,
-                 *, fsync: bool = False, read_threads: int = 4, max_file_bytes: int = 256 << 20):
+                 *, fsync: bool = False, read_threads: int = 8, max_file_bytes: int = 256 << 20):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.layout = layout
@@ -210,10 +210,10 @@ class DiskTier:
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # write jobs queued or running
         self._index()
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pdserve-kv-disk-read")  # reads, crcs
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="pdserve-kv-disk-writer", daemon=True)
         self._writer.start()
-        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pdserve-kv-disk-read")
 
     # ---- start: what a previous worker left --------------------------------------------------
 
@@ -341,7 +341,7 @@ class DiskTier:
             self._write_file(group)
 
     def _write_file(self, group: list[tuple[bytes, memoryview]]) -> None:
-        crcs = [_crc(h, buf) for h, buf in group]
+        crcs = list(self._readers.map(lambda entry: _crc(*entry), group))  # crc32 lets go of the GIL
         text = json.dumps({**self._meta, "entries": [[h.hex(), c] for (h, _), c in zip(group, crcs)]}).encode()
         head = MAGIC + HEAD.pack(len(text), zlib.crc32(text)) + text
         head += b"\0" * (_align(len(head)) - len(head))
@@ -593,8 +593,9 @@ class LoadHandle:
         its thread: that is joined first, since its copies are not issued yet)."""
         if self._thread is not None:
             self._thread.join()
-        for ev in self._events:
-            torch.cuda.current_stream(self._tier.device).wait_event(ev)
+        if self._tier.cuda:  # on the CPU every copy is done once issued
+            for ev in self._events:
+                torch.cuda.current_stream(self._tier.device).wait_event(ev)
 
     def _finish(self) -> None:
         self._finished = True
@@ -736,8 +737,14 @@ class HostTier:
         (with a disk: entries already there are freed at once); returns the entries to write.
         Called with the slots a copy needs before taking them, then with evict_ahead after."""
         spill: list[tuple[bytes, _Entry]] = []
+
+        def have() -> int:
+            return self.slots.num_free + (len(self._leaving) if self.disk is not None else 0)
+
+        if have() >= target:
+            return spill
         for h in list(self._entries):
-            if self.slots.num_free + (len(self._leaving) if self.disk is not None else 0) >= target:
+            if have() >= target:
                 break
             if h in protect:
                 continue
