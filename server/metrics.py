@@ -170,9 +170,9 @@ class Metrics:
     # ---- workers --------------------------------------------------------------------------------------
 
     def worker_registered(self, worker: str, role: str, num_blocks: int, free_blocks: int) -> None:
+        """A new worker: its pool, and nothing running or waiting on it until its first heartbeat."""
         self.kv_blocks.labels(worker, role).set(num_blocks)
-        self.free_blocks.labels(worker, role).set(free_blocks)
-        self.v_kv_usage.labels(self.model_name, worker, role).set(kv_usage(num_blocks, free_blocks))
+        self.worker_seen(worker, role, 0, 0, free_blocks, num_blocks)
 
     def worker_seen(self, worker: str, role: str, queue_depth: int, running: int, free_blocks: int,
                     num_blocks: int | None = None) -> None:
