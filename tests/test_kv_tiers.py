@@ -335,3 +335,54 @@ def test_disk_entries_carry_model_layout_and_checksums(kv, tmp_path):
     meta = json.loads(raw[len(MAGIC) + 12:raw.index(b"}", raw.index(b'"entries"')) + 1])
     assert meta["model"] == "tiny" and meta["layout"]["block_size"] == 4 and "num_blocks" not in meta["layout"]
     assert [bytes.fromhex(h) for h, _ in meta["entries"]] == hs and all(isinstance(c, int) for _, c in meta["entries"])
+
+
+def test_a_disk_load_without_host_room_goes_through_a_temporary_buffer(kv, tmp_path):
+    disk = disk_tier(tmp_path)
+    tier = host_tier(2, disk, evict_ahead=0.0)
+    hs = hashes("tmp", 4)
+    for pair in (hs[:2], hs[2:]):
+        tier.store(kv.pool, list(zip(pair, [hs.index(h) for h in pair])))
+        tier.spill(pair)
+        tier.flush()
+    tier.store(kv.pool, [(b"resident-a", 8), (b"resident-b", 9)])  # the host tier is full again
+    handle, expected = round_trip(tier, kv.pool, hs, [0, 1, 2, 3], [20, 21, 22, 23])
+    assert handle.error is None and torch.equal(kv.pool[:, 20:24], expected)
+    assert tier.lookup(hs) == ["disk"] * 4  # served, not promoted: there was no room
+
+
+class SlowDisk(DiskTier):
+    """A disk tier whose writer waits for the test's go."""
+
+    def __init__(self, *a, **kw):
+        import threading
+
+        self.go = threading.Event()
+        super().__init__(*a, **kw)
+
+    def _write(self, entries):
+        assert self.go.wait(10)
+        super()._write(entries)
+
+
+def test_an_entry_on_its_way_to_disk_is_still_served_and_its_slot_kept(kv, tmp_path):
+    disk = SlowDisk(tmp_path, 1 << 20, LAYOUT, "tiny")
+    tier = host_tier(2, disk, evict_ahead=0.0)
+    hs = hashes("slow", 2)
+    tier.store(kv.pool, list(zip(hs, [0, 1])))
+    tier.spill(hs)  # queued; the writer waits
+    assert tier.lookup(hs) == ["host", "host"] and tier.slots.num_free == 0
+    assert tier.store(kv.pool, [(b"other", 5)]) == 0  # no slot may be reused before it is written
+    handle, expected = round_trip(tier, kv.pool, hs, [0, 1], [20, 21])
+    assert handle.error is None and torch.equal(kv.pool[:, 20:22], expected)
+    disk.go.set()
+    tier.flush()
+    assert tier.lookup(hs) == ["disk", "disk"] and tier.slots.num_free == 2
+    tier.close()
+
+
+def test_a_dead_writers_temporary_file_is_removed_on_start(tmp_path):
+    stale = tmp_path / ".abc.kv.tmp-999999999"  # no such process
+    stale.write_bytes(b"half a file")
+    disk_tier(tmp_path)
+    assert not stale.exists()
