@@ -80,6 +80,9 @@ def _generate(**sampling) -> bytes:
     _generate(top_k=-1),
     _generate(temperature=float("nan")),
     _generate(temperature=float("inf")),
+    _generate(temperature=P.MAX_TEMPERATURE + 0.5),  # above the one bound the HTTP API and the engine share too
+    _generate(presence_penalty=2.5),
+    _generate(logprobs=21),
     _generate(top_p=0.0),
     _generate(stop=["x"] * 17),
     msgspec.msgpack.encode({"incarnation": INC, "msg": {"type": "prefill", "request_id": "r1", "prompt_ids": [1],
@@ -95,9 +98,9 @@ def test_anything_else_is_a_protocol_error(frame):
 
 
 def test_the_bounds_let_the_extremes_through():
-    frame = _generate(seed=P.MAX_SEED, max_tokens=P.MAX_INT32, top_k=P.MAX_INT32, temperature=100.0)
+    frame = _generate(seed=P.MAX_SEED, max_tokens=P.MAX_INT32, top_k=P.MAX_INT32, temperature=P.MAX_TEMPERATURE)
     s = P.decode_to_worker(frame).msg.sampling
-    assert (s.seed, s.max_tokens, s.top_k, s.temperature) == (P.MAX_SEED, P.MAX_INT32, P.MAX_INT32, 100.0)
+    assert (s.seed, s.max_tokens, s.top_k, s.temperature) == (P.MAX_SEED, P.MAX_INT32, P.MAX_INT32, P.MAX_TEMPERATURE)
 
 
 def test_worker_to_router_bounds():

@@ -42,8 +42,9 @@ from typing import Annotated, Union
 
 import msgspec
 
-# 2: Timeline's inbox, pickup and emit stamps (the TTFT phases); 3: envelopes with the incarnation, bounds
-PROTOCOL_VERSION = 3
+# 2: Timeline's inbox, pickup and emit stamps (the TTFT phases); 3: envelopes with the incarnation, bounds;
+# 4: penalties, min_tokens, stop_token_ids, logprobs in Sampling; logprobs in TokenOut and PrefillDone
+PROTOCOL_VERSION = 4
 ROLES = ("prefill", "decode", "colocated")
 # Register.transport and .mode take these (workers/transfer/base.py implements them; a test holds the
 # two lists equal); here so the router, torch-free, can name them
@@ -64,6 +65,16 @@ MAX_PROMPT_TOKENS = 1 << 21
 # temperatures below this sample the top token with probability 1 to float32 precision; dividing
 # logits by them overflows to inf (then NaN), so they are greedy (the same cut vLLM makes)
 MIN_TEMPERATURE = 1e-5
+# Sampling bounds, the one place they are defined: the HTTP API (server/schemas.py), this wire and
+# the engine (SamplingParams.validate) all check these
+MAX_TEMPERATURE = 2.0  # OpenAI's range, 0..2
+MAX_PENALTY = 2.0  # presence and frequency penalties: -2..2 (OpenAI)
+MAX_REPETITION_PENALTY = 2.0  # repetition_penalty: (0, 2] (vLLM/HF: 1 is off, > 1 discourages repeats)
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI chat: 0..20)
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 4096  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
+LOGPROB_FLOOR = -9999.0  # a logprob of -inf travels (and is shown) as this, as vLLM does: JSON has no -inf
 
 Id = Annotated[str, msgspec.Meta(max_length=256)]  # worker and request ids
 Address = Annotated[str, msgspec.Meta(max_length=512)]
@@ -81,19 +92,46 @@ class Sampling(msgspec.Struct, frozen=True):
     """Sampling parameters on the wire (mirrors workers.engine.request.SamplingParams)."""
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] = 0
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
-    stop: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=16)] = []
+    stop: Annotated[list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]], msgspec.Meta(max_length=MAX_STOP)] = []
     ignore_eos: bool = False
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] = 0
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per generated token: None off
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per prompt token
 
     def to_params(self):
         from workers.engine.request import SamplingParams
 
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
         return SamplingParams(max_tokens=self.max_tokens, temperature=temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=list(self.stop), ignore_eos=self.ignore_eos)
+                              top_k=self.top_k, seed=self.seed, stop=list(self.stop), ignore_eos=self.ignore_eos,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                              stop_token_ids=list(self.stop_token_ids), logprobs=self.logprobs,
+                              prompt_logprobs=self.prompt_logprobs)
+
+
+Logprob = Annotated[float, msgspec.Meta(ge=LOGPROB_FLOOR, le=0.0)]
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One position's log-probabilities (natural log, of the model's raw distribution: before
+    temperature, penalties, top-k/p), what OpenAI's `logprobs` report."""
+
+    logprob: Logprob  # of the token at this position (the one sampled, or the prompt's)
+    top_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LOGPROBS)] = []  # most likely first
+    top_logprobs: Annotated[list[Logprob], msgspec.Meta(max_length=MAX_LOGPROBS)] = []
+
+
+# a prompt's logprobs: one per prompt token after the first (which nothing predicts)
+PromptLogprobs = Annotated[list[TokenLogprobs], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 
 
 class Timeline(msgspec.Struct, frozen=True):
@@ -161,6 +199,8 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     transfer_exposed_ms: float  # prefill end -> last copy complete (this worker's clock): what TTFT pays
     kv_bytes: Count
     copies: Count
+    first_logprobs: TokenLogprobs | None = None  # token 1's, when the request asked (Sampling.logprobs)
+    prompt_logprobs: PromptLogprobs | None = None  # when it asked (Sampling.prompt_logprobs)
 
 
 class TokenOut(msgspec.Struct, frozen=True):
@@ -170,6 +210,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     finished: bool = False
     finish_reason: Annotated[str, msgspec.Meta(max_length=32)] | None = None
     timeline: Timeline | None = None  # on the last token of a request
+    logprobs: TokenLogprobs | None = None  # when the request asked (None for token 1 of a disaggregated
+    # request on its decode worker: PrefillDone carries it)
+    prompt_logprobs: PromptLogprobs | None = None  # colocated, with token 1, when the request asked
 
 
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):

@@ -45,6 +45,7 @@ from workers.engine.prefix_cache import PrefixCache, names_upto, root_name
 from workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import Sampler, SamplingError
+from workers.protocol import TokenLogprobs
 from workers.engine.scheduler import Scheduler
 
 log = logging.getLogger("pdserve.engine")
@@ -58,6 +59,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     logits: torch.Tensor | None = None  # [vocab] float32 on CPU, when the request asked for it
+    logprobs: TokenLogprobs | None = None  # this token's, when the request asked (params.logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with token 1, when it asked (params.prompt_logprobs)
     error: str | None = None  # the request failed (finish_reason "error"): what went wrong
     request: Request | None = field(default=None, repr=False)  # the request itself (its timeline)
 
@@ -96,7 +99,7 @@ class Engine:
                                   prefix_kernel=config.attention == "triton",
                                   compile_layers=config.compile and self.device.type == "cuda",
                                   fuse_qkv=config.fuse_qkv and self.device.type == "cuda")
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, self.eos_token_ids)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # every request on this worker, until it finishes
 
@@ -141,6 +144,10 @@ class Engine:
         if bad:
             raise InvalidRequest(f"request {req.request_id}: token ids {bad[:5]} outside the vocabulary (0..{self.vocab_size - 1})")
         req.params.validate(self.max_model_len, n)
+        bad = [t for t in req.params.stop_token_ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequest(f"request {req.request_id}: stop_token_ids {bad[:5]} outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
         need = blocks_for(n + req.params.max_tokens, self.layout.block_size)
         if need > self.blocks.num_blocks:
             raise InvalidRequest(
@@ -194,13 +201,15 @@ class Engine:
             logits = self.runner.run(work)  # [len(done), vocab] float32; advances each num_computed
             done = [r for r, _ in work if r.num_computed == r.num_tokens]
             tokens = self.sampler.sample(logits, done) if done else []  # reads them back: the step is over
+            lps = self.sampler.token_logprobs(logits, done, tokens) if done else []
         except Exception as e:
             return self._fail_step(work, e)
         stamp_end(done, start, time.monotonic())
         for r, _ in work:
             self._name_blocks(r)
-        return [self._emit(r, tok, logits[i] if r.return_logits else None)
-                for i, (r, tok) in enumerate(zip(done, tokens))]
+        tokens = [self._prompt_logprobs_done(r, tok) for r, tok in zip(done, tokens)]
+        return [with_logprobs(self._emit(r, tok, logits[i] if r.return_logits else None), lp)
+                for i, (r, tok, lp) in enumerate(zip(done, tokens, lps))]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
                  return_logits: bool = False) -> list[Request]:
@@ -247,8 +256,10 @@ class Engine:
             req.prefill_start = time.monotonic()
             logits = self.runner.prefill([req], on_layer)
             [token] = self.sampler.sample(logits, [req])
+            token = self._prompt_logprobs_done(req, token)
             if isinstance(token, SamplingError):
                 raise token
+            [req.first_logprobs] = self.sampler.token_logprobs(logits, [req], [token])
             req.prefill_end = time.monotonic()
             self._name_blocks(req)
         except BaseException as e:
@@ -385,6 +396,16 @@ class Engine:
         return StepOutput(req.request_id, token, delta, reason is not None, reason,
                           None if logits is None else logits.detach().float().cpu(), request=req)
 
+    def _prompt_logprobs_done(self, req: Request, token: int | SamplingError) -> int | SamplingError:
+        """Token 1 of a request that asked for prompt logprobs: all of them must be there (positions
+        skipped, e.g. a cached prefix, have none: the request fails rather than report a gap)."""
+        if (req.params.prompt_logprobs is None or req.output_ids or isinstance(token, SamplingError)
+                or len(req.prompt_logprobs) == len(req.prompt_ids) - 1):
+            return token
+        return SamplingError(f"request {req.request_id}: {len(req.prompt_logprobs)} of its "
+                             f"{len(req.prompt_ids) - 1} prompt logprobs were computed (positions skipped); "
+                             f"retry it")
+
     def _failed(self, req: Request, error: str) -> StepOutput:
         self._finish(req, "error", error)
         return StepOutput(req.request_id, -1, "", True, "error", error=error, request=req)
@@ -398,10 +419,11 @@ class Engine:
         """The text the newest token adds, and why the request stops here (None: it goes on)."""
         p = req.params
         reason = None
-        if token in self.eos_token_ids and not p.ignore_eos:
+        early = len(req.output_ids) < p.min_tokens  # vLLM: no stop checks until min_tokens are generated
+        if not early and (token in self.eos_token_ids and not p.ignore_eos or token in p.stop_token_ids):
             reason = "stop"
         delta = self._detokenize(req)
-        if reason is None and p.stop:
+        if reason is None and p.stop and not early:
             hit = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
             if hit >= 0:
                 before = len(req.text) - len(delta)
@@ -432,6 +454,16 @@ class Engine:
         b = self.blocks
         return {"free_blocks": b.num_free, "total_blocks": b.num_blocks, "cached_blocks": b.num_cached,
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens, **counts}
+
+
+def with_logprobs(out: StepOutput, logprobs: TokenLogprobs | None) -> StepOutput:
+    """A step's output with the logprobs its request asked for (token 1 brings the prompt's)."""
+    req = out.request
+    if out.error is None:
+        out.logprobs = logprobs
+        if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
+            out.prompt_logprobs = req.prompt_logprobs
+    return out
 
 
 def stamp_start(work: list[tuple[Request, int]]) -> float:

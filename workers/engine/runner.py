@@ -6,6 +6,12 @@ prefill) mix freely in one forward. Tokens are flattened into one sequence of ba
 (`input_ids: [1, T]`), decode rows first, with explicit positions; the attention function
 (attention.py) learns from `STEP` which rows are which and which blocks hold each past.
 
+Prompt logprobs (a request's `params.prompt_logprobs`): the logits of every prompt position, not
+only the last, for the requests that asked, computed from the final hidden states in slices of
+PROMPT_LOGPROB_ROWS positions, each reduced at once to the next prompt token's logprob and the top
+k, appended to `Request.prompt_logprobs`: memory stays one slice of [rows, vocab] whatever the
+prompt's length, and a step without such a request runs exactly as before.
+
 On CUDA, steps of decodes only replay CUDA graphs (graphs.py): a decode step of a 7B model is
 launch-bound (hundreds of small kernels), and replaying them costs a fraction of
 launching them from Python. Steps with prompt tokens run eagerly: they are compute-bound,
@@ -21,6 +27,9 @@ import torch
 from workers.engine import attention, fusion
 from workers.engine.kv_cache import KVCache
 from workers.engine.request import Request
+from workers.engine.sampler import logprobs_of
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at once: [256, vocab] float32 at most
 
 
 def compile_decoder_layers(model) -> None:
@@ -78,7 +87,8 @@ class ModelRunner:
         of that request, whose blocks must already cover them. Returns [K, vocab] float32 logits
         of the last position of every request that reaches its num_tokens, in `work` order, and
         advances each num_computed by n."""
-        if self.graphs is not None and on_layer is None and all(n == 1 and r.num_computed for r, n in work):
+        if (self.graphs is not None and on_layer is None and all(n == 1 and r.num_computed for r, n in work)
+                and not any(prompt_positions(r, n) for r, n in work)):
             logits = self.graphs.decode([r for r, _ in work])
         else:
             logits = self._run_eager(work, on_layer)
@@ -132,8 +142,15 @@ class ModelRunner:
                 g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
                 step.prefix_tiles = torch.tensor(prefill_tiles(step.prefix, g), dtype=torch.int32, device=dev)
         keep = [last[id(r)] for r, n in work if r.num_computed + n == r.num_tokens]
+        asks = []  # (request, rows of this step whose logits predict its prompt tokens, top k)
+        for r, n in work:
+            wanted = prompt_positions(r, n)
+            if wanted:
+                first_row = last[id(r)] - n + 1  # the row of position num_computed
+                asks.append((r, [first_row + p - r.num_computed for p in wanted], r.params.prompt_logprobs))
         try:
-            return self.forward(torch.tensor(ids, device=dev), pos.to(dev), torch.tensor(keep, dtype=torch.long, device=dev))
+            return self.forward(torch.tensor(ids, device=dev), pos.to(dev), torch.tensor(keep, dtype=torch.long, device=dev),
+                                asks)
         finally:
             step.on_layer = None
 
@@ -160,10 +177,14 @@ class ModelRunner:
         k, v = self.slots(blocks_at, pos)
         return {"ids": ids, "pos": pos, "k_slots": k, "v_slots": v, "table": table, "lens": lens}
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                asks: list[tuple[Request, list[int], int]] = ()) -> torch.Tensor:
+        """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32.
+        asks: (request, rows, k): the prompt logprobs of those rows go to request.prompt_logprobs."""
         step = attention.STEP
         step.pool, step.kernels, step.prefix_kernel = self.kv.pool, self.kernels, self.prefix_kernel
+        hidden: list[torch.Tensor] = []  # [1, T, hidden_size]: the final norm's output, when asked
+        hook = self.model.model.norm.register_forward_hook(lambda m, i, o: hidden.append(o)) if asks else None
         try:
             out = self.model(
                 input_ids=ids.unsqueeze(0),
@@ -174,4 +195,32 @@ class ModelRunner:
             )
         finally:  # the step's tensors live no longer than the step (a dropped engine frees its pool)
             step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
+            if hook is not None:
+                hook.remove()
+        for r, rows, k in asks:
+            self._prompt_logprobs(hidden[0][0], r, rows, k)
         return out.logits[0].float()
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, rows: list[int], k: int) -> None:
+        """hidden: [T, hidden_size]; rows: this step's rows of consecutive prompt positions p, whose
+        logits predict prompt token p + 1."""
+        head = self.model.get_output_embeddings()
+        start = len(req.prompt_logprobs) + 1  # the prompt token the first row predicts
+        for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = rows[i:i + PROMPT_LOGPROB_ROWS]
+            logits = head(hidden[torch.tensor(part, device=hidden.device)])  # [rows, vocab]
+            targets = torch.tensor(req.prompt_ids[start + i:start + i + len(part)], device=hidden.device)
+            req.prompt_logprobs.extend(logprobs_of(logits, targets, k))
+
+
+def prompt_positions(r: Request, n: int) -> range:
+    """Positions of a step of (r, n) whose logits r's prompt logprobs still need: p < prompt length - 1
+    (position p predicts prompt token p + 1), from the first not yet computed. Empty unless the request
+    asked, and when positions before this step were skipped (a cached prefix): the engine then finds
+    the list short and fails the request rather than report a gap."""
+    if r.params.prompt_logprobs is None:
+        return range(0)
+    have = len(r.prompt_logprobs)  # prompt tokens 1..have are done: position `have` is the next one needed
+    if r.num_computed > have:
+        return range(0)
+    return range(have, min(r.num_computed + n, len(r.prompt_ids) - 1))

@@ -1,24 +1,44 @@
 """Turning one step's logits into one token per request, each request on its own.
 
+    sample(logits, requests)            -> a token id (or that request's SamplingError) per row
+    token_logprobs(logits, reqs, toks)  -> each asking row's TokenLogprobs (None for the others)
+    logprobs_of(logits, targets, k)     -> TokenLogprobs per row (the runner's prompt logprobs too)
+
+Processing first, only for the rows that need it (the common case, no penalties and min_tokens
+reached, costs nothing extra): min_tokens masks EOS and stop_token_ids to -inf until reached;
+repetition_penalty (vLLM/HF: every token of the prompt or the output, logit / r if > 0 else * r),
+then frequency_penalty * count and presence_penalty * (count > 0) subtracted (OpenAI: output tokens
+only). The counts are per-row [rows, vocab] tensors built on the device for those rows alone, each
+step, from the request's own tokens (so a decode worker that adopted a request counts exactly what
+the colocated run counts).
+
 Greedy rows take one batched max, which also checks every row: a row holding NaN or +inf (its max
 is not finite) fails that request alone. Sampled rows apply temperature, top-k and top-p, then
 draw. A seeded request draws its n-th token from a generator seeded with (seed, n), so it gives
 the same tokens whatever shares its batch, and whether its first token was drawn on a prefill
 worker and the rest on a decode worker or all in one place.
 
+Logprobs are of the raw logits (log_softmax before processing, temperature, top-k/p: vLLM's default
+`raw_logprobs`), so they do not depend on how the token was chosen; -inf is reported as
+LOGPROB_FLOOR (-9999, as vLLM does: JSON has no -inf).
+
 One request cannot fail another: whatever goes wrong computing one row comes back as a
-SamplingError in that row's place, and the other rows are tokens as if it were not there. The
-draw is kept numerically safe before it starts, not caught after (on CUDA, multinomial over
-NaN probabilities is a device-side assert that ends the process): the row is finite, and the
+SamplingError in that row's place, and the other rows are tokens as if it were not there (a batched
+processing step that raises is redone row by row, so only the row at fault fails). The draw is
+kept numerically safe before it starts, not caught after (on CUDA, multinomial over NaN
+probabilities is a device-side assert that ends the process): the row is finite, and the
 temperature divides (row - max), so the top logit is exactly 0 and no temperature in range
 overflows (1e-40 gives the argmax, as greedy would).
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from workers.engine.request import Request
+from workers.protocol import LOGPROB_FLOOR, TokenLogprobs
 
 
 class SamplingError(RuntimeError):
@@ -26,15 +46,19 @@ class SamplingError(RuntimeError):
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, eos_token_ids: Iterable[int] = ()):
         self.device = device
+        self.eos_token_ids = sorted(set(eos_token_ids))
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int | SamplingError]:
         """logits: [len(requests), vocab] float32 -> a token id (or the error) per request, in order."""
+        logits, failed = self.process(logits, requests)
         top, tokens = logits.max(dim=-1)  # NaN propagates into the max: one reduction checks the row
         out: list[int | SamplingError] = torch.where(top.isfinite(), tokens, -1).tolist()
         for i, r in enumerate(requests):
-            if out[i] < 0:
+            if i in failed:
+                out[i] = failed[i]
+            elif out[i] < 0:
                 out[i] = SamplingError(f"request {r.request_id}: its logits are not finite (NaN or inf) at "
                                        f"generated token {len(r.output_ids)}; no token can be chosen")
             elif r.params.temperature > 0:
@@ -44,6 +68,59 @@ class Sampler:
                     out[i] = SamplingError(f"request {r.request_id}: sampling generated token {len(r.output_ids)} "
                                            f"failed: {type(e).__name__}: {e}")
         return out
+
+    # ---- processing: min_tokens, penalties ----------------------------------------------------------
+
+    def _needs_processing(self, r: Request) -> bool:
+        return r.params.penalized or len(r.output_ids) < r.params.min_tokens
+
+    def process(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, dict[int, SamplingError]]:
+        """The logits to choose from (the input itself when no row needs processing) and the rows
+        whose processing failed."""
+        rows = [i for i, r in enumerate(requests) if self._needs_processing(r)]
+        if not rows:
+            return logits, {}
+        logits = logits.clone()  # the runner's tensor is an inference tensor, and the caller's
+        try:
+            logits[rows] = self._processed(logits[rows], [requests[i] for i in rows])
+            return logits, {}
+        except Exception:  # redo row by row: only the row at fault fails
+            failed = {}
+            for i in rows:
+                try:
+                    logits[i] = self._processed(logits[i:i + 1], [requests[i]])[0]
+                except Exception as e:
+                    failed[i] = SamplingError(f"request {requests[i].request_id}: applying its penalties or "
+                                              f"min_tokens failed: {type(e).__name__}: {e}")
+            return logits, failed
+
+    def _processed(self, rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """rows: [m, vocab] float32 of the requests that need processing -> the processed rows."""
+        vocab = rows.shape[1]
+        dev = rows.device
+        for j, r in enumerate(reqs):  # min_tokens: a few ids per row
+            if len(r.output_ids) < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                if banned:
+                    rows[j, torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
+        pen = [j for j, r in enumerate(reqs) if r.params.penalized]
+        if not pen:
+            return rows
+        preqs = [reqs[j] for j in pen]
+        sub = rows[pen]
+        counts = token_counts([r.output_ids for r in preqs], vocab, dev)  # [p, vocab] float32
+        rep = torch.tensor([r.params.repetition_penalty for r in preqs], device=dev)[:, None]
+        if (rep != 1.0).any():
+            seen = (token_counts([r.prompt_ids for r in preqs], vocab, dev) > 0) | (counts > 0)
+            seen &= rep != 1.0
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = torch.tensor([r.params.frequency_penalty for r in preqs], device=dev)[:, None]
+        presence = torch.tensor([r.params.presence_penalty for r in preqs], device=dev)[:, None]
+        sub = sub - freq * counts - presence * (counts > 0).float()
+        rows[pen] = sub
+        return rows
+
+    # ---- drawing ------------------------------------------------------------------------------------
 
     def _draw(self, row: torch.Tensor, req: Request) -> int:
         p = req.params
@@ -70,3 +147,46 @@ class Sampler:
         # seeds below 2**64 / 1_000_003 (about 1.8e13) give the same stream as before the wrap
         gen.manual_seed((req.params.seed * 1_000_003 + len(req.output_ids)) % 2**64)
         return gen
+
+    # ---- logprobs -----------------------------------------------------------------------------------
+
+    def token_logprobs(self, logits: torch.Tensor, requests: list[Request],
+                       tokens: list[int | SamplingError]) -> list[TokenLogprobs | None]:
+        """The logprobs of each sampled token whose request asked (Sampling.logprobs), from the raw
+        logits; None for the other rows (and for failed ones)."""
+        rows = [i for i, (r, t) in enumerate(zip(requests, tokens))
+                if r.params.logprobs is not None and not isinstance(t, SamplingError)]
+        out: list[TokenLogprobs | None] = [None] * len(requests)
+        if not rows:
+            return out
+        k = max(requests[i].params.logprobs for i in rows)
+        targets = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=logits.device)
+        for i, lp in zip(rows, logprobs_of(logits[rows], targets, k)):
+            want = requests[i].params.logprobs
+            out[i] = lp if want == k else TokenLogprobs(lp.logprob, lp.top_ids[:want], lp.top_logprobs[:want])
+        return out
+
+
+def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(ids), vocab] float32: how often each token occurs in each list (built on the device; the
+    lists are padded with an extra column that is dropped)."""
+    width = max((len(x) for x in ids), default=0)
+    out = torch.zeros(len(ids), vocab + 1, device=device)
+    if width:
+        pad = torch.tensor([x + [vocab] * (width - len(x)) for x in ids], dtype=torch.long, device=device)
+        out.scatter_add_(1, pad, torch.ones(pad.shape, device=device))
+    return out[:, :vocab]
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """logits: [m, vocab], targets: [m] token ids -> per row the target's logprob and the k most
+    likely tokens' (one device-to-host copy for the lot)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets[:, None])[:, 0]
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+    else:
+        top_lp = top_ids = torch.empty(len(targets), 0, device=lp.device)
+    vals = torch.cat([chosen[:, None], top_lp], dim=1).clamp(LOGPROB_FLOOR, 0.0).nan_to_num(nan=LOGPROB_FLOOR).tolist()
+    ids = top_ids.long().tolist()
+    return [TokenLogprobs(v[0], i, v[1:]) for v, i in zip(vals, ids)]

@@ -126,8 +126,8 @@ class Scheduler:
     def cached_prefix(self, req: Request) -> list[int]:
         """Blocks of the request's longest cached prefix, leaving at least its last token to compute."""
         full = (req.num_tokens - 1) // self.block_size
-        if not self.blocks.enabled or full == 0:
-            return []
+        if not self.blocks.enabled or full == 0 or req.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need the logits of every prompt position: nothing may be skipped
         return self.blocks.match(names_upto(req, full, self.block_size, self.root))
 
     def _grow_running(self) -> list[Request]:

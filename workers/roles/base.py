@@ -105,7 +105,7 @@ class Role:
             if r.token1_sent is None:
                 r.token1_sent = sent
             tokens.append(P.TokenOut(r.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason,
-                                     timeline(r) if o.finished else None))
+                                     timeline(r) if o.finished else None, o.logprobs, o.prompt_logprobs))
         if tokens:
             self.worker.send(P.Tokens(self.worker_id, tokens))
 

@@ -200,7 +200,8 @@ class PrefillRole(Role):
             worker_id=self.worker_id, request_id=rid, first_token=first_token, timeline=timeline(req),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,
             transfer_exposed_ms=max(0.0, (stats.finished_at - wall_clock(req.prefill_end)) * 1e3),
-            kv_bytes=stats.num_bytes, copies=stats.copies,
+            kv_bytes=stats.num_bytes, copies=stats.copies, first_logprobs=req.first_logprobs,
+            prompt_logprobs=None if req.params.prompt_logprobs is None else req.prompt_logprobs,
         ))
 
 
