@@ -59,7 +59,6 @@ from workers.engine.block_pool import blocks_for
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ARMS = ("recompute", "plain-pinned", "gpu", "pinned", "pageable", "disk")
-TIER_ARMS = ("gpu", "pinned", "pageable", "disk")
 DEFAULT_LENGTHS = {"smollm2-135m": "1k,4k", "tiny": "64,256"}
 FAULTS = ("skip-block:K", "corrupt:K")
 
