@@ -1,0 +1,107 @@
+"""Faults stay local: with one prefill and two decode workers, SIGKILLing the decode worker that serves
+a request (a stream, with more requests bound for it arriving) does not delay the requests bound for
+the other one. Before, the prefill worker shook hands with the dead peer for up to 30 s inside its
+loop, and a request for the healthy decode worker waited 31.7 s.
+
+    baseline   while a stream runs on decode A and a burst of requests on both: short probes, their TTFT
+    the kill   the same again, and SIGKILL A while it streams and holds some of the burst
+    after      every request ends at once (tokens, or an error for those A held), and the probes (B
+               serves them) have a TTFT within 2x of the baseline; every surviving worker's blocks come back
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from test_server_harness import TINY, Pdserve
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "Paged attention keeps the KV cache in fixed-size blocks " * 12  # ~130 tokens: a few blocks to move
+BURST_TOKENS = 100
+SLACK_MS = 50.0  # CPU noise on a shared machine; the fault this guards against cost 30,000 ms
+
+
+def one(url: str, max_tokens: int = 4) -> tuple[float, str | None, float | None, str | None]:
+    """(seconds it took, the decode worker that served it, its TTFT in ms; or the error code)"""
+    start = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
+                                                  "policy": "disaggregated"}, timeout=120)
+    took = time.monotonic() - start
+    if r.status_code != 200:
+        return took, None, None, r.json()["error"]["code"]
+    t = r.json()["timings"]
+    return took, t["worker"], t["ttft_ms"], None
+
+
+def test_killing_one_decode_worker_does_not_delay_requests_for_the_other():
+    with Pdserve(*TINY, "--decode-workers", "2", "--colocated-workers", "0", "--transport", "zmq",
+                 "--no-restart", "--drain-timeout", "5") as srv:
+        long = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "policy": "disaggregated", "stream": True}
+        events: list = []
+        started = threading.Event()
+
+        def stream() -> None:
+            for _, event in srv.stream("/v1/completions", long):
+                events.append(event)
+                if len(events) == 3:
+                    started.set()
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        assert started.wait(60)
+        [victim] = [w for w in srv.health()["workers"] if w["role"] == "decode" and w["in_flight"] == 1]
+        survivor = ({"decode-0", "decode-1"} - {victim["id"]}).pop()
+
+        for _ in range(2):  # warm both paths
+            one(srv.url)
+
+        def under_load(kill: bool) -> tuple[list, list]:
+            """A burst of longer requests (the least-loaded choice sends some to the victim), and while it
+            runs, probes one after another: (the burst's results, the probes')."""
+            with ThreadPoolExecutor(8) as pool:
+                burst = [pool.submit(one, srv.url, BURST_TOKENS) for _ in range(8)]
+                srv.wait_for(lambda h: any(w["id"] == victim["id"] and w["in_flight"] >= 2 for w in h["workers"]),
+                             timeout=20, what="requests of the burst on the victim")
+                if kill:
+                    os.kill(victim["pid"], signal.SIGKILL)
+                probes = [one(srv.url) for _ in range(6)]
+                return [f.result() for f in burst], probes
+
+        _, baseline = under_load(kill=False)
+        assert all(err is None for *_, err in baseline), baseline
+        normal = statistics.median(ttft for _, _, ttft, _ in baseline)
+        killed = time.monotonic()
+        burst, after = under_load(kill=True)
+        results = burst + after
+        streamer.join(30)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_lost", events[-2:]
+        assert time.monotonic() - killed < 30
+
+        served = [r for r in results if r[3] is None]
+        failed = [r for r in results if r[3] is not None]
+        late = [r[2] for r in after if r[3] is None]
+        print(f"probes' TTFT before the kill {sorted(round(r[2]) for r in baseline)} ms (median {normal:.0f}), after "
+              f"it {sorted(round(t) for t in late)} ms; {len(failed)} failed ({sorted(set(r[3] for r in failed))}, "
+              f"the slowest after {max((r[0] for r in failed), default=0):.2f} s)")
+        assert failed and all(r[0] < 5.0 for r in failed), failed  # the victim's fail fast, never at a deadline
+        # a probe sent before the router learnt of the death may go to the victim: it fails fast too; every
+        # later one goes to the survivor
+        assert all(r[1] == survivor for r in after[2:]), after
+        assert len(late) >= 4, after
+        assert statistics.median(late) <= 2 * normal + SLACK_MS, (late, normal)
+        assert max(late) <= 4 * normal + 4 * SLACK_MS, (late, normal)
+
+        def settled(h):
+            return (len(h["workers"]) == 2 and h["status"] == "degraded"
+                    and all(w["free_blocks"] == w["num_blocks"] for w in h["workers"]))
+
+        srv.wait_for(settled, timeout=15, what="the prefill worker's and the survivor's blocks all back")
