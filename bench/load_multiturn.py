@@ -16,7 +16,7 @@ token prefix (up to the reply, which is re-tokenized from text). Plain completio
 concatenated text; there the join between the previous prompt and the reply may merge into one new
 token, losing the last block of reuse per turn.
 
-A turn that fails ends its conversation (the next turn has no reply to build on): the turns not sent
+Turns are numbered from 1 (a conversation's first request). A turn that fails ends its conversation (the next turn has no reply to build on): the turns not sent
 are recorded as failed, naming the turn that failed.
 """
 
@@ -76,7 +76,7 @@ def warmup_samples(convs: list[Conversation], builder: PromptBuilder, seed: int)
     """One fresh single-turn prompt per turn length of the first conversation."""
     rng = random.Random(seed)
     conv = convs[0]
-    return [Sample(builder.text(builder.words(n, rng)), n, turn.output_len, kind=f"turn {t}")
+    return [Sample(builder.text(builder.words(n, rng)), n, turn.output_len, kind=f"turn {t + 1}")
             for t, (n, turn) in enumerate(zip(conv.planned_prompt_lens(), conv.turns))]
 
 
@@ -91,9 +91,9 @@ async def run_conversation(client, conv: Conversation, policy: str | None, opts:
             await asyncio.sleep(think_s)
         messages = messages + [{"role": "user", "content": turn.message}]
         prompt = prompt + turn.message
-        p = Planned(conv.index * n + t, Sample(prompt, planned_len, turn.output_len, kind=f"turn {t}"), policy,
+        p = Planned(conv.index * n + t, Sample(prompt, planned_len, turn.output_len, kind=f"turn {t + 1}"), policy,
                     send_at_s=time.perf_counter() - t0, messages=messages if opts.chat else None,
-                    conversation=conv.index, turn=t)
+                    conversation=conv.index, turn=t + 1)
         rec = await send_one(client, p, t0, opts)
         records.append(rec)
         on_done(rec)
@@ -101,8 +101,9 @@ async def run_conversation(client, conv: Conversation, policy: str | None, opts:
             for later in range(t + 1, n):
                 lost = RequestRecord(conv.index * n + later, policy, 0, conv.turns[later].output_len,
                                      scheduled_s=time.perf_counter() - t0, start_s=time.perf_counter() - t0,
-                                     error=f"not sent: turn {t} of conversation {conv.index} failed ({rec.error})",
-                                     kind=f"turn {later}", conversation=conv.index, turn=later)
+                                     error=f"not sent: turn {t + 1} of conversation {conv.index} failed "
+                                           f"({rec.error})",
+                                     kind=f"turn {later + 1}", conversation=conv.index, turn=later + 1)
                 records.append(lost)
                 on_done(lost)
             break

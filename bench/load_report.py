@@ -146,7 +146,7 @@ def _per_turn_lines(blocks: list[dict], ps: list[str]) -> list[str]:
     rows = [(b, t) for b in blocks for t in b.get("per_turn") or []]
     if not rows:
         return []
-    lines = ["", "Per turn (multi-turn runs; turn 0 is each conversation's first request): TTFT in ms (client clock); "
+    lines = ["", "Per turn (multi-turn runs; turn 1 is each conversation's first request): TTFT in ms (client clock); "
              "cached = prompt tokens the server reported reused (usage.prompt_tokens_details.cached_tokens), "
              "'-' where it reported none; server queue and prefill means from pdserve `timings`.", "",
              *_table_head(["arm", "load", "turn", "done", "prompt tok (mean)", "cached tok (mean)", "cached share",

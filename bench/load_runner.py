@@ -44,7 +44,7 @@ class Planned:
     policy: str | None
     send_at_s: float | None = None  # open loop: seconds after the run start
     messages: list[dict] | None = None  # chat: the whole conversation so far (else the prompt as one message)
-    conversation: int | None = None  # multi-turn: which conversation and turn (bench/load_multiturn.py)
+    conversation: int | None = None  # multi-turn: which conversation and turn, from 1 (bench/load_multiturn.py)
     turn: int | None = None
 
 

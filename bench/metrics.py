@@ -51,7 +51,7 @@ class RequestRecord:
     timings: dict | None = None  # Timings.to_dict()
     kind: str = ""
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, else timings; None: not reported
-    conversation: int | None = None  # multi-turn: which conversation, and which turn of it (0 = the first)
+    conversation: int | None = None  # multi-turn: which conversation, and which turn of it (1 = the first)
     turn: int | None = None
     reply: str | None = None  # the text the server returned (the next turn's history); not written to JSON
 

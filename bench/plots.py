@@ -253,7 +253,7 @@ def plot_ttft_per_turn(blocks: list[dict], out_dir: Path) -> Path | None:
             y = [np.nan if t[f"{stat}_ttft_ms"] is None else t[f"{stat}_ttft_ms"] for t in b["per_turn"]]
             ax.plot(turns, y, style, color=colors[policy_name(b)],
                     label=f"{name} {'p50' if stat == 'median' else stat}")
-    ax.set_xlabel("turn (0 = first request of a conversation)")
+    ax.set_xlabel("turn (1 = first request of a conversation)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_xticks(sorted({t["turn"] for b in runs for t in b["per_turn"]}))
     ax.set_title("TTFT per turn")

@@ -63,19 +63,19 @@ def test_chat_turns_grow_by_the_returned_reply_and_reuse_shows_per_turn(tmp_path
     # cached tokens per turn, as the fake reports them: the previous prompt's whole blocks
     by = {(r["conversation"], r["turn"]): r for r in reqs}
     for c in range(3):
-        assert by[(c, 0)]["cached_tokens"] == 0
-        for t in (1, 2):
+        assert by[(c, 1)]["cached_tokens"] == 0
+        for t in (2, 3):
             assert by[(c, t)]["cached_tokens"] == by[(c, t - 1)]["prompt_len"] // BLOCK * BLOCK
     rows = block["per_turn"]
-    assert [r["turn"] for r in rows] == [0, 1, 2] and all(r["completed"] == 3 for r in rows)
+    assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["completed"] == 3 for r in rows)
     assert rows[0]["mean_cached_tokens"] == 0 and rows[1]["cached_share"] > 0.9
-    # turn 0 prefills ~1500 words (75 ms); later turns only the ~50 new ones
+    # turn 1 prefills ~1500 words (75 ms); later turns only the ~50 new ones
     assert rows[1]["median_ttft_ms"] < 0.5 * rows[0]["median_ttft_ms"], rows
     assert rows[2]["median_ttft_ms"] < 0.5 * rows[0]["median_ttft_ms"], rows
     assert rows[1]["mean_prefill_ms"] < 0.5 * rows[0]["mean_prefill_ms"]
     # the per-turn table, one row per turn
     (per_turn,) = [t for t in _tables(summary) if "turn" in t[0]]
-    assert [r[2] for r in per_turn[2:]] == ["0", "1", "2"]
+    assert [r[2] for r in per_turn[2:]] == ["1", "2", "3"]
     assert per_turn[3][per_turn[0].index("cached share")].endswith("%")
     assert run["arms"][0]["warmup"]["batches"] >= 1
 
@@ -102,7 +102,7 @@ def test_completions_concatenate_the_text(tmp_path):
     # think time: a turn goes >= 50 ms after the previous one's answer
     by = {(r["conversation"], r["turn"]): r for r in reqs}
     for c in range(3):
-        for t in (1, 2):
+        for t in (2, 3):
             prev = by[(c, t - 1)]
             assert by[(c, t)]["start_s"] - (prev["start_s"] + prev["e2e_s"]) >= 0.045
 

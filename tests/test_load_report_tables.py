@@ -20,9 +20,9 @@ def _block(arm: str, phase: str, rate: float, ps: list[str]) -> dict:
     b |= {f"{p}_ttft_ms": 100.0 + i for i, p in enumerate(ps)}
     b |= {f"mean_{n}_ms": 5.0 for n in SERVER_PHASES} | {f"p99_{n}_ms": 9.0 for n in SERVER_PHASES}
     b["per_turn"] = [{"turn": t, "requests": 4, "completed": 4, "mean_prompt_tokens": 1000.0 * (t + 1),
-                      "mean_cached_tokens": None if t == 0 else 990.0 * t, "cached_share": None if t == 0 else 0.9,
+                      "mean_cached_tokens": None if t == 1 else 990.0 * t, "cached_share": None if t == 1 else 0.9,
                       "mean_queue_ms": 1.0, "mean_prefill_ms": None, **{f"{p}_ttft_ms": 50.0 for p in ps}}
-                     for t in range(3)]
+                     for t in (1, 2, 3)]
     return b
 
 
