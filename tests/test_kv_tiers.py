@@ -1,5 +1,7 @@
-"""The KV tiers below GPU memory on the CPU: a real KVCache pool, tiny layout, every round trip
-checked bitwise against the blocks as they were, into destinations poisoned with NaN first."""
+"""The KV tiers below GPU memory: a real KVCache pool, tiny layout, every round trip checked
+bitwise against the blocks as they were, into destinations poisoned with NaN first. On the CPU in
+CI; on a machine with CUDA every test that takes a pool runs there too (side streams, events,
+page-locked slots): `pytest tests/test_kv_tiers.py -k cuda` is the GPU path's quick check."""
 
 from __future__ import annotations
 
@@ -21,15 +23,18 @@ def hashes(tag: str, n: int) -> list[bytes]:
     return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest() for i in range(n)]
 
 
-@pytest.fixture
-def kv():
-    cache = KVCache(LAYOUT, "cpu")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def kv(request):
+    cache = KVCache(LAYOUT, request.param)
     cache.pool.copy_(torch.randn(LAYOUT.shape, generator=torch.Generator().manual_seed(0)))
     return cache
 
 
-def host_tier(slots: int, disk: DiskTier | None = None, **kw) -> HostTier:
-    return HostTier(LAYOUT, slots * ENTRY, "cpu", disk=disk, probe=False, **kw)
+def host_tier(kv: KVCache, slots: int, disk: DiskTier | None = None, **kw) -> HostTier:
+    return HostTier(LAYOUT, slots * ENTRY, kv.device, disk=disk, probe=False, **kw)
 
 
 def disk_tier(path, entries: int = 64, model: str = "tiny", layout: KVLayout = LAYOUT) -> DiskTier:
@@ -49,7 +54,7 @@ def round_trip(tier: HostTier, pool: torch.Tensor, hs: list[bytes], src: list[in
 
 
 def test_host_round_trip_is_bitwise(kv):
-    tier = host_tier(16, staging_bytes=3 * ENTRY)  # copies go in chunks of 3 blocks
+    tier = host_tier(kv, 16, staging_bytes=3 * ENTRY)  # copies go in chunks of 3 blocks
     hs = hashes("a", 7)
     src = [5, 2, 9, 10, 11, 0, 30]  # scattered GPU blocks, stored into one run of slots
     assert tier.store(kv.pool, list(zip(hs, src))) == 7
@@ -64,7 +69,7 @@ def test_host_round_trip_is_bitwise(kv):
 
 
 def test_a_held_hash_is_not_stored_twice(kv):
-    tier = host_tier(8)
+    tier = host_tier(kv, 8)
     hs = hashes("a", 3)
     tier.store(kv.pool, list(zip(hs, [0, 1, 2])))
     kv_before = kv.pool[:, [0, 1, 2]].clone()
@@ -76,7 +81,7 @@ def test_a_held_hash_is_not_stored_twice(kv):
 
 
 def test_lookup_stops_at_the_first_miss(kv):
-    tier = host_tier(8)
+    tier = host_tier(kv, 8)
     a, b, c = hashes("x", 3)
     tier.store(kv.pool, [(a, 0), (c, 2)])
     assert tier.lookup([a, b, c]) == ["host"]
@@ -87,7 +92,7 @@ def test_lookup_stops_at_the_first_miss(kv):
 
 
 def test_lru_eviction_without_disk_drops_the_least_recently_used(kv):
-    tier = host_tier(4)
+    tier = host_tier(kv, 4)
     old, new = hashes("old", 4), hashes("new", 2)
     tier.store(kv.pool, list(zip(old, [0, 1, 2, 3])))
     tier.load(kv.pool, [(old[0], 10), (old[1], 11)]).wait(10)  # used: now the most recent
@@ -98,7 +103,7 @@ def test_lru_eviction_without_disk_drops_the_least_recently_used(kv):
 
 def test_lru_eviction_under_pressure_goes_to_disk_and_comes_back(kv, tmp_path):
     disk = disk_tier(tmp_path)
-    tier = host_tier(8, disk, evict_ahead=0.25)  # 2 slots kept free or on their way to disk
+    tier = host_tier(kv, 8, disk, evict_ahead=0.25)  # 2 slots kept free or on their way to disk
     a, b, c = hashes("a", 6), hashes("b", 2), hashes("c", 2)
     tier.store(kv.pool, list(zip(a, range(6))))
     tier.load(kv.pool, [(a[0], 10), (a[1], 11)]).wait(10)  # used: now the most recent
@@ -117,7 +122,7 @@ def test_lru_eviction_under_pressure_goes_to_disk_and_comes_back(kv, tmp_path):
 
 
 def test_without_room_kept_the_filling_store_is_dropped_not_waited_for(kv, tmp_path):
-    tier = host_tier(4, disk_tier(tmp_path), evict_ahead=0.0)
+    tier = host_tier(kv, 4, disk_tier(tmp_path), evict_ahead=0.0)
     old, new = hashes("old", 4), hashes("new", 2)
     tier.store(kv.pool, list(zip(old, range(4))))
     assert tier.store(kv.pool, list(zip(new, [4, 5]))) == 0  # the LRU pair is still being written
@@ -127,7 +132,7 @@ def test_without_room_kept_the_filling_store_is_dropped_not_waited_for(kv, tmp_p
 
 
 def test_evict_ahead_keeps_room_for_the_next_store(kv, tmp_path):
-    tier = host_tier(8, disk_tier(tmp_path), evict_ahead=0.5)
+    tier = host_tier(kv, 8, disk_tier(tmp_path), evict_ahead=0.5)
     first, second = hashes("a", 8), hashes("b", 4)
     tier.store(kv.pool, list(zip(first, range(8))))  # fills it; 4 more leave for disk at once
     tier.flush()
@@ -139,7 +144,7 @@ def test_evict_ahead_keeps_room_for_the_next_store(kv, tmp_path):
 
 
 def test_disk_round_trip_promotes_to_host(kv, tmp_path):
-    tier = host_tier(8, disk_tier(tmp_path))
+    tier = host_tier(kv, 8, disk_tier(tmp_path))
     hs = hashes("d", 5)
     tier.store(kv.pool, list(zip(hs, [1, 3, 5, 7, 9])))
     assert tier.spill(hs) == 5
@@ -153,7 +158,7 @@ def test_disk_round_trip_promotes_to_host(kv, tmp_path):
 
 def spilled(kv, path, hs, blocks, model="tiny"):
     """A worker that stored these blocks, spilled them to disk and stopped."""
-    tier = host_tier(8, disk_tier(path, model=model))
+    tier = host_tier(kv, 8, disk_tier(path, model=model))
     tier.store(kv.pool, list(zip(hs, blocks)))
     tier.spill(hs)
     tier.close()
@@ -162,7 +167,7 @@ def spilled(kv, path, hs, blocks, model="tiny"):
 def test_a_restarted_disk_tier_reuses_valid_entries(kv, tmp_path):
     hs = hashes("r", 4)
     spilled(kv, tmp_path, hs, [0, 1, 2, 3])
-    tier = host_tier(8, disk_tier(tmp_path))
+    tier = host_tier(kv, 8, disk_tier(tmp_path))
     assert tier.lookup(hs) == ["disk"] * 4
     handle, expected = round_trip(tier, kv.pool, hs, [0, 1, 2, 3], [10, 11, 12, 13])
     assert handle.error is None and torch.equal(kv.pool[:, 10:14], expected)
@@ -191,7 +196,7 @@ def test_a_corrupt_byte_is_a_miss_never_served(kv, tmp_path):
     raw = bytearray(path.read_bytes())
     raw[len(raw) - 2 * ENTRY + 5] ^= 0x01  # one bit of entry 2 (of 0..3)
     path.write_bytes(bytes(raw))
-    tier = host_tier(8, disk_tier(tmp_path))
+    tier = host_tier(kv, 8, disk_tier(tmp_path))
     assert tier.lookup(hs) == ["disk"] * 4  # the header is sound: the payload is checked on read
     expected = kv.pool[:, [0, 1, 2, 3]].clone()
     poisoned(kv.pool, [10, 11, 12, 13])
@@ -230,7 +235,7 @@ def test_a_truncated_file_is_not_indexed(kv, tmp_path):
 def test_disk_is_lru_by_size(kv, tmp_path):
     one_file = 4096 + 2 * ENTRY  # the header page + two entries
     disk = DiskTier(tmp_path, 2 * one_file + 100, LAYOUT, "tiny")
-    tier = host_tier(8, disk)
+    tier = host_tier(kv, 8, disk)
     runs = [hashes(f"run{i}", 2) for i in range(3)]
     for i, hs in enumerate(runs):
         tier.store(kv.pool, list(zip(hs, [2 * i, 2 * i + 1])))
@@ -242,7 +247,7 @@ def test_disk_is_lru_by_size(kv, tmp_path):
 
 def test_capacity_accounting_returns_to_zero(kv, tmp_path):
     disk = disk_tier(tmp_path)
-    tier = host_tier(6, disk)
+    tier = host_tier(kv, 6, disk)
     hs = hashes("z", 10)
     tier.store(kv.pool, list(zip(hs[:6], range(6))))
     tier.spill(hs[:3])
@@ -258,7 +263,7 @@ def test_capacity_accounting_returns_to_zero(kv, tmp_path):
 
 
 def test_loading_a_hash_in_no_tier_fails_the_handle(kv):
-    tier = host_tier(4)
+    tier = host_tier(kv, 4)
     a, b = hashes("m", 2)
     tier.store(kv.pool, [(a, 0)])
     handle = tier.load(kv.pool, [(a, 10), (b, 11)])
@@ -266,14 +271,17 @@ def test_loading_a_hash_in_no_tier_fails_the_handle(kv):
 
 
 def test_a_pool_of_another_layout_is_refused(kv):
-    tier = host_tier(4)
+    tier = host_tier(kv, 4)
     other = KVCache(KVLayout(3, 2, 8, "float32", 8, 8), "cpu")
     with pytest.raises(ValueError, match="does not match"):
         tier.store(other.pool, [(b"x", 0)])
+    with pytest.raises(ValueError, match="does not match"):
+        tier.load(other.pool, [(b"x", 0)])
+    assert tier.slots.num_free == 4 and tier.stats()["host"].entries == 0
 
 
 def test_a_full_store_keeps_its_leading_blocks(kv):
-    tier = host_tier(3)
+    tier = host_tier(kv, 3)
     hs = hashes("f", 5)
     assert tier.store(kv.pool, list(zip(hs, range(5)))) == 3
     assert tier.lookup(hs) == ["host"] * 3 and tier.stats()["host"].dropped == 2
@@ -339,7 +347,7 @@ def test_disk_entries_carry_model_layout_and_checksums(kv, tmp_path):
 
 def test_a_disk_load_without_host_room_goes_through_a_temporary_buffer(kv, tmp_path):
     disk = disk_tier(tmp_path)
-    tier = host_tier(2, disk, evict_ahead=0.0)
+    tier = host_tier(kv, 2, disk, evict_ahead=0.0)
     hs = hashes("tmp", 4)
     for pair in (hs[:2], hs[2:]):
         tier.store(kv.pool, list(zip(pair, [hs.index(h) for h in pair])))
@@ -367,7 +375,7 @@ class SlowDisk(DiskTier):
 
 def test_an_entry_on_its_way_to_disk_is_still_served_and_its_slot_kept(kv, tmp_path):
     disk = SlowDisk(tmp_path, 1 << 20, LAYOUT, "tiny")
-    tier = host_tier(2, disk, evict_ahead=0.0)
+    tier = host_tier(kv, 2, disk, evict_ahead=0.0)
     hs = hashes("slow", 2)
     tier.store(kv.pool, list(zip(hs, [0, 1])))
     tier.spill(hs)  # queued; the writer waits
@@ -386,3 +394,15 @@ def test_a_dead_writers_temporary_file_is_removed_on_start(tmp_path):
     stale.write_bytes(b"half a file")
     disk_tier(tmp_path)
     assert not stale.exists()
+
+
+def test_a_store_reads_the_blocks_before_the_caller_overwrites_them(kv):
+    tier = host_tier(kv, 16)
+    hs = hashes("order", 12)
+    expected = kv.pool[:, :12].clone()
+    tier.store(kv.pool, list(zip(hs, range(12))))
+    tier.before_reuse(list(range(12)))  # the current stream now waits for the store's copies
+    kv.pool[:, :12] = 0.0  # at once, on the current stream
+    handle = tier.load(kv.pool, list(zip(hs, range(16, 28))))
+    assert handle.wait(10) and handle.error is None
+    assert torch.equal(kv.pool[:, 16:28], expected)

@@ -789,6 +789,7 @@ class HostTier:
     def store(self, pool: torch.Tensor, items: list[tuple[bytes, int]]) -> int:
         """Copy these GPU blocks into host slots, asynchronously; returns how many were taken
         (hashes already held are skipped and count as used; blocks beyond the room are dropped)."""
+        self._blocks_view(pool)  # refuse a pool of another layout before any slot is taken
         with self._lock:
             new, held = [], 0
             for h, b in items:
@@ -866,6 +867,7 @@ class HostTier:
         """Copy these entries into the given GPU blocks, asynchronously. Host entries go at once on
         the load stream; disk entries are read and verified by a thread into host slots (they stay
         there: promoted), then copied. An entry in no tier ends the load there (handle.error)."""
+        self._blocks_view(pool)
         handle = LoadHandle(self, len(items))
         hosted: list[tuple[int, bytes, _Entry, int]] = []
         on_disk: list[tuple[int, bytes, int]] = []
