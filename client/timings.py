@@ -17,7 +17,7 @@ from workers import phases as PH
 
 _FLOAT_FIELDS = (
     "queue_ms", "prefill_ms", "transfer_ms", "transfer_exposed_ms", "first_decode_step_ms",
-    "ttft_ms", "e2e_ms", "decode_tokens_per_s",
+    "ttft_ms", "e2e_ms", "decode_tokens_per_s", "reload_ms",
 )
 _INT_FIELDS = ("kv_bytes", "prompt_tokens", "completion_tokens", "cached_tokens", "recomputed_tokens",
                "kv_skipped_tokens")
@@ -46,6 +46,7 @@ class Timings:
     cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache gave (not computed)
     recomputed_tokens: int | None = None  # prompt tokens computed for this request
     kv_skipped_tokens: int | None = None  # disaggregated: held by the decode worker already, not transferred
+    reload_ms: float | None = None  # reloading cached KV from host memory or disk
     ttft_phases: dict[str, float | None] | None = None  # the server's `ttft_phases_ms`
     extra: dict = field(default_factory=dict)
 

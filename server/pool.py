@@ -229,6 +229,8 @@ class WorkerPool:
         if isinstance(msg, P.Heartbeat):
             w.free_blocks, w.queue_depth, w.running = msg.free_blocks, msg.queue_depth, msg.running
             self.metrics.worker_seen(w.id, w.role, msg.queue_depth, msg.running, msg.free_blocks, w.info.num_blocks)
+            if msg.cache is not None:
+                self.metrics.observe_kv_tiers(w.id, w.role, msg.cache.as_stats())
         elif isinstance(msg, P.Goodbye):
             self._drop(w, f"it exited ({msg.reason})")
         elif isinstance(msg, P.Tokens):

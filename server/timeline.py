@@ -113,6 +113,10 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
         # (disaggregated) those the decode worker held already, so they were not transferred
         "cached_tokens": cached,
         "recomputed_tokens": None if cached is None else prompt_tokens - cached,
+        "reused_tokens": None if cached is None else {  # where the cached tokens came from
+            "gpu": cached - (prefilled_by.host_tokens or 0) - (prefilled_by.disk_tokens or 0),
+            "host": prefilled_by.host_tokens or 0, "disk": prefilled_by.disk_tokens or 0},
+        "reload_ms": _r(prefilled_by.reload_ms if prefilled_by is not None else None),
         "kv_skipped_tokens": kv_skipped_tokens if disaggregated else None,
     }
 

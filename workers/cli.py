@@ -39,6 +39,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill whole prompts in steps of their own (running requests wait for them)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="recompute every prompt in full (default: reuse the KV of full blocks a previous prompt began with)")
+    g.add_argument("--host-cache-gb", type=float, default=0.0,
+                   help="host memory (pinned on CUDA) that keeps the KV of finished requests' blocks below the GPU, "
+                        "reloaded instead of recomputed when that is cheaper (0: off)")
+    g.add_argument("--disk-cache-dir", default=None,
+                   help="with --host-cache-gb: a directory for blocks pushed out of host memory (written in the background)")
+    g.add_argument("--disk-cache-gb", type=float, default=16.0, help="size of the --disk-cache-dir tier")
     g.add_argument("--attention", default="auto", choices=["auto", "triton", "reference"],
                    help="auto: Triton paged decode + flash over gathered prefixes on CUDA; triton: Triton for prefixes too; reference: gather + SDPA (CPU always)")
     g.add_argument("--no-compile", dest="compile", action="store_false",
@@ -55,7 +61,8 @@ def engine_config(args, kv_shared: bool = False):
                         max_batched_tokens=args.max_batched_tokens, kv_shared=kv_shared,
                         max_model_len=args.max_model_len, chunked_prefill=args.chunked_prefill,
                         chunk_tokens=args.chunk_tokens, attention=args.attention, compile=args.compile,
-                        fuse_qkv=args.compile, prefix_cache=args.prefix_cache)
+                        fuse_qkv=args.compile, prefix_cache=args.prefix_cache, host_cache_gb=args.host_cache_gb,
+                        disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb)
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -145,6 +145,9 @@ class Timeline(msgspec.Struct, frozen=True):
     emit_ms: float | None = None  # token 1 made (prefill end, or adopt) -> its Tokens message sent
     first_step_ms: float | None = None  # the decode step that makes token 2
     cached_tokens: Count | None = None  # prompt tokens whose KV this worker reused (its prefix cache)
+    host_tokens: Count | None = None  # ... of them, reloaded from its host memory tier
+    disk_tokens: Count | None = None  # ... and from its disk tier
+    reload_ms: float | None = None  # how long those reloads took
 
 
 # ---- worker -> router ------------------------------------------------------------------------
@@ -168,6 +171,35 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     kv_address: Address | None = None  # decode: where senders reach its KV receiver
 
 
+class TierFigures(msgspec.Struct, frozen=True):
+    """One KV tier below the GPU pool on one worker (bytes; the *_bytes totals are cumulative)."""
+
+    usage_bytes: Count = 0  # held now
+    capacity_bytes: Count = 0
+    offload_bytes: Count = 0  # written into it
+    reload_bytes: Count = 0  # read back from it into the GPU pool
+
+
+class CacheFigures(msgspec.Struct, frozen=True):
+    """The prefix cache on one worker, cumulative since the process started (a lost heartbeat loses
+    nothing): prompt tokens looked up, and of those, found in each tier."""
+
+    queried_tokens: Count = 0
+    gpu_hit_tokens: Count = 0
+    host_hit_tokens: Count = 0
+    disk_hit_tokens: Count = 0
+    host: TierFigures | None = None
+    disk: TierFigures | None = None
+
+    def as_stats(self) -> dict:
+        """The shape server/metrics.py's observe_kv_tiers() takes."""
+        tiers = {name: msgspec.structs.asdict(t) for name, t in (("host", self.host), ("disk", self.disk)) if t}
+        hits = {"gpu": self.gpu_hit_tokens, "host": self.host_hit_tokens, "disk": self.disk_hit_tokens}
+        return {"prefix_cache_queries": self.queried_tokens,
+                "prefix_cache_hits": {k: v for k, v in hits.items() if k == "gpu" or k in tiers},
+                "tiers": tiers}
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: Id
     address: Address
@@ -175,6 +207,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     queue_depth: Count  # requests waiting on this worker (not yet running)
     running: Count  # requests running (decoding) on this worker
     sent_at: float  # time.time()
+    cache: CacheFigures | None = None  # its prefix cache and KV tiers
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):

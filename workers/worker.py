@@ -244,7 +244,15 @@ class Worker:
     def heartbeat(self) -> P.Heartbeat:
         return P.Heartbeat(worker_id=self.worker_id, address=self.address,
                            free_blocks=self.engine.blocks.num_free, queue_depth=self.role.queue_depth(),
-                           running=self.role.running(), sent_at=time.time())
+                           running=self.role.running(), sent_at=time.time(), cache=self.cache_figures())
+
+    def cache_figures(self) -> P.CacheFigures | None:
+        try:  # read from the heartbeat thread: figures a step is updating may be one step old
+            s = self.engine.cache_stats()
+        except RuntimeError:  # a dict changed size under us: the next heartbeat has them
+            return None
+        tiers = {k: P.TierFigures(**s.pop(k)) for k in ("host", "disk") if k in s}
+        return P.CacheFigures(**s, **tiers)
 
     def send(self, msg) -> None:
         self.router.send(msg)
@@ -371,6 +379,7 @@ class Worker:
         self.inbox.close()
         self.router.close()
         self.engine.kv.close()
+        self.engine.close()  # the KV tiers' threads and files in flight
         self.engine.close()  # the KV tiers' threads and files in flight
         if not self._heartbeat.is_alive():
             # term() waits for every socket of the context to close and for the Goodbye's linger;

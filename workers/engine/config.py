@@ -22,6 +22,9 @@ class EngineConfig:
     chunked_prefill: bool = True  # a step carries every running decode plus up to chunk_tokens prompt tokens
     chunk_tokens: int = 512  # prompt tokens per step with chunked_prefill
     prefix_cache: bool = True  # reuse the KV of full blocks a previous prompt began with (prefix_cache.py)
+    host_cache_gb: float = 0.0  # host memory for blocks evicted from the GPU (kv_tiers.py; pinned on CUDA); 0: none
+    disk_cache_dir: str | None = None  # with host_cache_gb: a directory for blocks evicted from host memory
+    disk_cache_gb: float = 16.0
     kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
     max_model_len: int | None = None  # default: the model's own limit
     # "auto": CUDA decodes through the Triton kernel, prefix chunks gathered + flash SDPA; "triton":
@@ -42,6 +45,10 @@ class EngineConfig:
             raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
         if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0 or self.chunk_tokens <= 0:
             raise ValueError("max_num_seqs, max_batched_tokens and chunk_tokens must be positive")
+        if self.host_cache_gb < 0 or self.disk_cache_gb <= 0:
+            raise ValueError("host_cache_gb must be >= 0 and disk_cache_gb positive")
+        if self.disk_cache_dir and not self.host_cache_gb:
+            raise ValueError("a disk cache needs a host cache above it: give host_cache_gb too")
         if self.attention not in ("auto", "triton", "reference"):
             raise ValueError(f"attention must be auto, triton or reference, got {self.attention!r}")
         dev = torch.device(self.device)

@@ -99,6 +99,8 @@ class Engine:
                                   prefix_kernel=config.attention == "triton",
                                   compile_layers=config.compile and self.device.type == "cuda",
                                   fuse_qkv=config.fuse_qkv and self.device.type == "cuda")
+        self.tiers = self._tiers(config)
+        self.scheduler.tiers = self.tiers
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # every request on this worker, until it finishes
@@ -114,6 +116,21 @@ class Engine:
         ) - 1
         # the pool holds one block more than requests may use: the scratch block
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)
+
+    def _tiers(self, config: EngineConfig):
+        """The host tier (and disk below it) for blocks the prefix cache keeps, if asked for."""
+        if not (config.prefix_cache and config.host_cache_gb):
+            return None
+        from workers.engine.kv_tiers import DiskTier, HostTier
+        from workers.engine.tiering import Tiers
+
+        disk = None
+        if config.disk_cache_dir:
+            disk = DiskTier(config.disk_cache_dir, int(config.disk_cache_gb * 2**30), self.layout, self.model_name)
+        host = HostTier(self.layout, int(config.host_cache_gb * 2**30), self.device, pinned=True, disk=disk)
+        log.info("KV tiers: host %.1f GiB (%d blocks)%s", config.host_cache_gb, host.num_slots,
+                 f", disk {config.disk_cache_gb:.1f} GiB in {config.disk_cache_dir}" if disk else "")
+        return Tiers(self.blocks, self.kv.pool, host, self.layout.block_size)
 
     def warmup(self) -> float:
         """CUDA: capture the decode graph of every (batch, block table) bucket ahead of traffic,
@@ -245,6 +262,7 @@ class Engine:
         req.start_prefill()
         try:
             hit = self.scheduler.cached_prefix(req)
+            lower = self.scheduler.lower_prefix(req, len(hit))
             need = blocks_for(len(req.prompt_ids), self.layout.block_size) - len(hit)
             if not self.blocks.can_allocate(need, hit):
                 raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
@@ -252,8 +270,13 @@ class Engine:
             req.block_ids = hit + self.blocks.allocate(need)
             req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
             req.named_blocks = len(hit)
-            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
             req.prefill_start = time.monotonic()
+            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
+            if lower:  # reloading is cheaper than computing them (the cost model): this worker waits for it
+                k = len(hit)
+                self.tiers.start(req, req.block_names[k:k + len(lower)], req.block_ids[k:k + len(lower)], lower, k)
+                self.tiers.poll(req, wait=True)
+            computed_from = time.monotonic()
             logits = self.runner.prefill([req], on_layer)
             [token] = self.sampler.sample(logits, [req])
             token = self._prompt_logprobs_done(req, token)
@@ -262,6 +285,8 @@ class Engine:
             [req.first_logprobs] = self.sampler.token_logprobs(logits, [req], [token])
             req.prefill_end = time.monotonic()
             self._name_blocks(req)
+            if self.tiers is not None:
+                self.tiers.observe_prefill(len(req.prompt_ids) - req.cached_tokens, req.prefill_end - computed_from)
         except BaseException as e:
             self._finish(req, "error", f"{type(e).__name__}: {e}")
             raise
@@ -367,7 +392,11 @@ class Engine:
             req.named_blocks = full
 
     def _forget(self, req: Request) -> None:
-        """A finished request leaves: its blocks back to the pool, out of the queues and the dict."""
+        """A finished request leaves: its blocks back to the pool (their KV copied down to the host
+        tier, if there is one), out of the queues and the dict."""
+        if self.tiers is not None:
+            self.tiers.poll(req, wait=True)  # no reload may still land in blocks that go back
+            self.tiers.offload(req)
         self.scheduler.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
@@ -382,6 +411,8 @@ class Engine:
             return self._failed(req, str(token))
         if req.status is Status.PREFILLING:  # its prompt is complete: token 1
             req.start_running()
+            if self.tiers is not None and req.prefill_end is not None and req.prefill_start is not None:
+                self.tiers.observe_prefill(len(req.prompt_ids) - req.cached_tokens, req.prefill_end - req.prefill_start)
         return self._append(req, token, logits)
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> StepOutput:
@@ -454,6 +485,24 @@ class Engine:
         b = self.blocks
         return {"free_blocks": b.num_free, "total_blocks": b.num_blocks, "cached_blocks": b.num_cached,
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens, **counts}
+
+    def cache_stats(self) -> dict:
+        """The prefix cache and its tiers, cumulative (the fields of protocol.CacheFigures)."""
+        b = self.blocks
+        out = {"queried_tokens": b.queried_tokens, "gpu_hit_tokens": b.hit_tokens}
+        if self.tiers is not None:
+            out["host_hit_tokens"] = self.tiers.reloaded_tokens["host"]
+            out["disk_hit_tokens"] = self.tiers.reloaded_tokens["disk"]
+            for name, s in self.tiers.host.stats().items():
+                out[name] = {"usage_bytes": s.bytes, "capacity_bytes": s.capacity_bytes,
+                             "offload_bytes": s.stored_bytes, "reload_bytes": s.loaded_bytes}
+        return out
+
+    def close(self) -> None:
+        """Let go of what outlives a dropped engine: the tiers' threads and files in flight."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = self.scheduler.tiers = None
 
 
 def with_logprobs(out: StepOutput, logprobs: TokenLogprobs | None) -> StepOutput:

@@ -44,6 +44,7 @@ class Scheduler:
                  chunked: bool = False, chunk_tokens: int = 512, root: bytes = b""):
         self.blocks = blocks
         self.root = root  # the prefix cache's root name (model and layout)
+        self.tiers = None  # tiering.Tiers: prefixes reloaded from host memory or disk (the engine sets it)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -71,18 +72,27 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """(request, positions to compute) for the next step; [] when idle."""
+        if self.tiers is not None:
+            for r in self.running:
+                self.tiers.poll(r)
         if self.chunked:
             return self._schedule_chunked()
-        if self.waiting and not (self._last_was_prefill and self.running):
-            batch = self._admit(self.max_batched_tokens, whole=True)
+        # a reloaded prefix landed: the rest of that prompt is prefilled like a new one
+        ready = [(r, r.num_tokens - r.num_computed) for r in self.running
+                 if r.num_tokens - r.num_computed > 1 and not self._loading(r)]
+        if (self.waiting or ready) and not (self._last_was_prefill and self.running):
+            batch = ready + self._admit(self.max_batched_tokens - sum(n for _, n in ready), whole=True)
             if batch:
                 self._last_was_prefill = True
                 return batch
         self._last_was_prefill = False
-        return [(r, 1) for r in self._grow_running()]
+        return [(r, 1) for r in self._grow_running() if r.num_tokens - r.num_computed == 1 and not self._loading(r)]
+
+    def _loading(self, req: Request) -> bool:
+        return self.tiers is not None and self.tiers.loading(req)
 
     def _schedule_chunked(self) -> list[tuple[Request, int]]:
-        running = self._grow_running()
+        running = [r for r in self._grow_running() if not self._loading(r)]
         work = [(r, 1) for r in running if r.num_tokens - r.num_computed == 1]
         budget = self.chunk_tokens
         for r in running:
@@ -103,6 +113,7 @@ class Scheduler:
             n = req.num_tokens
             hit = self.cached_prefix(req)
             cached = len(hit) * self.block_size
+            lower = self.lower_prefix(req, len(hit))
             if whole and batch and n - cached > budget:
                 break
             need = blocks_for(n, self.block_size) - len(hit)
@@ -118,6 +129,10 @@ class Scheduler:
             req.num_computed = cached
             req.named_blocks = len(hit)
             self.running.append(req)
+            if lower:  # the next blocks come back from host memory or disk; it computes once they land
+                k = len(hit)
+                self.tiers.start(req, req.block_names[k:k + len(lower)], req.block_ids[k:k + len(lower)], lower, k)
+                continue
             take = n - cached if whole else min(n - cached, budget)
             batch.append((req, take))
             budget -= take
@@ -129,6 +144,13 @@ class Scheduler:
         if not self.blocks.enabled or full == 0 or req.params.prompt_logprobs is not None:
             return []  # prompt logprobs need the logits of every prompt position: nothing may be skipped
         return self.blocks.match(names_upto(req, full, self.block_size, self.root))
+
+    def lower_prefix(self, req: Request, gpu_blocks: int) -> list[str]:
+        """The tier ("host" | "disk") of each block after the GPU hit to reload rather than compute."""
+        full = (req.num_tokens - 1) // self.block_size
+        if self.tiers is None or full <= gpu_blocks:
+            return []
+        return self.tiers.plan(names_upto(req, full, self.block_size, self.root)[gpu_blocks:])
 
     def _grow_running(self) -> list[Request]:
         """Make sure every running request has a slot for every position it has."""
@@ -146,6 +168,8 @@ class Scheduler:
         return list(self.running)
 
     def _preempt(self, req: Request) -> None:
+        if self.tiers is not None:
+            self.tiers.poll(req, wait=True)  # no copy may still be landing in blocks that go back
         req.preempt()
         self.running.remove(req)
         self.blocks.free(req.block_ids)

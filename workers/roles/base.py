@@ -35,7 +35,9 @@ def timeline(r: Request) -> P.Timeline:
     return P.Timeline(inbox_ms=ms(r.arrived, r.taken), wait_ms=ms(r.taken, r.prefill_start),
                       prefill_ms=ms(r.prefill_start, r.prefill_end), pickup_ms=ms(r.landed, r.adopted_at),
                       emit_ms=ms(made, r.token1_sent), first_step_ms=ms(r.first_step_start, r.first_step_end),
-                      cached_tokens=r.cached_tokens)
+                      cached_tokens=r.cached_tokens, host_tokens=r.tier_tokens.get("host", 0),
+                      disk_tokens=r.tier_tokens.get("disk", 0),
+                      reload_ms=None if r.reload_s is None else r.reload_s * 1e3)
 
 
 class Role:

@@ -1,0 +1,157 @@
+"""The engine with KV tiers below its pool: a prefix evicted from the pool comes back from host
+memory (or disk) instead of being recomputed, the output equals a run without any cache, the cost
+model can refuse a reload, and every block comes back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.prefix_cache import extend_names
+from workers.engine.request import Request, SamplingParams
+
+pytestmark = pytest.mark.timeout(240)
+
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+def engine(tmp_path=None, num_blocks=24, host_gb=0.001, disk=False, **kw) -> Engine:
+    return Engine(EngineConfig(model="tiny", num_blocks=num_blocks, host_cache_gb=host_gb,
+                               disk_cache_dir=str(tmp_path / "disk") if disk else None, disk_cache_gb=0.01, **kw))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 40000) for _ in range(n)]
+
+
+def evict_everything(eng: Engine, tokens: list[int]) -> None:
+    """Run other prompts through the pool until none of the prompt's blocks is left in it."""
+    names = extend_names([], tokens[:len(tokens) // 16 * 16], 16, eng.prefix_root)
+    for i in range(30):
+        if not eng.blocks.match(names[:1]):
+            break
+        eng.generate([prompt(1000 + i, 16 * 5 + 3)], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert eng.blocks.match(names[:1]) == [], "the pool still holds the prompt's first block"
+    eng.tiers.host.flush()
+
+
+def run(eng: Engine, tokens: list[int]) -> tuple[Request, list[torch.Tensor]]:
+    req = Request(f"r-{random.random()}", list(tokens), PARAMS, return_logits=True)
+    logits = [o.logits for o in eng.stream(req)]
+    return req, logits
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_an_evicted_prefix_comes_back_from_host_memory(chunked):
+    p = prompt(1, 70)
+    cold = Engine(EngineConfig(model="tiny", num_blocks=24, prefix_cache=False))
+    want, want_logits = run(cold, p + [11, 12])
+    eng = engine(chunked_prefill=chunked, chunk_tokens=32)
+    eng.generate([p], PARAMS)
+    evict_everything(eng, p)
+    got, got_logits = run(eng, p + [11, 12])
+    assert got.cached_tokens == 64 and got.tier_tokens == {"host": 64}, (got.cached_tokens, got.tier_tokens)
+    assert got.reload_s is not None and got.reload_s >= 0
+    assert got.output_ids == want.output_ids
+    for a, b in zip(got_logits, want_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests
+    assert eng.tiers.reloaded_tokens["host"] == 64
+
+
+def test_a_prefix_pushed_out_of_host_memory_comes_back_from_disk(tmp_path):
+    p = prompt(2, 70)
+    cold = Engine(EngineConfig(model="tiny", num_blocks=24, prefix_cache=False))
+    want, _ = run(cold, p + [5])
+    eng = engine(tmp_path, host_gb=8 * eng_entry_bytes() / 2**30, disk=True)
+    eng.generate([p], PARAMS)
+    evict_everything(eng, p)  # the host tier holds 8 blocks: p's went on to disk
+    eng.tiers.host.flush()
+    got, _ = run(eng, p + [5])
+    assert got.tier_tokens.get("disk", 0) > 0, got.tier_tokens
+    assert got.cached_tokens == 64 and got.output_ids == want.output_ids
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    eng.close()
+
+
+def eng_entry_bytes() -> int:
+    probe = Engine(EngineConfig(model="tiny", num_blocks=4))
+    return probe.layout.num_layers * probe.layout.block_bytes
+
+
+def test_the_cost_model_can_choose_to_recompute():
+    p = prompt(3, 70)
+    eng = engine()
+    eng.generate([p], PARAMS)
+    evict_everything(eng, p)
+    cost = eng.tiers.host.cost
+    cost.seed_bandwidth("host", 1e-6)  # a "link" of 1 kB/s ...
+    cost.observe_prefill(1000, 1e-3)  # ... against a prefill of a microsecond a token: recompute
+    got, _ = run(eng, p + [7])
+    assert got.cached_tokens == 0 and got.tier_tokens == {}
+    cost.seed_bandwidth("host", 1e3)  # a fast link: reload
+    evict_everything(eng, p)
+    got, _ = run(eng, p + [8])
+    assert got.tier_tokens == {"host": 64}
+
+
+def test_abort_while_loading_and_preemption_give_every_block_back():
+    p = prompt(4, 70)
+    eng = engine()
+    eng.generate([p], PARAMS)
+    evict_everything(eng, p)
+    req = Request("loading", p + [9], SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.add_request(req)
+    eng.scheduler.schedule()  # admitted: its reload is issued
+    eng.abort("loading")
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests and not eng.tiers.loads
+    # a pool too small for everyone: preemption of requests with reloaded prefixes recomputes them
+    reqs = eng.generate([p + [i] for i in range(4)], SamplingParams(max_tokens=30, ignore_eos=True))
+    cold = Engine(EngineConfig(model="tiny", num_blocks=24, prefix_cache=False))
+    want = cold.generate([p + [i] for i in range(4)], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in want]
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests
+
+
+def test_prefill_worker_path_reloads_too():
+    p = prompt(5, 70)
+    eng = engine()
+    [first] = eng.generate([p], PARAMS)
+    evict_everything(eng, p)
+    req = Request("pf", p + [3], PARAMS)
+    result = eng.prefill_only(req)
+    assert req.tier_tokens == {"host": 64} and req.cached_tokens == 64
+    cold = Engine(EngineConfig(model="tiny", num_blocks=24, prefix_cache=False))
+    [want] = cold.generate([p + [3]], PARAMS)
+    assert result.first_token == want.output_ids[0]
+    eng.release("pf")
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_heartbeat_figures_reach_the_metrics():
+    import msgspec
+
+    from server.metrics import Metrics
+    from workers import protocol as P
+
+    p = prompt(6, 70)
+    eng = engine()
+    eng.generate([p], PARAMS)
+    evict_everything(eng, p)
+    eng.generate([p + [1]], PARAMS)
+    s = eng.cache_stats()
+    figures = P.CacheFigures(**{k: v for k, v in s.items() if k not in ("host", "disk")},
+                             host=P.TierFigures(**s["host"]))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(figures), type=P.CacheFigures)
+    stats = wire.as_stats()
+    assert stats["prefix_cache_hits"]["host"] == 64 and stats["prefix_cache_queries"] >= 70 + 71
+    assert stats["tiers"]["host"]["offload_bytes"] > 0 and stats["tiers"]["host"]["reload_bytes"] > 0
+    m = Metrics("tiny")
+    m.observe_kv_tiers("c0", "colocated", stats)
+    text = m.render().decode()
+    assert 'pdserve:prefix_cache_hits_total{role="colocated",tier="host",worker="c0"} 64.0' in text, text

@@ -1,0 +1,98 @@
+"""The engine's side of the KV tiers: which cached blocks go down to host memory (and disk), and
+when a prompt's prefix is reloaded from there instead of recomputed.
+
+    Tiers(engine's pool, HostTier)
+    offload(req)                    a request is over: its named blocks are copied down, in the
+                                    background (skipping those the tier holds); the GPU copies stay
+                                    cached until evicted, so eviction itself costs nothing
+    plan(names) -> [tier]           of the names after a GPU hit, the leading run held below, cut to
+                                    what the cost model says is cheaper to reload than to recompute
+    start(req, names, blocks, tiers)  reload those entries into the request's blocks, asynchronously
+    poll(req) -> bool               True once nothing is loading for it (its KV landed, or the part
+                                    that did not is left to compute: num_computed says how far)
+    wait(req)                       block until its load is over (before its blocks are freed)
+    observe_prefill(tokens, s)      feeds the cost model the measured prefill time per token
+
+Write-through at finish, not copy-at-eviction: an eviction happens when a new request needs
+blocks, which is on its critical path; a store after a request ends is not on anyone's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from workers.engine.kv_tiers import HostTier, LoadHandle
+from workers.engine.request import Request
+
+log = logging.getLogger("pdserve.engine")
+
+
+class Tiers:
+    def __init__(self, blocks, pool, host: HostTier, block_size: int):
+        self.blocks = blocks  # the PrefixCache
+        self.pool = pool  # KVCache.pool
+        self.host = host
+        self.block_size = block_size
+        self.bytes_per_token = host.layout.bytes_per_token
+        self.loads: dict[int, tuple[LoadHandle, list[str], int]] = {}  # id(req) -> (handle, tiers, first block)
+        self.reloaded_tokens = {"host": 0, "disk": 0}
+        blocks.on_evict = host.before_reuse
+
+    def offload(self, req: Request) -> None:
+        items = [(n, b) for n, b in zip(req.block_names[:req.named_blocks], req.block_ids[:req.named_blocks])
+                 if self.blocks.name_of(b) == n]
+        if items:
+            self.host.store(self.pool, items)
+
+    def plan(self, names: list[bytes]) -> list[str]:
+        tiers = self.host.lookup(names) if names else []
+        # the cost model: a tier slower than recomputing (the seed's break-even) serves nothing, and the
+        # prefix stops where it would be needed
+        cost, bs = self.host.cost, self.block_size
+        ok = {t: cost.should_reload(t, tiers.count(t) * bs, self.bytes_per_token) for t in set(tiers)}
+        cut = next((i for i, t in enumerate(tiers) if not ok[t]), len(tiers))
+        return tiers[:cut]
+
+    def start(self, req: Request, names: list[bytes], blocks: list[int], tiers: list[str], first: int) -> None:
+        handle = self.host.load(self.pool, list(zip(names, blocks)))
+        self.loads[id(req)] = (handle, tiers, first)
+
+    def loading(self, req: Request) -> bool:
+        return id(req) in self.loads
+
+    def poll(self, req: Request, wait: bool = False) -> bool:
+        """True once the request has no load in flight; applies a finished one to it."""
+        entry = self.loads.get(id(req))
+        if entry is None:
+            return True
+        handle, tiers, first = entry
+        if wait:
+            handle.wait()
+        elif not handle.done():
+            return False
+        del self.loads[id(req)]
+        landed = handle.loaded
+        if handle.error:
+            log.warning("request %s: reloading its cached prefix stopped after %d of %d blocks (%s); the rest "
+                        "is computed", req.request_id, landed, len(tiers), handle.error)
+        bs = self.block_size
+        if req.num_computed == first * bs:  # not preempted meanwhile
+            req.num_computed += landed * bs
+            req.cached_tokens += landed * bs
+            for t in tiers[:landed]:
+                req.tier_tokens[t] = req.tier_tokens.get(t, 0) + bs
+                self.reloaded_tokens[t] += bs
+            req.reload_s = (req.reload_s or 0.0) + (handle.seconds or 0.0)
+        return True
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.host.cost.observe_prefill(tokens, seconds)
+
+    def stats(self) -> dict:
+        out = {"reloaded_tokens": dict(self.reloaded_tokens)}
+        for tier, s in self.host.stats().items():
+            out[tier] = s
+        return out
+
+    def close(self) -> None:
+        self.host.close()
