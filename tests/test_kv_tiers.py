@@ -406,3 +406,15 @@ def test_a_store_reads_the_blocks_before_the_caller_overwrites_them(kv):
     handle = tier.load(kv.pool, list(zip(hs, range(16, 28))))
     assert handle.wait(10) and handle.error is None
     assert torch.equal(kv.pool[:, 16:28], expected)
+
+
+@pytest.mark.parametrize("blocks", [[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26]])
+def test_runs_and_scattered_blocks_both_round_trip(kv, blocks):
+    """Few runs of consecutive blocks go as strided copies, many as one index kernel."""
+    tier = host_tier(kv, 16, staging_bytes=5 * ENTRY)
+    assert (len(blocks) > tier.MAX_RUN_COPIES) == (blocks[1] - blocks[0] == 2)
+    hs = hashes(f"runs{len(blocks)}", len(blocks))
+    tier.store(kv.pool, list(zip(hs, blocks)))
+    dst = [b + 1 for b in blocks] if blocks[1] - blocks[0] == 2 else [20, 21, 22, 9, 10, 11]
+    handle, expected = round_trip(tier, kv.pool, hs, blocks, dst)
+    assert handle.error is None and torch.equal(kv.pool[:, dst], expected)
