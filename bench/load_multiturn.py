@@ -16,8 +16,9 @@ token prefix (up to the reply, which is re-tokenized from text). Plain completio
 concatenated text; there the join between the previous prompt and the reply may merge into one new
 token, losing the last block of reuse per turn.
 
-Turns are numbered from 1 (a conversation's first request). A turn that fails ends its conversation (the next turn has no reply to build on): the turns not sent
-are recorded as failed, naming the turn that failed.
+Turns are numbered from 1 (a conversation's first request). A turn that fails ends its conversation
+(the next turn has no reply to build on): the turns not sent are recorded as failed, naming the turn
+that failed.
 """
 
 from __future__ import annotations
@@ -81,18 +82,21 @@ def warmup_samples(convs: list[Conversation], builder: PromptBuilder, seed: int)
 
 
 async def run_conversation(client, conv: Conversation, policy: str | None, opts: SendOptions, t0: float,
-                           think_s: float, on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+                           start_s: float, think_s: float, on_done: Callable[[RequestRecord], None]
+                           ) -> list[RequestRecord]:
+    """Turn 1 is due at start_s (seconds after t0), each later turn think_s after the previous reply
+    ended; a turn's due time is its scheduled_s, so a late send shows as lateness."""
     records: list[RequestRecord] = []
     messages: list[dict] = []  # chat: the conversation so far
     prompt = ""  # completions: the text so far
     n = len(conv.turns)
     for t, (turn, planned_len) in enumerate(zip(conv.turns, conv.planned_prompt_lens())):
-        if t:
-            await asyncio.sleep(think_s)
+        due = start_s if t == 0 else time.perf_counter() - t0 + think_s
+        await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
         messages = messages + [{"role": "user", "content": turn.message}]
         prompt = prompt + turn.message
         p = Planned(conv.index * n + t, Sample(prompt, planned_len, turn.output_len, kind=f"turn {t + 1}"), policy,
-                    send_at_s=time.perf_counter() - t0, messages=messages if opts.chat else None,
+                    send_at_s=due, messages=messages if opts.chat else None,
                     conversation=conv.index, turn=t + 1)
         rec = await send_one(client, p, t0, opts)
         records.append(rec)
@@ -124,20 +128,18 @@ async def run_conversations(client, convs: list[Conversation], policy: str | Non
         raise ValueError("give a conversation rate or a number of conversations in flight, not both")
     t0 = time.perf_counter()
 
-    async def at(delay: float, conv: Conversation) -> list[RequestRecord]:
-        await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
-        return await run_conversation(client, conv, policy, opts, t0, think_s, on_done)
-
     if rate is not None:
         starts = arrival_times(len(convs), rate, burstiness, seed=seed)
-        done = await asyncio.gather(*(at(float(s), c) for s, c in zip(starts, convs)))
+        done = await asyncio.gather(*(run_conversation(client, c, policy, opts, t0, float(s), think_s, on_done)
+                                      for s, c in zip(starts, convs)))
     else:
         todo = list(reversed(convs))
         done = []
 
         async def worker():
             while todo:
-                done.append(await run_conversation(client, todo.pop(), policy, opts, t0, think_s, on_done))
+                done.append(await run_conversation(client, todo.pop(), policy, opts, t0, time.perf_counter() - t0,
+                                                   think_s, on_done))
 
         await asyncio.gather(*(worker() for _ in range(min(int(concurrency), len(convs)))))
     duration = time.perf_counter() - t0

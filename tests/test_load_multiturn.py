@@ -11,7 +11,7 @@ import pytest
 from bench import load
 from bench.load_fake_server import FakeConfig, FakeServer
 from bench.load_multiturn import conversations
-from bench.workload import LengthDist, PromptBuilder
+from bench.workload import LengthDist, PromptBuilder, arrival_times
 from tests.test_load_report_tables import _tables
 
 BLOCK = 16  # the fake's prefix-cache block, in words
@@ -39,7 +39,8 @@ def test_conversations_are_seeded():
     c = one[0]
     lens = [t.message_len for t in c.turns]
     outs = [t.output_len for t in c.turns]
-    assert c.planned_prompt_lens() == [lens[0], lens[0] + outs[0] + lens[1], lens[0] + outs[0] + lens[1] + outs[1] + lens[2]]
+    second = lens[0] + outs[0] + lens[1]
+    assert c.planned_prompt_lens() == [lens[0], second, second + outs[1] + lens[2]]
 
 
 def test_chat_turns_grow_by_the_returned_reply_and_reuse_shows_per_turn(tmp_path):
@@ -113,3 +114,19 @@ def test_multiturn_refuses_what_it_cannot_do(bad, capsys):
     assert load.main(["--dataset", "multiturn", "--no-progress", *bad]) == 2
     err = capsys.readouterr().err
     assert "multi-turn" in err or "conversations" in err, err
+
+
+def test_conversations_start_at_a_seeded_rate(tmp_path):
+    cfg = FakeConfig(itl_ms=1.0, prefill_ms_per_token=0.005, prefix_cache_block=BLOCK)
+    out = tmp_path / "run"
+    with FakeServer(cfg) as srv:
+        rc = load.main(["--base-url", srv.base_url, "--dataset", "multiturn", "--conversations", "4", "--turns", "2",
+                        "--input-len", "100", "--output-len", "3", "--request-rate", "5", "--warmup-batch", "0",
+                        "--out", str(out), "--no-progress", "--no-plots", "--seed", "2"])
+    assert rc == 0
+    (block,) = json.loads((out / "results.json").read_text())["results"]
+    assert block["load_label"] == "conversations 5/s" and block["conversation_rate"] == 5.0
+    assert block["request_rate"] is None and block["saturation"] is None  # a request rate it is not
+    firsts = sorted((r for r in block["requests"] if r["turn"] == 1), key=lambda r: r["scheduled_s"])
+    assert [r["scheduled_s"] for r in firsts] == pytest.approx(list(arrival_times(4, 5.0, 1.0, seed=2)))
+    assert all(0 <= r["start_s"] - r["scheduled_s"] < 0.5 for r in block["requests"])  # went when due (busy box)

@@ -12,6 +12,7 @@ import pytest
 from bench import load
 from bench.load_arms import Arm, with_cache_modes
 from bench.load_fake_server import FakeConfig, FakeServer
+from bench import load_vllm
 from bench.load_vllm import resolve
 
 KEY = "sk-test-0123456789abcdef"
@@ -87,7 +88,8 @@ def test_the_key_never_reaches_the_record():
 
 
 def test_cache_arms_carry_the_worker_flags():
-    arms = [Arm.parse("colocated=colocated:--colocated-workers 1"), Arm.parse("disaggregated=disaggregated:--no-colocated")]
+    arms = [Arm.parse("colocated=colocated:--colocated-workers 1"),
+            Arm.parse("disaggregated=disaggregated:--no-colocated")]
     out = with_cache_modes(arms, ["cache-off", "gpu", "gpu+host", "gpu+host+disk"], host_gb=8, disk_dir="/d",
                            disk_gb=20)
     assert [a.label for a in out] == [f"{p}:{m}" for p in ("colocated", "disaggregated")
@@ -148,3 +150,18 @@ def test_without_the_key_the_run_fails_saying_why(tmp_path, capsys, monkeypatch)
                         "--output-len", "2", "--warmup-batch", "1", "--out", str(tmp_path / "r"), "--no-progress"])
     assert rc == 1
     assert "401" in capsys.readouterr().err
+
+
+def test_result_file_names_follow_vllm():
+    args = argparse.Namespace(result_dir=None, out="o", result_filename=None, label=None, backend="openai")
+    blocks = [{"arm": "colocated:gpu+host", "phase": "point", "request_rate": 2.0, "max_concurrency": None},
+              {"arm": "disaggregated", "phase": "sweep", "request_rate": None, "max_concurrency": 8}]
+    run = {"results": blocks[:1], "model_id": "org/qwen2.5-7b", "date": "20261201-101010"}
+    assert [p.as_posix() for p in load_vllm.result_paths(run, args)] == ["o/openai-2qps-qwen2.5-7b-20261201-101010.json"]
+    run["results"] = blocks
+    assert [p.name for p in load_vllm.result_paths(run, args)] == [
+        "openai-colocated_gpu+host-00-point-2qps-qwen2.5-7b-20261201-101010.json",
+        "openai-disaggregated-01-sweep-infqps-concurrency8-qwen2.5-7b-20261201-101010.json"]
+    args.result_filename, args.result_dir = "mine.json", "d"
+    assert [p.as_posix() for p in load_vllm.result_paths(run, args)] == ["d/mine-00-colocated_gpu+host.json",
+                                                                         "d/mine-01-disaggregated.json"]
