@@ -4,6 +4,7 @@
     pdserve-bench transfer  the KV transfer table (bench/transfer.py)
     pdserve-bench engine    prefill and decode step times against transformers (bench/engine_bench.py)
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/attention_bench.py)
+    pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/multihost.py)
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`.
 """
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "transfer": ("bench.transfer", "KV transfer table: prefill, transfer and first decode step per length"),
     "engine": ("bench.engine_bench", "engine prefill and decode step times against transformers"),
     "attention": ("bench.attention_bench", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
+    "multihost": ("bench.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
     "offload": ("bench.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
 

@@ -184,7 +184,7 @@ class PrefillSide:
             gpu_exposed = max(0.0, prefill_event.elapsed_time(done_event))
         return {"prefill_ms": prefill_ms, "transfer_ms": (stats.finished_at - stats.started_at) * 1e3,
                 "exposed_ms": max(0.0, stats.finished_at - prefill_end) * 1e3, "copies": stats.copies,
-                "exposed_gpu_ms": gpu_exposed,
+                "exposed_gpu_ms": gpu_exposed, "ucx_lane": stats.extra.get("ucx_lane"),
                 "kv_bytes": stats.num_bytes, "first_token": result.first_token,
                 "logits_sha": logits_digest(result.logits)}
 
@@ -268,7 +268,8 @@ class DecodeSide:
         self.args = args
         self.device = torch.device(args.decode_device)
         self.engine = make_engine(args, args.decode_device, args.max_len, shared=self.device.type == "cpu")
-        self.receivers = {t: make_receiver(self.engine.kv, TransferConfig(transport=t, deadline_s=args.deadline_s))
+        self.receivers = {t: make_receiver(self.engine.kv, TransferConfig(transport=t, deadline_s=args.deadline_s,
+                                                                          host=args.kv_host))
                           for t in args.transports.split(",")}
         self.refs: dict[str, dict] = {}  # request id -> its colocated reference
         self.lengths_seen: set[int] = set()
@@ -420,6 +421,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--transports", required=True)
     ap.add_argument("--deadline-s", type=float, default=60.0)
+    ap.add_argument("--kv-host", default="127.0.0.1",
+                    help="decode side: the address its receivers bind and advertise (bench/multihost.py: its namespace's)")
     ap.add_argument("--break", dest="fault", default=None,
                     help="prefill side, tests only: our senders drop part of every request (skip-block:K, skip-all)")
     args = ap.parse_args()
