@@ -20,6 +20,25 @@
 #   NUM_PROMPTS=32 OUTPUT_LEN=128 bench/run_load_gpu.sh
 #   SMOKE=1 bench/run_load_gpu.sh                # 12 prompts, 2 probes, one sweep point: checks the setup
 #   OUT=$OUT/load bench/run_load_gpu.sh          # on the device machine (after source .whl/prelude.sh)
+#   MULTITURN=1 bench/run_load_gpu.sh            # the multi-turn cache comparison below (~6 minutes)
+#
+# MULTITURN=1: instead of the capacity search, each policy under three KV cache modes, a fresh server each
+# (6 arms: colocated:cache-off, colocated:gpu, colocated:gpu+host, the same for disaggregated; --cache-arms
+# gives the workers --no-prefix-cache, nothing, --host-cache-gb HOST_GB). CONVERSATIONS conversations
+# (all started at once, --concurrency) of TURNS turns: a FIRST_LEN-token first message, then NEW_LEN-token
+# messages, OUTPUT_LEN-token replies, THINK s from a reply to the next turn, over /v1/chat/completions.
+# The KV pool is small on purpose (KV_GB=2 by default: ~37k tokens of qwen2.5-7b, about 2 of the 4
+# conversations), so by the time a conversation's turn 2 arrives the others have pushed its blocks out of
+# GPU memory: the gpu arm recomputes it (LRU over a cycle longer than the pool), the gpu+host arm reloads
+# it from host memory. KV_GB=8 keeps every conversation on the GPU (then the gpu arm hits too).
+# Judge in summary.md's per-turn table: turn 2 (the second request) TTFT p50 of ARM:gpu+host against
+# ARM:cache-off, at FIRST_LEN + OUTPUT_LEN + NEW_LEN tokens of context, and the cached share of each.
+# Knobs: CONVERSATIONS (4), TURNS (2), FIRST_LEN (16000), NEW_LEN (256), OUTPUT_LEN (32), THINK (4),
+# HOST_GB (8; the 4 conversations need ~4 GB), CACHE_MODES (cache-off,gpu,gpu+host; gpu+host+disk with
+# DISK_DIR and DISK_GB). Admission: --max-inflight-tokens is raised so the small pool queues the burst of
+# first turns instead of refusing it. SMOKE=1: 2 conversations of a 2000-token first message.
+# Time: 6 fresh servers (~30 s each to build the model), each warm-up (2 prompts of ~16k, 2-4 batches) and
+# one run (~15 s: the first turns' prefills, THINK, the second turns); about 6 minutes in all.
 #
 # Knobs (environment): DEVICES, MODEL, NUM_PROMPTS (per run), SHORT_LEN, LONG_LEN, LONG_FRACTION,
 # OUTPUT_LEN, GOODPUT (SLOs), START_RATE, MAX_PROBES, PRECISION, SWEEP_FACTORS, ARM_BUDGET, WARMUP_BATCH,
@@ -34,6 +53,8 @@
 # A CPU dry run of the script itself (tiny model; about 3 minutes on 2 cores):
 #   MODEL=tiny DEVICES=cpu KV_GB=0.2 SHORT_LEN=uniform:16:64 LONG_LEN=uniform:200:400 OUTPUT_LEN=4 \
 #     GOODPUT="ttft:5000 tpot:1000" START_RATE=2 SERVER_EXTRA="--threads 1" SMOKE=1 bench/run_load_gpu.sh
+#   MULTITURN=1 MODEL=tiny DEVICES=cpu KV_GB=0.2 HOST_GB=0.1 FIRST_LEN=300 NEW_LEN=20 OUTPUT_LEN=4 \
+#     CONVERSATIONS=3 THINK=0.5 WARMUP_MAX=2 SERVER_EXTRA="--threads 1" bench/run_load_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; fi
@@ -43,12 +64,13 @@ MODEL=${MODEL:-qwen2.5-7b}
 DEVICES=${DEVICES:-cuda:0}
 TRANSPORT=${TRANSPORT:-ipc}
 MODE=${MODE:-bulk}
-KV_GB=${KV_GB:-16}
+MULTITURN=${MULTITURN:-0}
+if [ "$MULTITURN" = 1 ]; then KV_GB=${KV_GB:-2}; else KV_GB=${KV_GB:-16}; fi
 NUM_PROMPTS=${NUM_PROMPTS:-24}
 LONG_FRACTION=${LONG_FRACTION:-0.25}
 SHORT_LEN=${SHORT_LEN:-uniform:256:1024}
 LONG_LEN=${LONG_LEN:-uniform:4096:8192}
-OUTPUT_LEN=${OUTPUT_LEN:-64}
+if [ "$MULTITURN" = 1 ]; then OUTPUT_LEN=${OUTPUT_LEN:-32}; else OUTPUT_LEN=${OUTPUT_LEN:-64}; fi
 GOODPUT=${GOODPUT:-ttft:2000 tpot:100}
 START_RATE=${START_RATE:-1}
 MAX_PROBES=${MAX_PROBES:-6}
@@ -58,7 +80,17 @@ ARM_BUDGET=${ARM_BUDGET:-120}
 WARMUP_BATCH=${WARMUP_BATCH:-4}
 WARMUP_MAX=${WARMUP_MAX:-4}
 SERVER_EXTRA=${SERVER_EXTRA:-}
-if [ "${SMOKE:-0}" = 1 ]; then NUM_PROMPTS=12; MAX_PROBES=2; SWEEP_FACTORS=0.5; WARMUP_MAX=3; fi
+CONVERSATIONS=${CONVERSATIONS:-4}
+TURNS=${TURNS:-2}
+FIRST_LEN=${FIRST_LEN:-16000}
+NEW_LEN=${NEW_LEN:-256}
+THINK=${THINK:-4}
+HOST_GB=${HOST_GB:-8}
+CACHE_MODES=${CACHE_MODES:-cache-off,gpu,gpu+host}
+if [ "${SMOKE:-0}" = 1 ]; then
+  NUM_PROMPTS=12; MAX_PROBES=2; SWEEP_FACTORS=0.5; WARMUP_MAX=3
+  CONVERSATIONS=2; FIRST_LEN=2000; THINK=1
+fi
 OUT=${OUT:-bench/results/load-gpu-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 
@@ -81,6 +113,21 @@ gpu_state() {  # clocks, power and memory, for the record (no GPU: says so)
     --format=csv > "$1" 2>&1 || echo "nvidia-smi not available" > "$1"
 }
 gpu_state "$OUT/gpu-start.txt"
+
+if [ "$MULTITURN" = 1 ]; then
+  CACHE_FLAGS=(--cache-arms "$CACHE_MODES" --cache-host-gb "$HOST_GB")
+  if [ -n "${DISK_DIR:-}" ]; then CACHE_FLAGS+=(--cache-disk-dir "$DISK_DIR" --cache-disk-gb "${DISK_GB:-32}"); fi
+  "$PYTHON" -m bench.cli load \
+    "${ARMS[@]}" "${CACHE_FLAGS[@]}" \
+    --server-args "$COMMON --max-inflight-tokens 10000000" --server-timeout 900 \
+    --dataset multiturn --conversations "$CONVERSATIONS" --turns "$TURNS" --input-len "$FIRST_LEN" \
+    --new-message-len "$NEW_LEN" --output-len "$OUTPUT_LEN" --think-time "$THINK" --concurrency "$CONVERSATIONS" \
+    --tokenizer "$MODEL" --warmup-batch 2 --warmup-max-batches "$WARMUP_MAX" --request-timeout 600 \
+    --out "$OUT" --no-progress
+  gpu_state "$OUT/gpu-end.txt"
+  echo "results in $OUT"
+  exit 0
+fi
 
 # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
 "$PYTHON" -m bench.cli load \
