@@ -337,6 +337,7 @@ def run(args) -> int:
     except (ClientError, WarmupFailed, WorkloadError, ArmError) as e:
         print(f"pdserve-bench load: {e}", file=sys.stderr)
         return 1
+    model = next(info["model"] for info in arm_infos if "model" in info)
     n_long = long_count(args.num_prompts, args.long_fraction) if args.dataset == "synthetic" else None
     run_record = {
         "date": env["date"],
@@ -345,8 +346,8 @@ def run(args) -> int:
         "base_url": args.base_url,
         "endpoint": args.endpoint,
         "backend": args.backend,
-        "model": arm_infos[0]["model"],
-        "model_id": arm_infos[0]["model"],
+        "model": model,
+        "model_id": model,
         "tokenizer_id": args.tokenizer,
         "policies": [arm.policy for arm in arms if arm.policy] or None,
         "policy_runs": args.policy_runs,
@@ -372,7 +373,11 @@ def run(args) -> int:
     (out / "summary.md").write_text(summary)
     print(summary)
     print(f"results in {out}/", file=sys.stderr)
-    return 0 if all(b["completed"] > 0 for b in blocks) else 1
+    failed_arms = [info["label"] for info in arm_infos if "error" in info]
+    if failed_arms:
+        print(f"pdserve-bench load: arm(s) {', '.join(failed_arms)} failed (their errors are in results.json)",
+              file=sys.stderr)
+    return 0 if all(b["completed"] > 0 for b in blocks) and not failed_arms else 1
 
 
 def main(argv: list[str] | None = None) -> int:

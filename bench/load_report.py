@@ -100,8 +100,11 @@ def _saturated(block: dict) -> str:
 def _arm_lines(run: dict) -> list[str]:
     lines = []
     for arm in run.get("arms") or []:
-        where = arm.get("server", {}).get("command") or arm.get("base_url")
+        where = arm.get("server", {}).get("command") or arm.get("base_url") or "its server not started"
         text = f"- arm **{arm['label']}**: policy {arm.get('policy') or '(server default)'}, {where}"
+        if arm.get("error"):
+            lines.append(text + f"; **failed, not measured**: {arm['error'].splitlines()[0]}")
+            continue
         if arm.get("server", {}).get("startup_s") is not None:
             text += f" (ready in {arm['server']['startup_s']:.0f} s, log {arm['server']['log']})"
         w = arm.get("warmup")

@@ -7,7 +7,8 @@
                                    duration, saturation judged, SLO target checked; multi-turn: TTFT and
                                    cached tokens per turn, bench/load_multiturn.py)
     run_separate(session, arms, points)   each arm alone: its own server in turn, warm-up, then the given
-                                   points or the capacity search and its sweep
+                                   points or the capacity search and its sweep; an arm that fails (its
+                                   server, its warm-up) is recorded with its error and the others go on
     run_interleaved(...)           the shared run: request i with policy i mod n (labelled in every block)
 """
 
@@ -22,12 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.capacity import capacity_and_sweep, meets_target, saturation
-from bench.load_arms import Arm, ArmServer, default_server_command
+from bench.load_arms import Arm, ArmError, ArmServer, default_server_command
 from bench.load_multiturn import conversations, run_conversations, warmup_samples
-from bench.load_runner import Planned, SendOptions, run_closed_loop, run_open_loop, warmup_until_steady
+from bench.load_runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
+                               warmup_until_steady)
 from bench.metrics import summarize
 from bench.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
                             synthetic_samples)
+from client import ClientError
 
 
 @dataclass(frozen=True)
@@ -256,27 +259,46 @@ async def run_separate(session: Session, arms, points) -> tuple[list[dict], list
                     blocks.append(await session.measure(clients[i], arms[i], point))
         return infos, blocks
     for arm in arms:
-        async with contextlib.AsyncExitStack() as stack:
-            client, info = await _arm_client(session, arm, stack)
-            info["warmup"] = await session.warmup(client, arm.policy, session.samples())
-            if a.capacity_search:
-                deadline = time.monotonic() + a.arm_budget
-                cap, mine = await capacity_and_sweep(
-                    lambda rate, phase, factor: session.measure(client, arm, LoadPoint("rate", rate), phase, factor),
-                    start_rate=a.search_start_rate, max_probes=a.search_max_probes, precision=a.search_precision,
-                    target=a.goodput_target, factors=a.sweep_factors, out_of_time=lambda: time.monotonic() > deadline)
-                info["capacity"] = cap.to_dict()
-                found = "below the lowest probe" if cap.rate is None else \
-                    f"{cap.rate:.4g} req/s" + (f" (first fail {cap.first_fail:.4g})" if cap.first_fail else
-                                               " at least (no probe failed)")
-                print(f"arm {arm.label}: capacity {found}, {len(cap.probes)} probes"
-                      + (", stopped by --arm-budget" if cap.out_of_time else ""), file=sys.stderr)
-                blocks += mine
-            else:
-                for point in points:
-                    blocks.append(await session.measure(client, arm, point))
-            infos.append(info)
+        try:
+            info, mine = await _run_arm(session, arm, points)
+        except (ArmError, WarmupFailed, ClientError) as e:
+            if len(arms) == 1:
+                raise
+            # one arm's broken server should not cost the others' runs (minutes of GPU each): recorded, and
+            # the invocation still exits 1
+            print(f"pdserve-bench load: arm {arm.label} failed, the other arms go on: {e}", file=sys.stderr)
+            info, mine = {"label": arm.label, "policy": arm.policy, "error": str(e)}, []
+        infos.append(info)
+        blocks += mine
+    if all("error" in info for info in infos):
+        raise ArmError("every arm failed: " + "; ".join(f"{i['label']}: {i['error']}" for i in infos))
     return infos, blocks
+
+
+async def _run_arm(session: Session, arm, points) -> tuple[dict, list[dict]]:
+    """One arm alone (its own server when it has one): warm-up, then the points or the capacity search."""
+    a = session.args
+    blocks = []
+    async with contextlib.AsyncExitStack() as stack:
+        client, info = await _arm_client(session, arm, stack)
+        info["warmup"] = await session.warmup(client, arm.policy, session.samples())
+        if a.capacity_search:
+            deadline = time.monotonic() + a.arm_budget
+            cap, mine = await capacity_and_sweep(
+                lambda rate, phase, factor: session.measure(client, arm, LoadPoint("rate", rate), phase, factor),
+                start_rate=a.search_start_rate, max_probes=a.search_max_probes, precision=a.search_precision,
+                target=a.goodput_target, factors=a.sweep_factors, out_of_time=lambda: time.monotonic() > deadline)
+            info["capacity"] = cap.to_dict()
+            found = "below the lowest probe" if cap.rate is None else \
+                f"{cap.rate:.4g} req/s" + (f" (first fail {cap.first_fail:.4g})" if cap.first_fail else
+                                           " at least (no probe failed)")
+            print(f"arm {arm.label}: capacity {found}, {len(cap.probes)} probes"
+                  + (", stopped by --arm-budget" if cap.out_of_time else ""), file=sys.stderr)
+            blocks += mine
+        else:
+            for point in points:
+                blocks.append(await session.measure(client, arm, point))
+    return info, blocks
 
 
 async def run_interleaved(session: Session, arms, points) -> tuple[list[dict], list[dict]]:

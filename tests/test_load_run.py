@@ -212,3 +212,21 @@ def test_warmup_failure_and_unreachable_server_stop_the_run(tmp_path, capsys):
     assert rc == 1 and "cannot reach the server" in capsys.readouterr().err
     assert load.main(["--input-len", "uniform:9:1", "--out", str(tmp_path / "x")]) == 2
     assert "bad length spec" in capsys.readouterr().err
+
+
+def test_an_arm_that_fails_does_not_cost_the_others(tmp_path, capsys):
+    """Three arms with their own (fake) servers, the middle one's server refuses its flags: the other two are
+    measured and written, the failed one is recorded with its error, and the run exits 1."""
+    import sys
+    out = tmp_path / "arms"
+    server = f"{sys.executable} -m bench.load_fake_server --port 0 --itl-ms 1"
+    rc = load.main(["--arm", "a=colocated:", "--arm", "broken=colocated:--no-such-flag", "--arm", "c=colocated:",
+                    "--server-command", server, "--num-prompts", "3", "--input-len", "10", "--output-len", "2",
+                    "--warmup-batch", "1", "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 1
+    assert "arm broken failed, the other arms go on" in capsys.readouterr().err
+    run = json.loads((out / "results.json").read_text())
+    assert [b["arm"] for b in run["results"]] == ["a", "c"] and all(b["completed"] == 3 for b in run["results"])
+    broken = run["arms"][1]
+    assert broken["label"] == "broken" and "exited with code 2 before it was ready" in broken["error"]
+    assert "**broken**" in (summary := (out / "summary.md").read_text()) and "failed, not measured" in summary
