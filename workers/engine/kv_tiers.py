@@ -835,18 +835,22 @@ class HostTier:
             slots = self.slots.allocate(room)
             blocks = [b for _, b in new]
             written = None
-            with torch.inference_mode():
-                if self.cuda and new:
-                    s = self._out_stream
-                    s.wait_event(self._event(torch.cuda.current_stream(self.device)))  # the KV is complete
-                    self._wait_retired(s)
-                    for ev in {id(v): v for b in blocks if (v := self._gpu_writes.get(b)) is not None}.values():
-                        s.wait_event(ev)
-                    with torch.cuda.device(self.device), torch.cuda.stream(s):
+            try:
+                with torch.inference_mode():
+                    if self.cuda and new:
+                        s = self._out_stream
+                        s.wait_event(self._event(torch.cuda.current_stream(self.device)))  # the KV is complete
+                        self._wait_retired(s)
+                        for ev in {id(v): v for b in blocks if (v := self._gpu_writes.get(b)) is not None}.values():
+                            s.wait_event(ev)
+                        with torch.cuda.device(self.device), torch.cuda.stream(s):
+                            self._copy_out(pool, blocks, slots)
+                        written = self._event(s)
+                    elif new:
                         self._copy_out(pool, blocks, slots)
-                    written = self._event(s)
-                elif new:
-                    self._copy_out(pool, blocks, slots)
+            except BaseException:
+                self.slots.free(slots)  # nothing was recorded: the slots go back
+                raise
             for (h, b), slot in zip(new, slots):
                 self._entries[h] = _Entry(slot, written)
                 if written is not None:
