@@ -229,7 +229,7 @@ class DiskTier:
         for path in paths:
             try:
                 f = self._read_header(path)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:  # a header we did not write
                 log.warning("disk tier %s: not serving %s: %s", self.dir, path.name, e)
                 continue
             self._add_file(f)
