@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server import schemas as S
 from server.admission import AdmittedStream
 from server.config import RouterConfig
-from server.dispatch import Dispatcher, Done, Job, Token
+from server.dispatch import Dispatcher, Done, Job, Token, fan_out
 from server.errors import APIError, bad_request, unknown_model
 from server.metrics import CONTENT_TYPE, Metrics
 from server.pool import WorkerPool
@@ -66,6 +66,7 @@ class Router:
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
         self.created = S.now_s()
         self._work = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="parse")
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (at most the vocabulary)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -166,28 +167,28 @@ class Router:
         rid = S.new_id(kind)
         http.state.request_id = rid  # the response's x-request-id (server/request_id.py)
         job = await self.prepare(kind, req, rid, clock)
-        plan = self.dispatcher.plan(job)
-        ids = req.return_token_ids
+        plans = self.dispatcher.plan_all(fan_out(job, req.n))
+        tickets = _Tickets([p.ticket for p in plans])
+        choices = self._choices(kind, req, job)
         if req.stream:
-            return AdmittedStream(self._sse(kind, job, plan, req), plan.ticket, media_type="text/event-stream",
+            return AdmittedStream(self._sse(kind, job, plans, req, choices), tickets, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        parts: list[str] = []
-        done: Done | None = None
+        dones: list[Done | None] = [None] * len(plans)
 
         async def collect() -> None:
-            nonlocal done
-            async for event in self.dispatcher.execute(plan):
+            async for i, event in self.dispatcher.execute_all(plans):
                 if isinstance(event, Token):
-                    parts.append(event.text)
+                    choices[i].add(event.token_id, event.text, event.logprobs, event.prompt_logprobs)
                 else:
-                    done = event
+                    dones[i] = event
+                    choices[i].finish_reason = event.finish_reason
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            plan.ticket.release()
+            tickets.release()
             gone.cancel()
             if not work.done():  # the client left (or we are cancelled): stop its workers
                 work.cancel()
@@ -197,36 +198,58 @@ class Router:
             return Response(status_code=499)
         work.result()  # raises the request's APIError, if any
         return JSONResponse(S.response_body(
-            kind, rid, S.now_s(), self.cfg.model, "".join(parts), done.finish_reason, len(job.prompt_ids),
-            len(done.token_ids), done.timings, done.token_ids if ids else None))
+            kind, rid, S.now_s(), self.cfg.model, [c.body() for c in choices], len(job.prompt_ids),
+            sum(len(d.token_ids) for d in dones), dones[0].timings))
 
-    async def _sse(self, kind: str, job: Job, plan, req: S.CompletionRequest | S.ChatRequest):
+    def _choices(self, kind: str, req: S.CompletionRequest | S.ChatRequest, job: Job) -> list[S.ChoiceBuilder]:
+        """One builder per choice: logprobs if asked, the prompt's text first if echoed (completions)."""
+        logprobs = job.sampling.logprobs is not None
+        echo = None
+        if kind != "chat" and req.echo:
+            prompt = req.prompt_input()
+            echo = prompt if isinstance(prompt, str) else self.encoder.decode(job.prompt_ids)
+        return [S.ChoiceBuilder(kind, i, self._token_text, logprobs, req.return_token_ids, echo, job.prompt_ids)
+                for i in range(req.n)]
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text as logprobs show it (vLLM's: the token decoded alone), remembered."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.encoder.decode([token_id])
+        return text
+
+    async def _sse(self, kind: str, job: Job, plans: list, req: S.CompletionRequest | S.ChatRequest,
+                   choices: list[S.ChoiceBuilder]):
         rid, created, model = job.request_id, S.now_s(), self.cfg.model
-        with_ids = req.return_token_ids
         # OpenAI's include_usage: every event says "usage": null, and a last one (empty choices) the usage
         usage_event = req.stream_options is not None and req.stream_options.include_usage
-        first = True
-        held: Token | None = None
+        held: dict[int, tuple[str, list[int]]] = {}  # choice -> its last token, sent with its Done in one event
+        completion_tokens, left = 0, len(plans)
         try:
-            async for event in self.dispatcher.execute(plan):
-                if isinstance(event, Token) and not event.last:
-                    yield _event(S.chunk_body(kind, rid, created, model, event.text, first,
-                                              token_ids=[event.token_id] if with_ids else None,
-                                              null_usage=usage_event))
-                    first = False
-                elif isinstance(event, Token):
-                    held = event  # the Done follows at once: one final event carries both
-                else:
-                    body = S.chunk_body(kind, rid, created, model, held.text if held else "", first,
-                                        event.finish_reason, [held.token_id] if with_ids and held else None,
-                                        null_usage=usage_event)
-                    if usage_event:
-                        yield _event(body)
-                        body = S.usage_chunk_body(kind, rid, created, model)
-                    body["usage"] = S.usage(len(job.prompt_ids), len(event.token_ids),
-                                            event.timings.get("cached_tokens"))
-                    body["timings"] = event.timings
+            async for i, event in self.dispatcher.execute_all(plans):
+                c = choices[i]
+                if isinstance(event, Token):
+                    text = c.add(event.token_id, event.text, event.logprobs, event.prompt_logprobs)
+                    if event.last:  # the Done follows at once: one final event carries both
+                        held[i] = (text, [event.token_id])
+                    else:
+                        yield _event(S.chunk_body(kind, rid, created, model, c.delta(text, [event.token_id]),
+                                                  null_usage=usage_event))
+                    continue
+                text, ids = held.pop(i, ("", []))
+                body = S.chunk_body(kind, rid, created, model, c.delta(text, ids, event.finish_reason),
+                                    null_usage=usage_event)
+                completion_tokens += len(event.token_ids)
+                left -= 1
+                if left:
                     yield _event(body)
+                    continue
+                if usage_event:
+                    yield _event(body)
+                    body = S.usage_chunk_body(kind, rid, created, model)
+                body["usage"] = S.usage(len(job.prompt_ids), completion_tokens)  # the prompt counted once
+                body["timings"] = event.timings
+                yield _event(body)
         except APIError as e:
             log.warning("request %s failed mid-stream: %s", rid, e.message)
             yield _event(e.body())
@@ -290,6 +313,17 @@ class Router:
         if draining:  # 503: a load balancer stops sending here
             ok, body["message"] = False, "shutting down: in-flight requests finish, new ones get 503"
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+class _Tickets:
+    """The admission tickets of one response's sequences (n > 1), released together."""
+
+    def __init__(self, tickets: list):
+        self.tickets = tickets
+
+    def release(self) -> None:
+        for t in self.tickets:
+            t.release()
 
 
 def _version() -> str:

@@ -18,10 +18,13 @@ write can land any more (workers/roles/decode.py). P's deadline ends before D's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
+
+import msgspec
 
 from server.admission import Admission, Ticket, unavailable
 from server.config import RouterConfig
@@ -52,6 +55,8 @@ class Token:
     token_id: int
     text: str
     last: bool  # a Done follows at once (streaming puts both in one event)
+    logprobs: P.TokenLogprobs | None = None  # when the request asked (Sampling.logprobs)
+    prompt_logprobs: list[P.TokenLogprobs] | None = None  # token 1, when it asked (Sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,54 @@ class Dispatcher:
 
     def _prefill_for(self, d: WorkerState) -> list[WorkerState]:
         return [p for p in self.pool.alive("prefill", d.info.transport) if p.info.mode == d.info.mode]
+
+    def plan_all(self, jobs: list[Job]) -> list[Plan]:
+        """Plans for the sequences of one prompt (n > 1): each admitted, all on the workers picked for
+        the first (so that one worker's prefix cache holds the prompt's KV for all of them)."""
+        plans = [self.plan(jobs[0])]
+        try:
+            for job in jobs[1:]:
+                ticket = self.admission.admit(job.request_id, plans[0].ticket.roles, len(job.prompt_ids))
+                plans.append(dataclasses.replace(plans[0], job=job, ticket=ticket))
+        except BaseException:
+            for plan in plans:
+                plan.ticket.release()
+            raise
+        return plans
+
+    async def execute_all(self, plans: list[Plan]) -> AsyncIterator[tuple[int, Token | Done]]:
+        """(choice index, event) of every plan's run, as they come; the first error ends them all."""
+        if len(plans) == 1:
+            async for event in self.execute(plans[0]):
+                yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def run(i: int, plan: Plan) -> None:
+            try:
+                async for event in self.execute(plan):
+                    queue.put_nowait((i, event))
+            except Exception as e:  # APIError and the rest: the response's, raised below
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, end))
+
+        tasks = [asyncio.ensure_future(run(i, plan)) for i, plan in enumerate(plans)]
+        try:
+            running = len(tasks)
+            while running:
+                i, event = await queue.get()
+                if event is end:
+                    running -= 1
+                elif isinstance(event, Exception):
+                    raise event
+                else:
+                    yield i, event
+        finally:  # an error, or the client left: the other sequences stop (their workers are told)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def plan(self, job: Job) -> Plan:
         """Admit the job (429/503 with Retry-After at once if it cannot be) and pick its workers."""
@@ -210,6 +263,8 @@ class Dispatcher:
             await self.pool.send(p, P.Prefill(rid, job.prompt_ids, job.sampling, d.id, msg.kv_address,
                                               msg.block_ids, prefill_deadline, msg.cached_tokens))
             stream = _TokenStream(job, self.metrics)
+            # token 1's logprobs (and the prompt's) come with P's report: D's tokens wait for it, if asked
+            held: list[tuple[P.TokenOut, float]] | None = [] if needs_prefill_report(job.sampling) else None
             while not finished:
                 waiting_for = "tokens" if stream.count else "prefill and KV transfer"
                 timeout = self.cfg.token_timeout_s if stream.count else self.cfg.kv_deadline_s + 5.0
@@ -217,7 +272,15 @@ class Dispatcher:
                 if isinstance(msg, P.PrefillDone):
                     report, prefill_reported = msg, True
                     self.pool.detach(rid, p.id)  # P's part is over: losing P no longer matters
+                    for out, at in with_first_logprobs(held or [], report):
+                        yield stream.add(out, at)
+                    held = None
+                elif isinstance(msg, P.TokenOut) and held is not None:
+                    held.append((msg, landed))
+                    finished = msg.finished
                 elif isinstance(msg, P.TokenOut):
+                    if stream.count == 0 and report is not None and needs_prefill_report(job.sampling):
+                        [(msg, landed)] = with_first_logprobs([(msg, landed)], report)  # the report came first
                     yield stream.add(msg, landed)
                     finished = msg.finished
                 elif isinstance(msg, P.RequestFailed) and msg.worker_id == p.id:
@@ -233,6 +296,8 @@ class Dispatcher:
                     report = msg
                 elif not isinstance(msg, P.TokenOut):
                     self._raise_for(msg, job)
+            for out, at in with_first_logprobs(held or [], report):
+                yield stream.add(out, at)
             yield stream.done(stream.last, timings(
                 policy="disaggregated", clock=job.clock, prompt_tokens=len(job.prompt_ids),
                 completion_tokens=stream.count, worker=d.id, prefilled_by=report.timeline,
@@ -327,6 +392,30 @@ class Dispatcher:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
+def fan_out(job: Job, n: int) -> list[Job]:
+    """The n sequences of one request: ids `<id>-<i>`, sequence i seeded with seed + i (wrapping within
+    0..2**63-1) when a seed is given, so each choice differs and the whole is reproducible."""
+    if n == 1:
+        return [job]
+    s = job.sampling
+    return [Job(f"{job.request_id}-{i}", job.prompt_ids,
+                s if s.seed is None else msgspec.structs.replace(s, seed=(s.seed + i) % (P.MAX_SEED + 1)),
+                job.policy, dataclasses.replace(job.clock)) for i in range(n)]
+
+
+def needs_prefill_report(s: P.Sampling) -> bool:
+    return s.logprobs is not None or s.prompt_logprobs is not None
+
+
+def with_first_logprobs(held: list[tuple[P.TokenOut, float]], report: P.PrefillDone) -> list[tuple[P.TokenOut, float]]:
+    """D's tokens held for P's report, token 1 given the logprobs P computed (it sampled token 1)."""
+    if not held:
+        return held
+    first, at = held[0]
+    first = msgspec.structs.replace(first, logprobs=report.first_logprobs, prompt_logprobs=report.prompt_logprobs)
+    return [(first, at)] + held[1:]
+
+
 class _TokenStream:
     """Tokens of one request as they reach the router: stamps, inter-token latency, the last message."""
 
@@ -352,7 +441,7 @@ class _TokenStream:
         clock.last_token = now
         self.token_ids.append(out.token_id)
         self.last = out
-        return Token(out.token_id, out.text, out.finished)
+        return Token(out.token_id, out.text, out.finished, out.logprobs, out.prompt_logprobs)
 
     def done(self, out: P.TokenOut, t: dict) -> Done:
         return Done(out.finish_reason or "stop", t, list(self.token_ids))

@@ -6,15 +6,18 @@ the text, token ids or chat messages to tokenize. Bad input raises APIError (400
 Hostile input is refused before it costs anything: the body parses with NaN/Infinity refused and
 nesting at most MAX_JSON_DEPTH deep; every string (keys too) must be valid Unicode (a lone
 surrogate such as \\ud800 cannot be tokenized or encoded); at most MAX_MESSAGES chat messages;
-every number inside the control protocol's bounds (workers/protocol.py: seed 0..2**63-1, top_k and
-max_tokens below 2**31, at most 16 stop strings of 4096 characters), so nothing reaches msgpack or
+every number inside the control protocol's bounds (workers/protocol.py defines them once, for this
+API, the wire and the engine: seed 0..2**63-1, temperature 0..2, penalties, top_k and max_tokens below
+2**31, at most 16 stop strings of 4096 characters, 20 top logprobs), so nothing reaches msgpack or
 torch that they would fail on; a temperature under MIN_TEMPERATURE samples greedily.
 pdserve extensions: `policy` (colocated | disaggregated | auto), `top_k`, `ignore_eos`,
-`return_token_ids`. Sampling defaults to greedy (temperature 0) unless the request says otherwise.
+`return_token_ids`; vLLM's `repetition_penalty`, `min_tokens`, `stop_token_ids`. Sampling defaults to
+greedy (temperature 0) unless the request says otherwise. `n` > 1: choice i samples with seed + i
+when a seed is given.
 
 Nothing is silently ignored: a field no model here declares is refused (400, naming it), and so is a
-field OpenAI or vLLM defines that pdserve does not implement (UNSUPPORTED: `tools`, `logprobs`, `n` > 1,
-penalties, ...) unless it holds its neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: false`),
+field OpenAI or vLLM defines that pdserve does not implement (UNSUPPORTED: `tools`, `response_format`,
+`best_of`, `min_p`, `logit_bias`, ...) unless it holds its neutral value (`best_of: 1`, `min_p: 0`),
 which changes nothing and is what many clients send by default.
 """
 
@@ -30,11 +33,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from server.errors import APIError, bad_request
-from workers.protocol import MAX_INT32, MAX_PROMPT_TOKENS, MAX_SEED, MIN_TEMPERATURE, Sampling
+from workers import protocol as P
+from workers.protocol import (MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_PROMPT_TOKENS, MAX_REPETITION_PENALTY,
+                              MAX_SEED, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                              MIN_TEMPERATURE, Sampling)
 
 POLICIES = ("colocated", "disaggregated", "auto")
-MAX_STOP = 16
-MAX_STOP_CHARS = 4096  # workers/protocol.py's bound on one stop string
+MAX_N = 16  # choices per request: each is a sequence of its own on the workers
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's legacy bound); chat's top_logprobs: MAX_LOGPROBS
 MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) is 5 levels
 MAX_MESSAGES = 2048  # chat messages per request (OpenAI's own cap)
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -65,12 +71,12 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
 
 
 # OpenAI or vLLM fields pdserve does not implement -> the values that change nothing (accepted, dropped)
+# (a field one endpoint implements is that endpoint's model's: `echo` on completions, `top_logprobs` on chat)
 UNSUPPORTED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "min_tokens": (0,), "min_p": (0,), "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,),
+    "best_of": (1,), "min_p": (0,), "logit_bias": ({},), "top_logprobs": (0,),
     "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
-    "stop_token_ids": ([],), "use_beam_search": (False,), "length_penalty": (1,), "prediction": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "prediction": (),
     "modalities": (["text"],), "audio": (), "reasoning_effort": (), "web_search_options": (), "store": (False,),
     "metadata": (), "service_tier": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (), "chat_template": (), "chat_template_kwargs": (),
@@ -90,9 +96,6 @@ def refuse_unsupported(data: dict, model_cls: type[BaseModel]) -> None:
             del data[name]
             continue
         hint = f"leave it out or set it to {json.dumps(neutral[0])}" if neutral else "leave it out"
-        if name == "n":
-            raise bad_request(f"`n` must be 1: pdserve returns one choice per request (`n` > 1 is not supported), "
-                              f"got {_show(value)}; {hint}", name, "unsupported_field")
         why = f" ({_WHY[name]})" if name in _WHY else ""
         raise bad_request(f"`{name}` is not supported by pdserve{why}, got {_show(value)}; {hint}", name,
                           "unsupported_field")
@@ -219,6 +222,17 @@ class _Common(BaseModel):
     return_token_ids: bool = Field(False, description="pdserve: each choice (or stream event) carries its "
                                    "token ids")
     user: str | None = Field(None, description="OpenAI's end-user tag: accepted, changes nothing")
+    n: int = Field(1, description=f"choices to generate (1..{MAX_N}); with a seed, choice i samples with seed + i")
+    presence_penalty: float = Field(0.0, description="OpenAI: -2..2, minus this from the logit of every token "
+                                    "generated so far")
+    frequency_penalty: float = Field(0.0, description="OpenAI: -2..2, minus this times how often each token was "
+                                     "generated so far")
+    repetition_penalty: float = Field(1.0, description=f"vLLM: (0, {MAX_REPETITION_PENALTY:g}], tokens of the "
+                                      "prompt or the output: logit / r if positive, * r if not; 1: off")
+    min_tokens: int = Field(0, description="vLLM: EOS and stop_token_ids cannot end the answer before this many "
+                            "tokens (stop strings are not checked either)")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM: generating one of these token ids stops "
+                                             "(finish_reason stop; its text stays unless it is a special token)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -240,9 +254,28 @@ class _Common(BaseModel):
             raise bad_request(f"`max_tokens` must be a positive integer, got {self.max_tokens}", "max_tokens")
         if self.max_tokens is not None and self.max_tokens > MAX_INT32:
             raise bad_request(f"`max_tokens` must be at most {MAX_INT32}, got {self.max_tokens}", "max_tokens")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise bad_request(f"`temperature` must be between 0 and 2 (0 = greedy), got {self.temperature}",
-                              "temperature")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad_request(f"`temperature` must be between 0 and {MAX_TEMPERATURE:g} (0 = greedy), got "
+                              f"{self.temperature}", "temperature")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"`n` must be between 1 and {MAX_N} (choices per request), got {self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise bad_request(f"`{name}` must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g} (0 = off), got "
+                                  f"{getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad_request(f"`repetition_penalty` must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got "
+                              f"{self.repetition_penalty}", "repetition_penalty")
+        if self.min_tokens < 0:
+            raise bad_request(f"`min_tokens` must be 0 or more, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad_request(f"`min_tokens` ({self.min_tokens}) must not exceed `max_tokens` ({self.max_tokens})",
+                              "min_tokens")
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} `stop_token_ids`, got {len(ids)}", "stop_token_ids")
+        if any(not 0 <= t <= MAX_INT32 for t in ids):
+            raise bad_request(f"`stop_token_ids` must be token ids (0 or more), got {_show(ids)}", "stop_token_ids")
         if not 0.0 < self.top_p <= 1.0:
             raise bad_request(f"`top_p` must be in (0, 1], got {self.top_p}", "top_p")
         if not 0 <= self.top_k <= MAX_INT32:
@@ -262,18 +295,40 @@ class _Common(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(top logprobs per generated token, per prompt token); None: not asked."""
+        return None, None
+
     def sampling(self, max_tokens: int) -> Sampling:
+        if self.min_tokens > max_tokens:
+            raise bad_request(f"`min_tokens` ({self.min_tokens}) must not exceed the {max_tokens} tokens this "
+                              f"request may generate; lower it or raise `max_tokens`", "min_tokens")
         # logits / a temperature this small overflow to inf: below it, sampling is greedy anyway
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        logprobs, prompt_logprobs = self.logprob_counts()
         return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p, top_k=self.top_k,
-                        seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos)
+                        seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                        stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Common):
     prompt: Any = None
+    logprobs: int | None = Field(None, description=f"OpenAI's legacy format: the chosen token's logprob and the "
+                                 f"top 0..{MAX_COMPLETION_LOGPROBS} alternatives of each token")
+    echo: bool = Field(False, description="the prompt before the completion in `text` (with `logprobs`: the "
+                       "prompt tokens' too, the first one's null)")
 
     def check(self) -> None:
         self.check_common()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS} (top alternatives per "
+                              f"token), got {self.logprobs}", "logprobs")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def prompt_input(self) -> str | list[int]:
         """The prompt as text or token ids; one prompt per request."""
@@ -322,11 +377,24 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = Field(False, description="each generated token's logprob (choices[i].logprobs.content)")
+    top_logprobs: int | None = Field(None, description=f"with `logprobs`: the 0..{MAX_LOGPROBS} most likely "
+                                     "alternatives of each token too")
 
     def check(self) -> None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         self.check_common()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise bad_request("`top_logprobs` needs `logprobs: true`; set it, or leave `top_logprobs` out",
+                                  "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"`top_logprobs` must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
+                                  "top_logprobs")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def prompt_input(self) -> list[dict]:
         if not self.messages:
@@ -400,38 +468,118 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return out
 
 
-def response_body(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
-                  prompt_tokens: int, completion_tokens: int, timings: dict,
-                  token_ids: list[int] | None = None) -> dict:
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
+def choice_body(kind: str, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                token_ids: list[int] | None = None, delta: bool = False, first: bool = False) -> dict:
+    """One choice of a response (delta: of a stream event; first: its first event carries the role)."""
+    if kind == "chat" and delta:
+        choice = {"index": index, "delta": {"role": "assistant", "content": text} if first else {"content": text}}
+    elif kind == "chat":
+        choice = {"index": index, "message": {"role": "assistant", "content": text}}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
+        choice = {"index": index, "text": text}
+    choice["logprobs"] = logprobs
+    choice["finish_reason"] = finish_reason
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens, timings.get("cached_tokens")), "timings": timings}
+    return choice
 
 
-def chunk_body(kind: str, rid: str, created: int, model: str, text: str, first: bool,
-               finish_reason: str | None = None, token_ids: list[int] | None = None,
-               null_usage: bool = False) -> dict:
-    if kind == "chat":
-        delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
+def response_body(kind: str, rid: str, created: int, model: str, choices: list[dict], prompt_tokens: int,
+                  completion_tokens: int, timings: dict) -> dict:
+    """completion_tokens: of every choice together (the prompt counts once, as OpenAI counts it)."""
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens), "timings": timings}
+
+
+def chunk_body(kind: str, rid: str, created: int, model: str, choice: dict, null_usage: bool = False) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
     if null_usage:  # stream_options.include_usage: the usage comes in its own last event
         body["usage"] = None
     return body
+
+
+class LogprobsBuilder:
+    """One choice's `logprobs`, as OpenAI shapes them, built token by token (a stream's events each take
+    the part since the last one): chat `{"content": [{token, logprob, bytes, top_logprobs}]}`;
+    completions (legacy) `{tokens, token_logprobs, top_logprobs, text_offset}`, where a prompt's first
+    token (echo) has null logprobs and each top_logprobs dict holds the chosen token too (as vLLM's).
+    `text_of(id)`: a token's text."""
+
+    def __init__(self, kind: str, text_of):
+        self.kind, self.text_of = kind, text_of
+        self.offset = 0  # completions: characters of the choice's text so far
+        self.parts: list = []
+
+    def add(self, token_id: int, lp: P.TokenLogprobs | None) -> None:
+        text = self.text_of(token_id)
+        if self.kind == "chat":
+            self.parts.append({**self._entry(text, lp.logprob),
+                               "top_logprobs": [self._entry(self.text_of(i), v)
+                                                for i, v in zip(lp.top_ids, lp.top_logprobs)]})
+        else:
+            top = None
+            if lp is not None:
+                top = {self.text_of(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
+                top.setdefault(text, lp.logprob)
+            self.parts.append((text, None if lp is None else lp.logprob, top, self.offset))
+            self.offset += len(text)
+
+    def take(self) -> dict | None:
+        """What was added since the last take, shaped; None if nothing."""
+        parts, self.parts = self.parts, []
+        if not parts:
+            return None
+        if self.kind == "chat":
+            return {"content": parts}
+        return {"tokens": [p[0] for p in parts], "token_logprobs": [p[1] for p in parts],
+                "top_logprobs": [p[2] for p in parts], "text_offset": [p[3] for p in parts]}
+
+    @staticmethod
+    def _entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+
+class ChoiceBuilder:
+    """One choice of a response, from its tokens as they come: the whole choice (`body`) or a stream
+    event's part (`delta`). `echo`: the prompt's text, put before the completion; with logprobs the
+    prompt's tokens come first in them (the first one's logprob null: nothing predicts it)."""
+
+    def __init__(self, kind: str, index: int, text_of, logprobs: bool, with_ids: bool,
+                 echo: str | None = None, prompt_ids: list[int] | None = None):
+        self.kind, self.index, self.with_ids = kind, index, with_ids
+        self.lp = LogprobsBuilder(kind, text_of) if logprobs else None
+        self.echo, self.prompt_ids = echo, prompt_ids
+        self.text: list[str] = []
+        self.token_ids: list[int] = []  # generated (the prompt's are not counted)
+        self.first = True
+        self.finish_reason: str | None = None
+
+    def add(self, token_id: int, text: str, logprobs: P.TokenLogprobs | None,
+            prompt_logprobs: list[P.TokenLogprobs] | None) -> str:
+        """The text this token brings (the echoed prompt first, with token 1)."""
+        lead = ""
+        if not self.token_ids and self.echo is not None:
+            lead = self.echo
+            if self.lp is not None:
+                for i, t in enumerate(self.prompt_ids):
+                    self.lp.add(t, None if i == 0 or prompt_logprobs is None else prompt_logprobs[i - 1])
+        self.token_ids.append(token_id)
+        if self.lp is not None:
+            self.lp.add(token_id, logprobs)
+        self.text.append(lead + text)
+        return lead + text
+
+    def body(self) -> dict:
+        return choice_body(self.kind, self.index, "".join(self.text), self.finish_reason,
+                           self.lp.take() if self.lp else None, self.token_ids if self.with_ids else None)
+
+    def delta(self, text: str, token_ids: list[int], finish_reason: str | None = None) -> dict:
+        first, self.first = self.first, False
+        return choice_body(self.kind, self.index, text, finish_reason, self.lp.take() if self.lp else None,
+                           token_ids if self.with_ids else None, delta=True, first=first)
 
 
 def usage_chunk_body(kind: str, rid: str, created: int, model: str) -> dict:

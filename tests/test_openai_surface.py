@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import time
 
 import openai
 import pytest
@@ -23,27 +24,33 @@ REFUSED = [
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "tool calling"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice", "not supported"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format", "plain text only"),
-    (CHAT, {"logprobs": True}, "logprobs", "not supported"),
-    (CHAT, {"top_logprobs": 2}, "top_logprobs", "not supported"),
-    (CHAT, {"n": 2}, "n", "`n` > 1 is not supported"),
-    (CHAT, {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    (CHAT, {"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
-    (CHAT, {"min_tokens": 4}, "min_tokens", "not supported"),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs", "needs `logprobs: true`"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
+    (CHAT, {"echo": True}, "echo", "not supported"),  # a completions field
+    (CHAT, {"n": 0}, "n", "between 1 and 16"),
+    (CHAT, {"n": 17}, "n", "between 1 and 16"),
+    (CHAT, {"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
+    (CHAT, {"repetition_penalty": 0}, "repetition_penalty", "in (0, 2]"),
+    (CHAT, {"temperature": 2.5}, "temperature", "between 0 and 2"),
+    (CHAT, {"min_tokens": 4}, "min_tokens", "must not exceed `max_tokens` (3)"),
+    (CHAT, {"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
     (CHAT, {"min_p": 0.1}, "min_p", "not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name", "not supported"),
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options", "set `stream` to true"),
-    (COMPLETION, {"logprobs": 0}, "logprobs", "not supported"),  # 0 asks for the chosen token's logprob
-    (COMPLETION, {"echo": True}, "echo", "not supported"),
-    (COMPLETION, {"frequency_penalty": -1.0}, "frequency_penalty", "not supported"),
+    (COMPLETION, {"logprobs": 6}, "logprobs", "between 0 and 5"),
+    (COMPLETION, {"logprobs": True}, "logprobs", "valid integer"),
+    (COMPLETION, {"top_logprobs": 2}, "top_logprobs", "not supported"),  # a chat field
+    (COMPLETION, {"frequency_penalty": -2.01}, "frequency_penalty", "between -2 and 2"),
+    (COMPLETION, {"stop_token_ids": [-1]}, "stop_token_ids", "token ids"),
     (COMPLETION, {"best_of": 3}, "best_of", "not supported"),
     (COMPLETION, {"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
-    (COMPLETION, {"stop_token_ids": [2]}, "stop_token_ids", "not supported"),
     (COMPLETION, {"frobnicate": 1}, "frobnicate", "not a field pdserve knows"),
     (COMPLETION, {"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x",
      "not a field pdserve knows"),
 ]
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "user": "u1",
-           "response_format": {"type": "text"}, "top_logprobs": None, "min_tokens": 0, "repetition_penalty": 1.0}
+           "response_format": {"type": "text"}, "top_logprobs": None, "min_tokens": 0, "repetition_penalty": 1.0,
+           "best_of": 1, "min_p": 0}
 
 
 def _path(body: dict) -> str:
@@ -214,7 +221,11 @@ def test_openapi_documents_every_request_body(client):
         schemas["CompletionRequest"]["properties"])
     assert "disaggregated" in schemas["ChatRequest"]["properties"]["policy"]["description"]
     assert schemas["ChatRequest"]["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/ChatMessage"}
-    assert not {"tools", "n", "logprobs"} & set(schemas["ChatRequest"]["properties"])
+    assert not {"tools", "response_format", "echo"} & set(schemas["ChatRequest"]["properties"])
+    sampling = {"n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                "stop_token_ids"}
+    assert sampling | {"top_logprobs"} <= set(schemas["ChatRequest"]["properties"])
+    assert sampling | {"echo"} <= set(schemas["CompletionRequest"]["properties"])
     for ref in _refs(doc):  # every reference resolves
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
     assert {"/v1/models/{model_id}", "/version"} <= set(doc["paths"])
@@ -246,3 +257,143 @@ def test_the_api_key_guards_every_route_but_health(tokenizer, public_metrics):  
             assert held.status_code == 200, (method, path, held.text)
             open_route = path == "/health" or (path == "/metrics" and public_metrics)
             assert bare.status_code == (200 if open_route else 401), (method, path, bare.text)
+
+
+# ---- the sampling surface: n, logprobs, echo (fake workers: the router's part) ----------------------
+
+
+def logprob_worker(n_tokens: int = 3):
+    """Colocated: tokens 100.., each with logprobs when asked (logprob -(i+1)/4, alternatives 7, 8, ...), the
+    prompt's with token 1 when asked."""
+    def on_message(w, msg):
+        if not isinstance(msg, P.Generate):
+            return
+        s, rid = msg.sampling, msg.request_id
+        outs = []
+        for i in range(n_tokens):
+            last = i == n_tokens - 1
+            k = s.logprobs
+            lp = None if k is None else P.TokenLogprobs(-(i + 1) / 4, [100 + i, 7, 8][:k], [-(i + 1) / 4, -2.0, -3.0][:k])
+            plp = None
+            if i == 0 and s.prompt_logprobs is not None:
+                plp = [P.TokenLogprobs(-1.0 - j, [9][:s.prompt_logprobs], [-0.5][:s.prompt_logprobs])
+                       for j in range(len(msg.prompt_ids) - 1)]
+            outs.append(P.TokenOut(rid, 100 + i, f"<{i}>", last, "length" if last else None,
+                                   P.Timeline(prefill_ms=1.0) if last else None, lp, plp))
+        w.send(P.Tokens(w.worker_id, outs))
+    return on_message
+
+
+@pytest.fixture(scope="module")
+def lp_client(tokenizer):  # noqa: F811
+    with router(tokenizer) as c:
+        c.worker = c.add_worker("colocated", "c0", logprob_worker(3))
+        yield c
+
+
+def test_n_fans_out_to_one_worker_with_seed_plus_i(lp_client, tokenizer):  # noqa: F811
+    before = len(lp_client.worker.got(P.Generate))
+    r = lp_client.post("/v1/completions", json={**COMPLETION, "n": 3, "seed": 5, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    gens = lp_client.worker.got(P.Generate)[before:]
+    assert sorted(g.request_id for g in gens) == [f"{body['id']}-{i}" for i in range(3)]
+    assert sorted(g.sampling.seed for g in gens) == [5, 6, 7]  # choice i: seed + i
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["text"] == "<0><1><2>" and c["token_ids"] == [100, 101, 102] for c in body["choices"])
+    prompt_tokens = len(tokenizer.encode(COMPLETION["prompt"]))
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9, "total_tokens": prompt_tokens + 9}
+
+
+def test_n_streams_every_choice_by_index_and_sums_the_usage(lp_client):
+    with lp_client.stream("POST", "/v1/chat/completions", json={**CHAT, "n": 2, "stream": True,
+                                                                  "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["delta"]["content"] for c in mine) == "<0><1><2>"
+        assert mine[0]["delta"]["role"] == "assistant" and "role" not in mine[1]["delta"]
+        assert [c["finish_reason"] for c in mine] == [None, None, "length"]
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert all(c["usage"] is None for c in chunks)
+
+
+def test_chat_logprobs_in_openai_format(lp_client, tokenizer):  # noqa: F811
+    body = lp_client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2}).json()
+    [gen] = [g for g in lp_client.worker.got(P.Generate) if g.request_id == body["id"]]
+    assert (gen.sampling.logprobs, gen.sampling.prompt_logprobs) == (2, None)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.25, -0.5, -0.75]
+    first = content[0]
+    text = tokenizer.decode([100])
+    assert first["token"] == text and first["bytes"] == list(text.encode())
+    assert first["top_logprobs"] == [{"token": text, "logprob": -0.25, "bytes": list(text.encode())},
+                                     {"token": tokenizer.decode([7]), "logprob": -2.0,
+                                      "bytes": list(tokenizer.decode([7]).encode())}]
+    plain = lp_client.post("/v1/chat/completions", json={**CHAT, "logprobs": True}).json()
+    assert all(c["top_logprobs"] == [] for c in plain["choices"][0]["logprobs"]["content"])
+    assert lp_client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_with_echo_in_the_legacy_format(lp_client, tokenizer):  # noqa: F811
+    body = lp_client.post("/v1/completions", json={**COMPLETION, "logprobs": 1, "echo": True}).json()
+    [gen] = [g for g in lp_client.worker.got(P.Generate) if g.request_id == body["id"]]
+    assert (gen.sampling.logprobs, gen.sampling.prompt_logprobs) == (1, 1)
+    choice = body["choices"][0]
+    assert choice["text"] == COMPLETION["prompt"] + "<0><1><2>"
+    lps = choice["logprobs"]
+    prompt_ids = tokenizer.encode(COMPLETION["prompt"])
+    n = len(prompt_ids)
+    texts = [tokenizer.decode([t]) for t in prompt_ids + [100, 101, 102]]
+    assert lps["tokens"] == texts
+    assert lps["token_logprobs"] == [None] + [-1.0 - j for j in range(n - 1)] + [-0.25, -0.5, -0.75]
+    assert lps["top_logprobs"][0] is None and lps["top_logprobs"][1] == {tokenizer.decode([9]): -0.5,
+                                                                         texts[1]: -1.0}
+    assert lps["top_logprobs"][n] == {texts[n]: -0.25}  # the chosen token is the top one here
+    assert lps["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert body["usage"]["completion_tokens"] == 3 and body["usage"]["prompt_tokens"] == n
+    echoed = lp_client.post("/v1/completions", json={**COMPLETION, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == COMPLETION["prompt"] + "<0><1><2>" and echoed["logprobs"] is None
+
+
+def test_streamed_completion_logprobs_come_with_each_token(lp_client):
+    with lp_client.stream("POST", "/v1/completions", json={**COMPLETION, "logprobs": 0, "stream": True}) as r:
+        events = sse_events(r)[:-1]
+    parts = [e["choices"][0]["logprobs"] for e in events]
+    assert [p["token_logprobs"] for p in parts] == [[-0.25], [-0.5], [-0.75]]
+    assert [p["text_offset"][0] for p in parts] == [0, len(parts[0]["tokens"][0]),
+                                                   len(parts[0]["tokens"][0]) + len(parts[1]["tokens"][0])]
+
+
+def test_disaggregated_token_1_logprobs_come_from_the_prefill_report(tokenizer):  # noqa: F811
+    """D emits token 1 before P's report lands: the router holds it for the report, whose logprobs it takes."""
+    lp1 = P.TokenLogprobs(-0.125, [42], [-0.125])
+    prompt_lps = [P.TokenLogprobs(-1.5)]
+
+    with router(tokenizer) as client:
+        def on_decode(w, msg):
+            if isinstance(msg, P.Reserve):
+                w.send(P.Reserved(w.worker_id, msg.request_id, [10, 11], "tcp://127.0.0.1:1"))
+
+        def on_prefill(w, msg):
+            if isinstance(msg, P.Prefill):
+                d.send(P.Tokens(d.worker_id, [
+                    P.TokenOut(msg.request_id, 42, "a"),
+                    P.TokenOut(msg.request_id, 43, "b", logprobs=P.TokenLogprobs(-0.5, [43], [-0.5])),
+                    P.TokenOut(msg.request_id, 44, "c", True, "length", P.Timeline(first_step_ms=1.0),
+                               P.TokenLogprobs(-0.75, [44], [-0.75]))]))
+                time.sleep(0.2)  # D's tokens are in before the report
+                w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, P.Timeline(prefill_ms=3.0), transfer_ms=0.4,
+                                     transfer_exposed_ms=0.2, kv_bytes=8192, copies=1, first_logprobs=lp1,
+                                     prompt_logprobs=prompt_lps * (len(msg.prompt_ids) - 1)))
+
+        d = client.add_worker("decode", "d0", on_decode)
+        client.add_worker("prefill", "p0", on_prefill)
+        body = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "logprobs": 1,
+                                                    "echo": True, "policy": "disaggregated"}).json()
+        lps = body["choices"][0]["logprobs"]["token_logprobs"]
+        n = len(tokenizer.encode("Hello there"))
+        assert lps == [None] + [-1.5] * (n - 1) + [-0.125, -0.5, -0.75], body
