@@ -215,8 +215,9 @@ def peak_output(records: list[RequestRecord]) -> dict:
 
 def per_turn(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES) -> list[dict]:
     """Multi-turn runs: one row per turn index over every conversation: TTFT statistics, prompt and cached
-    tokens (cached_share = cached / prompt tokens over the requests that reported both), and the server's
-    mean queue and prefill where it sent timings (so a TTFT change can be told from queueing)."""
+    tokens (cached_share = cached / prompt tokens over the requests that reported both), and from the
+    server's timings where it sent them: mean queue, prefill and reload time (so a TTFT change can be told
+    from queueing) and the mean cached tokens per tier they came from (gpu, host, disk)."""
     rows = []
     for turn in sorted({r.turn for r in records if r.turn is not None}):
         mine = [r for r in records if r.turn == turn]
@@ -230,8 +231,12 @@ def per_turn(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES) -> l
                "cached_share": (sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_len for r in cached))
                                 if cached else None)}
         row.update(stats_ms("ttft", [r.ttft_s * 1e3 for r in ok], percentiles))
-        for name in ("queue", "prefill"):
-            values = [t[SERVER_PHASES[name]] for t in timed if t.get(SERVER_PHASES[name]) is not None]
+        for name, key in (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("reload", "reload_ms")):
+            values = [t[key] for t in timed if t.get(key) is not None]
             row[f"mean_{name}_ms"] = float(np.mean(values)) if values else None
+        # where pdserve's cached tokens came from: {"gpu": n, "host": n, "disk": n} in timings.reused_tokens
+        tiers = [t["reused_tokens"] for t in timed if isinstance(t.get("reused_tokens"), dict)]
+        row["mean_reused_tokens"] = {k: float(np.mean([d.get(k) or 0 for d in tiers]))
+                                     for k in dict.fromkeys(k for d in tiers for k in d)} if tiers else None
         rows.append(row)
     return rows

@@ -21,7 +21,9 @@ def _block(arm: str, phase: str, rate: float, ps: list[str]) -> dict:
     b |= {f"mean_{n}_ms": 5.0 for n in SERVER_PHASES} | {f"p99_{n}_ms": 9.0 for n in SERVER_PHASES}
     b["per_turn"] = [{"turn": t, "requests": 4, "completed": 4, "mean_prompt_tokens": 1000.0 * (t + 1),
                       "mean_cached_tokens": None if t == 1 else 990.0 * t, "cached_share": None if t == 1 else 0.9,
-                      "mean_queue_ms": 1.0, "mean_prefill_ms": None, **{f"{p}_ttft_ms": 50.0 for p in ps}}
+                      "mean_queue_ms": 1.0, "mean_prefill_ms": None, "mean_reload_ms": 2.0 if t > 1 else None,
+                      "mean_reused_tokens": {"gpu": 10.0, "host": 980.0} if t > 1 else None,
+                      **{f"{p}_ttft_ms": 50.0 for p in ps}}
                      for t in (1, 2, 3)]
     return b
 
@@ -67,4 +69,4 @@ def test_every_table_has_one_delimiter_per_header_cell(percentiles):
     assert main[2][:3] == ["colocated", "probe", "rate 2/s"]
     per_turn = tables[3]
     assert len(per_turn) == 2 + 2 * 3  # a row per block and turn
-    assert per_turn[0][7:7 + len(percentiles)] == [f"TTFT {pct_name(p)}" for p in percentiles]
+    assert per_turn[0][8:8 + len(percentiles)] == [f"TTFT {pct_name(p)}" for p in percentiles]
