@@ -36,7 +36,7 @@ import datetime
 import importlib.util
 import json
 import os
-import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -131,6 +131,8 @@ def lane_probe(n: int, args, prefill: Child, decode: Child, transport: str) -> d
 
 def run(args: argparse.Namespace) -> int:
     netns = netns_module()
+    # SIGTERM (a timeout, Ctrl-C's cousin) unwinds like an exception: the namespaces come down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("pdserve-bench multihost: terminated"))
     why = netns.why_unavailable()
     if why:
         raise SystemExit(f"pdserve-bench multihost: {why}")
