@@ -641,7 +641,11 @@ class HostTier:
         with torch.inference_mode():
             flat = torch.frombuffer(self._mem, dtype=torch.uint8)
             if self.pinned:
-                err = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), len(self._mem), 1))  # portable
+                cudart = torch.cuda.cudart()
+                err = int(cudart.cudaHostRegister(flat.data_ptr(), len(self._mem), 1))  # portable
+                if err == 712:  # cudaErrorHostMemoryAlreadyRegistered: a dropped tier's pages at this address
+                    cudart.cudaHostUnregister(flat.data_ptr())
+                    err = int(cudart.cudaHostRegister(flat.data_ptr(), len(self._mem), 1))
                 if err != 0:
                     raise RuntimeError(f"cudaHostRegister of the {len(self._mem) / 2**30:.1f} GiB host tier failed "
                                        f"(cudaError {err}); lower its size or check the memlock limit (ulimit -l)")
@@ -1073,6 +1077,13 @@ class HostTier:
             self._in_stream.synchronize()
         if self.disk is not None:
             self.disk.flush()
+
+    def __del__(self):  # dropped without close(): unlock the pages before the mapping goes
+        if getattr(self, "_registered", False):
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+            except Exception:  # interpreter teardown: CUDA may be gone already
+                pass
 
     def close(self) -> None:
         self.flush()
