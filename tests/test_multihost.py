@@ -391,3 +391,23 @@ def test_ucx_lane_parser(tmp_path):
     assert two.host_staged_for_gpu()  # GPU memory over tcp would be staged through the host
     assert not Lane("a", "intra-node", 3, put=["cuda_ipc/cuda"]).host_staged_for_gpu()
     assert UcxLog(None, "why").read() == ([], [])
+
+
+# ---- the harness itself: a run killed before its teardown leaves nothing that outlives the next one ----
+
+
+def test_a_killed_runs_namespaces_are_swept_by_the_next(net):
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import netns; h = netns.Hosts(('a', 'b')); "
+            "h.up(); print(h.bridge, *[x.ns for x in h.hosts.values()], flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(ROOT / "tests")], stdout=subprocess.PIPE, text=True)
+    try:
+        bridge, *spaces = child.stdout.readline().split()
+    finally:
+        child.kill()  # SIGKILL: no teardown ran
+        child.wait(10)
+    assert set(spaces) <= set(netns._namespaces()) and netns.ip("link", "show", bridge, check=False).returncode == 0
+    gone = netns.sweep_stale()
+    assert set(spaces) | {bridge} <= set(gone), gone
+    assert not set(spaces) & set(netns._namespaces())
+    assert netns.ip("link", "show", bridge, check=False).returncode != 0
+    assert set(net.hosts[h].ns for h in net.hosts) <= set(netns._namespaces())  # a live run's set is kept
