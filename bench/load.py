@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from bench.load_arms import CACHE_MODES, Arm, ArmError, with_cache_modes
-from bench.load_vllm import CHAT, COMPLETIONS, dataset_name, resolve
+from bench.load_vllm import CHAT, COMPLETIONS, add_refused, dataset_name, resolve
 from bench.load_session import LoadPoint, Session, run_interleaved, run_separate
 
 DATASETS = ("synthetic", "sharegpt", "mooncake", "multiturn")
@@ -173,6 +173,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "the backend)")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no tqdm progress bar")
+    add_refused(p)
 
 
 def load_points(args) -> list[LoadPoint]:

@@ -1,5 +1,6 @@
 """`vllm bench serve`'s habits in `pdserve-bench load`: its flag spellings, its auth, its result file.
 
+    add_refused(parser)       vLLM's flags without a counterpart here, refused by name with what to do instead
     resolve(args)             the vLLM spellings folded into ours (--host/--port -> --base-url, --backend /
                               --endpoint -> chat or completions, --random-input-len / --random-output-len /
                               --random-range-ratio -> --input-len / --output-len, --api-key or
@@ -32,6 +33,33 @@ DATASET_ALIASES = {"random": "synthetic", "synthetic": "synthetic", "sharegpt": 
 VLLM_ONLY_DATASETS = ("burstgpt", "sonnet", "random-mm", "random-rerank", "hf", "custom", "prefix_repetition",
                       "spec_bench", "txt-slices")
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, DEFAULT_NUM_PROMPTS = "1024", "128", 100
+# vLLM's flags with no counterpart here: refused by name, with what to do instead
+_EXTRA_BODY = "send it in every request with --extra-body '{\"name\": value}'"
+REFUSED = {
+    "--num-warmups": "warm-up here repeats until TTFT is steady: --warmup-batch, --warmup-max-batches",
+    "--save-detailed": "results.json already holds every request's record",
+    "--append-result": "each run writes its own files (--save-result)",
+    "--metadata": "results.json records the command, machine, versions and commit itself",
+    "--profile": "pdserve has no profiler endpoint",
+    "--ramp-up-strategy": "sweep rates with --request-rates, or search with --capacity-search",
+    "--ramp-up-start-rps": "sweep rates with --request-rates, or search with --capacity-search",
+    "--ramp-up-end-rps": "sweep rates with --request-rates, or search with --capacity-search",
+    "--temperature": _EXTRA_BODY, "--top-p": _EXTRA_BODY, "--top-k": _EXTRA_BODY, "--min-p": _EXTRA_BODY,
+    "--frequency-penalty": _EXTRA_BODY, "--presence-penalty": _EXTRA_BODY, "--repetition-penalty": _EXTRA_BODY,
+    "--logprobs": _EXTRA_BODY,
+    "--served-model-name": "give the served name as --model",
+    "--lora-modules": "pdserve serves no LoRA adapters",
+    "--request-id-prefix": "pdserve names each request; its id is in every record",
+    "--ready-check-timeout-sec": "an arm's own server is waited for up to --server-timeout",
+    "--tokenizer-mode": "--tokenizer takes a pdserve model name or a local HuggingFace folder",
+    "--trust-remote-code": "--tokenizer takes a pdserve model name or a local HuggingFace folder",
+    "--use-beam-search": "pdserve does not do beam search",
+    "--random-prefix-len": "not implemented (a shared prefix: --dataset multiturn, or a Mooncake trace)",
+    "--random-batch-size": "embeddings are not served",
+    "--no-stream": "every request here is streamed (TTFT and ITL need it)",
+    "--no-oversample": "not implemented", "--skip-chat-template": "not implemented",
+    "--disable-shuffle": "not implemented",
+}
 
 
 def dataset_name(text: str) -> str:
@@ -44,6 +72,19 @@ def dataset_name(text: str) -> str:
         raise argparse.ArgumentTypeError(f"vLLM's {text!r} dataset is not implemented here; use random (synthetic), "
                                          "sharegpt, mooncake or multiturn")
     raise argparse.ArgumentTypeError(f"unknown dataset {text!r}; use {', '.join(DATASET_ALIASES)}")
+
+
+def add_refused(parser) -> None:
+    """vLLM's flags we cannot honour: accepted by the parser only to be refused with the reason."""
+    import argparse
+
+    class Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"vLLM's {option_string} is not supported by pdserve-bench load: {REFUSED[option_string]}")
+
+    g = parser.add_argument_group("vllm bench serve flags refused (each says why)")
+    for flag in REFUSED:
+        g.add_argument(flag, nargs="*", action=Refuse, help=argparse.SUPPRESS)
 
 
 def _endpoint(args) -> str:

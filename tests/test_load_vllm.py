@@ -165,3 +165,13 @@ def test_result_file_names_follow_vllm():
     args.result_filename, args.result_dir = "mine.json", "d"
     assert [p.as_posix() for p in load_vllm.result_paths(run, args)] == ["d/mine-00-colocated_gpu+host.json",
                                                                          "d/mine-01-disaggregated.json"]
+
+
+@pytest.mark.parametrize("argv", [["--temperature", "0"], ["--save-detailed"], ["--num-warmups", "3"],
+                                  ["--ramp-up-strategy", "linear"]])
+def test_vllm_flags_without_a_counterpart_are_refused_by_name(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"vLLM's {argv[0]} is not supported by pdserve-bench load: " in err, err
