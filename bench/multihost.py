@@ -19,8 +19,8 @@ bytes would go over cma, never the link). Per rate, tbf on both directions of th
                    run its own seeded prompt, the decode blocks poisoned (NaN), the tokens and logits
                    checked bitwise against a colocated run on the decode side
     predicted      transfer = KV bytes x 8 / rate (nominal) and / the measured ceiling; bulk exposes the
-                   whole transfer; layer exposes max(transfer - prefill, one layer's share): it can hide
-                   the move only when the move is shorter than the prefill it runs beside
+                   whole transfer; layer exposes max(one layer's share, transfer - prefill (1 - 1/layers)):
+                   it can hide the move only when the move is shorter than the prefill it runs beside
 
 The machine's load average at start and end goes into the JSON: on a shared 2-core machine the prefill
 times (and a layer-mode overlap that competes with prefill for the cores) are noisy; medians of
@@ -191,14 +191,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def predict(row: dict, rate_mbit: float, ceiling_mbit: float, layers: int) -> dict:
-    """What a link of this rate should cost: transfer = bytes / rate; bulk exposes all of it; layer
-    exposes what outlasts the prefill, and at least the last layer's share."""
+    """What a link of this rate should cost: transfer T = bytes / rate; bulk exposes all of it. Layer
+    mode sends layer i once prefill has computed it (at P (i+1) / L): a link faster than the layers
+    come (T < P) is done one layer's share after prefill, T / L; a slower one is busy from the first
+    layer on and ends at P / L + T, exposing T - P (1 - 1/L)."""
     kv = row["kv_bytes"]
     prefill = row["prefill_ms"]["median"]
     nominal = kv * 8 / (rate_mbit * 1e6) * 1e3
     at_ceiling = kv * 8 / (ceiling_mbit * 1e6) * 1e3
     return {"transfer_ms_nominal": nominal, "transfer_ms_at_ceiling": at_ceiling,
-            "bulk_exposed_ms": at_ceiling, "layer_exposed_ms": max(at_ceiling - prefill, at_ceiling / layers)}
+            "bulk_exposed_ms": at_ceiling,
+            "layer_exposed_ms": max(at_ceiling / layers, at_ceiling - prefill * (1 - 1 / layers))}
 
 
 def _result(row: dict, transport: str, mode: str) -> dict | None:
