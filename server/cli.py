@@ -75,6 +75,9 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests may run (new ones get 503) before the rest are "
                         "aborted and the workers stopped")
+    p.add_argument("--failover", action="store_true",
+                   help="a disaggregated request whose prefill or KV transfer fails before its first token runs "
+                        "once more on another decode worker or colocated (its timings say so); default: it fails")
     p.add_argument("--expect-workers", default=None, metavar="ROLE=N,...",
                    help="/health says \"degraded\" while fewer workers of a role are live, e.g. prefill=2,decode=2 "
                         "(pdserve: the counts it starts)")
@@ -139,7 +142,8 @@ def router_config(args, keys, expected: dict[str, int] | None = None):
                             max_body_bytes=int(args.max_body_mb * 2**20),
                             max_inflight_requests=args.max_inflight_requests,
                             max_inflight_tokens=args.max_inflight_tokens, retry_after_s=args.retry_after,
-                            drain_timeout_s=args.drain_timeout, expected_workers=expected)
+                            drain_timeout_s=args.drain_timeout, expected_workers=expected,
+                            failover=args.failover)
     except ValueError as e:
         sys.exit(f"pdserve: {e}")
 

@@ -33,6 +33,7 @@ class RouterConfig:
     retry_after_s: int = 1  # the Retry-After of a 429 or 503 (seconds)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
     expected_workers: dict[str, int] | None = None  # role -> count; /health says "degraded" while fewer are live
+    failover: bool = False  # a disaggregated request that fails before its first token runs once more elsewhere
 
     def __post_init__(self):
         if self.policy not in POLICIES:

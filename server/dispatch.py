@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import msgspec
@@ -197,6 +197,8 @@ class Dispatcher:
         outcome, finish_reason = "cancelled", None
         try:
             run = self._colocated(plan) if job.policy == "colocated" else self._disaggregated(plan)
+            if job.policy == "disaggregated" and self.cfg.failover:
+                run = self._with_failover(plan)
             async for event in run:
                 if isinstance(event, Done):
                     outcome, finish_reason = "ok", event.finish_reason
@@ -210,6 +212,56 @@ class Dispatcher:
                 plan.ticket.release()
             self.metrics.in_flight.dec()
             self.metrics.request_ended(job.policy, outcome, finish_reason)
+
+    async def _with_failover(self, plan: Plan) -> AsyncIterator[Token | Done]:
+        """--failover: a disaggregated request whose prefill or transfer failed before its first token is
+        run once more, on another decode worker (and a prefill worker that matches it) or colocated,
+        under a request id of its own; its timings say so ("failover")."""
+        first = None
+        try:
+            async for event in self._disaggregated(plan):
+                first = first or event
+                yield event
+            return
+        except APIError as e:
+            if first is not None or e.status not in (502, 503, 504) or e.code == "shutting_down":
+                raise
+            failed = e
+        retry = self._retry_plan(plan)
+        if retry is None:
+            raise failed
+        was = f"{plan.prefill.id}/{plan.decode.id}"
+        now = retry.worker.id if retry.worker else f"{retry.prefill.id}/{retry.decode.id}"
+        log.warning("request %s: %s failed before its first token (%s); failing over to %s", plan.job.request_id,
+                    was, failed.message, now)
+        try:
+            run = self._colocated(retry) if retry.worker else self._disaggregated(retry)
+            async for event in run:
+                if isinstance(event, Done):
+                    event.timings["failover"] = {"from": was, "to": now, "error": failed.message}
+                yield event
+        finally:
+            retry.ticket.release()
+
+    def _retry_plan(self, plan: Plan) -> Plan | None:
+        """Another pair without the decode worker that failed, else a colocated worker; admitted like any
+        request (None: nothing to fail over to, or no room)."""
+        job = replace(plan.job, request_id=f"{plan.job.request_id}-failover")
+        decodes = [d for d in self.pool.alive("decode") if d.id != plan.decode.id and self._prefill_for(d)]
+        try:
+            if decodes:
+                d = min(decodes, key=WorkerState.load)
+                retry = Plan(replace(job, policy="disaggregated"), prefill=min(self._prefill_for(d),
+                                                                               key=WorkerState.load), decode=d)
+            elif self.pool.alive("colocated"):
+                retry = Plan(replace(job, policy="colocated"), worker=self.pool.pick("colocated"))
+            else:
+                return None
+            roles = ("colocated",) if retry.worker else ("decode", "prefill")
+            retry.ticket = self.admission.admit(job.request_id, roles, len(job.prompt_ids))
+        except (APIError, NoWorker):
+            return None
+        return retry
 
     async def _colocated(self, plan: Plan) -> AsyncIterator[Token | Done]:
         job, w = plan.job, plan.worker
