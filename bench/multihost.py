@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-mib", type=int, default=16, help="size of the link-ceiling TCP probe (MiB)")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="per transfer (a slow link takes long)")
     parser.add_argument("--out", default=None, help="output path without suffix (default bench/results/...)")
+    parser.add_argument("--report", default=None, metavar="JSON",
+                        help="measure nothing: rewrite JSON's predictions, markdown and plot from its measurements")
 
 
 def role(net, host: str, name: str, args, max_len: int, extra: list[str]) -> Child:
@@ -129,7 +131,24 @@ def lane_probe(n: int, args, prefill: Child, decode: Child, transport: str) -> d
     return got.get("ucx_lane")
 
 
+def report(path: Path) -> int:
+    """Predictions, markdown and plot again from a run's JSON (the measurements are left as they are)."""
+    result = json.loads(path.read_text())
+    layers = result["config"]["num_layers"]
+    for block in result["rates"]:
+        for row in block["lengths"]:
+            row["predicted"] = predict(row, block["rate_mbit"], block["ceiling"]["mbit_s"], layers)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    path.with_suffix(".md").write_text(text + "\n")
+    plot(result, path.with_suffix(".png"))
+    print(text)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        return report(Path(args.report))
     netns = netns_module()
     # SIGTERM (a timeout, Ctrl-C's cousin) unwinds like an exception: the namespaces come down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("pdserve-bench multihost: terminated"))
