@@ -151,18 +151,19 @@ def _per_turn_lines(blocks: list[dict], ps: list[str]) -> list[str]:
         return []
     lines = ["", "Per turn (multi-turn runs; turn 1 is each conversation's first request): TTFT in ms (client clock); "
              "cached = prompt tokens the server reported reused (usage.prompt_tokens_details.cached_tokens), "
-             "'-' where it reported none; the tiers they came from, server queue, prefill and reload means from pdserve "
-             "`timings`.", "",
+             "'-' where it reported none; the tiers they came from, server queue, prefill and reload means from "
+             "pdserve `timings`.", "",
              *_table_head(["arm", "load", "turn", "done", "prompt tok (mean)", "cached tok (mean)", "cached share",
-                           "cached from (mean tok)", *(f"TTFT {p}" for p in ps), "server queue (mean)",
-                           "server prefill (mean)", "reload (mean)"])]
+                           "cached from (mean tok)", *(f"TTFT {p}" for p in ps), "TTFT min-max",
+                           "server queue (mean)", "server prefill (mean)", "reload (mean)"])]
     for b, t in rows:
         share = "-" if t["cached_share"] is None else f"{t['cached_share']:.0%}"
         tiers = t.get("mean_reused_tokens")
         where = ", ".join(f"{k} {v:.0f}" for k, v in tiers.items()) if tiers else "-"
         cells = [_arm(b), b["load_label"], t["turn"], f"{t['completed']}/{t['requests']}",
                  _fmt(t["mean_prompt_tokens"], 0), _fmt(t["mean_cached_tokens"], 0), share, where,
-                 *(_fmt(t[f"{p}_ttft_ms"]) for p in ps), _fmt(t["mean_queue_ms"]), _fmt(t["mean_prefill_ms"]),
+                 *(_fmt(t[f"{p}_ttft_ms"]) for p in ps), f"{_fmt(t.get('min_ttft_ms'))}-{_fmt(t.get('max_ttft_ms'))}",
+                 _fmt(t["mean_queue_ms"]), _fmt(t["mean_prefill_ms"]),
                  _fmt(t.get("mean_reload_ms"))]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines

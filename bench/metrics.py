@@ -230,7 +230,9 @@ def per_turn(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES) -> l
                "mean_cached_tokens": float(np.mean([r.cached_tokens for r in cached])) if cached else None,
                "cached_share": (sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_len for r in cached))
                                 if cached else None)}
-        row.update(stats_ms("ttft", [r.ttft_s * 1e3 for r in ok], percentiles))
+        ttfts = [r.ttft_s * 1e3 for r in ok]
+        row.update(stats_ms("ttft", ttfts, percentiles))
+        row["min_ttft_ms"], row["max_ttft_ms"] = (min(ttfts), max(ttfts)) if ttfts else (None, None)
         for name, key in (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("reload", "reload_ms")):
             values = [t[key] for t in timed if t.get(key) is not None]
             row[f"mean_{name}_ms"] = float(np.mean(values)) if values else None

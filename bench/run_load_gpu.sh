@@ -27,14 +27,14 @@
 # gives the workers --no-prefix-cache, nothing, --host-cache-gb HOST_GB). CONVERSATIONS conversations
 # (all started at once, --concurrency) of TURNS turns: a FIRST_LEN-token first message, then NEW_LEN-token
 # messages, OUTPUT_LEN-token replies, THINK s from a reply to the next turn, over /v1/chat/completions.
-# The KV pool is small on purpose (KV_GB=2 by default: ~37k tokens of qwen2.5-7b, about 2 of the 4
+# The KV pool is small on purpose (KV_GB=2 by default: ~37k tokens of qwen2.5-7b, about 2 of the 5
 # conversations), so by the time a conversation's turn 2 arrives the others have pushed its blocks out of
 # GPU memory: the gpu arm recomputes it (LRU over a cycle longer than the pool), the gpu+host arm reloads
 # it from host memory. KV_GB=8 keeps every conversation on the GPU (then the gpu arm hits too).
 # Judge in summary.md's per-turn table: turn 2 (the second request) TTFT p50 of ARM:gpu+host against
 # ARM:cache-off, at FIRST_LEN + OUTPUT_LEN + NEW_LEN tokens of context, and the cached share of each.
-# Knobs: CONVERSATIONS (4), TURNS (2), FIRST_LEN (16000), NEW_LEN (256), OUTPUT_LEN (32), THINK (4),
-# HOST_GB (8; the 4 conversations need ~4 GB), CACHE_MODES (cache-off,gpu,gpu+host; gpu+host+disk with
+# Knobs: CONVERSATIONS (5), TURNS (2), FIRST_LEN (16000), NEW_LEN (256), OUTPUT_LEN (32), THINK (4),
+# HOST_GB (8; the 5 conversations need ~5 GB), CACHE_MODES (cache-off,gpu,gpu+host; gpu+host+disk with
 # DISK_DIR and DISK_GB). Admission: --max-inflight-tokens is raised so the small pool queues the burst of
 # first turns instead of refusing it. SMOKE=1: 2 conversations of a 2000-token first message.
 # Time: 6 fresh servers (~30 s each to build the model), each warm-up (2 prompts of ~16k, 2-4 batches) and
@@ -80,7 +80,7 @@ ARM_BUDGET=${ARM_BUDGET:-120}
 WARMUP_BATCH=${WARMUP_BATCH:-4}
 WARMUP_MAX=${WARMUP_MAX:-4}
 SERVER_EXTRA=${SERVER_EXTRA:-}
-CONVERSATIONS=${CONVERSATIONS:-4}
+CONVERSATIONS=${CONVERSATIONS:-5}
 TURNS=${TURNS:-2}
 FIRST_LEN=${FIRST_LEN:-16000}
 NEW_LEN=${NEW_LEN:-256}

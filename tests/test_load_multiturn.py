@@ -75,6 +75,8 @@ def test_chat_turns_grow_by_the_returned_reply_and_reuse_shows_per_turn(tmp_path
     assert rows[1]["median_ttft_ms"] < 0.5 * rows[0]["median_ttft_ms"], rows
     assert rows[2]["median_ttft_ms"] < 0.5 * rows[0]["median_ttft_ms"], rows
     assert rows[1]["mean_prefill_ms"] < 0.5 * rows[0]["mean_prefill_ms"]
+    ttft2 = [r["ttft_s"] * 1e3 for r in reqs if r["turn"] == 2]
+    assert (rows[1]["min_ttft_ms"], rows[1]["max_ttft_ms"]) == pytest.approx((min(ttft2), max(ttft2)))
     # the per-turn table, one row per turn
     (per_turn,) = [t for t in _tables(summary) if "turn" in t[0]]
     assert [r[2] for r in per_turn[2:]] == ["1", "2", "3"]
