@@ -112,3 +112,29 @@ def test_load_run_both_policies_against_pdserve(pdserve, tmp_path):
     # each policy's own run, its throughput over its own duration (check_block_against_records)
     assert colo["duration_basis"] == disagg["duration_basis"] == "own run"
     assert [a["warmup"]["batches"] for a in run["arms"]] == [2, 2]
+
+
+def test_multiturn_chat_reuses_each_previous_turn(pdserve, tmp_path):
+    """Conversations over chat against pdserve's prefix cache (on by default), both policies: every later
+    turn's prompt starts with the previous turn's prompt tokens (the chat template keeps them an exact
+    prefix), so the server reports at least its whole blocks as cached."""
+    out = tmp_path / "multiturn"
+    rc = load.main(["--base-url", pdserve, "--policies", "colocated,disaggregated", "--dataset", "multiturn",
+                    "--conversations", "2", "--turns", "3", "--input-len", "120", "--new-message-len", "12",
+                    "--output-len", "4", "--concurrency", "1", "--tokenizer", "tiny", "--warmup-batch", "0",
+                    "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())
+    assert run["endpoint"] == "/v1/chat/completions"
+    block_size = 16  # pdserve's default --block-size
+    for block in run["results"]:
+        assert block["completed"] == 6, block["errors"]
+        by = {(r["conversation"], r["turn"]): r for r in block["requests"]}
+        for c in range(2):
+            for t in (2, 3):
+                prev, cur = by[(c, t - 1)], by[(c, t)]
+                assert cur["prompt_len"] > prev["prompt_len"] + prev["output_len"]
+                whole_blocks = prev["prompt_len"] // block_size * block_size
+                assert cur["cached_tokens"] >= whole_blocks, (block["policy"], prev, cur)
+        assert [row["turn"] for row in block["per_turn"]] == [1, 2, 3]
+        assert block["per_turn"][1]["cached_share"] > 0.6
