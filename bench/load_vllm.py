@@ -25,7 +25,8 @@ from pathlib import Path
 from bench.metrics import pct_name
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-BACKENDS = {"openai": COMPLETIONS, "openai-chat": CHAT}  # vLLM's names for the two OpenAI endpoints
+# vLLM's names for the two OpenAI endpoints ("vllm" is its older name for openai)
+BACKENDS = {"openai": COMPLETIONS, "vllm": COMPLETIONS, "openai-chat": CHAT}
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 # vLLM's --dataset-name values we have; the others are refused by name
 DATASET_ALIASES = {"random": "synthetic", "synthetic": "synthetic", "sharegpt": "sharegpt", "mooncake": "mooncake",
@@ -90,7 +91,7 @@ def add_refused(parser) -> None:
 def _endpoint(args) -> str:
     if args.backend is not None and args.backend not in BACKENDS:
         raise ValueError(f"--backend {args.backend}: pdserve-bench load speaks OpenAI's HTTP API only: "
-                         f"openai ({COMPLETIONS}) or openai-chat ({CHAT})")
+                         f"openai or vllm ({COMPLETIONS}), openai-chat ({CHAT})")
     endpoint = None if args.endpoint is None else "/" + args.endpoint.strip("/")
     if endpoint not in (None, COMPLETIONS, CHAT):
         raise ValueError(f"--endpoint {args.endpoint}: only {COMPLETIONS} and {CHAT} are spoken")

@@ -40,6 +40,7 @@ def test_vllm_spellings_fold_into_ours():
     assert (d.input_len, d.output_len, d.num_prompts) == ("1024", "128", 100)  # vLLM's random defaults, our count
     assert _args(["--random-input-len", "64"]).input_len == "64"
     assert _args(["--endpoint", "v1/chat/completions"]).backend == "openai-chat"
+    assert not _args(["--backend", "vllm"]).chat  # vLLM's older name for openai
     assert _args(["--dataset", "multiturn"]).chat  # multi-turn speaks chat unless told otherwise
     assert not _args(["--dataset", "multiturn", "--backend", "openai"]).chat
 
