@@ -12,7 +12,7 @@ from bench import load
 from bench.load_fake_server import FakeConfig, FakeServer
 from bench.load_multiturn import conversations
 from bench.workload import LengthDist, PromptBuilder, arrival_times
-from tests.test_load_report_tables import _tables
+from test_load_report_tables import _tables, check_tables  # pytest puts tests/ on sys.path
 
 BLOCK = 16  # the fake's prefix-cache block, in words
 
@@ -78,6 +78,7 @@ def test_chat_turns_grow_by_the_returned_reply_and_reuse_shows_per_turn(tmp_path
     ttft2 = [r["ttft_s"] * 1e3 for r in reqs if r["turn"] == 2]
     assert (rows[1]["min_ttft_ms"], rows[1]["max_ttft_ms"]) == pytest.approx((min(ttft2), max(ttft2)))
     # the per-turn table, one row per turn
+    assert len(check_tables(summary)) == 3  # the main table, server phases, per turn: each renders
     (per_turn,) = [t for t in _tables(summary) if "turn" in t[0]]
     assert [r[2] for r in per_turn[2:]] == ["1", "2", "3"]
     assert per_turn[3][per_turn[0].index("cached share")].endswith("%")

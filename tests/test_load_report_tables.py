@@ -54,16 +54,22 @@ def _tables(text: str) -> list[list[list[str]]]:
     return tables
 
 
-@pytest.mark.parametrize("percentiles", [(50.0, 90.0, 99.0), (99.0,), (50.0, 90.0, 95.0, 99.0, 99.9)])
-def test_every_table_has_one_delimiter_per_header_cell(percentiles):
-    text = markdown(_run(percentiles), percentiles)
+def check_tables(text: str) -> list[list[list[str]]]:
+    """Every table of a summary.md: one delimiter per header cell, every row as wide as the header."""
     tables = _tables(text)
-    assert len(tables) == 4, text  # capacity, the main table, server phases, per turn
     for rows in tables:
         header, delimiter, *body = rows
         assert all(set(c) == {"-"} for c in delimiter), rows[:2]
         assert len(delimiter) == len(header), f"{len(header)} header cells, {len(delimiter)} delimiters: {rows[:2]}"
         assert body and all(len(r) == len(header) for r in body), (header, body)
+    return tables
+
+
+@pytest.mark.parametrize("percentiles", [(50.0, 90.0, 99.0), (99.0,), (50.0, 90.0, 95.0, 99.0, 99.9)])
+def test_every_table_has_one_delimiter_per_header_cell(percentiles):
+    text = markdown(_run(percentiles), percentiles)
+    tables = check_tables(text)
+    assert len(tables) == 4, text  # capacity, the main table, server phases, per turn
     main = tables[1]
     assert main[0][8:8 + len(percentiles)] == [f"TTFT {pct_name(p)}" for p in percentiles]
     assert main[2][:3] == ["colocated", "probe", "rate 2/s"]
