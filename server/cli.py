@@ -31,6 +31,7 @@ import sys
 import tempfile
 
 from workers.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
+from workers.cli import HelpFormatter, setup_logging, version  # torch-free
 from workers.protocol import MODES, TRANSPORTS  # not workers.transfer: the router does not import torch
 
 log = logging.getLogger("pdserve")
@@ -56,7 +57,7 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
     p.add_argument("--kv-deadline", type=float, default=60.0, help="seconds a decode reservation waits for its KV")
     p.add_argument("--token-timeout", type=float, default=120.0,
                    help="seconds of silence from a worker before its request fails")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+    p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on the HTTP API (/health without it shows no addresses "
                         "or PIDs); default: $PDSERVE_API_KEY. A flag is visible in `ps`: prefer the variable or "
                         "--api-key-file")
@@ -112,6 +113,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="a worker that dies stays gone (default: restarted with backoff, 0.5 s doubling to 30 s)")
     g.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds to wait for every worker to register (the first start converts the model)")
+    g.add_argument("--stats-interval", type=float, default=10.0,
+                   help="seconds between each worker's stats line in the log (throughput, running, waiting, KV "
+                        "usage) while it has work; 0: none")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="workers register without a warm-up request (then the first request pays for torch's lazy "
+                        "start)")
 
 
 def expected_counts(text: str | None) -> dict[str, int] | None:
@@ -155,12 +162,14 @@ def api_key(args) -> str | None:
                 return f.readline().strip() or None
         except OSError as e:
             sys.exit(f"pdserve: cannot read --api-key-file {args.api_key_file}: {e.strerror}")
-    return args.api_key or None
+    return args.api_key or os.environ.get("PDSERVE_API_KEY") or None  # not argparse's default: --help would show it
 
 
 def worker_args(args) -> list[str]:
     out = ["--model", args.model, "--transport", args.transport, "--mode", args.mode,
-           "--log-level", args.log_level]
+           "--log-level", args.log_level, "--stats-interval", str(args.stats_interval)]
+    if not args.warmup:
+        out.append("--no-warmup")
     for flag in ("dtype", "block_size", "num_blocks", "kv_memory_gb", "max_num_seqs", "max_model_len", "threads"):
         value = getattr(args, flag)
         if value is not None:
@@ -217,8 +226,9 @@ def _uvicorn_server(app, args):
         def install_signal_handlers(self) -> None:  # uvicorn < 0.29 calls this instead
             pass
 
+    # log_config=None: uvicorn's loggers go through pdserve's (one format for every line)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, log_config=None)
     return Server(config)
 
 
@@ -234,17 +244,17 @@ async def serve(app, sock: socket.socket, args, after_start, on_stop=None) -> in
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
-            print(f"pdserve: second {sig.name}; exiting now", file=sys.stderr, flush=True)
+            log.warning("second %s; exiting now", sig.name)
             os._exit(130)  # workers follow: PR_SET_PDEATHSIG and their parent-watch
-        print(f"pdserve: {sig.name}; draining, then shutting down", file=sys.stderr, flush=True)
+        log.info("%s; draining, then shutting down", sig.name)
         stop.set()
         drained.append(loop.create_task(drain_then_stop()))  # a reference: tasks are weakly held
 
     async def drain_then_stop() -> None:
         try:
             pending, aborted = await app.state.router.dispatcher.drain(args.drain_timeout)
-            print(f"pdserve: drained {pending - aborted} of {pending} requests in flight"
-                  + (f"; aborted {aborted} at the drain timeout" if aborted else ""), file=sys.stderr, flush=True)
+            log.info("drained %d of %d requests in flight%s", pending - aborted, pending,
+                     f"; aborted {aborted} at the drain timeout" if aborted else "")
         finally:
             server.should_exit = True
             if on_stop is not None:
@@ -378,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         return keygen(argv[1:])
     if argv and argv[0] == "router":
         p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
-                                    "elsewhere (pdserve-worker --router ... --keys DIR/worker) register with it.")
+                                    "elsewhere (pdserve-worker --router ... --keys DIR/worker) register with it.",
+                                    formatter_class=HelpFormatter)
+        p.add_argument("--version", action="version", version=f"pdserve {version()}")
         add_router_arguments(p, register_default="tcp://127.0.0.1:7100")
         p.add_argument("--keys", default=None, help="the router folder `pdserve keygen DIR` wrote (DIR/router)")
         args = p.parse_args(argv[1:])
@@ -386,14 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
                                     epilog="`pdserve router --help`: the router alone; `pdserve keygen DIR`: keys "
-                                           "for workers on other machines.")
+                                           "for workers on other machines.", formatter_class=HelpFormatter)
+        p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
         add_router_arguments(p, register_default=None)
         add_worker_arguments(p)
         args = p.parse_args(argv)
         run = run_embedded
     from workers.cli import exit_now  # torch-free, like everything the router imports
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     if args.parent_pid is not None:
         from workers.cli import die_with_parent
 

@@ -427,7 +427,7 @@ class Dispatcher:
         adm = self.admission
         adm.start_drain()
         pending = adm.in_flight
-        log.warning("draining: %d requests in flight, up to %.0fs (--drain-timeout); new requests get 503",
+        log.info("draining: %d requests in flight, up to %.0fs (--drain-timeout); new requests get 503",
                     pending, timeout_s)
         if await adm.wait_idle(timeout_s):
             return pending, 0

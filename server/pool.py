@@ -232,7 +232,7 @@ class WorkerPool:
             if msg.cache is not None:
                 self.metrics.observe_kv_tiers(w.id, w.role, msg.cache.as_stats())
         elif isinstance(msg, P.Goodbye):
-            self._drop(w, f"it exited ({msg.reason})")
+            self._drop(w, f"it exited ({msg.reason})", logging.INFO)  # it said so: a crash is in its own log
         elif isinstance(msg, P.Tokens):
             for out in msg.outputs:
                 self._deliver(w, out.request_id, out, landed)
@@ -351,13 +351,13 @@ class WorkerPool:
         if w is not None and w.info.pid == pid:
             self._drop(w, reason)
 
-    def _drop(self, w: WorkerState, reason: str) -> None:
+    def _drop(self, w: WorkerState, reason: str, level: int = logging.WARNING) -> None:
         if self.workers.get(w.id) is not w:
             return
         del self.workers[w.id]
         self.known.pop(w.incarnation, None)
         w.sock.close()
-        log.warning("worker %s (%s) dropped: %s", w.id, w.role, reason)
+        log.log(level, "worker %s (%s) dropped: %s", w.id, w.role, reason)
         self.metrics.workers.labels(w.role).set(len(self.alive(w.role)))
         self.metrics.lost_workers.labels(w.role).inc()
         self.metrics.worker_gone(w.id, w.role)

@@ -16,9 +16,37 @@ import signal
 import sys
 import threading
 
-from workers.protocol import MODES, ROLES, TRANSPORTS
+from workers.protocol import MODES, PROTOCOL_VERSION, ROLES, TRANSPORTS
 
 PR_SET_PDEATHSIG = 1
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # pdserve's, its workers' and uvicorn's lines
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default, except where there is none to show (None, an empty list,
+    an on/off flag) or the help text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.nargs == 0 or action.default is None or action.default == [] or not action.option_strings
+                or "default:" in text or "%(default)" in text or action.default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def version() -> str:
+    """pdserve's version (one for the router and the workers) and the control protocol it speaks."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        v = installed("pdserve")
+    except PackageNotFoundError:  # run from a source tree that was never pip-installed
+        v = "unknown (not installed)"
+    return f"{v} (control protocol {PROTOCOL_VERSION})"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,7 +95,8 @@ def engine_config(args, kv_shared: bool = False):
 
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve-worker", description="Run one pdserve worker process "
-                                "(or `pdserve-worker generate PROMPT` to generate locally).")
+                                "(or `pdserve-worker generate PROMPT` to generate locally).", formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--role", required=True, choices=ROLES)
     add_engine_arguments(p)
     g = p.add_argument_group("KV transfer (prefill and decode roles)")
@@ -91,13 +120,19 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="exit when this process dies (set by `pdserve`, which starts its workers with it)")
     p.add_argument("--run-dir", default=None,
                    help="with --parent-pid: that process's private run directory, removed if it dies first")
+    p.add_argument("--stats-interval", type=float, default=10.0,
+                   help="seconds between stats lines in the log (throughput, running, waiting, KV usage) while "
+                        "there is work; 0: none")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="register without running a warm-up request first (the first real request pays for torch's "
+                        "lazy start)")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
 def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve-worker generate", description="Generate from one prompt on this "
-                                "machine (no router, no other process) and print the text.")
+                                "machine (no router, no other process) and print the text.", formatter_class=HelpFormatter)
     p.add_argument("prompt")
     add_engine_arguments(p)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -129,7 +164,7 @@ def die_with_parent(parent_pid: int, on_parent_death) -> None:
 
 def serve(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     stopper = {"worker": None}
     if args.parent_pid is not None:
         def on_parent_death():
@@ -164,7 +199,8 @@ def serve(argv: list[str]) -> int:
         transfer=TransferConfig(transport=args.transport, mode=args.mode, host=args.kv_host, port=args.kv_port,
                                 deadline_s=args.handshake_timeout, keys=keys),
         control=args.control, router=args.router, advertise_host=args.advertise_host, worker_id=args.worker_id,
-        keys=keys, parent_pid=args.parent_pid, run_dir=args.run_dir,
+        keys=keys, parent_pid=args.parent_pid, run_dir=args.run_dir, stats_interval_s=args.stats_interval,
+        warmup=args.warmup,
     )
     worker = Worker(cfg)
     stopper["worker"] = worker
@@ -184,7 +220,7 @@ def exit_now(rc: int) -> None:
 
 def generate(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     from workers.engine.request import InvalidRequest, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

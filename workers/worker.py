@@ -52,7 +52,9 @@ import zmq
 from workers import auth
 from workers import protocol as P
 from workers.engine.config import EngineConfig
+from workers.status_log import StatsLine, startup_line
 from workers.transfer.base import TransferConfig
+from workers.warmup import warm_up
 
 log = logging.getLogger("pdserve.worker")
 
@@ -72,6 +74,8 @@ class WorkerConfig:
     advertise_host: str | None = None  # host the router should use when `control` binds a wildcard
     worker_id: str | None = None  # default: <role>-<host>-<pid>
     keys: auth.WorkerKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
+    stats_interval_s: float = 10.0  # a stats line in the log this often while there is work (0: never)
+    warmup: bool = True  # one real request through the engine before registering (workers/warmup.py)
     parent_pid: int | None = None  # the process that started us (pdserve); its death ends us at once
     run_dir: str | None = None  # that process's private run directory: removed if it dies first
 
@@ -214,7 +218,11 @@ class Worker:
                 spent = engine.warmup()
                 if spent:
                     log.info("%s: decode graphs captured in %.1f s", cfg.worker_id, spent)
+            if cfg.warmup:
+                log.info("%s: warmed up in %.2f s (one request: prefill and decode)", cfg.worker_id, warm_up(engine))
+            log.info("%s", startup_line(cfg.worker_id, cfg.role, engine))
         self.engine = engine
+        self.stats = StatsLine(cfg.worker_id, cfg.stats_interval_s)
         self.ctx = zmq.Context()
         self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host, cfg.keys, self.throttle)
         self.address = self.inbox.address
@@ -255,6 +263,7 @@ class Worker:
         return P.CacheFigures(**s, **tiers)
 
     def send(self, msg) -> None:
+        self.stats.sent(msg)
         self.router.send(msg)
 
     # ---- life cycle ---------------------------------------------------------------------------
@@ -297,6 +306,8 @@ class Worker:
                 for arrived, frame in self.inbox.take(self.role.poll_timeout_ms(IDLE_POLL_MS) / 1e3):
                     self._on_frame(arrived, frame)
                 self.role.tick()
+                self.stats.maybe_log(self.role.running(), self.role.queue_depth(), self.engine.blocks.num_free,
+                                     self.engine.blocks.num_blocks)
         except Exception as e:
             self._stop_reason = f"crashed: {type(e).__name__}: {e}"
             raise
@@ -321,6 +332,7 @@ class Worker:
         if isinstance(msg, P.RegisterAck):
             self._on_register_ack(msg)
         else:
+            self.stats.received(msg)
             self.role.handle(msg, arrived)
 
     def _on_register_ack(self, ack: P.RegisterAck) -> None:
