@@ -211,7 +211,7 @@ class Dispatcher:
             if plan.ticket is not None:
                 plan.ticket.release()
             self.metrics.in_flight.dec()
-            self.metrics.request_ended(job.policy, outcome, finish_reason)
+            self.metrics.request_ended(job.policy, outcome, finish_reason, job.sampling.max_tokens)
 
     async def _with_failover(self, plan: Plan) -> AsyncIterator[Token | Done]:
         """--failover: a disaggregated request whose prefill or transfer failed before its first token is

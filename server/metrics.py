@@ -135,6 +135,11 @@ class Metrics:
                                 "request (prefill + decode).", _VLLM_REQUEST)
         self.v_prompt_len = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKENS)
         self.v_output_len = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", _TOKENS)
+        self.v_max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                 _TOKENS)
+        # vLLM: the most tokens any sequence of the request may generate; pdserve's n is 1, so max_tokens
+        self.v_max_generation = hist("vllm:request_max_num_generation_tokens", "Histogram of maximum number of "
+                                     "requested generation tokens.", _TOKENS)
         self.v_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", req, registry=r)
         self.v_generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", req,
                                            registry=r)
@@ -275,10 +280,14 @@ class Metrics:
         self.v_tpot_token.labels(m, policy).observe(itl_s)
         self.v_generation_tokens.labels(m, policy).inc()
 
-    def request_ended(self, policy: str, outcome: str, finish_reason: str | None = None) -> None:
+    def request_ended(self, policy: str, outcome: str, finish_reason: str | None = None,
+                      max_tokens: int | None = None) -> None:
         """Every request, once: outcome "ok" (then its finish_reason, stop or length), "cancelled",
-        or the error's code."""
+        or the error's code; `max_tokens`: what it asked for."""
         self.requests.labels(policy, outcome).inc()
+        if max_tokens is not None:
+            self.v_max_tokens.labels(self.model_name, policy).observe(max_tokens)
+            self.v_max_generation.labels(self.model_name, policy).observe(max_tokens)
         if outcome == "ok":
             reason = finish_reason if finish_reason in FINISHED_REASONS else "stop"
         else:

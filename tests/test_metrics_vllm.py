@@ -143,6 +143,29 @@ def test_kv_tiers_turn_cumulative_figures_into_counters():
         m.observe_kv_tiers(*w, {"prefix_cache_queries": -1})
 
 
+# what vLLM's own dashboard (examples/observability/prometheus_grafana/grafana.json) queries
+VLLM_DASHBOARD = {
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum", "vllm:time_per_output_token_seconds_bucket",
+}
+
+
+def test_vllms_own_dashboard_finds_every_metric_it_queries():
+    assert VLLM_DASHBOARD <= Metrics("tiny").names()
+    m = Metrics("tiny")
+    m.request_ended("colocated", "ok", "stop", max_tokens=64)
+    page = m.render().decode()
+    assert value(page, "vllm:request_max_num_generation_tokens_sum", model_name="tiny", policy="colocated") == 64
+    assert value(page, "vllm:request_params_max_tokens_count", model_name="tiny", policy="colocated") == 1
+
+
 def test_dashboard_queries_only_metrics_pdserve_exports():
     queries = dashboard_queries()
     exported = Metrics("tiny").names()
