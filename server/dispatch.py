@@ -33,7 +33,6 @@ from server.metrics import Metrics
 from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
 from server.timeline import Clock, timings
 from workers import protocol as P
-from workers.engine.block_pool import blocks_for
 
 log = logging.getLogger("pdserve.router")
 
@@ -180,7 +179,7 @@ class Dispatcher:
                 have = ", ".join(f"{d.id} ({d.info.transport}/{d.info.mode})" for d in decodes)
                 raise NoWorker(f"no prefill worker matches a decode worker's transport and mode (decode: {have}); "
                                f"start prefill workers with the same --transport and --mode")
-            need = blocks_for(len(job.prompt_ids), min(d.info.block_size for d in paired))
+            need = P.blocks_for(len(job.prompt_ids), min(d.info.block_size for d in paired))
             roomy = [d for d in paired if d.free_blocks >= need]
             d = min(roomy or paired, key=WorkerState.load)
             p = min(self._prefill_for(d), key=WorkerState.load)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from workers import phases as PH
 from workers import protocol as P
-from workers.roles.base import ms
+from workers.phases import ms
 
 
 @dataclass

@@ -6,11 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from server.errors import bad_request
+from workers.model_files import MODEL_NAMES, load_smollm2_tokenizer
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):
-    from workers.engine.models import MODEL_NAMES, load_smollm2_tokenizer
-
     source = tokenizer or model
     if source in MODEL_NAMES:
         return load_smollm2_tokenizer()  # tiny and qwen2.5-7b use SmolLM2's tokenizer too

@@ -178,7 +178,7 @@ def test_killed_conversion_leaves_no_cache(tmp_path, monkeypatch):
 
     def completes(dest: Path):
         dest.mkdir(parents=True)
-        (dest / models.CACHE_MANIFEST).write_text(json.dumps(models._manifest_expected(None)))
+        (dest / models.CACHE_MANIFEST).write_text(json.dumps(models.manifest_expected(None)))
 
     monkeypatch.setattr(models, "_convert_smollm2", completes)
     assert models.ensure_smollm2_cache() == models_dir / "smollm2-135m"

@@ -60,3 +60,10 @@ FIELD = "ttft_phases_ms"  # the key of the split in the `timings` object
 def total_ms(phases: dict[str, float | None]) -> float:
     """The sum of a split (None counts as 0): equals the request's ttft_ms."""
     return sum(v for v in phases.values() if v is not None)
+
+
+def ms(start: float | None, end: float | None) -> float | None:
+    """Milliseconds between two time.monotonic() stamps; None if either is missing."""
+    if start is None or end is None:
+        return None
+    return (end - start) * 1e3

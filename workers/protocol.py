@@ -38,6 +38,7 @@ workers/auth.py: only the router's key reaches a worker's control socket.)
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Union
 
 import msgspec
@@ -50,6 +51,11 @@ ROLES = ("prefill", "decode", "colocated")
 # two lists equal); here so the router, torch-free, can name them
 TRANSPORTS = ("ipc", "nixl", "zmq")
 MODES = ("bulk", "layer")
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold num_tokens (at least one); the router counts a reservation as the engine's pool does."""
+    return max(1, math.ceil(num_tokens / block_size))
 
 
 class ProtocolError(ValueError):

@@ -8,11 +8,8 @@ request's KV moves to another worker.
 from __future__ import annotations
 
 import bisect
-import math
 
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return max(1, math.ceil(num_tokens / block_size))
+from workers.protocol import blocks_for  # noqa: F401  here too: the engine's callers import it from its pool
 
 
 def runs(block_ids: list[int]) -> list[tuple[int, int]]:

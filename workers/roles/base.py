@@ -15,18 +15,12 @@ from typing import TYPE_CHECKING
 
 from workers import protocol as P
 from workers.engine.request import Request, Status
+from workers.phases import ms
 
 if TYPE_CHECKING:
     from workers.engine.engine import StepOutput
 
 log = logging.getLogger("pdserve.worker")
-
-
-def ms(start: float | None, end: float | None) -> float | None:
-    """Milliseconds between two time.monotonic() stamps; None if either is missing."""
-    if start is None or end is None:
-        return None
-    return (end - start) * 1e3
 
 
 def timeline(r: Request) -> P.Timeline:
