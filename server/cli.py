@@ -31,7 +31,7 @@ import sys
 import tempfile
 
 from workers.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
-from workers.cli import HelpFormatter, setup_logging, version  # torch-free
+from workers.cli import HelpFormatter, add_config_argument, parse_args, setup_logging, version  # torch-free
 from workers.protocol import MODES, TRANSPORTS  # not workers.transfer: the router does not import torch
 
 log = logging.getLogger("pdserve")
@@ -382,28 +382,36 @@ def keygen(argv: list[str]) -> int:
     return 0
 
 
+def pdserve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
+                                epilog="`pdserve router --help`: the router alone; `pdserve keygen DIR`: keys "
+                                       "for workers on other machines.", formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    add_config_argument(p)
+    add_router_arguments(p, register_default=None)
+    add_worker_arguments(p)
+    return p
+
+
+def router_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
+                                "elsewhere (pdserve-worker --router ... --keys DIR/worker) register with it.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"pdserve {version()}")
+    add_config_argument(p)
+    add_router_arguments(p, register_default="tcp://127.0.0.1:7100")
+    p.add_argument("--keys", default=None, help="the router folder `pdserve keygen DIR` wrote (DIR/router)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "keygen":
         return keygen(argv[1:])
     if argv and argv[0] == "router":
-        p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
-                                    "elsewhere (pdserve-worker --router ... --keys DIR/worker) register with it.",
-                                    formatter_class=HelpFormatter)
-        p.add_argument("--version", action="version", version=f"pdserve {version()}")
-        add_router_arguments(p, register_default="tcp://127.0.0.1:7100")
-        p.add_argument("--keys", default=None, help="the router folder `pdserve keygen DIR` wrote (DIR/router)")
-        args = p.parse_args(argv[1:])
-        run = run_router
+        args, run = parse_args(router_parser(), argv[1:]), run_router
     else:
-        p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
-                                    epilog="`pdserve router --help`: the router alone; `pdserve keygen DIR`: keys "
-                                           "for workers on other machines.", formatter_class=HelpFormatter)
-        p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-        add_router_arguments(p, register_default=None)
-        add_worker_arguments(p)
-        args = p.parse_args(argv)
-        run = run_embedded
+        args, run = parse_args(pdserve_parser(), argv), run_embedded
     from workers.cli import exit_now  # torch-free, like everything the router imports
 
     setup_logging(args.log_level)

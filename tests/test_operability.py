@@ -2,7 +2,8 @@
 one log format, and a Ctrl-C that logs no warning.
 
 - `pdserve --help` (and `pdserve router`, `pdserve-worker`) shows the defaults, never the API key
-  of the environment; `--version` on both commands names pdserve's version and protocol.
+  of the environment; `--version` on both commands names pdserve's version and protocol;
+  `--config FILE` on each: YAML keys are the flags, the command line wins, a bad file is refused.
 - warm_up() on a tiny engine (no server): a real request runs and leaves the pool as it found it
   (every block free, nothing in the prefix cache, no request left); the startup line's figures.
 - StatsLine: a line per interval while there is work, one more once it ends, none while idle.
@@ -59,6 +60,34 @@ def test_version_of_both_commands():
         out = run("-m", module, "--version")
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"{prog} {want}"
+
+
+def test_config_file_keys_are_the_flags_and_the_command_line_wins(tmp_path):
+    from server.cli import pdserve_parser, router_parser
+    from workers.cli import parse_args, serve_parser
+
+    cfg = tmp_path / "pdserve.yaml"
+    cfg.write_text("model: tiny\nmax-num-seqs: 8\nno_colocated: true\nno-warmup: false\n"
+                   "worker-arg: [--handshake-timeout, 10]\nstats-interval: 2.5\n")
+    args = parse_args(pdserve_parser(), ["--config", str(cfg), "--max-num-seqs", "4"])
+    assert (args.model, args.max_num_seqs, args.no_colocated, args.warmup) == ("tiny", 4, True, True)
+    assert args.worker_arg == ["--handshake-timeout", "10"] and args.stats_interval == 2.5
+    assert args.port == 8000  # not in the file: the default
+    router = tmp_path / "router.yaml"
+    router.write_text("keys: /etc/pdserve/router\nregister: tcp://10.0.0.1:7100\n")
+    args = parse_args(router_parser(), ["--config", str(router)])
+    assert (args.keys, args.register) == ("/etc/pdserve/router", "tcp://10.0.0.1:7100")
+    worker = tmp_path / "worker.yaml"
+    worker.write_text("role: decode\nkeys: /k\nkv-port: 7300\n")
+    args = parse_args(serve_parser(), ["--config", str(worker), "--role", "prefill"])
+    assert (args.role, args.keys, args.kv_port) == ("prefill", "/k", 7300)
+    for text, says in (("bogus: 1\n", "'bogus' is not a flag of pdserve"),
+                       ("no-colocated: 3\n", "'no-colocated' is an on/off flag"),
+                       ("- a\n", "must be a mapping"), ("port: [1, 2\n", "is not YAML")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        out = run("-m", "server.cli", "--config", str(bad))
+        assert out.returncode == 2 and says in out.stderr, out.stderr
 
 
 def test_warm_up_runs_a_request_and_leaves_the_pool_as_it_was():

@@ -38,6 +38,53 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text + " (default: %(default)s)"
 
 
+def add_config_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="a YAML file whose keys are this command's flags "
+                   "(`max-num-seqs: 32`, `no-colocated: true`, `worker-arg: [--handshake-timeout, 10]`); flags on "
+                   "the command line win")
+
+
+def parse_args(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """argv, after the flags of --config FILE if it is given (so the command line overrides them)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config is None:
+        return p.parse_args(argv)
+    return p.parse_args(config_flags(p, known.config) + list(argv))
+
+
+def config_flags(p: argparse.ArgumentParser, path: str) -> list[str]:
+    """The flags a --config file stands for, checked against `p`'s own (an unknown key is an error)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        p.error(f"cannot read --config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        p.error(f"--config {path} is not YAML: {e}")
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        p.error(f"--config {path} must be a mapping of flag names to values, got a {type(data).__name__}")
+    actions = p._option_string_actions  # argparse's table of long flags (no public accessor)
+    out: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag in ("--config", "--help", "--version"):
+            p.error(f"--config {path}: {key!r} is not a flag of {p.prog} (see {p.prog} --help)")
+        if action.nargs == 0:  # an on/off flag: true sets it, false leaves it off
+            if not isinstance(value, bool):
+                p.error(f"--config {path}: {key!r} is an on/off flag; give true or false, not {value!r}")
+            out += [flag] if value else []
+        else:  # --flag=value: a value that starts with "-" (a --worker-arg) stays a value
+            out += [f"{flag}={item}" for item in (value if isinstance(value, list) else [value])]
+    return out
+
+
 def version() -> str:
     """pdserve's version (one for the router and the workers) and the control protocol it speaks."""
     from importlib.metadata import PackageNotFoundError, version as installed
@@ -97,6 +144,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve-worker", description="Run one pdserve worker process "
                                 "(or `pdserve-worker generate PROMPT` to generate locally).", formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    add_config_argument(p)
     p.add_argument("--role", required=True, choices=ROLES)
     add_engine_arguments(p)
     g = p.add_argument_group("KV transfer (prefill and decode roles)")
@@ -163,7 +211,7 @@ def die_with_parent(parent_pid: int, on_parent_death) -> None:
 
 
 def serve(argv: list[str]) -> int:
-    args = serve_parser().parse_args(argv)
+    args = parse_args(serve_parser(), argv)
     setup_logging(args.log_level)
     stopper = {"worker": None}
     if args.parent_pid is not None:
