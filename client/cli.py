@@ -12,8 +12,7 @@ import time
 from client.client import DEFAULT_BASE_URL, Client
 from client.errors import ClientError
 from client.wire import Completion
-
-POLICIES = ("colocated", "disaggregated", "auto")
+from workers.protocol import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:

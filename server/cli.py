@@ -32,14 +32,13 @@ import tempfile
 
 from workers.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
 from workers.cli import HelpFormatter, add_config_argument, parse_args, setup_logging, version  # torch-free
-from workers.protocol import MODES, TRANSPORTS  # not workers.transfer: the router does not import torch
+from workers.protocol import MODES, POLICIES, TRANSPORTS  # not workers.transfer: the router does not import torch
 
 log = logging.getLogger("pdserve")
 
 
 def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> None:
     from server.config import DEFAULT_MAX_BODY_BYTES
-    from server.schemas import POLICIES
 
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, qwen2.5-7b or a checkpoint dir")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, when the model's is not on this machine")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.schemas import POLICIES
 from workers.auth import RouterKeys
+from workers.protocol import POLICIES
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt is under 1 MB of text or of token ids
 

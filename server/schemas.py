@@ -36,9 +36,8 @@ from server.errors import APIError, bad_request
 from workers import protocol as P
 from workers.protocol import (MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_PROMPT_TOKENS, MAX_REPETITION_PENALTY,
                               MAX_SEED, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-                              MIN_TEMPERATURE, Sampling)
+                              MIN_TEMPERATURE, POLICIES, Sampling)
 
-POLICIES = ("colocated", "disaggregated", "auto")
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's legacy bound); chat's top_logprobs: MAX_LOGPROBS
 MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) is 5 levels

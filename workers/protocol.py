@@ -51,6 +51,7 @@ ROLES = ("prefill", "decode", "colocated")
 # two lists equal); here so the router, torch-free, can name them
 TRANSPORTS = ("ipc", "nixl", "zmq")
 MODES = ("bulk", "layer")
+POLICIES = ("colocated", "disaggregated", "auto")  # how the router serves a request (RouterConfig, `policy`)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
