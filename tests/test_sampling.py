@@ -168,3 +168,40 @@ def test_greedy_default_is_unchanged(engine, expected):
     run(engine, reqs)
     assert_rest_unaffected(engine, reqs, expected)
     assert GREEDY.penalized is False
+
+
+def test_logprobs_that_fail_for_one_row_fail_that_request_alone(engine, expected, monkeypatch):
+    logprobs_of = sampler_module.logprobs_of
+
+    def broken(logits, targets, k):
+        if k == 7:  # only the bad request asks for 7
+            raise RuntimeError("injected")
+        return logprobs_of(logits, targets, k)
+
+    monkeypatch.setattr(sampler_module, "logprobs_of", broken)
+    reqs = batch()
+    bad = Request("bad", prompt(12, 5), SamplingParams(max_tokens=8, logprobs=7, ignore_eos=True))
+    good = Request("good", prompt(9, 4), SamplingParams(max_tokens=8, logprobs=2, ignore_eos=True))
+    outs = run(engine, reqs + [bad, good])
+    assert bad.finish_reason == "error" and "request bad: the logprobs of generated token 0 failed" in bad.error
+    assert good.finish_reason == "length"
+    assert all(o.logprobs is not None and len(o.logprobs.top_ids) == 2 for o in outs if o.request_id == "good")
+    assert_rest_unaffected(engine, reqs, expected)
+
+
+def test_prompt_logprobs_that_fail_fail_that_request_alone(engine, expected, monkeypatch):
+    compute = engine.runner._prompt_logprobs
+
+    def broken(hidden, req, rows, k):
+        if req.request_id == "bad":
+            raise RuntimeError("injected")
+        return compute(hidden, req, rows, k)
+
+    monkeypatch.setattr(engine.runner, "_prompt_logprobs", broken)
+    reqs = batch()
+    bad = Request("bad", prompt(12, 5), SamplingParams(max_tokens=8, prompt_logprobs=1, ignore_eos=True))
+    good = Request("good", prompt(9, 4), SamplingParams(max_tokens=8, prompt_logprobs=1, ignore_eos=True))
+    run(engine, reqs + [bad, good])
+    assert bad.finish_reason == "error" and "0 of its 11 prompt logprobs were computed" in bad.error
+    assert good.finish_reason == "length" and len(good.prompt_logprobs) == 8
+    assert_rest_unaffected(engine, reqs, expected)

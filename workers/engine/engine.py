@@ -225,6 +225,7 @@ class Engine:
         for r, _ in work:
             self._name_blocks(r)
         tokens = [self._prompt_logprobs_done(r, tok) for r, tok in zip(done, tokens)]
+        tokens = [lp if isinstance(lp, SamplingError) else tok for tok, lp in zip(tokens, lps)]
         return [with_logprobs(self._emit(r, tok, logits[i] if r.return_logits else None), lp)
                 for i, (r, tok, lp) in enumerate(zip(done, tokens, lps))]
 
@@ -283,6 +284,8 @@ class Engine:
             if isinstance(token, SamplingError):
                 raise token
             [req.first_logprobs] = self.sampler.token_logprobs(logits, [req], [token])
+            if isinstance(req.first_logprobs, SamplingError):
+                raise req.first_logprobs
             req.prefill_end = time.monotonic()
             self._name_blocks(req)
             if self.tiers is not None:

@@ -20,6 +20,7 @@ and a prefill's per-layer transfer hook must run on the host.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -28,6 +29,8 @@ from workers.engine import attention, fusion
 from workers.engine.kv_cache import KVCache
 from workers.engine.request import Request
 from workers.engine.sampler import logprobs_of
+
+log = logging.getLogger("pdserve.engine")
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at once: [256, vocab] float32 at most
 
@@ -198,7 +201,10 @@ class ModelRunner:
             if hook is not None:
                 hook.remove()
         for r, rows, k in asks:
-            self._prompt_logprobs(hidden[0][0], r, rows, k)
+            try:
+                self._prompt_logprobs(hidden[0][0], r, rows, k)
+            except Exception:  # this request's: its list stays short, and the engine fails it alone at token 1
+                log.exception("request %s: its prompt logprobs failed", r.request_id)
         return out.logits[0].float()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, rows: list[int], k: int) -> None:

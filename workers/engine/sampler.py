@@ -151,20 +151,37 @@ class Sampler:
     # ---- logprobs -----------------------------------------------------------------------------------
 
     def token_logprobs(self, logits: torch.Tensor, requests: list[Request],
-                       tokens: list[int | SamplingError]) -> list[TokenLogprobs | None]:
+                       tokens: list[int | SamplingError]) -> list[TokenLogprobs | SamplingError | None]:
         """The logprobs of each sampled token whose request asked (Sampling.logprobs), from the raw
-        logits; None for the other rows (and for failed ones)."""
+        logits; None for the other rows (and for failed ones); a SamplingError where they could not be
+        computed (batched first; if that raises, row by row, so only the row at fault fails)."""
         rows = [i for i, (r, t) in enumerate(zip(requests, tokens))
                 if r.params.logprobs is not None and not isinstance(t, SamplingError)]
-        out: list[TokenLogprobs | None] = [None] * len(requests)
+        out: list[TokenLogprobs | SamplingError | None] = [None] * len(requests)
         if not rows:
             return out
+        try:
+            groups = [(rows, self._logprobs(logits, requests, tokens, rows))]
+        except Exception:
+            groups = []
+            for i in rows:
+                try:
+                    groups.append(([i], self._logprobs(logits, requests, tokens, [i])))
+                except Exception as e:
+                    out[i] = SamplingError(f"request {requests[i].request_id}: the logprobs of generated token "
+                                           f"{len(requests[i].output_ids)} failed: {type(e).__name__}: {e}")
+        for part, lps in groups:
+            for i, lp in zip(part, lps):
+                want = requests[i].params.logprobs
+                out[i] = lp if len(lp.top_ids) == want else TokenLogprobs(lp.logprob, lp.top_ids[:want],
+                                                                          lp.top_logprobs[:want])
+        return out
+
+    @staticmethod
+    def _logprobs(logits, requests, tokens, rows: list[int]) -> list[TokenLogprobs]:
         k = max(requests[i].params.logprobs for i in rows)
         targets = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=logits.device)
-        for i, lp in zip(rows, logprobs_of(logits[rows], targets, k)):
-            want = requests[i].params.logprobs
-            out[i] = lp if want == k else TokenLogprobs(lp.logprob, lp.top_ids[:want], lp.top_logprobs[:want])
-        return out
+        return logprobs_of(logits[rows], targets, k)
 
 
 def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
