@@ -109,3 +109,14 @@ def test_tokenizer_where_torch_is_not_installed():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[0] == "49152", r.stdout
+
+
+def test_tokenizer_without_torch_or_cache_says_what_to_do(tmp_path):
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from server.tokenizer import load_tokenizer\n"
+            "load_tokenizer('smollm2-135m')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "PDSERVE_CACHE": str(tmp_path)})
+    assert r.returncode != 0
+    assert "converting the model's GGUF needs torch" in r.stderr and "--tokenizer DIR" in r.stderr, r.stderr
+    assert not (tmp_path / "models").exists()
