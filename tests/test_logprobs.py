@@ -25,8 +25,8 @@ PROMPT = [(13 * i + 7) % 300 + 5 for i in range(40)]
 
 @pytest.fixture(scope="module")
 def reference():
-    """transformers' own forward on the same weights (no paged attention): [positions, vocab] logprobs."""
-    return load_model("tiny", "float32", "cpu").model
+    """transformers' own forward on the same weights (no paged attention), per model."""
+    return {}
 
 
 def ref_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -34,20 +34,26 @@ def ref_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
 
 
-@pytest.mark.parametrize("chunking", [{}, {"chunk_tokens": 7}, {"chunked_prefill": False}],
-                         ids=["chunk512", "chunk7", "unchunked"])
-def test_prompt_and_token_logprobs_match_transformers(reference, chunking, monkeypatch):
+CHUNKINGS = {"chunk512": {}, "chunk7": {"chunk_tokens": 7}, "unchunked": {"chunked_prefill": False}}
+
+
+@pytest.mark.parametrize("model,chunking", [("tiny", c) for c in CHUNKINGS] + [("smollm2-135m", "chunk7")])
+def test_prompt_and_token_logprobs_match_transformers(reference, model, chunking, monkeypatch):
     monkeypatch.setattr(runner_module, "PROMPT_LOGPROB_ROWS", 5)  # slices shorter than a chunk, and ragged
-    eng = Engine(EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, **chunking))
-    req = Request("r", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=3),
+    eng = Engine(EngineConfig(model=model, num_blocks=NUM_BLOCKS, **CHUNKINGS[chunking]))
+    prompt = PROMPT if model == "tiny" else eng.encode_prompt("The capital of France is Paris, and the capital of "
+                                                              "Italy is Rome. The capital of Spain is")
+    req = Request("r", prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=3),
                   return_logits=True)
     outs = list(eng.stream(req))
-    ids = PROMPT + req.output_ids
-    ref = ref_logprobs(reference, ids)
+    ids = prompt + req.output_ids
+    if model not in reference:
+        reference[model] = load_model(model, "float32", "cpu").model
+    ref = ref_logprobs(reference[model], ids)
     prompt_lps = outs[0].prompt_logprobs
-    assert len(prompt_lps) == len(PROMPT) - 1 and all(o.prompt_logprobs is None for o in outs[1:])
+    assert len(prompt_lps) == len(prompt) - 1 and all(o.prompt_logprobs is None for o in outs[1:])
     got = torch.tensor([lp.logprob for lp in prompt_lps])
-    want = ref[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
     for i, lp in enumerate(prompt_lps):
         top = ref[i].topk(3)
@@ -58,7 +64,7 @@ def test_prompt_and_token_logprobs_match_transformers(reference, chunking, monke
         top = lsm.topk(4)
         assert o.logprobs.top_ids == top.indices.tolist() and o.logprobs.top_logprobs == top.values.tolist()
         assert o.logprobs.top_ids[0] == o.token_id  # greedy: the chosen token is the most likely
-    gen = ref[torch.arange(len(PROMPT) - 1, len(ids) - 1), torch.tensor(req.output_ids)]
+    gen = ref[torch.arange(len(prompt) - 1, len(ids) - 1), torch.tensor(req.output_ids)]
     assert torch.allclose(torch.tensor([o.logprobs.logprob for o in outs]), gen, atol=1e-5, rtol=0)
 
 

@@ -10,8 +10,10 @@ Worker -> router
     Heartbeat     every interval: free KV blocks, queue depth; the router drops a worker after 3 misses
     Goodbye       clean exit: the router stops routing to it at once
     Reserved      decode: blocks reserved for a request, and the KV receiver address to send them to
-    PrefillDone   prefill: first token, prefill and transfer timings, bytes moved
-    Tokens        colocated and decode: one step's new tokens (the last one of a request carries its timeline)
+    PrefillDone   prefill: first token (its logprobs and the prompt's, when asked), prefill and transfer
+                  timings, bytes moved
+    Tokens        colocated and decode: one step's new tokens, with their logprobs when asked (the last one of
+                  a request carries its timeline)
     RequestFailed any role: a request could not go on (kind says why); its blocks are already freed
 
 Router -> worker
