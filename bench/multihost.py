@@ -220,7 +220,11 @@ def predict(row: dict, rate_mbit: float, ceiling_mbit: float, layers: int) -> di
     at_ceiling = kv * 8 / (ceiling_mbit * 1e6) * 1e3
     return {"transfer_ms_nominal": nominal, "transfer_ms_at_ceiling": at_ceiling,
             "bulk_exposed_ms": at_ceiling,
-            "layer_exposed_ms": max(at_ceiling / layers, at_ceiling - prefill * (1 - 1 / layers))}
+            "layer_exposed_ms": layer_exposed(at_ceiling, prefill, layers)}
+
+
+def layer_exposed(transfer_ms: float, prefill_ms: float, layers: int) -> float:
+    return max(transfer_ms / layers, transfer_ms - prefill_ms * (1 - 1 / layers))
 
 
 def _result(row: dict, transport: str, mode: str) -> dict | None:
@@ -275,6 +279,19 @@ def markdown(result: dict) -> str:
                     f"{le:.0f} ({lay['exposed_ms']['min']:.0f}..{lay['exposed_ms']['max']:.0f}; "
                     f"{pred['layer_exposed_ms']:.0f}) | {d['median']:+.0f} ({d['min']:+.0f}..{d['max']:+.0f}) | "
                     f"{'yes' if b['exact'] and lay['exact'] else 'NO'} | {verdict(pr['median'], bt, be, le)} |")
+    lines += ["", "Layer mode run by run, against the prediction from that run's own prefill P and the transfer T of "
+              "the bulk runs (median): exposed = max(T / layers, T - P (1 - 1/layers)):", ""]
+    for block in result["rates"]:
+        for row in block["lengths"]:
+            for t in c["transports"]:
+                b, lay = _result(row, t, "bulk"), _result(row, t, "layer")
+                if b is None or lay is None:
+                    continue
+                T = b["transfer_ms"]["median"]
+                runs = [f"P {p:.0f} -> {e:.0f} ({layer_exposed(T, p, c['num_layers']):.0f})"
+                        for p, e in zip(lay["prefill_ms"]["runs"], lay["exposed_ms"]["runs"])]
+                lines.append(f"- {t}, {block['rate_mbit']:g} Mbit/s, {row['tokens']} tokens, T {T:.0f} ms: "
+                             f"{'; '.join(runs)} ms")
     lanes = {t: lane for block in result["rates"] for t, lane in block["ucx_lane"].items() if lane}
     for t, lane in lanes.items():
         lines.append(f"\n{t}: UCX lane {'+'.join(lane.get('transports', [])) or lane} "
