@@ -563,8 +563,9 @@ class ChoiceBuilder:
         if not self.token_ids and self.echo is not None:
             lead = self.echo
             if self.lp is not None:
+                known = prompt_logprobs or []  # one per prompt token after the first
                 for i, t in enumerate(self.prompt_ids):
-                    self.lp.add(t, None if i == 0 or prompt_logprobs is None else prompt_logprobs[i - 1])
+                    self.lp.add(t, known[i - 1] if 0 < i <= len(known) else None)
         self.token_ids.append(token_id)
         if self.lp is not None:
             self.lp.add(token_id, logprobs)
