@@ -57,16 +57,18 @@ def why_unavailable() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
-    probe = f"{PREFIX}-probe-{os.getpid()}"
+    # named like a set of this process, so a probe cut short is swept like any stale set
+    short = f"{random.getrandbits(24):06x}"
+    probe, veth, bridge = f"{PREFIX}-{os.getpid()}-{short}-probe", f"pd{short}p", f"pdb{short}"
     try:
         ip("netns", "add", probe)
-        ip("link", "add", f"pdp{os.getpid() % 100000}", "type", "veth", "peer", "name", "eth0", "netns", probe)
-        ip("link", "add", f"pdq{os.getpid() % 100000}", "type", "bridge")
+        ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", probe)
+        ip("link", "add", bridge, "type", "bridge")
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         return f"cannot make a namespace, veth pair and bridge here: {e}"
     finally:
-        ip("link", "del", f"pdp{os.getpid() % 100000}", check=False)
-        ip("link", "del", f"pdq{os.getpid() % 100000}", check=False)
+        ip("link", "del", veth, check=False)
+        ip("link", "del", bridge, check=False)
         ip("netns", "del", probe, check=False)
     return None
 
