@@ -5,7 +5,9 @@ engine lines.
     startup_line(worker_id, role, engine) -> str
     StatsLine(worker_id, interval_s)
       .received(msg) / .sent(msg)      every control message in and out (the main thread)
-      .maybe_log(running, waiting, free_blocks, num_blocks)   after each tick: logs once per interval
+      .due()                           after each tick: has an interval passed?
+      .log(running, waiting, free_blocks, num_blocks, cache)   then: the line (cache: the prefix
+                                       cache's cumulative P.CacheFigures, for the interval's hit rate)
 
 Counted here, from the messages: prompt tokens that arrived to be prefilled (Generate, Prefill) and
 tokens sent to the router (Tokens). Idle intervals log nothing, except the first one after work, so
@@ -42,6 +44,7 @@ class StatsLine:
         self.generation_tokens = 0
         self._since = time.monotonic()
         self._was_busy = False
+        self._cache_seen = (0, 0)  # (queried, hit) prompt tokens, cumulative, at the last line
 
     def received(self, msg) -> None:
         if isinstance(msg, (P.Generate, P.Prefill)):
@@ -51,12 +54,19 @@ class StatsLine:
         if isinstance(msg, P.Tokens):
             self.generation_tokens += len(msg.outputs)
 
-    def maybe_log(self, running: int, waiting: int, free_blocks: int, num_blocks: int) -> str | None:
+    def due(self) -> bool:
+        return self.interval_s > 0 and time.monotonic() - self._since >= self.interval_s
+
+    def maybe_log(self, running: int, waiting: int, free_blocks: int, num_blocks: int,
+                  cache: P.CacheFigures | None = None) -> str | None:
         """The line, logged, if an interval has passed and there was (or is, or just was) work."""
+        return self.log(running, waiting, free_blocks, num_blocks, cache) if self.due() else None
+
+    def log(self, running: int, waiting: int, free_blocks: int, num_blocks: int,
+            cache: P.CacheFigures | None = None) -> str | None:
+        """The interval's line, logged if there was (or is, or just was) work; starts the next interval."""
         now = time.monotonic()
-        span = now - self._since
-        if self.interval_s <= 0 or span < self.interval_s:
-            return None
+        span = max(now - self._since, 1e-9)
         busy = bool(self.prompt_tokens or self.generation_tokens or running or waiting)
         line = None
         if busy or self._was_busy:
@@ -65,7 +75,14 @@ class StatsLine:
                     f"throughput {self.generation_tokens / span:.1f} tokens/s, running {running} reqs, waiting "
                     f"{waiting} reqs, KV cache usage {100 * used / max(num_blocks, 1):.1f}% ({used}/{num_blocks} "
                     f"blocks)")
+            if cache is not None:
+                seen = (cache.queried_tokens, cache.gpu_hit_tokens + cache.host_hit_tokens + cache.disk_hit_tokens)
+                queried, hit = seen[0] - self._cache_seen[0], seen[1] - self._cache_seen[1]
+                line += f", prefix cache hit rate {100 * hit / queried:.1f}%" if queried > 0 else ""
             log.info("%s", line)
+        if cache is not None:
+            self._cache_seen = (cache.queried_tokens,
+                                cache.gpu_hit_tokens + cache.host_hit_tokens + cache.disk_hit_tokens)
         self._was_busy = busy
         self.prompt_tokens = self.generation_tokens = 0
         self._since = now

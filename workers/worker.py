@@ -306,8 +306,9 @@ class Worker:
                 for arrived, frame in self.inbox.take(self.role.poll_timeout_ms(IDLE_POLL_MS) / 1e3):
                     self._on_frame(arrived, frame)
                 self.role.tick()
-                self.stats.maybe_log(self.role.running(), self.role.queue_depth(), self.engine.blocks.num_free,
-                                     self.engine.blocks.num_blocks)
+                if self.stats.due():
+                    self.stats.log(self.role.running(), self.role.queue_depth(), self.engine.blocks.num_free,
+                                   self.engine.blocks.num_blocks, self.cache_figures())
         except Exception as e:
             self._stop_reason = f"crashed: {type(e).__name__}: {e}"
             raise
