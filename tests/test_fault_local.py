@@ -20,14 +20,80 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from test_server_harness import TINY, Pdserve
+from workers.engine.kv_cache import KVCache, KVLayout
+from workers.transfer.base import PeerState, TransferConfig, TransferError, make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(300)
 
 PROMPT = "Paged attention keeps the KV cache in fixed-size blocks " * 12  # ~130 tokens: a few blocks to move
 BURST_TOKENS = 100
 SLACK_MS = 50.0  # CPU noise on a shared machine; the fault this guards against cost 30,000 ms
+
+
+LAYOUT = KVLayout(2, 2, 8, "float32", 16, 32)
+
+
+def test_a_silent_peer_never_makes_the_sender_wait():
+    """The sender's non-blocking calls against a peer that takes connections and never answers (a
+    stopped process) beside a live one: every call returns at once; the silent peer's handshake ends
+    at the deadline (DEAD, and then requests to it fail at once); a transfer waiting for a silent
+    accept is polled, and fails at its deadline; the live peer's transfers go through meanwhile."""
+    import zmq
+
+    ctx = zmq.Context()
+    hole = ctx.socket(zmq.ROUTER)  # accepts, reads nothing, answers nothing
+    port = hole.bind_to_random_port("tcp://127.0.0.1")
+    silent = f"tcp://127.0.0.1:{port}"
+    dst, src = KVCache(LAYOUT, "cpu", shared=True), KVCache(LAYOUT, "cpu")
+    src.pool.normal_()
+    recv = make_receiver(dst, TransferConfig(transport="zmq", deadline_s=5))
+    send = make_sender(src, TransferConfig(transport="zmq", deadline_s=1.0))
+    try:
+        start = time.monotonic()
+        assert send.reach(silent)[0] is PeerState.CONNECTING
+        assert send.reach(recv.address)[0] is PeerState.CONNECTING
+        assert time.monotonic() - start < 0.05
+        while send.reach(recv.address)[0] is not PeerState.READY:
+            assert time.monotonic() - start < 1.0, "the live peer's handshake waited for the silent one"
+            time.sleep(0.005)
+        for i in range(3):  # transfers to the live peer, polled, while the silent one hangs
+            recv.expect(f"ok{i}", [4 + i], deadline_s=5)
+            t = send.open(f"ok{i}", recv.address, [i], [4 + i], 16)
+            t.start_finish(first_token=7, deadline_s=5)
+            while (stats := t.poll()) is None:
+                assert time.monotonic() - start < 1.0
+                time.sleep(0.001)
+            assert stats.num_bytes == LAYOUT.num_layers * LAYOUT.block_bytes
+        assert send.reach(silent)[0] is PeerState.CONNECTING
+        while (state := send.reach(silent))[0] is PeerState.CONNECTING:
+            assert time.monotonic() - start < 3.0
+            time.sleep(0.01)
+        state, why = state
+        took = time.monotonic() - start
+        assert state is PeerState.DEAD and "no handshake answer within 1.0 s" in why and 0.9 < took < 2.0, (why, took)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="unreachable"):
+            send.open("lost", silent, [1], [1], 16)
+        assert time.monotonic() - t0 < 0.05  # detected once: no second wait
+
+        recv._on_begin = lambda ident, msg: None  # the live peer stops answering (as if SIGSTOPped)
+        recv.expect("never", [9], deadline_s=5)
+        t = send.open("never", recv.address, [1], [9], 16)
+        t.start_finish(first_token=7, deadline_s=0.5)
+        t0 = time.monotonic()
+        polls = 0
+        with pytest.raises(TransferError, match="accept within the deadline"):
+            while t.poll() is None:
+                polls += 1
+                time.sleep(0.001)
+        assert 0.45 < time.monotonic() - t0 < 1.0 and polls > 50  # each poll returned at once
+        for i in range(3):
+            assert torch.equal(dst.pool[:, 4 + i], src.pool[:, i])
+    finally:
+        send.close(), recv.close(), dst.close(), hole.close(0), ctx.term()
 
 
 def one(url: str, max_tokens: int = 4) -> tuple[float, str | None, float | None, str | None]:
