@@ -225,6 +225,7 @@ class Router:
         usage_event = req.stream_options is not None and req.stream_options.include_usage
         held: dict[int, tuple[str, list[int]]] = {}  # choice -> its last token, sent with its Done in one event
         completion_tokens, left = 0, len(plans)
+        timings: dict = {}  # choice 0's, as a whole response reports them
         try:
             async for i, event in self.dispatcher.execute_all(plans):
                 c = choices[i]
@@ -240,6 +241,7 @@ class Router:
                 body = S.chunk_body(kind, rid, created, model, c.delta(text, ids, event.finish_reason),
                                     null_usage=usage_event)
                 completion_tokens += len(event.token_ids)
+                timings = event.timings if i == 0 else timings
                 left -= 1
                 if left:
                     yield _event(body)
@@ -247,8 +249,9 @@ class Router:
                 if usage_event:
                     yield _event(body)
                     body = S.usage_chunk_body(kind, rid, created, model)
-                body["usage"] = S.usage(len(job.prompt_ids), completion_tokens)  # the prompt counted once
-                body["timings"] = event.timings
+                # the prompt counted once (and its cached tokens: choice 0's)
+                body["usage"] = S.usage(len(job.prompt_ids), completion_tokens, timings.get("cached_tokens"))
+                body["timings"] = timings
                 yield _event(body)
         except APIError as e:
             log.warning("request %s failed mid-stream: %s", rid, e.message)

@@ -488,7 +488,7 @@ def response_body(kind: str, rid: str, created: int, model: str, choices: list[d
     """completion_tokens: of every choice together (the prompt counts once, as OpenAI counts it)."""
     obj = "chat.completion" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens), "timings": timings}
+            "usage": usage(prompt_tokens, completion_tokens, timings.get("cached_tokens")), "timings": timings}
 
 
 def chunk_body(kind: str, rid: str, created: int, model: str, choice: dict, null_usage: bool = False) -> dict:

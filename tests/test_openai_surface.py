@@ -279,7 +279,7 @@ def logprob_worker(n_tokens: int = 3):
                 plp = [P.TokenLogprobs(-1.0 - j, [9][:s.prompt_logprobs], [-0.5][:s.prompt_logprobs])
                        for j in range(len(msg.prompt_ids) - 1)]
             outs.append(P.TokenOut(rid, 100 + i, f"<{i}>", last, "length" if last else None,
-                                   P.Timeline(prefill_ms=1.0) if last else None, lp, plp))
+                                   P.Timeline(prefill_ms=1.0, cached_tokens=2) if last else None, lp, plp))
         w.send(P.Tokens(w.worker_id, outs))
     return on_message
 
@@ -302,7 +302,8 @@ def test_n_fans_out_to_one_worker_with_seed_plus_i(lp_client, tokenizer):  # noq
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["text"] == "<0><1><2>" and c["token_ids"] == [100, 101, 102] for c in body["choices"])
     prompt_tokens = len(tokenizer.encode(COMPLETION["prompt"]))
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9, "total_tokens": prompt_tokens + 9}
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9, "total_tokens": prompt_tokens + 9,
+                             "prompt_tokens_details": {"cached_tokens": 2}}  # the prompt's, counted once
 
 
 def test_n_streams_every_choice_by_index_and_sums_the_usage(lp_client):
@@ -318,6 +319,7 @@ def test_n_streams_every_choice_by_index_and_sums_the_usage(lp_client):
         assert [c["finish_reason"] for c in mine] == [None, None, "length"]
     usage = events[-2]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 2} and usage["timings"]["cached_tokens"] == 2
     assert all(c["usage"] is None for c in chunks)
 
 
