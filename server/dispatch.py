@@ -122,21 +122,34 @@ class Dispatcher:
         return plans
 
     async def execute_all(self, plans: list[Plan]) -> AsyncIterator[tuple[int, Token | Done]]:
-        """(choice index, event) of every plan's run, as they come; the first error ends them all."""
+        """(choice index, event) of every plan's run, as they come; the first error ends them all.
+        A prompt of a full KV block or more: the others start once the first has its token 1, so that
+        its prompt's blocks are in the workers' prefix cache and the others reuse them instead of
+        computing the prompt again (their TTFT pays the first's prefill; the workers compute it once)."""
         if len(plans) == 1:
             async for event in self.execute(plans[0]):
                 yield 0, event
             return
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
+        lead = plans[0].worker or plans[0].decode
+        lead_prefilled = asyncio.Event()
+        if len(plans[0].job.prompt_ids) <= lead.info.block_size:  # no full block to share
+            lead_prefilled.set()
 
         async def run(i: int, plan: Plan) -> None:
             try:
+                if i:
+                    await lead_prefilled.wait()
                 async for event in self.execute(plan):
                     queue.put_nowait((i, event))
+                    if i == 0:
+                        lead_prefilled.set()
             except Exception as e:  # APIError and the rest: the response's, raised below
                 queue.put_nowait((i, e))
             finally:
+                if i == 0:
+                    lead_prefilled.set()
                 queue.put_nowait((i, end))
 
         tasks = [asyncio.ensure_future(run(i, plan)) for i, plan in enumerate(plans)]

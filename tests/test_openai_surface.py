@@ -399,3 +399,28 @@ def test_disaggregated_token_1_logprobs_come_from_the_prefill_report(tokenizer):
         lps = body["choices"][0]["logprobs"]["token_logprobs"]
         n = len(tokenizer.encode("Hello there"))
         assert lps == [None] + [-1.5] * (n - 1) + [-0.125, -0.5, -0.75], body
+
+
+def test_n_starts_the_other_sequences_once_the_first_has_prefilled(tokenizer):  # noqa: F811
+    """A prompt of a full block or more: choices 1.. are sent once choice 0's token 1 is in, so the
+    worker's prefix cache holds the prompt for them; a shorter prompt sends all at once."""
+    seen: list[tuple[str, int]] = []  # (request id, tokens the router had been sent before it)
+    sent = {"n": 0}
+
+    def on_message(w, msg):
+        if isinstance(msg, P.Generate):
+            seen.append((msg.request_id, sent["n"]))
+            time.sleep(0.05)
+            sent["n"] += 1
+            w.tokens(msg.request_id, [100], timeline=P.Timeline(prefill_ms=1.0))
+
+    with router(tokenizer) as client:
+        client.add_worker("colocated", "c0", on_message)
+        long_prompt = list(range(100, 140))  # 40 tokens: two full blocks of 16
+        body = client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1, "n": 3}).json()
+        assert [c["text"] for c in body["choices"]] == ["<100>"] * 3
+        assert seen[0] == (f"{body['id']}-0", 0) and all(n >= 1 for _, n in seen[1:])  # after choice 0's token
+        seen.clear()
+        sent["n"] = 0
+        body = client.post("/v1/completions", json={"prompt": long_prompt[:8], "max_tokens": 1, "n": 3}).json()
+        assert len(body["choices"]) == 3 and len(seen) == 3
