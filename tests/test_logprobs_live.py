@@ -123,3 +123,26 @@ def test_penalties_min_tokens_and_stop_token_ids_on_both_policies(oai):
     assert held["colocated"] == held["disaggregated"]
     ids = held["colocated"][0]
     assert len(ids) >= 8 and stop_at not in ids[:7]
+
+
+def test_n_choices_reuse_the_prompt_kv_of_the_first(srv):
+    """A prompt of two full blocks, n=3: choices 1 and 2 start once choice 0 prefilled, so each finds the
+    prompt's 32 block-aligned tokens in the prefix cache of every worker that prefills or holds it."""
+    import re
+    import time
+
+    def hits() -> dict:
+        text = srv.get("/metrics").text
+        return {m[0]: float(m[1]) for m in re.findall(r'^pdserve:prefix_cache_hits_total\{role="(\w+)",tier="gpu"'
+                                                      r',worker="[^"]+"\} (\S+)$', text, re.M)}
+    prompt = [(17 * i + 3) % 300 + 5 for i in range(40)]  # a prompt no other test sends
+    for policy, roles in (("colocated", ("colocated",)), ("disaggregated", ("prefill", "decode"))):
+        before = hits()
+        r = srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 3, "n": 3, "policy": policy,
+                                         "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+        deadline = time.monotonic() + 10  # the counters come with the workers' heartbeats
+        while any(hits().get(role, 0) - before.get(role, 0) < 64 for role in roles) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = hits()
+        assert all(after.get(role, 0) - before.get(role, 0) == 64 for role in roles), (policy, before, after)
