@@ -96,6 +96,19 @@ def test_eviction_is_least_recently_used_and_tail_first():
     assert c.match(na) == a[:1] and c.match(nb) == b
 
 
+def test_evicted_blocks_come_back_as_runs():
+    """A transfer pays per run of consecutive blocks: a request's blocks freed tail-first and then
+    evicted for another request must come back in order, not reversed."""
+    from workers.engine.block_pool import runs
+
+    c = PrefixCache(16)
+    a = c.allocate(16)
+    c.register(names(list(range(16 * 16))), a)
+    c.free(a)
+    got = c.allocate(10)
+    assert runs(got) == [(6, 10)], runs(got)  # the tail's ten, in order: one run
+
+
 def test_a_name_held_by_another_block_stays_there():
     c = PrefixCache(4)
     x, y = c.allocate(1), c.allocate(1)

@@ -112,7 +112,9 @@ class PrefixCache:
     def _evict(self, n: int) -> list[int]:
         if n > len(self._lru):
             raise OutOfBlocks(f"asked for {n} more blocks, {len(self._lru)} evictable")
-        out = [self._lru.popitem(last=False)[0] for _ in range(n)]
+        # ascending: a request's blocks went into the LRU tail first, and a transfer pays one copy
+        # (or NIXL descriptor) per run of consecutive blocks, so evicted ones must come back in order
+        out = sorted(self._lru.popitem(last=False)[0] for _ in range(n))
         for b in out:
             del self._block_of[self._name_of.pop(b)]
         self.evictions += n
