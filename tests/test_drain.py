@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_server_harness import TINY, Pdserve, wait_gone
+from test_server_harness import ROOT, TINY, Pdserve, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,3 +111,41 @@ def test_streams_past_the_drain_timeout_end_with_an_error_that_says_so():
             assert len(s.events) < 1000
         # the workers were told to abort, then stopped: every one (prefill too) exits on its own
         assert_clean_exit(srv, pids, start, timeout + 15)
+
+
+STOPPING = """
+import logging, signal, threading, time
+import zmq
+from workers import auth
+from workers.worker import Inbox, Worker
+
+w = Worker.__new__(Worker)  # only what stop() and the main loop's wait touch
+w._stop = threading.Event()
+w.inbox = Inbox(zmq.Context(), "tcp://127.0.0.1:0", None, None, auth.Throttle(logging.getLogger()))
+w.inbox.start()
+
+def on_signal(signum, frame):
+    w.stop("signal SIGTERM")
+    time.sleep(0.2)  # a handler slower than the loop's 50 ms wait, as on a loaded machine
+
+signal.signal(signal.SIGTERM, on_signal)
+print("ready", flush=True)
+while not w._stop.is_set():
+    w.inbox.take(0.05)  # the worker's main loop, idle
+print("stopped", flush=True)
+"""
+
+
+def test_a_sigterm_whose_handler_outlasts_the_loops_wait_still_stops_the_loop():
+    """The drain test's worker that held out 10 s after SIGTERM: its main thread waits in
+    SimpleQueue.get(timeout); in CPython 3.11, a signal handler that runs past that timeout leaves it
+    waiting forever (until the next control frame, and none comes after SIGTERM). stop() wakes it."""
+    p = subprocess.Popen([sys.executable, "-c", STOPPING], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=5)  # hung, it would wait forever
+        assert p.stdout.read().strip() == "stopped"
+    finally:
+        p.kill()

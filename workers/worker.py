@@ -62,6 +62,7 @@ IDLE_POLL_MS = 50  # nothing to do: wake up this often to notice a stop request
 STOP_GRACE_S = 5.0  # a worker still stopping this long after SIGTERM dumps its stacks and exits
 JOIN_S = 1.5  # stopping: the longest wait for one thread, or for the ZMQ context's last messages
 MAX_CONTROL_FRAME = 64 * 2**20  # bytes; a Generate of the longest prompt is a few MB
+WAKE = (0.0, b"")  # put in the inbox's queue to end a take() (Inbox.wake); never handed to a role
 
 
 @dataclass
@@ -141,7 +142,8 @@ class Inbox:
         self._thread.start()  # from here on the socket belongs to the thread
 
     def take(self, timeout_s: float) -> list[tuple[float, bytes]]:
-        """(arrival stamp, frame) of everything that landed, waiting up to timeout_s for the first."""
+        """(arrival stamp, frame) of everything that landed, waiting up to timeout_s for the first (or
+        until wake())."""
         try:
             out = [self._frames.get(timeout=timeout_s) if timeout_s > 0 else self._frames.get_nowait()]
         except queue.Empty:
@@ -150,7 +152,15 @@ class Inbox:
             try:
                 out.append(self._frames.get_nowait())
             except queue.Empty:
-                return out
+                return [item for item in out if item is not WAKE]
+
+    def wake(self) -> None:
+        """End a take() now, from any thread or a signal handler. Needed, not a nicety: in CPython 3.11,
+        SimpleQueue.get(timeout) interrupted by a signal whose handler runs past the timeout recomputes
+        a negative timeout, which its lock takes as "wait forever": the main thread, waiting there
+        when SIGTERM's handler ran, slept until the next control frame, and after SIGTERM none came
+        (the drain test's worker that "ignored SIGTERM" until the launcher killed it)."""
+        self._frames.put(WAKE)
 
     def _read(self) -> None:
         poller = auth.poller(self.sock, self.gate, self.watch)
@@ -271,6 +281,7 @@ class Worker:
     def stop(self, reason: str = "stopped") -> None:
         self._stop_reason = reason
         self._stop.set()
+        self.inbox.wake()  # the main loop sees the stop now, whatever its wait was doing
 
     def die(self, reason: str) -> None:
         """The parent died (any thread may call this): remove what it would have removed and exit now."""
