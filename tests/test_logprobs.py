@@ -152,3 +152,26 @@ def test_logprobs_travel_the_wire_within_bounds():
     with pytest.raises(P.ProtocolError):
         P.decode_to_router(P.from_worker("inc", P.Tokens("w", [P.TokenOut("r", 3, "x", logprobs=P.TokenLogprobs(
             -1.0, list(range(21)), [-1.0] * 21))])))  # more than 20 alternatives
+
+
+def test_a_request_recomputed_after_preemption_keeps_its_prompt_logprobs_once():
+    eng = Engine(EngineConfig(model="tiny", num_blocks=NUM_BLOCKS))
+    req = Request("r", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=1))
+    outs = []
+    for out in eng.stream(req):
+        outs.append(out)
+        if len(outs) == 2:  # preempt it mid-decode: it is recomputed from its prompt and tokens
+            eng.scheduler._preempt(req)
+    assert req.finish_reason == "length" and len(req.output_ids) == 6
+    assert len(req.prompt_logprobs) == len(PROMPT) - 1  # not computed a second time
+    [again] = eng.generate([PROMPT], req.params)
+    assert again.output_ids == req.output_ids
+    # a decode worker's request (token 1 came from the prefill worker, which made the prompt's logprobs):
+    # recomputed after a preemption, it computes none
+    adopted = Request("d", PROMPT, req.params, output_ids=[5])
+    assert runner_module.prompt_positions(adopted, len(PROMPT)) == range(0)
+    assert runner_module.prompt_positions(Request("p", PROMPT, req.params), 7) == range(0, 7)
+    # after the preemption its positions were recomputed by a prefill forward, not decode steps: the
+    # same tokens, logprobs within float32 rounding of the other kernel (not bitwise)
+    plain = [o.logprobs.logprob for o in eng.stream(Request("r2", PROMPT, req.params))]
+    assert torch.allclose(torch.tensor([o.logprobs.logprob for o in outs]), torch.tensor(plain), atol=1e-5, rtol=0)

@@ -224,8 +224,8 @@ def prompt_positions(r: Request, n: int) -> range:
     (position p predicts prompt token p + 1), from the first not yet computed. Empty unless the request
     asked, and when positions before this step were skipped (a cached prefix): the engine then finds
     the list short and fails the request rather than report a gap."""
-    if r.params.prompt_logprobs is None:
-        return range(0)
+    if r.params.prompt_logprobs is None or r.output_ids:  # token 1 exists: they were made (or came from
+        return range(0)  # a prefill worker); a recompute after preemption does not redo them
     have = len(r.prompt_logprobs)  # prompt tokens 1..have are done: position `have` is the next one needed
     if r.num_computed > have:
         return range(0)
