@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import logging
 import os
 import shutil
@@ -215,15 +216,23 @@ def serve(argv: list[str]) -> int:
     setup_logging(args.log_level)
     stopper = {"worker": None}
     if args.parent_pid is not None:
+        def abandon(parent_died: bool) -> None:
+            """Still loading: the KV pool may exist already (workers/engine/kv_cache.py SHM_PREFIX)."""
+            for path in glob.glob(f"/dev/shm/pdserve-kv-{os.getpid()}-*"):
+                os.unlink(path)
+            if parent_died and args.run_dir:
+                shutil.rmtree(args.run_dir, ignore_errors=True)
+            os._exit(1)
+
         def on_parent_death():
             worker = stopper["worker"]
             if worker is not None:
                 worker.die(f"parent process {args.parent_pid} died")
-            else:  # still loading: no KV pool yet
-                if args.run_dir:
-                    shutil.rmtree(args.run_dir, ignore_errors=True)
-                os._exit(1)
+            else:
+                abandon(parent_died=True)
 
+        # until the worker installs its own: a SIGTERM while loading (PR_SET_PDEATHSIG's too) cleans up
+        signal.signal(signal.SIGTERM, lambda _s, _f: abandon(parent_died=os.getppid() != args.parent_pid))
         die_with_parent(args.parent_pid, on_parent_death)
 
     from workers.auth import KeyFileError, load_worker_keys
