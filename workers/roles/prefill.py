@@ -54,6 +54,7 @@ from workers.transfer.base import PeerState, State, Transfer, TransferError, Tra
 log = logging.getLogger("pdserve.worker")
 
 SENDING_POLL_MS = 1  # a transfer waits for its decode worker's answer: check this often
+HELD_POLL_MS = 5  # a request waits for its decode worker's handshake (at most --handshake-timeout)
 
 
 class PrefillDeadline(TransferError):
@@ -129,7 +130,9 @@ class PrefillRole(Role):
     def poll_timeout_ms(self, idle_ms: int) -> int:
         if self.engine.in_state(Status.WAITING) and not self._held:
             return 0
-        return SENDING_POLL_MS if self.sending or self._held else idle_ms
+        if self.sending:
+            return SENDING_POLL_MS
+        return HELD_POLL_MS if self._held else idle_ms
 
     def close(self) -> None:
         self.sender.close()
