@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-mib", type=int, default=16, help="size of the link-ceiling TCP probe (MiB)")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="per transfer (a slow link takes long)")
     parser.add_argument("--out", default=None, help="output path without suffix (default bench/results/...)")
-    parser.add_argument("--report", default=None, metavar="JSON",
-                        help="measure nothing: rewrite JSON's predictions, markdown and plot from its measurements")
+    parser.add_argument("--report", default=None, nargs="+", metavar="JSON",
+                        help="measure nothing: predictions, markdown and plot from these runs' measurements (several: "
+                             "merged into --out)")
 
 
 def role(net, host: str, name: str, args, max_len: int, extra: list[str]) -> Child:
@@ -131,13 +132,31 @@ def lane_probe(n: int, args, prefill: Child, decode: Child, transport: str) -> d
     return got.get("ucx_lane")
 
 
-def report(path: Path) -> int:
-    """Predictions, markdown and plot again from a run's JSON (the measurements are left as they are)."""
-    result = json.loads(path.read_text())
+def report(paths: list[Path], out: Path | None = None) -> int:
+    """Predictions, markdown and plot again from runs' JSON (their measurements as they are). Several
+    runs of one model merge into one report (`out`), each rate block keeping its run's provenance."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    result = parts[0]
+    if len(parts) > 1:
+        if len({r["config"]["model"] for r in parts}) != 1:
+            raise SystemExit("pdserve-bench multihost --report: the runs serve different models")
+        for path, r in zip(paths, parts):
+            for block in r["rates"]:
+                block["run"] = {"file": path.name, "commit": r["provenance"].get("commit"),
+                                "date": r["provenance"].get("date"), "repeats": r["config"]["repeats"],
+                                "load_average_start": r["provenance"].get("load_average_start"),
+                                "load_average_end": r["provenance"].get("load_average_end")}
+        result = {**parts[0], "merged_from": [p.name for p in paths],
+                  "rates": sorted((b for r in parts for b in r["rates"]), key=lambda b: b["rate_mbit"])}
+        result["config"] = {**parts[0]["config"],
+                            "lengths": sorted({n for r in parts for n in r["config"]["lengths"]})}
+        result["provenance"] = {**parts[0]["provenance"],
+                                "load_average_end": parts[-1]["provenance"].get("load_average_end")}
     layers = result["config"]["num_layers"]
     for block in result["rates"]:
         for row in block["lengths"]:
             row["predicted"] = predict(row, block["rate_mbit"], block["ceiling"]["mbit_s"], layers)
+    path = out.with_suffix(".json") if out else paths[0]
     path.write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
     path.with_suffix(".md").write_text(text + "\n")
@@ -148,7 +167,7 @@ def report(path: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.report:
-        return report(Path(args.report))
+        return report([Path(p) for p in args.report], Path(args.out) if args.out else None)
     netns = netns_module()
     # SIGTERM (a timeout, Ctrl-C's cousin) unwinds like an exception: the namespaces come down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("pdserve-bench multihost: terminated"))
@@ -232,6 +251,10 @@ def _result(row: dict, transport: str, mode: str) -> dict | None:
                  and "transfer_ms" in r), None)
 
 
+def _ms(x: float) -> str:
+    return f"{x:.1f}" if abs(x) < 10 else f"{x:.0f}"
+
+
 def verdict(prefill_ms: float, transfer_ms: float, bulk_exposed: float, layer_exposed: float) -> str:
     hidden = 1 - layer_exposed / bulk_exposed if bulk_exposed > 0 else 0.0
     if transfer_ms <= prefill_ms:
@@ -276,7 +299,7 @@ def markdown(result: dict) -> str:
                     f"{pred['transfer_ms_at_ceiling']:.0f} (nominal {pred['transfer_ms_nominal']:.0f}) | "
                     f"{bt:.0f} ({b['transfer_ms']['min']:.0f}..{b['transfer_ms']['max']:.0f}), "
                     f"{bt / pred['transfer_ms_at_ceiling']:.2f}x | {be:.0f} | "
-                    f"{le:.0f} ({lay['exposed_ms']['min']:.0f}..{lay['exposed_ms']['max']:.0f}; "
+                    f"{_ms(le)} ({_ms(lay['exposed_ms']['min'])}..{_ms(lay['exposed_ms']['max'])}; "
                     f"{pred['layer_exposed_ms']:.0f}) | {d['median']:+.0f} ({d['min']:+.0f}..{d['max']:+.0f}) | "
                     f"{'yes' if b['exact'] and lay['exact'] else 'NO'} | {verdict(pr['median'], bt, be, le)} |")
     lines += ["", "Layer mode run by run, against the prediction from that run's own prefill P and the transfer T of "
@@ -288,7 +311,7 @@ def markdown(result: dict) -> str:
                 if b is None or lay is None:
                     continue
                 T = b["transfer_ms"]["median"]
-                runs = [f"P {p:.0f} -> {e:.0f} ({layer_exposed(T, p, c['num_layers']):.0f})"
+                runs = [f"P {p:.0f} -> {_ms(e)} ({_ms(layer_exposed(T, p, c['num_layers']))})"
                         for p, e in zip(lay["prefill_ms"]["runs"], lay["exposed_ms"]["runs"])]
                 lines.append(f"- {t}, {block['rate_mbit']:g} Mbit/s, {row['tokens']} tokens, T {T:.0f} ms: "
                              f"{'; '.join(runs)} ms")
@@ -332,7 +355,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(f"{n} tokens, {result['config']['transports'][0]}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"KV across two namespaces over a shaped link: {result['config']['model']} on the CPU")
+    fig.suptitle(f"KV between two namespaces over a tbf-shaped link ({result['config']['model']}, CPU)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
