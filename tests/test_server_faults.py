@@ -68,7 +68,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", "positive integer"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens", "ask for at most"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "must be 1"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n", "between 1 and 16"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "serves 'tiny'"),
     ("/v1/completions", {"prompt": "hi", "policy": "fastest"}, 400, "policy", "colocated, disaggregated, auto"),
     ("/v1/chat/completions", {}, 400, "messages", "required"),
