@@ -20,6 +20,10 @@ import threading
 from workers.protocol import MODES, PROTOCOL_VERSION, ROLES, TRANSPORTS
 
 PR_SET_PDEATHSIG = 1
+# the signal a worker gets when pdserve dies: not SIGTERM, which pdserve itself sends to stop it. The
+# kernel sends it as the parent's thread that started the worker exits, and while the parent's other
+# threads still exit getppid() names the parent: a SIGTERM then could not tell the two apart
+PARENT_DIED = signal.SIGUSR2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # pdserve's, its workers' and uvicorn's lines
 
 
@@ -192,12 +196,12 @@ def generate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def die_with_parent(parent_pid: int, on_parent_death) -> None:
-    """Get SIGTERM when the parent dies (Linux), and watch it from a thread as well (any OS, and the
+def die_with_parent(parent_pid: int, on_parent_death, signum: int = signal.SIGTERM) -> None:
+    """Get `signum` when the parent dies (Linux), and watch it from a thread as well (any OS, and the
     case where the parent died before prctl ran)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        if libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
             logging.getLogger("pdserve.worker").warning("prctl(PR_SET_PDEATHSIG) failed: errno %d",
                                                         ctypes.get_errno())
     if os.getppid() != parent_pid:
@@ -231,9 +235,10 @@ def serve(argv: list[str]) -> int:
             else:
                 abandon(parent_died=True)
 
-        # until the worker installs its own: a SIGTERM while loading (PR_SET_PDEATHSIG's too) cleans up
+        # until the worker installs its own: a SIGTERM while loading cleans up too
         signal.signal(signal.SIGTERM, lambda _s, _f: abandon(parent_died=os.getppid() != args.parent_pid))
-        die_with_parent(args.parent_pid, on_parent_death)
+        signal.signal(PARENT_DIED, lambda _s, _f: on_parent_death())
+        die_with_parent(args.parent_pid, on_parent_death, PARENT_DIED)
 
     from workers.auth import KeyFileError, load_worker_keys
     from workers.transfer.base import TransferConfig

@@ -297,7 +297,7 @@ class Worker:
 
     def install_signal_handlers(self) -> None:
         def on_signal(signum, _frame):
-            if self.parent_died():  # PR_SET_PDEATHSIG: nobody to drain for
+            if self.parent_died():  # nobody to drain for (pdserve's workers get PARENT_DIED for that)
                 self.die(f"parent process {self.cfg.parent_pid} died ({signal.Signals(signum).name})")
             self.stop(f"signal {signal.Signals(signum).name}")
             # a stop that hangs must not outlive the launcher's patience: after STOP_GRACE_S the
@@ -414,4 +414,6 @@ class Worker:
             if term.is_alive():
                 log.error("%s: the ZMQ context did not close within %.1fs (a socket still open, or the router "
                           "not taking the Goodbye); exiting anyway", self.worker_id, JOIN_S)
+        if self.parent_died() and self.cfg.run_dir:  # it died while we stopped
+            shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
 
