@@ -48,3 +48,17 @@ def test_without_configured_counts_any_live_worker_is_ok(tokenizer):  # noqa: F8
 def test_expect_workers_flag():
     assert expected_counts("prefill=2,decode=3") == {"prefill": 2, "decode": 3}
     assert expected_counts(None) is None
+
+
+def test_a_worker_whose_process_exited_is_dropped_at_once(tokenizer):  # noqa: F811
+    """pdserve's supervisor reports an exit (pool.lost): that worker goes now, not at the heartbeat
+    timeout; a report naming another pid (a later incarnation under the same id) drops nothing."""
+    with router(tokenizer, expected_workers={"colocated": 1}) as client:
+        c0 = client.add_worker("colocated", "c0", colocated_echo(1))
+        pool = client.app.state.router.pool
+        client.portal.call(pool.lost, "c0", 1, "its process (pid 1) exited")  # fake workers say pid 4242
+        assert "c0" in pool.workers and client.get("/health").json()["status"] == "ok"
+        c0.silent.set()  # as a dead process: it does not register again
+        client.portal.call(pool.lost, "c0", 4242, "its process (pid 4242) was killed by SIGKILL")
+        r = client.get("/health")
+        assert "c0" not in pool.workers and r.status_code == 503 and r.json()["missing"] == {"colocated": 1}
