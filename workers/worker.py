@@ -404,7 +404,6 @@ class Worker:
         self.router.close()
         self.engine.kv.close()
         self.engine.close()  # the KV tiers' threads and files in flight
-        self.engine.close()  # the KV tiers' threads and files in flight
         if not self._heartbeat.is_alive():
             # term() waits for every socket of the context to close and for the Goodbye's linger;
             # on a thread of its own, so that a socket left open costs JOIN_S, not forever
