@@ -7,6 +7,7 @@
                                            measure(rate, phase, factor) callable
     saturation(records, duration, rate)    did the server keep up: achieved vs offered rate, lateness growth
     is_steady(medians, tolerance)          warm-up: the last two batches' median TTFT agree within tolerance
+    early_slowdown(records)                a cold run: its first quarter's median TTFT or TPOT > 2x the rest's
 
 Torch-free and server-free: `probe` is any async callable rate -> passed, so the search is tested alone.
 """
@@ -149,6 +150,63 @@ def is_steady(medians_ms: list[float], tolerance: float) -> bool:
         return False
     a, b = medians_ms[-2], medians_ms[-1]
     return abs(b - a) <= tolerance * a
+
+
+# A run is cold (its numbers still carry start-up effects) when either holds; cold runs are reported as
+# any other, with cold: true and the reason (bench/load_session.py applies the first rule):
+#   - it is its arm's first run and the arm's warm-up ended at --warmup-max-batches without two batches agreeing;
+#   - early_slowdown: over its completed requests of one kind, in send order, the median TTFT or TPOT of
+#     the first quarter is more than COLD_RATIO x that of the other three quarters (COLD_MIN_COMPARED or more).
+COLD_RATIO = 2.0
+COLD_MIN_COMPARED = 32  # completed requests of the compared kind (a first quarter of >= 8)
+
+
+def early_slowdown(records: list[RequestRecord]) -> dict:
+    """Were this run's first requests much slower than its later ones (a lazy compile, a graph capture, caches
+    filling, or the run's own ramp: a closed loop starts with every slot sent at once)? Compared within one
+    kind of request (the most numerous; a tie goes to the kind sent first), so a mix of short and long
+    prompts, or a conversation's first and later turns, is not read as a slowdown. `reasons` empty: not cold
+    by this rule (or not judged, `judged` false, with fewer than COLD_MIN_COMPARED requests)."""
+    ok = sorted((r for r in records if r.success and r.ttft_s is not None), key=lambda r: (r.start_s, r.index))
+    out = {"kind": None, "compared": 0, "min_compared": COLD_MIN_COMPARED, "ratio_max": COLD_RATIO,
+           "judged": False, "reasons": []}
+    for m in ("ttft", "tpot"):
+        out |= {f"first_quarter_median_{m}_ms": None, f"rest_median_{m}_ms": None, f"{m}_ratio": None}
+    if not ok:
+        return out
+    counts: dict[str, int] = {}
+    for r in ok:
+        counts[r.kind] = counts.get(r.kind, 0) + 1
+    kind = max(counts, key=lambda k: counts[k])  # dicts keep insertion order: a tie goes to the first sent
+    same = [r for r in ok if r.kind == kind]
+    out.update(kind=kind, compared=len(same))
+    if len(same) < COLD_MIN_COMPARED:
+        return out
+    out["judged"] = True
+    q = len(same) // 4
+    for m, value in (("ttft", lambda r: r.ttft_s), ("tpot", lambda r: r.tpot_s)):
+        first = [value(r) * 1e3 for r in same[:q] if value(r) is not None]
+        rest = [value(r) * 1e3 for r in same[q:] if value(r) is not None]
+        if len(first) < q or not rest:  # TPOT: 1-token answers have none
+            continue
+        a, b = _median(first), _median(rest)
+        out[f"first_quarter_median_{m}_ms"], out[f"rest_median_{m}_ms"] = a, b
+        if b > 0:
+            out[f"{m}_ratio"] = a / b
+            if a / b > COLD_RATIO:
+                out["reasons"].append(f"the first quarter's median {m.upper()} ({a:.1f} ms) is {a / b:.1f}x the "
+                                      f"rest's ({b:.1f} ms; > {COLD_RATIO:g}x, {len(same)} {kind} requests)")
+    return out
+
+
+def warmup_not_steady(warmup: dict | None) -> str | None:
+    """The cold reason an arm's first run gets from its warm-up report (None: steady, or no warm-up ran)."""
+    if not warmup or warmup.get("steady"):
+        return None
+    medians = ", ".join(f"{m:.0f}" for m in warmup["median_ttft_ms"])
+    return (f"first run after a warm-up that ended at its limit ({warmup['batches']} of --warmup-max-batches "
+            f"{warmup['max_batches']}) without two batches' median TTFT within {warmup['tolerance']:.0%} "
+            f"({medians} ms)")
 
 
 async def capacity_and_sweep(measure: Callable[[float, str, float | None], Awaitable[dict]], *, start_rate: float,

@@ -17,7 +17,9 @@ policies time-share the server (labelled as such everywhere).
 (0.9) of the requests meet the --goodput SLOs (DistServe's goodput), doubling then bisecting within
 --search-max-probes, then sweeps capacity x --sweep-factors. Every open-loop run is judged for
 saturation (bench/capacity.py). Before an arm's first run, warm-up batches go until two in a row
-agree on median TTFT (--warmup-tolerance, at most --warmup-max-batches).
+agree on median TTFT (--warmup-tolerance, at most --warmup-max-batches). A run that still carries
+start-up effects (the arm's first after an unsteady warm-up, or a first quarter much slower than the
+rest) is flagged cold, with its reason, and reported all the same (bench/capacity.py).
 
 Writes results.json (vllm-bench-serve field names; one block per arm and run), summary.md, PNG plots
 and each started server's log into --out (default bench/results/load-<date>/).

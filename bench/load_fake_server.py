@@ -12,7 +12,9 @@ With `prefix_cache_block` > 0 it keeps a prefix cache as a server would: the pro
 many words, each block known by its words and its parent's (a chain), so a prompt that repeats an
 earlier one's first k whole blocks has k x block cached tokens, reported as
 usage.prompt_tokens_details.cached_tokens and timings.cached_tokens, and its prefill pays only for
-the rest. With `api_key` set, every /v1 route wants `Authorization: Bearer <key>` (401 otherwise).
+the rest. With `cold_requests` > 0 the first that many requests to arrive each wait `cold_ms` more before
+their prefill (without holding up the others), as a server's first requests pay for lazy start-up
+work. With `api_key` set, every /v1 route wants `Authorization: Bearer <key>` (401 otherwise).
 
     with FakeServer(FakeConfig(itl_ms=2)) as srv:
         Client(srv.base_url).complete("hi")
@@ -49,6 +51,8 @@ class FakeConfig:
     emit_timings: bool = True
     prefix_cache_block: int = 0  # words per cached block; 0: no prefix cache
     api_key: str | None = None
+    cold_requests: int = 0  # the first this many requests to arrive are slow by cold_ms
+    cold_ms: float = 0.0
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -83,6 +87,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
     app = FastAPI()
     gpu = asyncio.Lock()
     cache = PrefixCache(cfg.prefix_cache_block) if cfg.prefix_cache_block > 0 else None
+    arrivals = [0]  # completion requests seen (the first cfg.cold_requests are slow)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -126,8 +131,12 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
         n_prompt = len(prompt.split())
         arrived = time.perf_counter()
         cached: list[int | None] = [None]
+        arrivals[0] += 1
+        cold = arrivals[0] <= cfg.cold_requests
 
         async def prefill() -> dict:
+            if cold:
+                await asyncio.sleep(cfg.cold_ms / 1e3)
             async with gpu:
                 started = time.perf_counter()
                 if cache is not None:

@@ -1,6 +1,6 @@
 """Writing a load run down: results.json (vllm-bench-serve field names, one block per arm and run,
 plus where and when it ran) and summary.md (the tables a reader wants first: how the policies were
-run, each arm's warm-up and capacity, then every run with its saturation mark)."""
+run, each arm's warm-up and capacity, then every run with its saturation and cold marks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from bench.capacity import LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
+from bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
 from bench.metrics import SERVER_PHASES, pct_name
 
 PACKAGES = ("pdserve", "httpx", "numpy", "torch", "transformers", "fastapi", "uvicorn", "nixl")
@@ -97,6 +97,17 @@ def _saturated(block: dict) -> str:
     return f"**yes** ({signals})" if sat["saturated"] else f"no ({signals})"
 
 
+def _cold(block: dict) -> str:
+    if "cold" not in block:  # written before the flag existed
+        return "-"
+    if block["cold"]:
+        return f"**yes** ({block['cold_reason']})"
+    check = block.get("cold_check") or {}
+    if not check.get("judged"):
+        return f"no (early/late not compared: {check.get('compared', 0)} < {COLD_MIN_COMPARED})"
+    return f"no ({_fmt(check.get('ttft_ratio'), 2)} / {_fmt(check.get('tpot_ratio'), 2)})"
+
+
 def _arm_lines(run: dict) -> list[str]:
     lines = []
     for arm in run.get("arms") or []:
@@ -127,20 +138,27 @@ def _capacity_lines(run: dict) -> list[str]:
     lines = ["", f"Capacity: the highest probed Poisson rate at which >= {target:.0%} of the requests met every "
              "SLO (DistServe's goodput); the first failing rate bounds it from above.", "",
              *_table_head(["arm", "capacity (req/s)", "first failing rate", "converged", "capacity run saturated",
-                           "probes (rate: pass/fail)"])]
-    flagged = False
+                           "rests on a cold run", "probes (rate: pass/fail)"])]
+    flagged = cold_fail = False
     for label, cap in caps:
         at = next((b for b in run["results"] if _arm(b) == label and b.get("phase") == "probe"
                    and b["request_rate"] == cap["capacity_rate"]), None)
         saturated = bool(at and (at.get("saturation") or {}).get("saturated"))
         flagged |= saturated
         probes = ", ".join(f"{p['rate']:.3g}: {'pass' if p['passed'] else 'fail'}" for p in cap["probes"])
+        cold = cap.get("rests_on_cold")
+        cold_fail |= any(c["run"] == "first failing" for c in cold or [])
+        cold_text = "-" if cold is None else \
+            ", ".join(f"**{c['run']} run** ({c['rate']:.3g}/s)" for c in cold) or "no"
         lines.append(f"| {label} | {_fmt(cap['capacity_rate'], 3)} | {_fmt(cap['first_failing_rate'], 3)} | "
                      f"{'yes' if cap['converged'] else 'no'}{' (out of time)' if cap.get('out_of_time') else ''} | "
-                     f"{'**yes**' if saturated else 'no'} | {probes} |")
+                     f"{'**yes**' if saturated else 'no'} | {cold_text} | {probes} |")
     if flagged:
         lines += ["", "A capacity run marked saturated met the SLOs while its queue grew: a longer run "
                   "(more --num-prompts) would fail it, so that capacity is an upper bound."]
+    if cold_fail:
+        lines += ["", "A first failing run marked cold may have failed on start-up effects alone (its reason is in "
+                  "the runs' table): that capacity is a lower bound. A cold capacity run passed even cold."]
     return lines
 
 
@@ -199,11 +217,16 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         "Latencies in ms (client clock). TPOT = (E2E - TTFT) / (output tokens - 1); ITL pooled over all gaps. "
         "req/s and out tok/s over each arm's own duration. Saturated: achieved throughput below "
         f"{THROUGHPUT_RATIO_MIN} of the offered rate, or lateness growing more than {LATENESS_GROWTH_MAX}x from the "
-        "first third of the sends to the last (the two numbers in brackets, bench/capacity.py).",
+        "first third of the sends to the last (the two numbers in brackets, bench/capacity.py). "
+        "Cold: the run still carries start-up effects, reported all the same: its arm's first run after a warm-up "
+        f"that hit --warmup-max-batches unsteady, or, over >= {COLD_MIN_COMPARED} completed requests of one kind in "
+        f"send order, a first quarter whose median TTFT or TPOT is more than {COLD_RATIO:g}x the rest's (the two "
+        "ratios in brackets; a closed loop's start, every slot sent at once, can show so too).",
         "",
         *_table_head(["arm", "phase", "load", "done", "failed", "duration (s)", "req/s", "out tok/s",
                       *(f"TTFT {p}" for p in ps), "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "E2E p50",
-                      "E2E p99", "goodput req/s", "SLOs met", "saturated (ratio / growth)"]),
+                      "E2E p99", "goodput req/s", "SLOs met", "saturated (ratio / growth)",
+                      "cold (TTFT / TPOT ratio)"]),
     ]
     for b in blocks:
         met = "-" if b.get("goodput_fraction") is None else \
@@ -213,7 +236,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         row += [_fmt(b[f"{p}_ttft_ms"]) for p in ps]
         row += [_fmt(b["median_tpot_ms"], 2), _fmt(b["p99_tpot_ms"], 2), _fmt(b["median_itl_ms"], 2),
                 _fmt(b["p99_itl_ms"], 2), _fmt(b["median_e2el_ms"]), _fmt(b["p99_e2el_ms"]),
-                _fmt(b["request_goodput"], 2), met, _saturated(b)]
+                _fmt(b["request_goodput"], 2), met, _saturated(b), _cold(b)]
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
     if any(b["timings_reported"] for b in blocks):
         lines += [

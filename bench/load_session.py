@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.capacity import capacity_and_sweep, meets_target, saturation
+from bench.capacity import capacity_and_sweep, early_slowdown, meets_target, saturation, warmup_not_steady
 from bench.load_arms import Arm, ArmError, ArmServer, default_server_command
 from bench.load_multiturn import conversations, run_conversations, warmup_samples
 from bench.load_runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
@@ -133,7 +133,18 @@ def result_block(records, duration: float, point: LoadPoint, args, slos, percent
     block["meets_goodput_target"] = meets_target(block["goodput_fraction"], args.goodput_target) if slos else None
     sat_rate = None if rate is None else rate / n_policies
     block["saturation"] = saturation(records, duration, sat_rate) if sat_rate is not None else None
+    block["cold_check"] = early_slowdown(records)
+    reasons = block["cold_check"]["reasons"]
+    block["cold"] = bool(reasons)
+    block["cold_reason"] = "; ".join(reasons) or None
     return block
+
+
+def mark_cold(block: dict, reason: str | None) -> None:
+    """Adds a cold reason found outside the run's records (its arm's warm-up) to the block."""
+    if reason:
+        block["cold"] = True
+        block["cold_reason"] = "; ".join(r for r in (reason, block.get("cold_reason")) if r)
 
 
 def own_span(records) -> float:
@@ -152,6 +163,14 @@ class Session:
         self.opts = SendOptions(ignore_eos=not args.no_ignore_eos, stream_usage=args.stream_usage,
                                 extra_body=args.extra_body, chat=args.chat)
         self.runs = 0
+        self.warmups: dict[str, dict | None] = {}  # arm label -> its warm-up report
+        self.measured: set[str] = set()  # arms with a run measured
+
+    def first_run_cold(self, label: str, block: dict) -> None:
+        """An arm's first run after a warm-up that never got steady is cold (bench/capacity.py)."""
+        if label not in self.measured:
+            self.measured.add(label)
+            mark_cold(block, warmup_not_steady(self.warmups.get(label)))
 
     def samples(self, copies: int = 1):
         self.runs += 1
@@ -188,10 +207,16 @@ class Session:
         finally:
             bar.close()
 
-    async def warmup(self, client, policy: str | None, samples) -> dict | None:
+    async def warmup(self, client, policy: str | None, samples, label: str | None = None) -> dict | None:
         a = self.args
         if a.warmup_batch <= 0:
             return None
+        report = await self._warmup(client, policy, samples)
+        self.warmups[label or policy or "default"] = report
+        return report
+
+    async def _warmup(self, client, policy: str | None, samples) -> dict:
+        a = self.args
         batch = warmup_batch(samples, a.warmup_batch)
         fresh = (lambda k: retext(batch, self.builder, a.seed + 7919 * (k + 1))) \
             if a.dataset in ("synthetic", "multiturn") \
@@ -211,11 +236,13 @@ class Session:
             records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}")
         block = result_block(records, duration, point, self.args, self.slos, self.percentiles, arm=arm.label,
                              policy=arm.policy, policy_runs="separate", phase=phase, factor=factor)
+        self.first_run_cold(arm.label, block)
         sat = block["saturation"] or {}
         verdict = "" if block["meets_goodput_target"] is None else \
             f", goodput {block['goodput_fraction']:.2f} ({'pass' if block['meets_goodput_target'] else 'fail'})"
         print(f"{arm.label} {phase} {point.label}: {block['completed']}/{block['num_prompts']} done in "
-              f"{duration:.1f} s{verdict}{', SATURATED' if sat.get('saturated') else ''}", file=sys.stderr)
+              f"{duration:.1f} s{verdict}{', SATURATED' if sat.get('saturated') else ''}"
+              f"{', COLD: ' + block['cold_reason'] if block['cold'] else ''}", file=sys.stderr)
         return block
 
 
@@ -250,7 +277,7 @@ async def run_separate(session: Session, arms, points) -> tuple[list[dict], list
             clients = []
             for arm in arms:
                 client, info = await _arm_client(session, arm, stack)
-                info["warmup"] = await session.warmup(client, arm.policy, session.samples())
+                info["warmup"] = await session.warmup(client, arm.policy, session.samples(), arm.label)
                 clients.append(client)
                 infos.append(info)
             for k, point in enumerate(points):
@@ -281,7 +308,7 @@ async def _run_arm(session: Session, arm, points) -> tuple[dict, list[dict]]:
     blocks = []
     async with contextlib.AsyncExitStack() as stack:
         client, info = await _arm_client(session, arm, stack)
-        info["warmup"] = await session.warmup(client, arm.policy, session.samples())
+        info["warmup"] = await session.warmup(client, arm.policy, session.samples(), arm.label)
         if a.capacity_search:
             deadline = time.monotonic() + a.arm_budget
             cap, mine = await capacity_and_sweep(
@@ -289,6 +316,7 @@ async def _run_arm(session: Session, arm, points) -> tuple[dict, list[dict]]:
                 start_rate=a.search_start_rate, max_probes=a.search_max_probes, precision=a.search_precision,
                 target=a.goodput_target, factors=a.sweep_factors, out_of_time=lambda: time.monotonic() > deadline)
             info["capacity"] = cap.to_dict()
+            info["capacity"]["rests_on_cold"] = rests_on_cold(cap, mine)
             found = "below the lowest probe" if cap.rate is None else \
                 f"{cap.rate:.4g} req/s" + (f" (first fail {cap.first_fail:.4g})" if cap.first_fail else
                                            " at least (no probe failed)")
@@ -310,7 +338,7 @@ async def run_interleaved(session: Session, arms, points) -> tuple[list[dict], l
     async with contextlib.AsyncExitStack() as stack:
         client, info = await _arm_client(session, Arm("interleaved", None), stack)
         infos = [{**info, "label": arm.label, "policy": arm.policy,
-                  "warmup": await session.warmup(client, arm.policy, session.samples())} for arm in arms]
+                  "warmup": await session.warmup(client, arm.policy, session.samples(), arm.label)} for arm in arms]
         for point in points:
             planned = plan(session.samples(copies), policies if policies != [None] else None, point, a)
             records, _ = await session.send(client, planned, point, point.label)
@@ -319,6 +347,17 @@ async def run_interleaved(session: Session, arms, points) -> tuple[list[dict], l
                 blocks.append(result_block(mine, own_span(mine), point, a, session.slos, session.percentiles,
                                            arm=arm.label, policy=arm.policy, policy_runs="interleaved",
                                            n_policies=len(arms)))
+                session.first_run_cold(arm.label, blocks[-1])
     return infos, blocks
 
 
+def rests_on_cold(cap, blocks: list[dict]) -> list[dict]:
+    """The probes the capacity answer rests on (its passing run at the capacity, its first failing run) that
+    were cold. Start-up only slows a run, so a cold pass still passes; a cold first fail may have failed on
+    start-up alone, and then the capacity found is a lower bound."""
+    out = []
+    for role, rate in (("capacity", cap.rate), ("first failing", cap.first_fail)):
+        for b in blocks:
+            if rate is not None and b.get("phase") == "probe" and b["request_rate"] == rate and b.get("cold"):
+                out.append({"run": role, "rate": rate, "reason": b["cold_reason"]})
+    return out

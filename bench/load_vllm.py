@@ -207,7 +207,8 @@ def vllm_result(block: dict, run: dict, args) -> dict:
         for p in args.percentiles:
             out[f"{pct_name(p)}_{m}_ms"] = block[f"{pct_name(p)}_{m}_ms"]
     out |= {"pdserve_arm": block.get("arm"), "pdserve_policy": block.get("policy"), "pdserve_phase": block.get("phase"),
-            "pdserve_point": block.get("point"), "pdserve_results": "results.json"}
+            "pdserve_point": block.get("point"), "pdserve_cold": block.get("cold"),
+            "pdserve_cold_reason": block.get("cold_reason"), "pdserve_results": "results.json"}
     return out
 
 
