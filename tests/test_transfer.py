@@ -300,3 +300,24 @@ def test_sender_killed_mid_transfer_fails_the_receivers_in_time():
         for recv in receivers.values():
             recv.close()
         dst.close()
+
+
+@pytest.mark.parametrize("transport", ["nixl", "zmq"])
+def test_writes_that_do_not_complete_never_block_poll(pair, transport):
+    """Once the decode worker accepted, poll() posts the writes and returns; while they are in
+    flight it keeps returning at once (the worker's loop serves others), and it fails at the deadline."""
+    recv, send = pair(transport, deadline_s=5.0)
+    recv.expect("slow", [3, 4], deadline_s=5)
+    t = send.open("slow", recv.address, [1, 2], [3, 4], 20)
+    t._finish_io = lambda *args: None  # the I/O thread never takes the writes: their Future stays pending
+    t.start_finish(1, deadline_s=1.0)
+    calls, start = [], time.monotonic()
+    with pytest.raises(TransferError, match="completion of the KV writes"):
+        while True:
+            before = time.monotonic()
+            assert t.poll() is None
+            calls.append(time.monotonic() - before)
+            time.sleep(0.01)
+    assert t._phase == "complete" and len(calls) > 20  # polled many times while the writes were due
+    assert max(calls) < 0.2, max(calls)  # none of them waited for the writes
+    assert 0.9 < time.monotonic() - start < 3.0

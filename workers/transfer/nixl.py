@@ -248,12 +248,12 @@ class NixlTransfer(SenderTransfer):
         self.layers_sent.add(layer)
         self.sender._submit(self.queue.append, ([layer], self._mark()))
 
-    def _complete(self, deadline: float) -> None:
+    def _complete(self, deadline: float) -> Future:
         rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
         self.layers_sent.update(rest)
         fut: Future = Future()
         self.sender._submit(self._finish_io, rest, self._mark(), fut)
-        self.wait(fut, deadline, "completion of the NIXL writes")
+        return fut  # poll() waits for it without blocking the worker's loop
 
     def _mark(self) -> torch.cuda.Event | None:
         if not self.cuda:

@@ -24,8 +24,9 @@ Faults stay with their peer: nothing here makes the engine thread wait on a deco
 connection is CURVE (endpoint.py): a receiver that cannot prove it holds the worker key, or refuses
 ours, fails the handshake, and the peer is dropped at once with that reason.
 
-Transports subclass SenderTransfer: layer_done(), _complete(deadline) (move what is left and
-wait until it landed), and on the I/O thread pump() and writes_in_flight().
+Transports subclass SenderTransfer: layer_done(), _complete(deadline) (move what is left; return
+a Future that the I/O thread resolves once every byte landed, or None when it landed already: poll()
+never waits on it), and on the I/O thread pump() and writes_in_flight().
 """
 
 from __future__ import annotations
@@ -383,7 +384,8 @@ class SenderTransfer(Transfer):
         self.layers_sent: set[int] = set()
         self.layers_before_finish = 0
         self.retired = False  # I/O thread: nothing more to do; forget it
-        self._phase = "open"  # caller side: open -> accept -> ack (or stall) -> done
+        self._phase = "open"  # caller side: open -> accept -> complete -> ack (or stall) -> done
+        self._completing: Future | None = None  # _complete()'s: every byte landed
         self._first_token = -1
         self._deadline = 0.0
         self._abort_reason: str | None = None  # I/O thread: tell the receiver once writes have stopped
@@ -397,6 +399,11 @@ class SenderTransfer(Transfer):
             left = max(self._deadline - time.monotonic(), 0.0)
             if self._phase == "accept":
                 self.accepted.wait(left)
+            elif self._phase == "complete":
+                try:
+                    self._completing.result(timeout=left)
+                except Exception:
+                    pass  # poll() says what happened
             elif self._phase == "ack":
                 try:
                     self.ack.result(timeout=left)
@@ -424,7 +431,14 @@ class SenderTransfer(Transfer):
                 if not self.accepted.is_set():
                     return self._due("the decode worker's accept")
                 self.raise_if_failed()
-                self._complete(self._deadline)
+                self._completing = self._complete(self._deadline)
+                self._phase = "complete"
+            if self._phase == "complete":  # the writes are posted: wait for them without blocking
+                if self._completing is not None:
+                    if not self._completing.done():
+                        return self._due("completion of the KV writes")
+                    self._completing.result()  # raises the failure that resolved it
+                    self._completing = None
                 self.raise_if_failed()
                 if self.cfg.fault == "stall":
                     self._phase = "stall"
@@ -547,8 +561,9 @@ class SenderTransfer(Transfer):
 
     # ---- transports ------------------------------------------------------------------------
 
-    def _complete(self, deadline: float) -> None:
-        """Caller side: move whatever is left, wait until every byte landed; set finished_at."""
+    def _complete(self, deadline: float) -> Future | None:
+        """Caller side: move whatever is left; a Future resolved (on the I/O thread) once every byte
+        landed, or None if it has by the return; finished_at set by then."""
         raise NotImplementedError
 
     def writes(self) -> int:

@@ -112,7 +112,7 @@ class ZmqTransfer(SenderTransfer):
         self.layers_sent.add(layer)
         self.sender._submit(self.queue.append, self._stage(layer))
 
-    def _complete(self, deadline: float) -> None:
+    def _complete(self, deadline: float) -> Future:
         if self.layered:
             rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
             self.layers_sent.update(rest)
@@ -121,7 +121,7 @@ class ZmqTransfer(SenderTransfer):
             staged = [self._stage(-1)]
         fut: Future = Future()
         self.sender._submit(self._finish_io, staged, fut)
-        self.wait(fut, deadline, "hand-off of the data frames")
+        return fut  # the hand-off of the data frames: poll() waits for it without blocking
 
     def _stage(self, layer: int) -> Staged:
         """Gather one layer (or all, layer=-1) of every run into host memory."""
