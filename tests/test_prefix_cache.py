@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.prefix_cache import PrefixCache, extend_names, root_name
 from workers.engine.request import Request, SamplingParams
-from workers.roles import make_role
 from workers.transfer.base import TransferConfig
+
+from role_shell import Shell, pump, tokens_of
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -215,35 +215,6 @@ def test_abort_and_failure_give_shared_blocks_back():
 # ---- disaggregated: the decode worker's cache ----------------------------------------------------
 
 
-class Shell:
-    def __init__(self, role: str, engine: Engine, transfer: TransferConfig):
-        self.engine, self.worker_id = engine, f"{role}-pc"
-        self.cfg = SimpleNamespace(transfer=transfer)
-        self.sent: list = []
-        self.role = make_role(role, self)
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
-
-    def take(self, cls) -> list:
-        got = [m for m in self.sent if isinstance(m, cls)]
-        self.sent = [m for m in self.sent if not isinstance(m, cls)]
-        return got
-
-
-def _pump(shells, until, timeout_s=20.0):
-    end = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < end, f"no progress in {timeout_s}s: {[s.sent for s in shells]}"
-        for s in shells:
-            s.role.tick()
-        time.sleep(0.0005)
-
-
-def _outs(shell, rid):
-    return [o for m in shell.sent if isinstance(m, P.Tokens) for o in m.outputs if o.request_id == rid]
-
-
 @pytest.mark.parametrize("transport,mode", [("ipc", "bulk"), ("ipc", "layer"), ("zmq", "bulk"), ("zmq", "layer"),
                                             ("nixl", "bulk"), ("nixl", "layer")])
 def test_decode_worker_holds_the_prefix_and_only_the_rest_moves(transport, mode):
@@ -262,7 +233,7 @@ def test_decode_worker_holds_the_prefix_and_only_the_rest_moves(transport, mode)
             [res] = d.take(P.Reserved)
             p.role.handle(P.Prefill(rid, prompt, sampling, d.worker_id, res.kv_address, res.block_ids, 8.0,
                                     res.cached_tokens))
-            _pump([p, d], lambda: any(o.finished for o in _outs(d, rid)))
+            pump([p, d], lambda: any(o.finished for o in tokens_of(d, rid)))
             [done[rid]] = p.take(P.PrefillDone)
             done[rid] = (res, done[rid])
         (res1, pd1), (res2, pd2) = done["t1"], done["t2"]
@@ -270,7 +241,7 @@ def test_decode_worker_holds_the_prefix_and_only_the_rest_moves(transport, mode)
         assert len(res2.block_ids) == 2  # (91 - 64) tokens: two blocks move, four stay put
         assert pd2.kv_bytes == 2 * BS * layout.bytes_per_token < pd1.kv_bytes
         assert pd2.timeline.cached_tokens == 64  # the prefill worker reused its own copy too
-        assert [o.token_id for o in _outs(d, "t2")] == want.output_ids
+        assert [o.token_id for o in tokens_of(d, "t2")] == want.output_ids
         assert p.engine.blocks.num_free == p.engine.blocks.num_blocks
         assert d.engine.blocks.num_free == d.engine.blocks.num_blocks and not d.engine.requests
     finally:

@@ -6,7 +6,6 @@ deadline, failure)."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,47 +13,17 @@ from workers import protocol as P
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import SamplingParams
-from workers.roles import make_role
 from workers.transfer.base import TransferConfig
+
+from role_shell import Shell, pump, tokens_of
 
 pytestmark = pytest.mark.timeout(180)
 
 NUM_BLOCKS = 64
 
 
-class Shell:
-    """What a role needs from its Worker: engine, id, config, and a send() we can read back."""
-
-    def __init__(self, role: str, engine: Engine, transfer: TransferConfig | None = None):
-        self.engine, self.worker_id = engine, f"{role}-test"
-        self.cfg = SimpleNamespace(transfer=transfer or TransferConfig())
-        self.sent: list = []
-        self.role = make_role(role, self)
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
-
-    def take(self, cls) -> list:
-        got = [m for m in self.sent if isinstance(m, cls)]
-        self.sent = [m for m in self.sent if not isinstance(m, cls)]
-        return got
-
-
 def engine(shared: bool = False) -> Engine:
     return Engine(EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, kv_shared=shared))
-
-
-def pump(shells, until, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < end, f"no progress within {timeout_s}s; sent: {[s.sent for s in shells]}"
-        for s in shells:
-            s.role.tick()
-        time.sleep(0.0005)
-
-
-def tokens_of(shell: Shell, rid: str) -> list[P.TokenOut]:
-    return [o for m in shell.sent if isinstance(m, P.Tokens) for o in m.outputs if o.request_id == rid]
 
 
 def finished(shell: Shell, rid: str) -> bool:
