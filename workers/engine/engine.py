@@ -267,15 +267,12 @@ class Engine:
             need = blocks_for(len(req.prompt_ids), self.layout.block_size) - len(hit)
             if not self.blocks.can_allocate(need, hit):
                 raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
-            self.blocks.acquire(hit)
-            req.block_ids = hit + self.blocks.allocate(need)
+            self.scheduler.take_blocks(req, hit, need)
             req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
-            req.named_blocks = len(hit)
             req.prefill_start = time.monotonic()
             self.blocks.count(len(req.prompt_ids), req.cached_tokens)
             if lower:  # reloading is cheaper than computing them (the cost model): this worker waits for it
-                k = len(hit)
-                self.tiers.start(req, req.block_names[k:k + len(lower)], req.block_ids[k:k + len(lower)], lower, k)
+                self.scheduler.start_reload(req, lower)
                 self.tiers.poll(req, wait=True)
             computed_from = time.monotonic()
             logits = self.runner.prefill([req], on_layer)
@@ -319,10 +316,8 @@ class Engine:
         if req.status is Status.WAITING and not self.blocks.can_allocate(need, hit):
             return None
         req.reserve()
-        self.blocks.acquire(hit)
-        req.block_ids = hit + self.blocks.allocate(need)
+        self.scheduler.take_blocks(req, hit, need)
         req.cached_tokens = len(hit) * self.layout.block_size
-        req.named_blocks = len(hit)
         if req.prompt_ids:
             self.blocks.count(len(req.prompt_ids), req.cached_tokens)
         self.requests[request_id] = req

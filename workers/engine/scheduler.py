@@ -124,14 +124,11 @@ class Scheduler:
                 req.cached_tokens = cached
                 self.blocks.count(n, cached)
             req.start_prefill()
-            self.blocks.acquire(hit)
-            req.block_ids = hit + self.blocks.allocate(need)
+            self.take_blocks(req, hit, need)
             req.num_computed = cached
-            req.named_blocks = len(hit)
             self.running.append(req)
             if lower:  # the next blocks come back from host memory or disk; it computes once they land
-                k = len(hit)
-                self.tiers.start(req, req.block_names[k:k + len(lower)], req.block_ids[k:k + len(lower)], lower, k)
+                self.start_reload(req, lower)
                 continue
             take = n - cached if whole else min(n - cached, budget)
             batch.append((req, take))
@@ -144,6 +141,17 @@ class Scheduler:
         if not self.blocks.enabled or full == 0 or req.params.prompt_logprobs is not None:
             return []  # prompt logprobs need the logits of every prompt position: nothing may be skipped
         return self.blocks.match(names_upto(req, full, self.block_size, self.root))
+
+    def take_blocks(self, req: Request, hit: list[int], need: int) -> None:
+        """The request's blocks: its cached prefix `hit` (shared, already named) and `need` fresh ones."""
+        self.blocks.acquire(hit)
+        req.block_ids = hit + self.blocks.allocate(need)
+        req.named_blocks = len(hit)
+
+    def start_reload(self, req: Request, lower: list[str]) -> None:
+        """Reload the blocks after its GPU hit from the tiers `lower` names (asynchronously)."""
+        k, n = req.named_blocks, len(lower)
+        self.tiers.start(req, req.block_names[k:k + n], req.block_ids[k:k + n], lower, k)
 
     def lower_prefix(self, req: Request, gpu_blocks: int) -> list[str]:
         """The tier ("host" | "disk") of each block after the GPU hit to reload rather than compute."""
