@@ -179,10 +179,3 @@ class PrefixCache:
 
     def name_of(self, block: int) -> bytes | None:
         return self._name_of.get(block)
-
-    def clear(self) -> None:
-        """Forget every name; evictable blocks go back to the free list (blocks in use stay in use)."""
-        self.pool.free(list(self._lru))
-        self._lru.clear()
-        self._block_of.clear()
-        self._name_of.clear()

@@ -181,9 +181,9 @@ class Request:
     # and how many prompt tokens came from KV this worker already held (not computed for it)
     block_names: list[bytes] = field(default_factory=list, repr=False)
     named_blocks: int = 0
-    cached_tokens: int = 0  # of them, reloaded from a tier below GPU memory ("host", "disk"), and how long it took
-    tier_tokens: dict[str, int] = field(default_factory=dict)
-    reload_s: float | None = None
+    cached_tokens: int = 0
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, reloaded per tier ("host", "disk")
+    reload_s: float | None = None  # how long those reloads took
     # timeline, time.monotonic() seconds of this process; the roles turn it into P.Timeline
     arrived: float = field(default_factory=time.monotonic)  # its message reached the worker's socket
     taken: float | None = None  # the worker's loop handled that message

@@ -88,11 +88,5 @@ class Tiers:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.host.cost.observe_prefill(tokens, seconds)
 
-    def stats(self) -> dict:
-        out = {"reloaded_tokens": dict(self.reloaded_tokens)}
-        for tier, s in self.host.stats().items():
-            out[tier] = s
-        return out
-
     def close(self) -> None:
         self.host.close()
