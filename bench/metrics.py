@@ -156,14 +156,14 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
 
 def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
     """Means over the successful requests with timings: the client's TTFT split into the server's
-    TTFT phases (workers/phases.py, from `ttft_phases_ms`; a phase a request's path lacks counts 0)
+    TTFT phases (protocol/phases.py, from `ttft_phases_ms`; a phase a request's path lacks counts 0)
     and `client`: the client's TTFT less the server's (connecting, the request's way in, the first
     event's way out; a difference of two durations, each on its own clock). A server that reports no
     phases (another server, an older pdserve) has its prefill and the transfer it pays placed, and the
     rest of its TTFT in `unattributed`. The parts sum to `ttft` (the client's mean). The first decode
     step makes token 2, after the first token: beside the split (`first_step`), not in it. All None
     without timings."""
-    from workers.phases import FIELD, NAMES, UNATTRIBUTED
+    from protocol.phases import FIELD, NAMES, UNATTRIBUTED
 
     rows = [r for r in records if r.success and r.timings and r.ttft_s is not None]
     keys = (*NAMES, "client", "first_step", "ttft", "server_ttft")

@@ -187,12 +187,12 @@ def plot_goodput_vs_rate(blocks: list[dict], out_dir: Path) -> Path | None:
 
 def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
     """Per (point, arm): the mean client TTFT stacked as the server's TTFT phases in timeline order
-    (workers/phases.py; the legend says what each is), then `client` (the client's TTFT less the
+    (protocol/phases.py; the legend says what each is), then `client` (the client's TTFT less the
     server's), then the first decode step (hatched: it makes token 2, after the first token). A part
     below zero is drawn below the axis, not dropped. A grey tick marks the server's own mean TTFT."""
     import textwrap
 
-    from workers.phases import PHASES
+    from protocol.phases import PHASES
 
     parts = [(p.name, f"{p.name}: {p.meaning}") for p in PHASES]
     parts.append(("client", "client: the client's TTFT less the server's (connect, request in, first event out)"))

@@ -54,7 +54,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.kv_cache import SHM_PREFIX
 from workers.engine.request import Request, SamplingParams
-from workers.transfer import protocol as P
+from protocol import kv as P
 from workers.transfer.base import MODES, TransferConfig, make_receiver, make_sender
 from workers.transfer.ipc import map_cuda, map_shm, wait_event
 

@@ -4,7 +4,7 @@ pdserve reports it as `timings` (top level of a non-streaming response, last SSE
 streaming one). Every field may be missing (another OpenAI-compatible server, an older pdserve):
 a missing field reads as None. Fields the server adds later are kept in `extra`.
 
-`ttft_phases` is the time to first token split into the phases of workers/phases.py (name -> ms,
+`ttft_phases` is the time to first token split into the phases of protocol/phases.py (name -> ms,
 in timeline order; None where the request's path has no such phase); they sum to `ttft_ms`.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from client.errors import ProtocolError
-from workers import phases as PH
+from protocol import phases as PH
 
 _FLOAT_FIELDS = (
     "queue_ms", "prefill_ms", "transfer_ms", "transfer_exposed_ms", "first_decode_step_ms",

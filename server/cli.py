@@ -30,9 +30,9 @@ import socket
 import sys
 import tempfile
 
-from workers.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
-from workers.cli import HelpFormatter, add_config_argument, parse_args, setup_logging, version  # torch-free
-from workers.protocol import MODES, POLICIES, TRANSPORTS  # not workers.transfer: the router does not import torch
+from protocol.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
+from protocol.cli import HelpFormatter, add_config_argument, parse_args, setup_logging, version
+from protocol.control import MODES, POLICIES, TRANSPORTS  # not workers.transfer: the router does not import torch
 
 log = logging.getLogger("pdserve")
 
@@ -121,7 +121,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def expected_counts(text: str | None) -> dict[str, int] | None:
-    from workers.protocol import ROLES
+    from protocol.control import ROLES
 
     if not text:
         return None
@@ -411,11 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         args, run = parse_args(router_parser(), argv[1:]), run_router
     else:
         args, run = parse_args(pdserve_parser(), argv), run_embedded
-    from workers.cli import exit_now  # torch-free, like everything the router imports
+    from protocol.cli import exit_now
 
     setup_logging(args.log_level)
     if args.parent_pid is not None:
-        from workers.cli import die_with_parent
+        from protocol.cli import die_with_parent
 
         die_with_parent(args.parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
     rc = run(args)

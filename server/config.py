@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.auth import RouterKeys
-from workers.protocol import POLICIES
+from protocol.auth import RouterKeys
+from protocol.control import POLICIES
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt is under 1 MB of text or of token ids
 

@@ -32,7 +32,8 @@ from server.errors import APIError, bad_request, timed_out, worker_failed
 from server.metrics import Metrics
 from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
 from server.timeline import Clock, timings
-from workers import protocol as P
+from protocol import control as P
+from protocol import sampling as S
 
 log = logging.getLogger("pdserve.router")
 
@@ -463,7 +464,7 @@ def fan_out(job: Job, n: int) -> list[Job]:
         return [job]
     s = job.sampling
     return [Job(f"{job.request_id}-{i}", job.prompt_ids,
-                s if s.seed is None else msgspec.structs.replace(s, seed=(s.seed + i) % (P.MAX_SEED + 1)),
+                s if s.seed is None else msgspec.structs.replace(s, seed=(s.seed + i) % (S.MAX_SEED + 1)),
                 job.policy, dataclasses.replace(job.clock)) for i in range(n)]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from workers import phases as PH
+from protocol import phases as PH
 
 # seconds: sub-millisecond transfers up to minute-long requests
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -53,7 +53,7 @@ def one_two_five(limit: int) -> tuple[int, ...]:
         scale *= 10
 
 
-_TOKENS = one_two_five(1 << 21)  # workers/protocol.py MAX_PROMPT_TOKENS
+_TOKENS = one_two_five(1 << 21)  # protocol/control.py MAX_PROMPT_TOKENS
 
 
 class Metrics:

@@ -15,7 +15,7 @@ A worker is dropped when it says Goodbye, misses `heartbeat_misses` heartbeats i
 supervisor saw its process exit (`lost`); nothing is routed to it afterwards and every request
 attached to it gets WorkerLost at once.
 
-Identity: a worker id belongs to the incarnation (workers/protocol.py) that registered it while that
+Identity: a worker id belongs to the incarnation (protocol/control.py) that registered it while that
 one lives: a Register of a held id from another incarnation is refused (retry later), and every other
 message counts only under the incarnation that holds its worker id.
 
@@ -37,8 +37,8 @@ import zmq.asyncio
 from server.config import RouterConfig
 from server.metrics import Metrics
 from server.register import RegisterReader
-from workers import auth
-from workers import protocol as P
+from protocol import auth
+from protocol import control as P
 
 log = logging.getLogger("pdserve.router")
 

@@ -13,7 +13,7 @@ deployment's worker key, so junk from anyone else dies in libzmq's handshake, lo
 
 Why a thread: a token that lands while the event loop is busy (streaming other requests, parsing,
 JSON) would be stamped only when the loop gets to it; stamped on arrival, that wait counts as the
-router's own (`first_token_send`), and `hops` (workers/phases.py) is the messages' flight. The same
+router's own (`first_token_send`), and `hops` (protocol/phases.py) is the messages' flight. The same
 thread screens what lands, so a flood never reaches the event loop (and /health): frames that do not
 decode, and messages of unknown incarnations, are counted (pdserve_control_dropped) and dropped here,
 logged at most once per interval per kind; what a stranger needs an answer to (a Register, a
@@ -36,8 +36,8 @@ from urllib.parse import urlsplit
 import zmq
 
 from server.metrics import Metrics
-from workers import auth
-from workers import protocol as P
+from protocol import auth
+from protocol import control as P
 
 MAX_REGISTER_FRAME = 4 * 2**20  # bytes; the largest real message (a step's Tokens) is a few KB
 STRANGER_RATE, STRANGER_BURST = 20.0, 50  # answers a second to unknown incarnations (Register, Heartbeat)

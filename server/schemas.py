@@ -6,7 +6,7 @@ the text, token ids or chat messages to tokenize. Bad input raises APIError (400
 Hostile input is refused before it costs anything: the body parses with NaN/Infinity refused and
 nesting at most MAX_JSON_DEPTH deep; every string (keys too) must be valid Unicode (a lone
 surrogate such as \\ud800 cannot be tokenized or encoded); at most MAX_MESSAGES chat messages;
-every number inside the control protocol's bounds (workers/protocol.py defines them once, for this
+every number inside the control protocol's bounds (protocol/control.py defines them once, for this
 API, the wire and the engine: seed 0..2**63-1, temperature 0..2, penalties, top_k and max_tokens below
 2**31, at most 16 stop strings of 4096 characters, 20 top logprobs), so nothing reaches msgpack or
 torch that they would fail on; a temperature under MIN_TEMPERATURE samples greedily.
@@ -33,10 +33,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from server.errors import APIError, bad_request
-from workers import protocol as P
-from workers.protocol import (MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_PROMPT_TOKENS, MAX_REPETITION_PENALTY,
-                              MAX_SEED, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-                              MIN_TEMPERATURE, POLICIES, Sampling)
+from protocol import control as P
+from protocol.enums import POLICIES
+from protocol.sampling import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP, MAX_STOP_CHARS,
+                               MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling)
+from protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
 
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's legacy bound); chat's top_logprobs: MAX_LOGPROBS

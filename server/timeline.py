@@ -2,7 +2,7 @@
 
 No timestamp crosses a process boundary, so clock offsets between hosts cannot bend the numbers:
 
-    ttft_phases_ms       the time to first token split into the phases of workers/phases.py; they
+    ttft_phases_ms       the time to first token split into the phases of protocol/phases.py; they
                          sum to ttft_ms (what could not be split is `unattributed`, never hidden)
     queue_ms             parse + route + inbox + prefill_queue: arrival -> prefill start, less the
                          request's flight to the worker
@@ -28,9 +28,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from workers import phases as PH
-from workers import protocol as P
-from workers.phases import ms
+from protocol import phases as PH
+from protocol import control as P
+from protocol.phases import ms
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from server.errors import bad_request
-from workers.model_files import MODEL_NAMES, load_smollm2_tokenizer
+from protocol.models import MODEL_NAMES, load_smollm2_tokenizer
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):

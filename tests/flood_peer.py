@@ -23,8 +23,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers import auth  # noqa: E402
-from workers import protocol as P  # noqa: E402
+from protocol import auth  # noqa: E402
+from protocol import control as P  # noqa: E402
 
 UNKNOWN_IDS = 5000
 

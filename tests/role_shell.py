@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from workers import protocol as P
+from protocol import control as P
 from workers.engine.engine import Engine
 from workers.roles import make_role
 from workers.transfer.base import TransferConfig

@@ -116,7 +116,7 @@ def test_streams_past_the_drain_timeout_end_with_an_error_that_says_so():
 STOPPING = """
 import logging, signal, threading, time
 import zmq
-from workers import auth
+from protocol import auth
 from workers.worker import Inbox, Worker
 
 w = Worker.__new__(Worker)  # only what stop() and the main loop's wait touch

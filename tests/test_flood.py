@@ -23,7 +23,7 @@ import pytest
 
 from test_server_harness import ROOT, Pdserve
 from test_server_router import FakeWorker
-from workers import auth
+from protocol import auth
 
 pytestmark = pytest.mark.timeout(180)
 

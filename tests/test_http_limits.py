@@ -21,7 +21,7 @@ import pytest
 
 from test_server_harness import TINY, Pdserve
 from test_server_router import colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
-from workers.protocol import MAX_SEED
+from protocol.sampling import MAX_SEED
 
 pytestmark = pytest.mark.timeout(300)
 

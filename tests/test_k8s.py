@@ -140,7 +140,7 @@ def test_curve_keys_are_secrets_and_a_worker_never_mounts_the_routers():
 
 
 def test_make_secrets_writes_valid_secrets_that_pdserve_loads(tmp_path):
-    from workers.auth import load_router_keys, load_worker_keys
+    from protocol.auth import load_router_keys, load_worker_keys
 
     docs = make_secrets_module().manifests(namespace="llm", api_key="k" * 48)
     assert [d["metadata"]["name"] for d in docs] == ["pdserve-router-keys", "pdserve-worker-keys", "pdserve-api-key"]

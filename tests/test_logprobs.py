@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_worker_roles import NUM_BLOCKS, Shell, engine, finished, pump, tokens_of
-from workers import protocol as P
+from protocol import control as P
 from workers.engine import runner as runner_module
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine

@@ -25,7 +25,7 @@ from importlib.metadata import version as installed
 import pytest
 
 from test_server_harness import ROOT, TINY, Pdserve, wait_gone  # pytest puts tests/ on sys.path
-from workers import protocol as P
+from protocol import control as P
 from workers.status_log import StatsLine
 
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO) [\w.]+: .*")
@@ -64,7 +64,8 @@ def test_version_of_both_commands():
 
 def test_config_file_keys_are_the_flags_and_the_command_line_wins(tmp_path):
     from server.cli import pdserve_parser, router_parser
-    from workers.cli import parse_args, serve_parser
+    from protocol.cli import parse_args
+    from workers.cli import serve_parser
 
     cfg = tmp_path / "pdserve.yaml"
     cfg.write_text("model: tiny\nmax-num-seqs: 8\nno_colocated: true\nno-warmup: false\n"

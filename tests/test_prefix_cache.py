@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from workers import protocol as P
+from protocol import control as P
 from workers.engine.block_pool import OutOfBlocks
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine

@@ -137,7 +137,7 @@ def test_heartbeat_figures_reach_the_metrics():
     import msgspec
 
     from server.metrics import Metrics
-    from workers import protocol as P
+    from protocol import control as P
 
     p = prompt(6, 70)
     eng = engine()

@@ -1,4 +1,4 @@
-"""Who may talk to whom (workers/auth.py, SECURITY.md), against a router with the deployment's keys:
+"""Who may talk to whom (protocol/auth.py, SECURITY.md), against a router with the deployment's keys:
 
 - a forged registration is refused: without CURVE, with another deployment's worker key, encrypted
   for another router's key, and with the valid key but a live worker's id (that worker keeps its
@@ -28,8 +28,8 @@ import zmq
 
 from test_server_harness import ROOT
 from test_server_router import FakeWorker, colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
-from workers import auth
-from workers import protocol as P
+from protocol import auth
+from protocol import control as P
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -205,7 +205,7 @@ class FakeReceiver(threading.Thread):
 
     def __init__(self, path: str, nbytes: int):
         super().__init__(daemon=True)
-        from workers.transfer import protocol as TP
+        from protocol import kv as TP
 
         self.TP, self.path, self.nbytes = TP, path, nbytes
         self.ctx = zmq.Context()
@@ -311,7 +311,7 @@ def test_key_files_are_private_and_never_overwritten(tmp_path):
 
 
 def test_bounds_hold_on_kv_messages():
-    from workers.transfer import protocol as TP
+    from protocol import kv as TP
 
     for msg in ({"type": "begin", "request_id": "r", "dst_blocks": [-1], "num_tokens": 5},
                 {"type": "chunk", "request_id": "r", "layer": -2, "dst_start": 0, "num_blocks": 1, "nbytes": 4},

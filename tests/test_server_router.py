@@ -21,9 +21,9 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.config import RouterConfig
 from server.tokenizer import load_tokenizer
-from workers import auth
-from workers import protocol as P
-from workers.phases import NAMES as PHASE_NAMES
+from protocol import auth
+from protocol import control as P
+from protocol.phases import NAMES as PHASE_NAMES
 
 HEARTBEAT_S = 0.1
 MISSES = 3

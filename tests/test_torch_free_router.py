@@ -98,7 +98,7 @@ def test_tokenizer_where_torch_is_not_installed():
     """At run time the router loads SmolLM2's tokenizer with transformers, which imports torch where it is
     installed (transformers/utils/generic.py) but works without it: a router machine needs no torch once the
     converted cache is there (converting it loads the model, so that step does)."""
-    from workers.model_files import cache_is_current, smollm2_cache_dir
+    from protocol.models import cache_is_current, smollm2_cache_dir
 
     if not cache_is_current(smollm2_cache_dir()):
         pytest.skip("SmolLM2's converted cache is not there yet (the first worker start writes it)")

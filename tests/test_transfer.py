@@ -17,7 +17,7 @@ from bench.transfer import Child
 from transfer_peer import layout_arg, source_pool
 from workers.engine.block_pool import BlockPool, paired_runs
 from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer import protocol as P
+from protocol import kv as P
 from workers.transfer.base import (LayoutMismatch, TransferConfig, TransferError, make_receiver, make_sender)
 from workers.transfer.plan import descriptors, make_plan
 

@@ -8,7 +8,8 @@ import pickle
 import msgspec
 import pytest
 
-from workers import protocol as P
+from protocol import control as P
+from protocol import sampling as SB
 
 S = P.Sampling(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=["\n"], ignore_eos=True)
 TO_ROUTER = [
@@ -54,7 +55,7 @@ def test_sampling_becomes_engine_params():
 
 def test_temperatures_that_would_overflow_the_logits_sample_greedily():
     assert P.Sampling(temperature=1e-40).to_params().temperature == 0.0
-    assert P.Sampling(temperature=P.MIN_TEMPERATURE).to_params().temperature == P.MIN_TEMPERATURE
+    assert P.Sampling(temperature=SB.MIN_TEMPERATURE).to_params().temperature == SB.MIN_TEMPERATURE
 
 
 def _generate(**sampling) -> bytes:
@@ -80,7 +81,7 @@ def _generate(**sampling) -> bytes:
     _generate(top_k=-1),
     _generate(temperature=float("nan")),
     _generate(temperature=float("inf")),
-    _generate(temperature=P.MAX_TEMPERATURE + 0.5),  # above the one bound the HTTP API and the engine share too
+    _generate(temperature=SB.MAX_TEMPERATURE + 0.5),  # above the one bound the HTTP API and the engine share too
     _generate(presence_penalty=2.5),
     _generate(logprobs=21),
     _generate(top_p=0.0),
@@ -98,9 +99,9 @@ def test_anything_else_is_a_protocol_error(frame):
 
 
 def test_the_bounds_let_the_extremes_through():
-    frame = _generate(seed=P.MAX_SEED, max_tokens=P.MAX_INT32, top_k=P.MAX_INT32, temperature=P.MAX_TEMPERATURE)
+    frame = _generate(seed=SB.MAX_SEED, max_tokens=P.MAX_INT32, top_k=P.MAX_INT32, temperature=SB.MAX_TEMPERATURE)
     s = P.decode_to_worker(frame).msg.sampling
-    assert (s.seed, s.max_tokens, s.top_k, s.temperature) == (P.MAX_SEED, P.MAX_INT32, P.MAX_INT32, P.MAX_TEMPERATURE)
+    assert (s.seed, s.max_tokens, s.top_k, s.temperature) == (SB.MAX_SEED, P.MAX_INT32, P.MAX_INT32, SB.MAX_TEMPERATURE)
 
 
 def test_worker_to_router_bounds():

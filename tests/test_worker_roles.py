@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from workers import protocol as P
+from protocol import control as P
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import SamplingParams

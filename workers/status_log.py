@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from workers import protocol as P
+from protocol import control as P
 
 log = logging.getLogger("pdserve.worker")
 

@@ -11,12 +11,12 @@
                       another key than the one we have for it) stops this worker with that reason
 
 Who is obeyed: the control socket is a CURVE server whose Gate lets in only the router's public key
-(workers/auth.py), and every frame carries the incarnation id this process drew at start; frames for
+(protocol/auth.py), and every frame carries the incarnation id this process drew at start; frames for
 another incarnation, or that do not decode, are dropped, counted and logged at most once per interval.
 
 Why a thread for the inbox: a message that lands while the main thread runs a step (a long prefill,
 a decode batch) would otherwise sit unread, and unstamped, until the step ends; that wait is the
-`inbox` phase of a request's TTFT (workers/phases.py), so it must be measured from the arrival.
+`inbox` phase of a request's TTFT (protocol/phases.py), so it must be measured from the arrival.
 Draining the socket between steps cannot see it; one thread blocked in recv() can. Its stamp is
 late only by the time it takes to get the GIL back (at most the interpreter's switch interval,
 5 ms, while the main thread runs Python code; torch kernels release the GIL), and what is late
@@ -49,8 +49,8 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from workers import auth
-from workers import protocol as P
+from protocol import auth
+from protocol import control as P
 from workers.engine.config import EngineConfig
 from workers.status_log import StatsLine, startup_line
 from workers.transfer.base import TransferConfig

@@ -45,7 +45,7 @@ from workers.engine.prefix_cache import PrefixCache, names_upto, root_name
 from workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import Sampler, SamplingError
-from workers.protocol import TokenLogprobs
+from protocol.control import TokenLogprobs
 from workers.engine.scheduler import Scheduler
 
 log = logging.getLogger("pdserve.engine")

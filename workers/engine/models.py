@@ -29,7 +29,7 @@ import torch
 
 from workers.engine.kv_cache import DTYPES
 # names and files, torch-free (the router loads the tokenizer through them)
-from workers.model_files import (CACHE_MANIFEST, DEFAULT_MODEL, MODEL_NAMES, cache_is_current, load_smollm2_tokenizer,
+from protocol.models import (CACHE_MANIFEST, DEFAULT_MODEL, MODEL_NAMES, cache_is_current, load_smollm2_tokenizer,
                                  manifest_expected, smollm2_cache_dir, smollm2_gguf_path)
 
 SMOLLM2_VOCAB_SIZE = 49152

@@ -50,7 +50,7 @@ class IllegalTransition(RuntimeError):
 
 @dataclass
 class SamplingParams:
-    """What one request asks of the sampler. The bounds are workers/protocol.py's (one place for the
+    """What one request asks of the sampler. The bounds are protocol/control.py's (one place for the
     HTTP API, the wire and here). Logprobs are of the model's raw distribution (before temperature,
     penalties, top-k/p), as vLLM reports them by default."""
 
@@ -75,7 +75,7 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> "SamplingParams":
-        from workers import protocol as P
+        from protocol import sampling as bounds
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
@@ -85,8 +85,8 @@ class SamplingParams:
                 f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds the model's "
                 f"context of {max_model_len} tokens; shorten the prompt or lower max_tokens"
             )
-        if not (0.0 <= self.temperature <= P.MAX_TEMPERATURE):
-            raise InvalidRequest(f"temperature must be in [0, {P.MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not (0.0 <= self.temperature <= bounds.MAX_TEMPERATURE):
+            raise InvalidRequest(f"temperature must be in [0, {bounds.MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -95,24 +95,24 @@ class SamplingParams:
             raise InvalidRequest(f"seed must be an integer in 0..2**63-1, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a list of non-empty strings")
-        if len(self.stop) > P.MAX_STOP:
-            raise InvalidRequest(f"at most {P.MAX_STOP} stop strings, got {len(self.stop)}")
+        if len(self.stop) > bounds.MAX_STOP:
+            raise InvalidRequest(f"at most {bounds.MAX_STOP} stop strings, got {len(self.stop)}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -P.MAX_PENALTY <= getattr(self, name) <= P.MAX_PENALTY:
-                raise InvalidRequest(f"{name} must be in [-{P.MAX_PENALTY:g}, {P.MAX_PENALTY:g}], "
+            if not -bounds.MAX_PENALTY <= getattr(self, name) <= bounds.MAX_PENALTY:
+                raise InvalidRequest(f"{name} must be in [-{bounds.MAX_PENALTY:g}, {bounds.MAX_PENALTY:g}], "
                                      f"got {getattr(self, name)!r}")
-        if not 0.0 < self.repetition_penalty <= P.MAX_REPETITION_PENALTY:
-            raise InvalidRequest(f"repetition_penalty must be in (0, {P.MAX_REPETITION_PENALTY:g}] (1 is off), "
+        if not 0.0 < self.repetition_penalty <= bounds.MAX_REPETITION_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be in (0, {bounds.MAX_REPETITION_PENALTY:g}] (1 is off), "
                                  f"got {self.repetition_penalty!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
                                  f"got {self.min_tokens!r}")
-        if len(self.stop_token_ids) > P.MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"at most {P.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        if len(self.stop_token_ids) > bounds.MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"at most {bounds.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or not 0 <= k <= P.MAX_LOGPROBS):
-                raise InvalidRequest(f"{name} must be an integer from 0 to {P.MAX_LOGPROBS} (or unset), got {k!r}")
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= bounds.MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be an integer from 0 to {bounds.MAX_LOGPROBS} (or unset), got {k!r}")
         return self
 
 

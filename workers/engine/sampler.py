@@ -38,7 +38,7 @@ from typing import Iterable
 import torch
 
 from workers.engine.request import Request
-from workers.protocol import LOGPROB_FLOOR, TokenLogprobs
+from protocol.control import LOGPROB_FLOOR, TokenLogprobs
 
 
 class SamplingError(RuntimeError):

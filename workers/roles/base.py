@@ -13,9 +13,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from workers import protocol as P
+from protocol import control as P
 from workers.engine.request import Request, Status
-from workers.phases import ms
+from protocol.phases import ms
 
 if TYPE_CHECKING:
     from workers.engine.engine import StepOutput

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from workers import protocol as P
+from protocol import control as P
 from workers.engine.request import InvalidRequest, Request, Status
 from workers.roles.base import Role, now
 

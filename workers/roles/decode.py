@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 
-from workers import protocol as P
+from protocol import control as P
 from workers.engine.request import InvalidRequest, Request, Status
 from workers.roles.base import Role, now
 from workers.transfer.base import TransferError, make_receiver

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 
-from workers import protocol as P
+from protocol import control as P
 from workers.engine.block_pool import OutOfBlocks
 from workers.engine.request import InvalidRequest, KVTarget, Request, Status
 from workers.engine.sampler import SamplingError

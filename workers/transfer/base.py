@@ -37,7 +37,7 @@ gave up on is refused, so a late sender never writes into blocks that went back 
 Every wait has a deadline; NIXL, CUDA and ZMQ have none of their own. A failure raises
 TransferError naming the request, the peer and what to check.
 
-Wire messages: protocol.py. Shared plumbing (sockets, handshake, deadlines): receiver.py,
+Wire messages: protocol/kv.py. Shared plumbing (sockets, handshake, deadlines): receiver.py,
 sender.py. Transports: ipc.py, nixl.py, zmq.py.
 """
 
@@ -47,12 +47,10 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from workers.auth import WorkerKeys
+from protocol.auth import WorkerKeys
+from protocol.enums import MODES, TRANSPORTS
 from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer.protocol import PROTOCOL_VERSION  # noqa: F401  (re-exported)
 
-TRANSPORTS = ("ipc", "nixl", "zmq")
-MODES = ("bulk", "layer")
 FAULTS = ("stall", "drop_done")
 
 

@@ -31,7 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import zmq
 
-from workers import auth
+from protocol import auth
 from workers.transfer.base import TransferError
 
 log = logging.getLogger("pdserve.transfer")

@@ -38,7 +38,7 @@ import time
 import torch
 
 from workers.engine.kv_cache import SHM_PREFIX
-from workers.transfer import protocol as P
+from protocol import kv as P
 from workers.transfer.base import TransferError
 from workers.transfer.plan import Plan
 from workers.transfer.receiver import ChannelReceiver

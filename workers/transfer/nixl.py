@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from workers.engine.kv_cache import KVLayout
-from workers.transfer import protocol as P
+from protocol import kv as P
 from workers.transfer.base import TransferError
 from workers.transfer.endpoint import log
 from workers.transfer.plan import Plan, descriptors

@@ -42,7 +42,7 @@ import msgspec
 import zmq
 
 from workers.engine.kv_cache import KVCache
-from workers.transfer import protocol as P
+from protocol import kv as P
 from workers.transfer.base import Arrival, KVReceiver, TransferConfig, TransferError, layout_mismatch
 from workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
 

@@ -43,9 +43,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from workers import auth
+from protocol import auth
 from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer import protocol as P
+from protocol import kv as P
 from workers.transfer.base import (KVSender, LayoutMismatch, PeerState, State, Transfer, TransferConfig,
                                    TransferError, TransferStats, layout_mismatch)
 from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint

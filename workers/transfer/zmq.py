@@ -25,7 +25,7 @@ from concurrent.futures import Future
 
 import torch
 
-from workers.transfer import protocol as P
+from protocol import kv as P
 from workers.transfer.base import TransferError
 from workers.transfer.plan import Plan
 from workers.transfer.receiver import ChannelReceiver, Expected

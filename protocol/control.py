@@ -35,7 +35,7 @@ an envelope that carries it: FromWorker(incarnation, message) to the router, Fro
 of the addressee, message) to a worker. The router accepts a worker's messages only under the
 incarnation that registered its id, and refuses a Register for an id a live incarnation holds;
 a worker drops anything addressed to another incarnation. (The sockets themselves are CURVE,
-workers/auth.py: only the router's key reaches a worker's control socket.)
+protocol/auth.py: only the router's key reaches a worker's control socket.)
 """
 
 from __future__ import annotations
@@ -45,15 +45,12 @@ from typing import Annotated, Union
 
 import msgspec
 
-# 2: Timeline's inbox, pickup and emit stamps (the TTFT phases); 3: envelopes with the incarnation, bounds;
-# 4: penalties, min_tokens, stop_token_ids, logprobs in Sampling; logprobs in TokenOut and PrefillDone
-PROTOCOL_VERSION = 4
-ROLES = ("prefill", "decode", "colocated")
-# Register.transport and .mode take these (workers/transfer/base.py implements them; a test holds the
-# two lists equal); here so the router, torch-free, can name them
-TRANSPORTS = ("ipc", "nixl", "zmq")
-MODES = ("bulk", "layer")
-POLICIES = ("colocated", "disaggregated", "auto")  # how the router serves a request (RouterConfig, `policy`)
+from protocol.enums import FAILURE_KINDS, FailureKind, Mode, Policy, Role, Transport
+from protocol.sampling import LOGPROB_FLOOR, MAX_LOGPROBS, Sampling
+from protocol.wire import (MAX_COUNT, MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, Address, BlockIds, Count, Id,
+                           ProtocolError, Seconds, Text, TokenId, TokenIds, encode, short)
+
+ROLES, TRANSPORTS, MODES, POLICIES = Role.values(), Transport.values(), Mode.values(), Policy.values()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -61,70 +58,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return max(1, math.ceil(num_tokens / block_size))
 
 
-class ProtocolError(ValueError):
-    """A frame that is not a message of this protocol (or of this direction)."""
-
-
-# ---- bounds: what a field may hold, checked when a frame is decoded ------------------------------
-
-MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
-MAX_INT32 = 2**31 - 1
-MAX_COUNT = 2**40  # blocks, bytes of KV, free blocks: far above any pool
-MAX_PROMPT_TOKENS = 1 << 21
-# temperatures below this sample the top token with probability 1 to float32 precision; dividing
-# logits by them overflows to inf (then NaN), so they are greedy (the same cut vLLM makes)
-MIN_TEMPERATURE = 1e-5
-# Sampling bounds, the one place they are defined: the HTTP API (server/schemas.py), this wire and
-# the engine (SamplingParams.validate) all check these
-MAX_TEMPERATURE = 2.0  # OpenAI's range, 0..2
-MAX_PENALTY = 2.0  # presence and frequency penalties: -2..2 (OpenAI)
-MAX_REPETITION_PENALTY = 2.0  # repetition_penalty: (0, 2] (vLLM/HF: 1 is off, > 1 discourages repeats)
-MAX_LOGPROBS = 20  # top logprobs per token (OpenAI chat: 0..20)
-MAX_STOP = 16  # stop strings per request
-MAX_STOP_CHARS = 4096  # characters per stop string
-MAX_STOP_TOKEN_IDS = 64
-LOGPROB_FLOOR = -9999.0  # a logprob of -inf travels (and is shown) as this, as vLLM does: JSON has no -inf
-
-Id = Annotated[str, msgspec.Meta(max_length=256)]  # worker and request ids
-Address = Annotated[str, msgspec.Meta(max_length=512)]
-Text = Annotated[str, msgspec.Meta(max_length=1 << 16)]  # error messages, reasons, token text
-Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
-BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
-TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
-BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
-Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
 Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-
-
-class Sampling(msgspec.Struct, frozen=True):
-    """Sampling parameters on the wire (mirrors workers.engine.request.SamplingParams)."""
-
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] = 0
-    seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
-    stop: Annotated[list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]], msgspec.Meta(max_length=MAX_STOP)] = []
-    ignore_eos: bool = False
-    presence_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
-    frequency_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
-    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] = 0
-    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per generated token: None off
-    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per prompt token
-
-    def to_params(self):
-        from workers.engine.request import SamplingParams
-
-        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
-        return SamplingParams(max_tokens=self.max_tokens, temperature=temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=list(self.stop), ignore_eos=self.ignore_eos,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                              stop_token_ids=list(self.stop_token_ids), logprobs=self.logprobs,
-                              prompt_logprobs=self.prompt_logprobs)
 
 
 Logprob = Annotated[float, msgspec.Meta(ge=LOGPROB_FLOOR, le=0.0)]
@@ -145,7 +79,7 @@ PromptLogprobs = Annotated[list[TokenLogprobs], msgspec.Meta(max_length=MAX_PROM
 
 class Timeline(msgspec.Struct, frozen=True):
     """Durations one worker measured on its own clock (ms); None where that worker did not do the part.
-    The router turns them into the phases of workers/phases.py."""
+    The router turns them into the phases of protocol/phases.py."""
 
     inbox_ms: float | None = None  # request in this worker's socket (inbox thread's stamp) -> the loop took it
     wait_ms: float | None = None  # the loop took it -> prefill start (queue on this worker)
@@ -165,7 +99,7 @@ class Timeline(msgspec.Struct, frozen=True):
 class Register(msgspec.Struct, tag="register", frozen=True):
     version: int
     worker_id: Id
-    role: Annotated[str, msgspec.Meta(max_length=32)]
+    role: Role
     address: Address  # this worker's control endpoint (router PUSHes here)
     model: Address
     max_model_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
@@ -175,8 +109,8 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     device: Annotated[str, msgspec.Meta(max_length=64)]
     dtype: Annotated[str, msgspec.Meta(max_length=32)]
     pid: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
-    transport: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # prefill and decode
-    mode: Annotated[str, msgspec.Meta(max_length=32)] | None = None
+    transport: Transport | None = None  # prefill and decode
+    mode: Mode | None = None
     kv_address: Address | None = None  # decode: where senders reach its KV receiver
 
 
@@ -262,13 +196,10 @@ class Tokens(msgspec.Struct, tag="tokens", frozen=True):
     outputs: Annotated[list[TokenOut], msgspec.Meta(max_length=1 << 16)]
 
 
-FAILURE_KINDS = ("invalid", "capacity", "transfer", "timeout", "aborted", "internal")
-
-
 class RequestFailed(msgspec.Struct, tag="request_failed", frozen=True):
     worker_id: Id
     request_id: Id
-    kind: Annotated[str, msgspec.Meta(max_length=32)]  # one of FAILURE_KINDS
+    kind: FailureKind
     error: Text
 
 
@@ -334,28 +265,23 @@ class FromRouter(msgspec.Struct, frozen=True):
     msg: ToWorker
 
 
-_encoder = msgspec.msgpack.Encoder()
 _to_router = msgspec.msgpack.Decoder(FromWorker)
 _to_worker = msgspec.msgpack.Decoder(FromRouter)
 
 
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
 def from_worker(incarnation: str, msg: ToRouter) -> bytes:
-    return _encoder.encode(FromWorker(incarnation, msg))
+    return encode(FromWorker(incarnation, msg))
 
 
 def from_router(incarnation: str, msg: ToWorker) -> bytes:
-    return _encoder.encode(FromRouter(incarnation, msg))
+    return encode(FromRouter(incarnation, msg))
 
 
 def decode_to_router(frame: bytes) -> FromWorker:
     try:
         return _to_router.decode(frame)
     except msgspec.DecodeError as e:  # ValidationError (a bound, a type) is one too
-        raise ProtocolError(f"bad worker->router frame ({len(frame)} bytes): {_short(e)}; "
+        raise ProtocolError(f"bad worker->router frame ({len(frame)} bytes): {short(e)}; "
                             f"is the worker running pdserve protocol version {PROTOCOL_VERSION}?") from None
 
 
@@ -363,10 +289,5 @@ def decode_to_worker(frame: bytes) -> FromRouter:
     try:
         return _to_worker.decode(frame)
     except msgspec.DecodeError as e:
-        raise ProtocolError(f"bad router->worker frame ({len(frame)} bytes): {_short(e)}; "
+        raise ProtocolError(f"bad router->worker frame ({len(frame)} bytes): {short(e)}; "
                             f"is the router running pdserve protocol version {PROTOCOL_VERSION}?") from None
-
-
-def _short(e: Exception) -> str:
-    text = str(e)
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -23,19 +23,19 @@ layout and the request's reservation (receiver.py), the sender each pool it is t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
-from workers.engine.kv_cache import KVLayout
-from workers.protocol import MAX_COUNT, MAX_INT32, BlockIds, Count, Id, Text
+from protocol.enums import Transport
+from protocol.wire import MAX_COUNT, MAX_INT32, PROTOCOL_VERSION, BlockIds, Count, Id, Text, encode  # noqa: F401  (PROTOCOL_VERSION, encode: used through this module)
+
+if TYPE_CHECKING:
+    from workers.engine.kv_cache import KVLayout
 
 Small = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]  # layers, heads, head dim, block size
 Name = Annotated[str, msgspec.Meta(max_length=256)]  # hosts, agent names, paths
 Handle = Annotated[bytes, msgspec.Meta(max_length=256)]  # CUDA IPC handles (64 bytes in practice)
-
-PROTOCOL_VERSION = 1
-
 
 class Layout(msgspec.Struct, frozen=True):
     num_layers: Small
@@ -46,11 +46,13 @@ class Layout(msgspec.Struct, frozen=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 
     @classmethod
-    def of(cls, layout: KVLayout) -> "Layout":
+    def of(cls, layout: "KVLayout") -> "Layout":
         return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                    layout.block_size, layout.num_blocks)
 
-    def to_kv(self) -> KVLayout:
+    def to_kv(self) -> "KVLayout":
+        from workers.engine.kv_cache import KVLayout  # the worker side's: with torch
+
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
                         self.block_size, self.num_blocks)
 
@@ -100,7 +102,7 @@ TransportInfo = ShmInfo | CudaIpcInfo | NixlInfo | ZmqInfo
 
 class Hello(msgspec.Struct, tag="hello"):
     version: int
-    transport: Annotated[str, msgspec.Meta(max_length=32)]
+    transport: Transport
     host: Name
     layout: Layout
     sender: Name  # a name for logs and errors
@@ -177,14 +179,9 @@ class XferNote(msgspec.Struct, tag="note"):
 ToReceiver = Hello | Begin | Chunk | Done | Abort
 ToSender = Welcome | Refused | Accept | Reject | Ack | Cancel
 
-_encoder = msgspec.msgpack.Encoder()
 _to_receiver = msgspec.msgpack.Decoder(ToReceiver)
 _to_sender = msgspec.msgpack.Decoder(ToSender)
 _note = msgspec.msgpack.Decoder(XferNote)
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
 
 
 def decode_to_receiver(data: bytes) -> ToReceiver:

@@ -1,0 +1,15 @@
+"""Everything the router and the workers share, torch-free: the one package `server/` imports from
+the worker side (a test holds it to that, tests/test_walls.py).
+
+    wire.py      the protocol version (one, for every frame), ProtocolError, msgpack
+    enums.py     Role, Transport, Mode, Policy, FailureKind
+    control.py   router <-> worker messages: Register, Heartbeat, Generate, Reserve, Prefill, Tokens, ...
+    kv.py        KV sender <-> receiver messages: Hello, Welcome, Begin, Done, the pools' TransportInfo
+    sampling.py  sampling parameters and their bounds, defined once (HTTP API, wire, engine)
+    phases.py    the phases of a request's time to first token
+    timings.py   a request's `timings` object, one typed struct from the router to the client
+    config.py    the engine, transfer and worker configs, from which the command-line flags derive
+    auth.py      the deployment's CURVE keys (every control and KV socket)
+    models.py    the model names and where their files and tokenizers live
+    cli.py       command-line conventions of pdserve and pdserve-worker (help, --config, logging, exit)
+"""
