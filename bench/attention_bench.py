@@ -237,7 +237,7 @@ def engine_check(args) -> list[dict]:
     proves little; the forced run says whether each disagreement is a tie within the measured
     rounding (`ok`: every disagreement has a margin below the largest logit difference, and that
     difference is under 0.5)."""
-    from workers.engine.config import EngineConfig
+    from protocol.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.engine.models import load_model
     from workers.engine.request import Request, SamplingParams

@@ -191,7 +191,7 @@ def decode_points(args, batches: list[int], contexts: list[int]) -> list[dict]:
 
 
 def make_engine(loaded, device: torch.device, dtype: torch.dtype, **fields):
-    from workers.engine.config import EngineConfig
+    from protocol.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.engine.kv_cache import dtype_name
 
@@ -202,7 +202,7 @@ def make_engine(loaded, device: torch.device, dtype: torch.dtype, **fields):
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.engine.config import EngineConfig
+    from protocol.config import EngineConfig
     from workers.engine.models import load_model
 
     lengths, batches, contexts = parse_counts(args.lengths), parse_counts(args.batches), parse_counts(args.contexts)

@@ -113,7 +113,7 @@ class Bench:
     """The engine, the tiers (sized for the longest length) and one round's arms."""
 
     def __init__(self, args, lengths: list[int], out: Path):
-        from workers.engine.config import EngineConfig
+        from protocol.config import EngineConfig
         from workers.engine.engine import Engine
         from workers.engine.kv_tiers import DiskTier, HostTier
 

@@ -50,7 +50,7 @@ import torch
 
 from bench.engine_bench import sync
 from bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.kv_cache import SHM_PREFIX
 from workers.engine.request import Request, SamplingParams

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from protocol import control as P
 from workers.engine.engine import Engine
 from workers.roles import make_role
-from workers.transfer.base import TransferConfig
+from protocol.config import TransferConfig
 
 
 class Shell:

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.models import load_model
 from workers.engine.request import InvalidRequest, Request, SamplingParams

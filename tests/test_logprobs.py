@@ -12,11 +12,11 @@ import torch
 from test_worker_roles import NUM_BLOCKS, Shell, engine, finished, pump, tokens_of
 from protocol import control as P
 from workers.engine import runner as runner_module
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.models import load_model
 from workers.engine.request import Request, SamplingParams
-from workers.transfer.base import TransferConfig
+from protocol.config import TransferConfig
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -92,7 +92,7 @@ def test_config_file_keys_are_the_flags_and_the_command_line_wins(tmp_path):
 
 
 def test_warm_up_runs_a_request_and_leaves_the_pool_as_it_was():
-    from workers.engine.config import EngineConfig
+    from protocol.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.status_log import startup_line
     from workers.warmup import warm_up

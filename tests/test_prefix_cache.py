@@ -13,11 +13,11 @@ import torch
 
 from protocol import control as P
 from workers.engine.block_pool import OutOfBlocks
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.prefix_cache import PrefixCache, extend_names, root_name
 from workers.engine.request import Request, SamplingParams
-from workers.transfer.base import TransferConfig
+from protocol.config import TransferConfig
 
 from role_shell import Shell, pump, tokens_of
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.prefix_cache import extend_names
 from workers.engine.request import Request, SamplingParams

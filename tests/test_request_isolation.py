@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import InvalidRequest, Request, SamplingParams
 

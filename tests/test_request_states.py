@@ -80,7 +80,7 @@ NUM_BLOCKS = 32
 
 @pytest.fixture(scope="module")
 def engine():
-    from workers.engine.config import EngineConfig
+    from protocol.config import EngineConfig
     from workers.engine.engine import Engine
 
     return Engine(EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, chunk_tokens=8))
@@ -111,7 +111,7 @@ def test_colocated_walk(engine):
 
 
 def test_preempted_request_is_recomputed_to_the_same_tokens():
-    from workers.engine.config import EngineConfig
+    from protocol.config import EngineConfig
     from workers.engine.engine import Engine
 
     params = SamplingParams(max_tokens=20, ignore_eos=True)

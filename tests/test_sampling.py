@@ -9,7 +9,7 @@ import torch
 
 from test_request_isolation import GREEDY, NUM_BLOCKS, assert_rest_unaffected, batch, prompt, run
 from workers.engine import sampler as sampler_module
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import InvalidRequest, Request, SamplingParams
 from workers.engine.sampler import Sampler

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from protocol import control as P
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import SamplingParams
-from workers.transfer.base import TransferConfig
+from protocol.config import TransferConfig
 
 from role_shell import Shell, pump, tokens_of
 

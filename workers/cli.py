@@ -52,7 +52,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args, kv_shared: bool = False):
-    from workers.engine.config import EngineConfig
+    from protocol.config import EngineConfig
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                         num_blocks=args.num_blocks, kv_memory_gb=args.kv_memory_gb, max_num_seqs=args.max_num_seqs,
@@ -140,8 +140,8 @@ def serve(argv: list[str]) -> int:
         die_with_parent(args.parent_pid, on_parent_death, PARENT_DIED)
 
     from protocol.auth import KeyFileError, load_worker_keys
-    from workers.transfer.base import TransferConfig
-    from workers.worker import Worker, WorkerConfig
+    from protocol.config import TransferConfig, WorkerConfig
+    from workers.worker import Worker
 
     try:
         keys = load_worker_keys(args.keys)

@@ -44,16 +44,14 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import zmq
 
 from protocol import auth
 from protocol import control as P
-from workers.engine.config import EngineConfig
+from protocol.config import WorkerConfig
 from workers.status_log import StatsLine, startup_line
-from workers.transfer.base import TransferConfig
 from workers.warmup import warm_up
 
 log = logging.getLogger("pdserve.worker")
@@ -63,28 +61,6 @@ STOP_GRACE_S = 5.0  # a worker still stopping this long after SIGTERM dumps its 
 JOIN_S = 1.5  # stopping: the longest wait for one thread, or for the ZMQ context's last messages
 MAX_CONTROL_FRAME = 64 * 2**20  # bytes; a Generate of the longest prompt is a few MB
 WAKE = (0.0, b"")  # put in the inbox's queue to end a take() (Inbox.wake); never handed to a role
-
-
-@dataclass
-class WorkerConfig:
-    role: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    control: str = "tcp://127.0.0.1:0"  # endpoint this worker binds for router messages (port 0: any)
-    router: str = "tcp://127.0.0.1:7100"  # the router's registration endpoint
-    advertise_host: str | None = None  # host the router should use when `control` binds a wildcard
-    worker_id: str | None = None  # default: <role>-<host>-<pid>
-    keys: auth.WorkerKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
-    stats_interval_s: float = 10.0  # a stats line in the log this often while there is work (0: never)
-    warmup: bool = True  # one real request through the engine before registering (workers/warmup.py)
-    parent_pid: int | None = None  # the process that started us (pdserve); its death ends us at once
-    run_dir: str | None = None  # that process's private run directory: removed if it dies first
-
-    def __post_init__(self):
-        if self.role not in P.ROLES:
-            raise ValueError(f"unknown role {self.role!r}; choose one of {', '.join(P.ROLES)}")
-        if self.worker_id is None:
-            self.worker_id = f"{self.role}-{socket.gethostname()}-{os.getpid()}"
 
 
 class RouterLink:

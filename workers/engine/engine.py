@@ -39,7 +39,8 @@ import torch
 
 from workers.engine import attention
 from workers.engine.block_pool import OutOfBlocks, blocks_for
-from workers.engine.config import EngineConfig
+from protocol.config import EngineConfig
+from workers.engine.config import check_device, kv_budget_bytes, torch_dtype
 from workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
 from workers.engine.prefix_cache import PrefixCache, names_upto, root_name
 from workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
@@ -74,11 +75,12 @@ class PrefillResult:
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded=None):
+        check_device(config)
         self.config = config
         if loaded is None:
             from workers.engine.models import load_model
 
-            loaded = load_model(config.model, config.torch_dtype, config.device)
+            loaded = load_model(config.model, torch_dtype(config), config.device)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -110,9 +112,9 @@ class Engine:
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        dtype = config.torch_dtype
+        dtype = torch_dtype(config)
         usable = config.num_blocks or blocks_for_budget(
-            config.kv_budget_bytes(), cfg.num_hidden_layers, kv_heads, head_dim, dtype, config.block_size
+            kv_budget_bytes(config), cfg.num_hidden_layers, kv_heads, head_dim, dtype, config.block_size
         ) - 1
         # the pool holds one block more than requests may use: the scratch block
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)

@@ -47,11 +47,10 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from protocol.auth import WorkerKeys
-from protocol.enums import MODES, TRANSPORTS
+from protocol.config import FAULTS, TransferConfig  # noqa: F401  (here for the transports)
+from protocol.enums import TRANSPORTS
 from workers.engine.kv_cache import KVCache, KVLayout
 
-FAULTS = ("stall", "drop_done")
 
 
 class TransferError(RuntimeError):
@@ -81,34 +80,6 @@ class State(enum.Enum):
     TRANSFERRING = "transferring"
     DONE = "done"
     FAILED = "failed"
-
-
-@dataclass
-class TransferConfig:
-    transport: str = "ipc"  # one of TRANSPORTS
-    mode: str = "bulk"  # one of MODES
-    host: str = "127.0.0.1"  # receiver: interface to bind; also the address it advertises
-    port: int = 0  # receiver: 0 picks a free port
-    deadline_s: float = 30.0  # default for handshakes and transfers
-    # receiver: after it gave up on a transfer already writing (ipc, nixl), how long it waits for
-    # the sender to confirm it stopped before reporting the failure anyway
-    cancel_grace_s: float = 10.0
-    # Tests only. "stall": the sender moves the data, then sends no done notice and fails at its
-    # deadline. "drop_done": the sender moves the data and returns as if done, without the notice.
-    fault: str | None = None
-    # the deployment's CURVE keys: the KV channel's sockets authenticate and encrypt (endpoint.py);
-    # None: plain sockets (tests and benches of the transports themselves)
-    keys: WorkerKeys | None = None
-
-    def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
-        if self.mode not in MODES:
-            raise ValueError(f"unknown transfer mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ValueError(f"unknown fault {self.fault!r}; choose one of {', '.join(FAULTS)}")
-        if self.deadline_s <= 0 or self.cancel_grace_s <= 0:
-            raise ValueError("deadline_s and cancel_grace_s must be positive")
 
 
 @dataclass
