@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from protocol.timings import Timings
 from server import schemas as S
 from server.admission import AdmittedStream
 from server.config import RouterConfig
@@ -225,7 +226,7 @@ class Router:
         usage_event = req.stream_options is not None and req.stream_options.include_usage
         held: dict[int, tuple[str, list[int]]] = {}  # choice -> its last token, sent with its Done in one event
         completion_tokens, left = 0, len(plans)
-        timings: dict = {}  # choice 0's, as a whole response reports them
+        timings = Timings()  # choice 0's, as a whole response reports them
         try:
             async for i, event in self.dispatcher.execute_all(plans):
                 c = choices[i]
@@ -250,8 +251,8 @@ class Router:
                     yield _event(body)
                     body = S.usage_chunk_body(kind, rid, created, model)
                 # the prompt counted once (and its cached tokens: choice 0's)
-                body["usage"] = S.usage(len(job.prompt_ids), completion_tokens, timings.get("cached_tokens"))
-                body["timings"] = timings
+                body["usage"] = S.usage(len(job.prompt_ids), completion_tokens, timings.cached_tokens)
+                body["timings"] = timings.to_dict()
                 yield _event(body)
         except APIError as e:
             log.warning("request %s failed mid-stream: %s", rid, e.message)

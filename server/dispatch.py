@@ -26,14 +26,15 @@ from typing import AsyncIterator
 
 import msgspec
 
+from protocol import control as P
+from protocol import sampling as S
+from protocol.timings import Failover, Timings
 from server.admission import Admission, Ticket, unavailable
 from server.config import RouterConfig
 from server.errors import APIError, bad_request, timed_out, worker_failed
 from server.metrics import Metrics
 from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
 from server.timeline import Clock, timings
-from protocol import control as P
-from protocol import sampling as S
 
 log = logging.getLogger("pdserve.router")
 
@@ -62,7 +63,7 @@ class Token:
 @dataclass(frozen=True)
 class Done:
     finish_reason: str
-    timings: dict
+    timings: Timings
     token_ids: list[int]
 
 
@@ -251,7 +252,7 @@ class Dispatcher:
             run = self._colocated(retry) if retry.worker else self._disaggregated(retry)
             async for event in run:
                 if isinstance(event, Done):
-                    event.timings["failover"] = {"from": was, "to": now, "error": failed.message}
+                    event = replace(event, timings=replace(event.timings, failover=Failover(was, now, failed.message)))
                 yield event
         finally:
             retry.ticket.release()

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from protocol import phases as PH
+from protocol.timings import Timings
 
 # seconds: sub-millisecond transfers up to minute-long requests
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -294,33 +295,33 @@ class Metrics:
             reason = "abort" if outcome in ABORTED_OUTCOMES else "error"
         self.v_success.labels(self.model_name, policy, reason).inc()
 
-    def observe_timings(self, t: dict) -> None:
-        """One finished request's `timings` object (ms) into the histograms."""
-        policy, m = t["policy"], self.model_name
-        for hist, key in ((self.ttft, "ttft_ms"), (self.e2e, "e2e_ms"), (self.queue, "queue_ms"),
-                          (self.prefill, "prefill_ms"), (self.first_step, "first_decode_step_ms")):
-            if t.get(key) is not None:
-                hist.labels(policy).observe(t[key] / 1e3)
-        for hist, key in ((self.v_ttft, "ttft_ms"), (self.v_e2e, "e2e_ms"), (self.v_queue, "queue_ms"),
-                          (self.v_prefill, "prefill_ms")):
-            if t.get(key) is not None:
-                hist.labels(m, policy).observe(t[key] / 1e3)
-        if t.get("ttft_ms") is not None and t.get("e2e_ms") is not None:
-            decode_s = max(0.0, t["e2e_ms"] - t["ttft_ms"]) / 1e3
+    def observe_timings(self, t: Timings) -> None:
+        """One finished request's timings (ms) into the histograms."""
+        policy, m = t.policy, self.model_name
+        for hist, value in ((self.ttft, t.ttft_ms), (self.e2e, t.e2e_ms), (self.queue, t.queue_ms),
+                            (self.prefill, t.prefill_ms), (self.first_step, t.first_decode_step_ms)):
+            if value is not None:
+                hist.labels(policy).observe(value / 1e3)
+        for hist, value in ((self.v_ttft, t.ttft_ms), (self.v_e2e, t.e2e_ms), (self.v_queue, t.queue_ms),
+                            (self.v_prefill, t.prefill_ms)):
+            if value is not None:
+                hist.labels(m, policy).observe(value / 1e3)
+        if t.ttft_ms is not None and t.e2e_ms is not None:
+            decode_s = max(0.0, t.e2e_ms - t.ttft_ms) / 1e3
             self.v_decode.labels(m, policy).observe(decode_s)
-            self.v_inference.labels(m, policy).observe(decode_s + (t.get("prefill_ms") or 0.0) / 1e3)
-            if t["completion_tokens"] > 1:
-                self.v_tpot.labels(m, policy).observe(decode_s / (t["completion_tokens"] - 1))
-        self.v_prompt_len.labels(m, policy).observe(t["prompt_tokens"])
-        self.v_output_len.labels(m, policy).observe(t["completion_tokens"])
-        for phase, value in (t.get(PH.FIELD) or {}).items():
+            self.v_inference.labels(m, policy).observe(decode_s + (t.prefill_ms or 0.0) / 1e3)
+            if t.completion_tokens > 1:
+                self.v_tpot.labels(m, policy).observe(decode_s / (t.completion_tokens - 1))
+        self.v_prompt_len.labels(m, policy).observe(t.prompt_tokens)
+        self.v_output_len.labels(m, policy).observe(t.completion_tokens)
+        for phase, value in (t.ttft_phases_ms or {}).items():
             if value is not None:  # None: not on this policy's path (colocated has no transfer)
                 self.ttft_phase.labels(policy, phase).observe(value / 1e3)
-        if t.get("transfer_ms") is not None:
-            self.transfer.labels(t["transport"], t["mode"]).observe(t["transfer_ms"] / 1e3)
-            self.transfer_exposed.labels(t["transport"], t["mode"]).observe(t["transfer_exposed_ms"] / 1e3)
-            self.kv_bytes.labels(t["transport"]).inc(t["kv_bytes"])
-        self.tokens.labels(policy).inc(t["completion_tokens"])
+        if t.transfer_ms is not None:
+            self.transfer.labels(t.transport, t.mode).observe(t.transfer_ms / 1e3)
+            self.transfer_exposed.labels(t.transport, t.mode).observe(t.transfer_exposed_ms / 1e3)
+            self.kv_bytes.labels(t.transport).inc(t.kv_bytes)
+        self.tokens.labels(policy).inc(t.completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

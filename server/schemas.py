@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from server.errors import APIError, bad_request
 from protocol import control as P
 from protocol.enums import POLICIES
+from protocol.timings import Timings
 from protocol.sampling import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP, MAX_STOP_CHARS,
                                MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling)
 from protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
@@ -485,11 +486,11 @@ def choice_body(kind: str, index: int, text: str, finish_reason: str | None, log
 
 
 def response_body(kind: str, rid: str, created: int, model: str, choices: list[dict], prompt_tokens: int,
-                  completion_tokens: int, timings: dict) -> dict:
+                  completion_tokens: int, timings: Timings) -> dict:
     """completion_tokens: of every choice together (the prompt counts once, as OpenAI counts it)."""
     obj = "chat.completion" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, timings.get("cached_tokens")), "timings": timings}
+            "usage": usage(prompt_tokens, completion_tokens, timings.cached_tokens), "timings": timings.to_dict()}
 
 
 def chunk_body(kind: str, rid: str, created: int, model: str, choice: dict, null_usage: bool = False) -> dict:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from protocol import phases as PH
 from protocol import control as P
 from protocol.phases import ms
+from protocol.timings import ReusedTokens, Timings
 
 
 @dataclass
@@ -81,44 +82,45 @@ def ttft_phases(clock: Clock, prefilled_by: P.Timeline | None, token1_by: P.Time
 def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens: int, worker: str,
             prefilled_by: P.Timeline | None, decoded_by: P.Timeline | None,
             prefill: P.PrefillDone | None = None, prefill_worker: str | None = None,
-            transport: str | None = None, mode: str | None = None, kv_skipped_tokens: int = 0) -> dict:
-    """The `timings` object (field names fixed by the API; ms unless named otherwise)."""
+            transport: str | None = None, mode: str | None = None, kv_skipped_tokens: int = 0) -> Timings:
+    """A finished request's Timings (ms unless named otherwise)."""
     disaggregated = prefill is not None
     phases = ttft_phases(clock, prefilled_by, decoded_by, prefill.transfer_exposed_ms if disaggregated else None,
                          disaggregated)
     queue = [phases[k] for k in ("parse", "route", "inbox", "prefill_queue")]
     decode_s = None if clock.first_token is None or clock.last_token is None else clock.last_token - clock.first_token
     tps = (completion_tokens - 1) / decode_s if completion_tokens > 1 and decode_s else None
-    cached = prefilled_by.cached_tokens if prefilled_by is not None else None
-    return {
-        "policy": policy,
-        "queue_ms": _r(_sum(*queue)),
-        "prefill_ms": _r(prefilled_by.prefill_ms if prefilled_by is not None else None),
-        "transfer_ms": _r(prefill.transfer_ms) if disaggregated else None,
-        "transfer_exposed_ms": _r(prefill.transfer_exposed_ms) if disaggregated else None,
-        "first_decode_step_ms": _r(decoded_by.first_step_ms if decoded_by is not None else None),
-        "ttft_ms": _r(ms(clock.arrival, clock.first_token)),
-        "e2e_ms": _r(ms(clock.arrival, clock.last_token)),
-        PH.FIELD: phases,
-        "decode_tokens_per_s": _r(tps),
-        "kv_bytes": prefill.kv_bytes if disaggregated else 0,
-        "transport": transport if disaggregated else None,
-        "mode": mode if disaggregated else None,
-        "prefill_worker": prefill_worker if disaggregated else None,
-        "decode_worker": worker if disaggregated else None,
-        "worker": worker,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
+    pre = prefilled_by
+    cached = pre.cached_tokens if pre is not None else None
+    return Timings(
+        policy=policy,
+        queue_ms=_r(_sum(*queue)),
+        prefill_ms=_r(pre.prefill_ms if pre is not None else None),
+        transfer_ms=_r(prefill.transfer_ms) if disaggregated else None,
+        transfer_exposed_ms=_r(prefill.transfer_exposed_ms) if disaggregated else None,
+        first_decode_step_ms=_r(decoded_by.first_step_ms if decoded_by is not None else None),
+        ttft_ms=_r(ms(clock.arrival, clock.first_token)),
+        e2e_ms=_r(ms(clock.arrival, clock.last_token)),
+        ttft_phases_ms=phases,
+        decode_tokens_per_s=_r(tps),
+        kv_bytes=prefill.kv_bytes if disaggregated else 0,
+        transport=transport if disaggregated else None,
+        mode=mode if disaggregated else None,
+        prefill_worker=prefill_worker if disaggregated else None,
+        decode_worker=worker if disaggregated else None,
+        worker=worker,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
         # the prefix cache: prompt tokens whose KV the computing worker reused, those it computed, and
         # (disaggregated) those the decode worker held already, so they were not transferred
-        "cached_tokens": cached,
-        "recomputed_tokens": None if cached is None else prompt_tokens - cached,
-        "reused_tokens": None if cached is None else {  # where the cached tokens came from
-            "gpu": cached - (prefilled_by.host_tokens or 0) - (prefilled_by.disk_tokens or 0),
-            "host": prefilled_by.host_tokens or 0, "disk": prefilled_by.disk_tokens or 0},
-        "reload_ms": _r(prefilled_by.reload_ms if prefilled_by is not None else None),
-        "kv_skipped_tokens": kv_skipped_tokens if disaggregated else None,
-    }
+        cached_tokens=cached,
+        recomputed_tokens=None if cached is None else prompt_tokens - cached,
+        reused_tokens=None if cached is None else ReusedTokens(
+            gpu=cached - (pre.host_tokens or 0) - (pre.disk_tokens or 0),
+            host=pre.host_tokens or 0, disk=pre.disk_tokens or 0),
+        reload_ms=_r(pre.reload_ms if pre is not None else None),
+        kv_skipped_tokens=kv_skipped_tokens if disaggregated else None,
+    )
 
 
 def _sum(*parts: float | None) -> float | None:

@@ -17,6 +17,7 @@ import re
 
 import pytest
 
+from protocol.timings import Timings
 from server.metrics import Metrics, kv_usage
 from test_server_harness import ROOT, TINY, Pdserve  # pytest puts tests/ on sys.path
 
@@ -54,10 +55,10 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
 
 
-def timings(policy="colocated", **over) -> dict:
+def timings(policy="colocated", **over) -> Timings:
     t = {"policy": policy, "queue_ms": 5.0, "prefill_ms": 40.0, "first_decode_step_ms": 8.0, "ttft_ms": 50.0,
          "e2e_ms": 250.0, "ttft_phases_ms": {}, "transfer_ms": None, "prompt_tokens": 30, "completion_tokens": 5}
-    return {**t, **over}
+    return Timings(**{**t, **over})
 
 
 def test_request_metrics_under_vllm_names():
