@@ -55,7 +55,7 @@ import torch
 from bench import ab, provenance
 from bench.engine_bench import machine_slug, parse_counts
 from bench.transfer_check import FAULTS, parse_fault, run_seed
-from workers.transfer.base import MODES, TRANSPORTS
+from protocol.enums import MODES, TRANSPORTS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPLY = "@bench "  # bench/transfer_roles.py prefixes its replies with it

@@ -55,7 +55,9 @@ from workers.engine.engine import Engine
 from workers.engine.kv_cache import SHM_PREFIX
 from workers.engine.request import Request, SamplingParams
 from protocol import kv as P
-from workers.transfer.base import MODES, TransferConfig, make_receiver, make_sender
+from protocol.config import TransferConfig
+from protocol.enums import MODES
+from workers.transfer.registry import make_receiver, make_sender
 from workers.transfer.ipc import map_cuda, map_shm, wait_event
 
 REPLY = "@bench "

@@ -17,9 +17,6 @@ from protocol.enums import MODES, ROLES, TRANSPORTS
 
 DTYPES = ("float32", "float16", "bfloat16")  # workers/engine/kv_cache.py maps each to its torch dtype
 ATTENTION = ("auto", "triton", "reference")
-# TransferConfig.fault, tests only. "stall": the sender moves the data, then sends no done notice and
-# fails at its deadline. "drop_done": the sender moves the data and returns as if done, without the notice.
-FAULTS = ("stall", "drop_done")
 
 
 @dataclass
@@ -79,9 +76,6 @@ class TransferConfig:
     # receiver: after it gave up on a transfer already writing (ipc, nixl), how long it waits for
     # the sender to confirm it stopped before reporting the failure anyway
     cancel_grace_s: float = 10.0
-    # Tests only. "stall": the sender moves the data, then sends no done notice and fails at its
-    # deadline. "drop_done": the sender moves the data and returns as if done, without the notice.
-    fault: str | None = None
     # the deployment's CURVE keys: the KV channel's sockets authenticate and encrypt (endpoint.py);
     # None: plain sockets (tests and benches of the transports themselves)
     keys: WorkerKeys | None = None
@@ -91,8 +85,6 @@ class TransferConfig:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown transfer mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ValueError(f"unknown fault {self.fault!r}; choose one of {', '.join(FAULTS)}")
         if self.deadline_s <= 0 or self.cancel_grace_s <= 0:
             raise ValueError("deadline_s and cancel_grace_s must be positive")
 

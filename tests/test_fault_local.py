@@ -24,7 +24,10 @@ import torch
 
 from test_server_harness import TINY, Pdserve
 from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer.base import PeerState, TransferConfig, TransferError, make_receiver, make_sender
+from protocol.config import TransferConfig
+from workers.transfer.base import PeerState
+from workers.transfer.errors import TransferError
+from workers.transfer.registry import make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(300)
 

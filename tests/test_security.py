@@ -234,7 +234,9 @@ def digest(path: Path) -> str:
                                   "a pool's name, another size", "path traversal", "a real pool file"])
 def test_a_kv_handshake_naming_another_file_is_refused_and_the_file_untouched(tmp_path, case):
     from workers.engine.kv_cache import KVCache, KVLayout
-    from workers.transfer.base import TransferConfig, TransferError, make_sender
+    from protocol.config import TransferConfig
+    from workers.transfer.errors import TransferError
+    from workers.transfer.registry import make_sender
 
     layout = KVLayout(2, 2, 8, "float32", 16, 8)
     nbytes = layout.pool_bytes

@@ -3,8 +3,10 @@ handshake refusals, deadlines, cancels and killed peers (nothing hangs, every bl
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -15,27 +17,32 @@ import torch
 
 from bench.transfer import Child
 from transfer_peer import layout_arg, source_pool
+from protocol import kv as P
+from protocol.config import TransferConfig
+from protocol.enums import TRANSPORTS  # a new transport is tested here as soon as it has its name
 from workers.engine.block_pool import BlockPool, paired_runs
 from workers.engine.kv_cache import KVCache, KVLayout
-from protocol import kv as P
-from workers.transfer.base import (LayoutMismatch, TransferConfig, TransferError, make_receiver, make_sender)
+from workers.transfer import fake, registry
+from workers.transfer.errors import LayoutMismatch, TransferError
 from workers.transfer.plan import descriptors, make_plan
+from workers.transfer.registry import make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(180)
 
-TRANSPORTS = ("ipc", "zmq", "nixl")
 # the decode side's pool; the prefill side's has fewer blocks (only the block count may differ)
 LAYOUT = KVLayout(4, 2, 8, "bfloat16", 16, 64)
 SRC_LAYOUT = KVLayout(4, 2, 8, "bfloat16", 16, 48)
 SEED = 1234
 PEER = Path(__file__).with_name("transfer_peer.py")
+PACKAGE = Path(__file__).resolve().parents[1] / "workers" / "transfer"
 
 
 class PeerProcess(Child):
     """tests/transfer_peer.py in a child process; its first reply is its hello."""
 
     def __init__(self, *args: str):
-        super().__init__("transfer peer", [sys.executable, str(PEER), *args], reply="@peer ")
+        argv = [sys.executable, str(PEER), *args, "--transports", ",".join(TRANSPORTS)]
+        super().__init__("transfer peer", argv, reply="@peer ")
         self.hello = self.read(120)
 
 
@@ -117,6 +124,45 @@ def test_garbage_is_refused_and_the_receiver_keeps_working():
         sock.close(0), ctx.term(), send.close(), recv.close(), dst.close()
 
 
+def package_imports(path: Path) -> set[str]:
+    """The modules of workers/transfer/ that `path` imports (TYPE_CHECKING ones too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "workers.transfer":
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("workers.transfer."):
+            found.add(node.module.rsplit(".", 1)[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.rsplit(".", 1)[1] for a in node.names if a.name.startswith("workers.transfer."))
+    return found
+
+
+def test_the_package_imports_without_a_circle():
+    deps = {f.stem: package_imports(f) for f in PACKAGE.glob("*.py")}
+    assert deps["errors"] == deps["base"] == set()  # the interface and the errors need nothing of the rest
+
+    def reaches(start: str, seen: set[str]) -> set[str]:
+        for dep in deps.get(start, ()):
+            if dep not in seen:
+                seen.add(dep)
+                reaches(dep, seen)
+        return seen
+
+    circles = [m for m in deps if m in reaches(m, set())]
+    assert not circles, f"import circles through {circles}: {deps}"
+
+
+def test_the_fake_transport_is_for_tests_only():
+    """The fault knob lives in workers/transfer/fake.py: not in the config, not a name the router knows."""
+    assert "fake" not in TRANSPORTS and "fault" not in {f.name for f in dataclasses.fields(TransferConfig)}
+    with pytest.raises(ValueError, match="unknown transport"):
+        registry.transport("fake")
+    with pytest.raises(ValueError, match="unknown fault"):
+        fake.make_sender(KVCache(SRC_LAYOUT, "cpu"), TransferConfig(transport="zmq"), "slow")
+    for name in (*TRANSPORTS, "base", "sender", "receiver", "endpoint"):  # the real code carries no test knob
+        assert not re.search(r"\bfault", (PACKAGE / f"{name}.py").read_text()), name
+
+
 # ---- bytes across processes ------------------------------------------------------------------
 
 
@@ -153,13 +199,15 @@ def test_blocks_arrive_exactly_across_processes(receiver_peer, transport, mode):
 
 @pytest.fixture()
 def pair(request):
-    """An in-process receiver and sender for one transport (for deadline and refusal tests)."""
+    """An in-process receiver and sender for one transport (for deadline and refusal tests); with a
+    fault, the sender is the fake transport's over that one (workers/transfer/fake.py)."""
     made = []
 
     def make(transport, mode="bulk", deadline_s=5.0, fault=None, grace_s=5.0):
         dst, src = KVCache(LAYOUT, "cpu", shared=True), KVCache(SRC_LAYOUT, "cpu")
         recv = make_receiver(dst, TransferConfig(transport=transport, deadline_s=deadline_s, cancel_grace_s=grace_s))
-        send = make_sender(src, TransferConfig(transport=transport, mode=mode, deadline_s=deadline_s, fault=fault))
+        cfg = TransferConfig(transport=transport, mode=mode, deadline_s=deadline_s)
+        send = make_sender(src, cfg) if fault is None else fake.make_sender(src, cfg, fault)
         made.append((recv, send, dst))
         return recv, send
 

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from bench import transfer as bench
-from workers.transfer.base import MODES, TRANSPORTS
+from protocol.enums import MODES, TRANSPORTS
 
 pytestmark = pytest.mark.timeout(900)
 

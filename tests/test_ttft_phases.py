@@ -133,6 +133,6 @@ def test_router_client_and_phases_stay_torch_free():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "--transport {ipc,nixl,zmq}" in run.stdout, run.stderr
     assert run.stderr.strip().splitlines()[-1] == "False", run.stderr
-    from workers.transfer import base  # every transport the router can name (torch-free) is one a worker has
+    from workers.transfer import registry  # every transport the router can name (torch-free) is one a worker has
     for name in P.TRANSPORTS:
-        assert base._module(name).Sender and base._module(name).Receiver
+        assert registry.transport(name).Sender and registry.transport(name).Receiver

@@ -40,7 +40,8 @@ import logging
 from protocol import control as P
 from workers.engine.request import InvalidRequest, Request, Status
 from workers.roles.base import Role, now
-from workers.transfer.base import TransferError, make_receiver
+from workers.transfer.errors import TransferError
+from workers.transfer.registry import make_receiver
 
 log = logging.getLogger("pdserve.worker")
 

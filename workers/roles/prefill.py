@@ -49,7 +49,9 @@ from workers.engine.block_pool import OutOfBlocks
 from workers.engine.request import InvalidRequest, KVTarget, Request, Status
 from workers.engine.sampler import SamplingError
 from workers.roles.base import Role, now, timeline
-from workers.transfer.base import PeerState, State, Transfer, TransferError, TransferStats, make_sender
+from workers.transfer.base import PeerState, State, Transfer, TransferStats
+from workers.transfer.errors import TransferError
+from workers.transfer.registry import make_sender
 
 log = logging.getLogger("pdserve.worker")
 

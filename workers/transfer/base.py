@@ -1,7 +1,7 @@
 """Moving one request's KV cache from a prefill worker's pool into blocks a decode worker reserved.
 
 Decode side (receiver), one per decode worker, made once at start:
-    make_receiver(kv, cfg)                  bind the endpoint senders reach; register/export the pool once
+    registry.make_receiver(kv, cfg)         bind the endpoint senders reach; register/export the pool once
     .address                                the endpoint (e.g. tcp://10.0.0.2:7300) to give to senders
     .expect(request_id, block_ids, deadline_s)   blocks are reserved and wait for this request's KV
     .poll() -> list[Arrival]                transfers that landed, failed or missed their deadline (non-blocking);
@@ -12,7 +12,7 @@ Decode side (receiver), one per decode worker, made once at start:
     .close()
 
 Prefill side (sender), one per prefill worker:
-    make_sender(kv, cfg)
+    registry.make_sender(kv, cfg)
     .connect(peer, deadline_s)              optional: the handshake with `peer` now (version + layout +
                                             transport metadata; maps or registers its pool), not on first open
     .reach(peer, fresh=False) -> (PeerState, why)   the same without waiting: READY, CONNECTING or DEAD
@@ -37,8 +37,9 @@ gave up on is refused, so a late sender never writes into blocks that went back 
 Every wait has a deadline; NIXL, CUDA and ZMQ have none of their own. A failure raises
 TransferError naming the request, the peer and what to check.
 
-Wire messages: protocol/kv.py. Shared plumbing (sockets, handshake, deadlines): receiver.py,
-sender.py. Transports: ipc.py, nixl.py, zmq.py.
+This module holds the interface only (what the roles call, what they get back). make_sender and
+make_receiver: registry.py; the errors: errors.py; the wire messages: protocol/kv.py; the shared
+plumbing (sockets, handshake, deadlines) every transport builds on: sender.py, receiver.py.
 """
 
 from __future__ import annotations
@@ -46,27 +47,11 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from protocol.config import FAULTS, TransferConfig  # noqa: F401  (here for the transports)
-from protocol.enums import TRANSPORTS
-from workers.engine.kv_cache import KVCache, KVLayout
-
-
-
-class TransferError(RuntimeError):
-    pass
-
-
-class LayoutMismatch(TransferError):
-    pass
-
-
-def layout_mismatch(prefill: KVLayout, decode: KVLayout, decode_address: str) -> LayoutMismatch:
-    return LayoutMismatch(
-        f"KV layouts differ: the prefill worker has {prefill.describe()}; the decode worker at {decode_address} "
-        f"has {decode.describe()}. Both must serve the same model with the same KV dtype and block size "
-        "(only the number of blocks may differ)"
-    )
+if TYPE_CHECKING:
+    from protocol.config import TransferConfig
+    from workers.engine.kv_cache import KVCache
 
 
 class PeerState(enum.Enum):
@@ -167,22 +152,3 @@ class KVSender(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-
-def make_receiver(kv: KVCache, cfg: TransferConfig) -> KVReceiver:
-    return _module(cfg.transport).Receiver(kv, cfg)
-
-
-def make_sender(kv: KVCache, cfg: TransferConfig) -> KVSender:
-    return _module(cfg.transport).Sender(kv, cfg)
-
-
-def _module(name: str):
-    if name == "ipc":
-        from workers.transfer import ipc as mod
-    elif name == "nixl":
-        from workers.transfer import nixl as mod
-    elif name == "zmq":
-        from workers.transfer import zmq as mod
-    else:
-        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
-    return mod

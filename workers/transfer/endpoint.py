@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import zmq
 
 from protocol import auth
-from workers.transfer.base import TransferError
+from workers.transfer.errors import TransferError
 
 log = logging.getLogger("pdserve.transfer")
 

@@ -37,9 +37,9 @@ import time
 
 import torch
 
-from workers.engine.kv_cache import SHM_PREFIX
 from protocol import kv as P
-from workers.transfer.base import TransferError
+from workers.engine.kv_cache import SHM_PREFIX
+from workers.transfer.errors import TransferError
 from workers.transfer.plan import Plan
 from workers.transfer.receiver import ChannelReceiver
 from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
@@ -65,32 +65,6 @@ class Receiver(ChannelReceiver):
         if pool.device.type == "cuda":
             return P.CudaIpcInfo(*pool.untyped_storage()._share_cuda_())
         return P.ShmInfo(self.kv.shm_path, self.layout.pool_bytes)
-
-
-class Sender(ChannelSender):
-    transport = "ipc"
-
-    def _setup_transport(self) -> None:
-        device = self.kv.pool.device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def _attach(self, peer: Peer, welcome: P.Welcome) -> torch.Tensor:
-        info = welcome.info
-        if welcome.host != self.host:
-            raise TransferError(f"the ipc transport needs both workers on one host; the decode worker at "
-                                f"{peer.address} runs on {welcome.host}, this one on {self.host}; use nixl or zmq")
-        layout = peer.layout
-        if isinstance(info, P.ShmInfo):
-            return map_shm(info, layout.shape, layout.torch_dtype, peer.address)
-        if isinstance(info, P.CudaIpcInfo):
-            return map_cuda(info, layout.shape, layout.torch_dtype, peer.address)
-        raise TransferError(f"decode worker at {peer.address} answered the ipc handshake with {type(info).__name__}")
-
-    def _detach(self, peer: Peer) -> None:
-        peer.remote = None  # the mapping goes with the last reference
-
-    def _new_transfer(self, peer: Peer, plan: Plan) -> "IpcTransfer":
-        return IpcTransfer(self, peer, plan)
 
 
 def map_shm(info: P.ShmInfo, shape: tuple[int, ...], dtype: torch.dtype, address: str) -> torch.Tensor:
@@ -151,51 +125,29 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class IpcTransfer(SenderTransfer):
     def __init__(self, sender: Sender, peer: Peer, plan: Plan):
         super().__init__(sender, peer, plan)
-        self.src = sender.kv.pool
         self.dst: torch.Tensor = peer.remote
         self.stream: torch.cuda.Stream | None = sender.stream
         self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
-        self.last_event: torch.cuda.Event | None = None  # the side stream's latest copies
 
-    def layer_done(self, layer: int) -> None:
-        if not self.layered or layer in self.layers_sent or self.error is not None:
-            return
-        self.layers_sent.add(layer)
-        self.pending.append((layer, self._mark()))
-        if self.accepted.is_set():
-            self._flush()
-
-    def _complete(self, deadline: float) -> None:
-        if self.layered:
-            rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
-            if rest:
-                ready = self._mark()
-                self.layers_sent.update(rest)
-                self.pending += [(layer, ready) for layer in rest]
-            self._flush()
-        else:
-            # Measured on an H200 (bench/results/transfer-*.json): a contiguous copy_ between two
+    def _move(self, layers: list[int]) -> None:
+        ready = self.mark()
+        if not self.layered and (self.stream is None or self.plan.num_bytes < PER_LAYER_COPY_BYTES):
+            # Bulk. Measured on an H200 (bench/results/transfer-*.json): a contiguous copy_ between two
             # processes' pools costs ~40 us of fixed latency (copy engine) but streams at ~1.9 TB/s;
             # one strided copy_ of pool[:, a:b] for all layers is a single kernel with no such
             # latency but runs at ~0.9 TB/s. So: one strided copy for small requests, one copy per
             # layer for large ones (crossover between 224 MiB and 896 MiB of KV).
-            ready = self._mark()
-            if self.stream is not None and self.plan.num_bytes >= PER_LAYER_COPY_BYTES:
-                self.pending += [(layer, ready) for layer in range(self.plan.num_layers)]
-            else:
-                self.pending.append((slice(None), ready))
+            self.pending.append((slice(None), ready))
+        else:
+            self.pending += [(layer, ready) for layer in layers]
+        if self.accepted.is_set():
             self._flush()
+
+    def _landed(self, deadline: float) -> None:
+        self._flush()  # layers done before the Accept
         if self.last_event is not None:
             wait_event(self.last_event, deadline, self.request_id, self.peer)
         self.finished_at = time.time()
-
-    def _mark(self) -> torch.cuda.Event | None:
-        """An event on the compute stream; the side stream waits for it, the compute stream never waits."""
-        if self.stream is None:
-            return None
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.src.device))
-        return ready
 
     def _flush(self) -> None:
         with self.lock:  # a Cancel (I/O thread) takes the lock too: no copy starts after it
@@ -226,11 +178,21 @@ class IpcTransfer(SenderTransfer):
             self.last_event.record(self.stream)
         self.copies += len(layers) * len(runs)
 
-    def copy_done_event(self) -> torch.cuda.Event | None:
-        return self.last_event
 
-    def writes_in_flight(self) -> bool:  # I/O thread
-        return self.last_event is not None and not self.last_event.query()
+class Sender(ChannelSender):
+    transport = "ipc"
+    info = (P.ShmInfo, P.CudaIpcInfo)
+    transfer_class = IpcTransfer
+
+    def _attach(self, peer: Peer, welcome: P.Welcome) -> torch.Tensor:
+        info = welcome.info
+        if welcome.host != self.host:
+            raise TransferError(f"the ipc transport needs both workers on one host; the decode worker at "
+                                f"{peer.address} runs on {welcome.host}, this one on {self.host}; use nixl or zmq")
+        layout = peer.layout
+        if isinstance(info, P.ShmInfo):
+            return map_shm(info, layout.shape, layout.torch_dtype, peer.address)
+        return map_cuda(info, layout.shape, layout.torch_dtype, peer.address)
 
 
 def wait_event(event: torch.cuda.Event, deadline: float, request_id: str, peer: str) -> None:

@@ -46,23 +46,20 @@ contiguous ranges), because per-descriptor cost (~6-8 us there) times 28 layers 
 
 from __future__ import annotations
 
-import collections
 import os
-import time
 import uuid
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 import torch
 
-from workers.engine.kv_cache import KVLayout
 from protocol import kv as P
-from workers.transfer.base import TransferError
+from workers.engine.kv_cache import KVLayout
+from workers.transfer.errors import TransferError
 from workers.transfer.endpoint import log
 from workers.transfer.plan import Plan, descriptors
-from workers.transfer.receiver import ChannelReceiver, Expected
+from workers.transfer.receiver import ChannelReceiver
 from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
 from workers.transfer.ucx_log import Lane, UcxLog, configure
 
@@ -141,9 +138,6 @@ class Receiver(ChannelReceiver):
                 if exp is not None:
                     exp.received += 1
 
-    def _landed(self, exp: Expected) -> bool:
-        return exp.received >= exp.done.writes
-
     def _teardown_transport(self) -> None:
         self.agent.deregister_memory(self.reg)
 
@@ -182,128 +176,44 @@ class Remote:
     lane_checked_after_write: bool = False
 
 
-class Sender(ChannelSender):
-    transport = "nixl"
-
-    def _setup_transport(self) -> None:
-        self.agent, self.region, self.reg = agent_for("prefill", self.kv.pool)
-        self.ucx = UcxLog(*UCX_LOG)
-
-    def _attach(self, peer: Peer, welcome: P.Welcome) -> Remote:
-        info = welcome.info
-        if not isinstance(info, P.NixlInfo):
-            raise TransferError(f"decode worker at {peer.address} answered the nixl handshake with "
-                                f"{type(info).__name__}")
-        try:
-            self.agent.add_remote_agent(info.metadata)
-            self.agent.make_connection(info.agent)
-        except Exception as e:  # nixl raises its own exception types (nixlMismatchError, ...)
-            raise TransferError(f"NIXL could not add the decode worker at {peer.address} ({info.agent}): {e!r}; "
-                                "check UCX_TLS / UCX_NET_DEVICES on both hosts") from None
-        lane = report_lane(self.ucx, self.agent.name, f"KV to {peer.address} ({info.agent})", self.region.mem_type)
-        return Remote(info.agent, Region(info.base_addr, info.device_id, info.mem_type), peer.layout, lane)
-
-    def _detach(self, peer: Peer) -> None:
-        try:
-            self.agent.remove_remote_agent(peer.remote.agent)
-        except Exception as e:  # already gone on NIXL's side: nothing left to remove
-            log.info("removing the NIXL agent of %s: %r", peer.address, e)
-        peer.remote = None
-
-    def _teardown_transport(self) -> None:
-        self.agent.deregister_memory(self.reg)
-
-    def _lane_after_write(self, peer: Peer) -> None:
-        """Once, after the first write to a peer: UCX prints some protocols only at first use, and a
-        lane it had not logged at the handshake shows up now."""
-        remote: Remote = peer.remote
-        if remote is None or remote.lane_checked_after_write:
-            return
-        remote.lane_checked_after_write = True
-        remote.lane = report_lane(self.ucx, self.agent.name, f"KV to {peer.address} ({remote.agent})",
-                                  self.region.mem_type, remote.lane)
-
-    def _new_transfer(self, peer: Peer, plan: Plan) -> "NixlTransfer":
-        return NixlTransfer(self, peer, plan)
-
-
 class NixlTransfer(SenderTransfer):
+    """Queue items: (layers, the compute stream's event); each posts one WRITE with one XferNote."""
+
+    polls_writes = True  # check_xfer_state is how NIXL makes progress: poll it without a nap
+
     def __init__(self, sender: Sender, peer: Peer, plan: Plan):
         super().__init__(sender, peer, plan)
-        self.peer_state = peer
         self.agent = sender.agent
         self.local = sender.region
         self.remote: Remote = peer.remote
         runs = np.array(plan.runs, dtype=np.int64).reshape(-1, 3)
         self.src_starts, self.dst_starts, self.lengths = runs[:, 0], runs[:, 1], runs[:, 2]
-        self.cuda = sender.kv.pool.device.type == "cuda"
-        self.queue: collections.deque[tuple[list[int], torch.cuda.Event | None]] = collections.deque()
         self.handles: list = []  # I/O thread: transfers posted, not yet DONE
-        self.finishing: Future | None = None
-        self.posted = 0
-
-    def layer_done(self, layer: int) -> None:
-        if not self.layered or layer in self.layers_sent or self.error is not None:
-            return
-        self.layers_sent.add(layer)
-        self.sender._submit(self.queue.append, ([layer], self._mark()))
-
-    def _complete(self, deadline: float) -> Future:
-        rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
-        self.layers_sent.update(rest)
-        fut: Future = Future()
-        self.sender._submit(self._finish_io, rest, self._mark(), fut)
-        return fut  # poll() waits for it without blocking the worker's loop
-
-    def _mark(self) -> torch.cuda.Event | None:
-        if not self.cuda:
-            return None
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.sender.kv.pool.device))
-        return ready
 
     # ---- I/O thread ------------------------------------------------------------------------
 
-    def _finish_io(self, rest: list[int], ready, fut: Future) -> None:
-        if rest:
-            self.queue.append((rest, ready))
-        self.finishing = fut
+    def _post(self, layers: list[int]) -> int:
+        try:
+            self.mark_started()
+            ids = np.array(layers, dtype=np.int64)
+            local = descriptors(self.local.base, self.sender.layout, self.src_starts, self.lengths, ids,
+                                self.local.device_id)
+            remote = descriptors(self.remote.region.base, self.remote.layout, self.dst_starts, self.lengths, ids,
+                                 self.remote.region.device_id)
+            note = P.encode(P.XferNote(self.request_id, self.writes))
+            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.local.mem_type),
+                                                self.agent.get_xfer_descs(remote, self.remote.region.mem_type),
+                                                self.remote.agent, note)
+            self.handles.append(handle)
+            self.copies += len(local)
+            if self.agent.transfer(handle) == "ERR":
+                raise TransferError("transfer() returned ERR")
+        except Exception as e:  # nixl's own exception types, turned into ours
+            raise TransferError(f"request {self.request_id}: posting the NIXL write to {self.peer} failed: {e!r}; "
+                                "free the request's prefill blocks") from None
+        return 1
 
-    def pump(self) -> None:
-        if self.accepted.is_set():
-            while self.queue and (self.queue[0][1] is None or self.queue[0][1].query()):
-                layers, _ = self.queue.popleft()
-                try:
-                    self._post(layers)
-                except Exception as e:  # nixl's own exception types, turned into ours
-                    self.fail(TransferError(f"request {self.request_id}: posting the NIXL write to {self.peer} "
-                                            f"failed: {e!r}; free the request's prefill blocks"))
-                    return
-        self.pump_in_flight()
-        if self.finishing is not None and not self.queue and not self.handles and not self.finishing.done():
-            self.finished_at = time.time()
-            if self.error is None:
-                self.sender._lane_after_write(self.peer_state)
-            self.finishing.set_result(None)
-
-    def _post(self, layers: list[int]) -> None:
-        self.mark_started()
-        ids = np.array(layers, dtype=np.int64)
-        local = descriptors(self.local.base, self.sender.layout, self.src_starts, self.lengths, ids,
-                            self.local.device_id)
-        remote = descriptors(self.remote.region.base, self.remote.layout, self.dst_starts, self.lengths, ids,
-                             self.remote.region.device_id)
-        note = P.encode(P.XferNote(self.request_id, self.posted))
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.local.mem_type),
-                                            self.agent.get_xfer_descs(remote, self.remote.region.mem_type),
-                                            self.remote.agent, note)
-        self.handles.append(handle)
-        self.posted += 1
-        self.copies += len(local)
-        if self.agent.transfer(handle) == "ERR":
-            raise TransferError("transfer() returned ERR")
-
-    def pump_in_flight(self) -> None:
+    def _writes_in_flight(self) -> bool:
         still = []
         for handle in self.handles:
             try:
@@ -319,17 +229,16 @@ class NixlTransfer(SenderTransfer):
                 self.fail(TransferError(f"request {self.request_id}: a NIXL write to {self.peer} failed "
                                         f"({error!r}); the decode worker may be gone; free the request's prefill "
                                         "blocks"))
+            else:
+                self.sender._lane_after_write(self.p)
             self._release(handle)
         self.handles = still
+        return bool(still)
 
-    def writes_in_flight(self) -> bool:
-        return bool(self.handles)
-
-    def discard(self) -> None:
+    def _drop_writes(self) -> None:
         for handle in self.handles:
             self._release(handle)
         self.handles = []
-        self.queue.clear()
 
     def _release(self, handle) -> None:
         try:
@@ -344,8 +253,42 @@ class NixlTransfer(SenderTransfer):
                                                                         "UCX logged no lane for this peer"}
         return st
 
-    def io_pending(self) -> bool:
-        return bool(self.handles) or (bool(self.queue) and self.accepted.is_set())
 
-    def writes(self) -> int:
-        return self.posted
+class Sender(ChannelSender):
+    transport = "nixl"
+    info = (P.NixlInfo,)
+    transfer_class = NixlTransfer
+
+    def _setup_transport(self) -> None:
+        self.agent, self.region, self.reg = agent_for("prefill", self.kv.pool)
+        self.ucx = UcxLog(*UCX_LOG)
+
+    def _attach(self, peer: Peer, welcome: P.Welcome) -> Remote:
+        info = welcome.info
+        try:
+            self.agent.add_remote_agent(info.metadata)
+            self.agent.make_connection(info.agent)
+        except Exception as e:  # nixl raises its own exception types (nixlMismatchError, ...)
+            raise TransferError(f"NIXL could not add the decode worker at {peer.address} ({info.agent}): {e!r}; "
+                                "check UCX_TLS / UCX_NET_DEVICES on both hosts") from None
+        lane = report_lane(self.ucx, self.agent.name, f"KV to {peer.address} ({info.agent})", self.region.mem_type)
+        return Remote(info.agent, Region(info.base_addr, info.device_id, info.mem_type), peer.layout, lane)
+
+    def _detach(self, peer: Peer) -> None:
+        try:
+            self.agent.remove_remote_agent(peer.remote.agent)
+        except Exception as e:  # already gone on NIXL's side: nothing left to remove
+            log.info("removing the NIXL agent of %s: %r", peer.address, e)
+
+    def _teardown_transport(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+    def _lane_after_write(self, peer: Peer) -> None:
+        """Once, after the first write to a peer: UCX prints some protocols only at first use, and a
+        lane it had not logged at the handshake shows up now."""
+        remote: Remote = peer.remote
+        if remote is None or remote.lane_checked_after_write:
+            return
+        remote.lane_checked_after_write = True
+        remote.lane = report_lane(self.ucx, self.agent.name, f"KV to {peer.address} ({remote.agent})",
+                                  self.region.mem_type, remote.lane)

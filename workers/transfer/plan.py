@@ -20,7 +20,7 @@ import numpy as np
 
 from workers.engine.block_pool import blocks_for, paired_runs
 from workers.engine.kv_cache import KVLayout
-from workers.transfer.base import TransferError
+from workers.transfer.errors import TransferError
 
 
 @dataclass(frozen=True)

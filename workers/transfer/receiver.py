@@ -12,8 +12,18 @@ Life cycle of an expected transfer (on the receiver's I/O thread):
                         CANCELLING  until the sender's Abort (no more writes), its Done, its disconnect,
                                     or cancel_grace_s -> Arrival(ok=False)
 
-Transports fill in: _setup_transport, _transport_info(hello), _write_chunk (zmq), _progress (nixl),
-_landed(exp), _verify(exp), _before_arrival(exp), _teardown_transport.
+A transport's Receiver sets `transport` (its name) and implements, all on the I/O thread:
+    _transport_info(hello) -> P.TransportInfo   what the sender needs to reach the pool (the Welcome);
+                                raise TransferError to refuse this sender (another host, for ipc)
+and where it needs them:
+    _setup_transport() / _teardown_transport()   once, at start / at close (export or register the pool)
+    _write_chunk(exp, chunk, data)  one_sided = False (zmq): the bytes come as data frames, this side
+                                writes each into the reserved blocks; the base checks every frame
+                                against the reservation first, and the frame and byte counts against
+                                the Done before the arrival; set `stream` when the writes go on a
+                                CUDA stream (synchronised before the arrival is reported)
+    _progress()                 needs_progress = True (nixl): each loop; count each write's notification
+                                into exp.received: the arrival waits for Done.writes of them
 
 Why this module keeps a table of its own (`_expected`) beside the engine's requests: it is not a
 second record of which requests exist or where they stand (that is the engine's Request.status,
@@ -41,9 +51,11 @@ import time
 import msgspec
 import zmq
 
-from workers.engine.kv_cache import KVCache
 from protocol import kv as P
-from workers.transfer.base import Arrival, KVReceiver, TransferConfig, TransferError, layout_mismatch
+from protocol.config import TransferConfig
+from workers.engine.kv_cache import KVCache
+from workers.transfer.base import Arrival, KVReceiver
+from workers.transfer.errors import TransferError, layout_mismatch
 from workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
 
 log = logging.getLogger("pdserve.transfer")
@@ -77,6 +89,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
     transport = ""
     one_sided = True  # the sender writes into our pool itself (ipc, nixl); zmq: this side writes
     needs_progress = False  # nixl: the agent must be polled while data moves
+    stream = None  # a CUDA stream _write_chunk writes on (zmq on GPU)
 
     def __init__(self, kv: KVCache, cfg: TransferConfig):
         KVReceiver.__init__(self, kv, cfg)
@@ -143,16 +156,6 @@ class ChannelReceiver(Endpoint, KVReceiver):
         raise TransferError(f"request {chunk.request_id}: the {self.transport} transport takes no data frames")
 
     def _progress(self) -> None: ...
-
-    def _landed(self, exp: Expected) -> bool:
-        """exp.done is in: have all its bytes landed?"""
-        return True
-
-    def _verify(self, exp: Expected) -> str | None:
-        """Landed: anything wrong with what arrived? (an error message, or None)"""
-        return None
-
-    def _before_arrival(self, exp: Expected) -> None: ...
 
     def _teardown_transport(self) -> None: ...
 
@@ -305,13 +308,19 @@ class ChannelReceiver(Endpoint, KVReceiver):
                 wait_s = min(wait_s, NOW_S if exp.done is not None else MOVING_S)
         return wait_s
 
+    def _landed(self, exp: Expected) -> bool:
+        """exp.done is in: have all its bytes landed? One-sided writes, once their notifications are in
+        (ipc has none: Done.writes is 0); data frames came before the Done on the same connection."""
+        return not self.one_sided or exp.received >= exp.done.writes
+
     def _arrive(self, exp: Expected) -> None:
         done = exp.done
-        error = self._verify(exp)
-        if error is not None:
-            self._give_up(exp, error)
+        if not self.one_sided and (exp.received != done.writes or exp.received_bytes != done.num_bytes):
+            self._give_up(exp, f"request {exp.request_id}: {exp.received_bytes} bytes in {exp.received} frames "
+                          f"arrived, the prefill worker sent {done.num_bytes} in {done.writes}")
             return
-        self._before_arrival(exp)
+        if self.stream is not None:
+            self.stream.synchronize()
         self._report(exp, Arrival(exp.request_id, True, first_token=done.first_token, num_bytes=done.num_bytes,
                                   started_at=done.started_at, finished_at=done.finished_at))
         self._send(exp.sender, P.Ack(exp.request_id, True))

@@ -20,17 +20,39 @@ Faults stay with their peer: nothing here makes the engine thread wait on a deco
                     is DEAD for DEAD_RETRY_S (every request to it fails at once), then tried again
                     (reach(peer, fresh=True): at once, e.g. when the router introduces it anew)
     start_finish()  finish() without waiting: poll() moves it on and returns the stats once the decode
-    poll()          worker acked; only local work (the copies, the hand-off of frames) runs in poll() With the deployment's keys the
-connection is CURVE (endpoint.py): a receiver that cannot prove it holds the worker key, or refuses
-ours, fails the handshake, and the peer is dropped at once with that reason.
+    poll()          worker acked; only local work (the copies, the hand-off of frames) runs in poll()
+With the deployment's keys the connection is CURVE (endpoint.py): a receiver that cannot prove it
+holds the worker key, or refuses ours, fails the handshake, and the peer is dropped at once with that reason.
 
-Transports subclass SenderTransfer: layer_done(), _complete(deadline) (move what is left; return
-a Future that the I/O thread resolves once every byte landed, or None when it landed already: poll()
-never waits on it), and on the I/O thread pump() and writes_in_flight().
+A transport's Sender sets `transport` (its name), `info` (the TransportInfo types its receiver may
+answer with), `transfer_class` (its SenderTransfer), `one_sided` (False when the receiver writes the
+bytes itself, zmq: the transfer then ends at the Ack), and implements on the I/O thread:
+    _attach(peer, welcome) -> remote    handshake accepted: map / register the receiver's pool; the
+                                        result is peer.remote, what its transfers write into
+    _detach(peer)                       optional: the peer is gone; let go of what _attach made
+    _setup_transport() / _teardown_transport()   optional: once, at start / at close (a NIXL agent)
+Its SenderTransfer implements (the base does the rest: the layer_done guard, the state ladder, the
+deadlines, Begin/Done/Abort, the queue below and when each step may run):
+    _move(layers)           caller side: these layers' K/V are in the pool; start moving them, return
+                            at once. Layer mode: from layer_done(), then once from finish() with the
+                            layers left; bulk: once, from finish(), with every layer. Default: queue
+                            (layers, an event on the compute stream) for _post
+    _post(what) -> int      I/O thread, in order, once the decode worker accepted and what's event
+                            completed: start the writes of one queued item; returns how many writes
+                            the receiver counts (Done.writes: NIXL notifications, zmq frames)
+    _landed(deadline)       optional, caller side, after the last _move: a Future resolved once every
+                            byte landed, or None if they have by the return. Default: a Future the
+                            I/O thread resolves once the queue is posted and no write is in flight
+    _writes_in_flight()     optional, I/O thread, each loop: check the writes in flight (fail() on an
+                            error); True while any is. Default: `last_event` (a CUDA event recorded
+                            after the last copy, for transports that copy on a stream) not complete.
+                            polls_writes = True: the loop polls them without a nap (NIXL)
+    _drop_writes()          optional, I/O thread: the peer is gone; release whatever is in flight
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -40,15 +62,17 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import msgspec
+import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol import auth
-from workers.engine.kv_cache import KVCache, KVLayout
 from protocol import kv as P
-from workers.transfer.base import (KVSender, LayoutMismatch, PeerState, State, Transfer, TransferConfig,
-                                   TransferError, TransferStats, layout_mismatch)
+from protocol.config import TransferConfig
+from workers.engine.kv_cache import KVCache, KVLayout
+from workers.transfer.base import KVSender, PeerState, State, Transfer, TransferStats
 from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
+from workers.transfer.errors import LayoutMismatch, TransferError, layout_mismatch
 from workers.transfer.plan import Plan, make_plan
 
 log = logging.getLogger("pdserve.transfer")
@@ -75,6 +99,9 @@ class Peer:
 
 class ChannelSender(Endpoint, KVSender):
     transport = ""
+    info: tuple[type, ...] = ()  # the P.TransportInfo types a Welcome of this transport may carry
+    transfer_class: type[SenderTransfer]
+    one_sided = True  # our writes land by themselves (ipc, nixl); zmq: the receiver writes what we send
 
     def __init__(self, kv: KVCache, cfg: TransferConfig):
         KVSender.__init__(self, kv, cfg)
@@ -87,6 +114,7 @@ class ChannelSender(Endpoint, KVSender):
         self._pending: dict[str, Future] = {}  # caller side: handshakes under way -> Future[Peer]
         self._dead: dict[str, tuple[str, float]] = {}  # caller side: peer -> (why, time.monotonic())
         self._by_sock: dict[zmq.Socket, Peer] = {}
+        self.stream: torch.cuda.Stream | None = None  # on GPU: the side stream of the copies (ipc, zmq)
         self._start(cfg.deadline_s)
 
     # ---- public (engine thread) ------------------------------------------------------------
@@ -143,16 +171,17 @@ class ChannelSender(Endpoint, KVSender):
     def close(self) -> None:
         self._stop()
 
-    # ---- for transports ----------------------------------------------------------------------
+    def _new_transfer(self, peer: Peer, plan: Plan) -> SenderTransfer:
+        """(bench/transfer_check.py wraps this to leave runs out of a plan.)"""
+        return self.transfer_class(self, peer, plan)
 
-    def _new_transfer(self, peer: Peer, plan: Plan) -> "SenderTransfer":
-        raise NotImplementedError
+    # ---- for transports (I/O thread) -----------------------------------------------------------
 
     def _setup_transport(self) -> None: ...
 
     def _attach(self, peer: Peer, welcome: P.Welcome):
         """Handshake accepted: map / register the receiver's pool; returns what Peer.remote holds."""
-        raise NotImplementedError
+        return welcome.info
 
     def _detach(self, peer: Peer) -> None: ...
 
@@ -227,6 +256,9 @@ class ChannelSender(Endpoint, KVSender):
                                 f"{P.PROTOCOL_VERSION}; run the same pdserve version on both")
         if not self.layout.compatible_with(theirs):
             raise layout_mismatch(self.layout, theirs, p.address)
+        if not isinstance(msg.info, self.info):
+            raise TransferError(f"decode worker at {p.address} answered the {self.transport} handshake with "
+                                f"{type(msg.info).__name__}")
         p.layout = theirs
         p.remote = self._attach(p, msg)
         p.ready.set_result(p)
@@ -246,6 +278,7 @@ class ChannelSender(Endpoint, KVSender):
         p.transfers.clear()
         if p.remote is not None:
             self._detach(p)
+            p.remote = None  # a mapping goes with its last reference
         for s in (p.sock, p.monitor):
             self._poller.unregister(s)
             self._by_sock.pop(s, None)
@@ -256,6 +289,9 @@ class ChannelSender(Endpoint, KVSender):
     # ---- the I/O thread ----------------------------------------------------------------------
 
     def _setup(self) -> None:
+        device = self.kv.pool.device
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
         self._setup_transport()
 
     def _teardown(self) -> None:
@@ -363,9 +399,9 @@ class ChannelSender(Endpoint, KVSender):
 
 
 class SenderTransfer(Transfer):
-    """State and the finish/abort template shared by every transport's transfer."""
+    """State, the finish/abort template and the I/O thread's queue, shared by every transport's transfer."""
 
-    landed_on_ack = False  # zmq: bytes land when the receiver writes them, so the Ack marks the end
+    polls_writes = False  # nixl: writes in flight need polling without a nap (check_xfer_state)
 
     def __init__(self, sender: ChannelSender, peer: Peer, plan: Plan):
         self.request_id = plan.request_id
@@ -373,6 +409,7 @@ class SenderTransfer(Transfer):
         self.state = State.OPENED
         self.sender, self.p, self.plan = sender, peer, plan
         self.cfg = sender.cfg
+        self.src = sender.kv.pool
         self.layered = sender.cfg.mode == "layer"
         self.accepted = threading.Event()
         self.error: TransferError | None = None
@@ -381,16 +418,27 @@ class SenderTransfer(Transfer):
         self.started_at = 0.0
         self.finished_at = 0.0
         self.copies = 0
+        self.writes = 0  # I/O thread: what the receiver counts (sum of _post's)
+        self.last_event: torch.cuda.Event | None = None  # a timed CUDA event after the last copy, if any
         self.layers_sent: set[int] = set()
         self.layers_before_finish = 0
         self.retired = False  # I/O thread: nothing more to do; forget it
-        self._phase = "open"  # caller side: open -> accept -> complete -> ack (or stall) -> done
-        self._completing: Future | None = None  # _complete()'s: every byte landed
+        self.queue: collections.deque = collections.deque()  # I/O thread: (what, ready event) for _post
+        self.finishing: Future | None = None  # I/O thread: the default _landed()'s
+        self._in_flight = False  # I/O thread: _writes_in_flight() at the last step
+        self._phase = "open"  # caller side: open -> accept -> complete -> ack -> done
+        self._completing: Future | None = None  # _landed()'s: every byte landed
         self._first_token = -1
         self._deadline = 0.0
         self._abort_reason: str | None = None  # I/O thread: tell the receiver once writes have stopped
 
     # ---- caller side -----------------------------------------------------------------------
+
+    def layer_done(self, layer: int) -> None:
+        if not self.layered or layer in self.layers_sent or self.error is not None:
+            return
+        self.layers_sent.add(layer)
+        self._move([layer])
 
     def finish(self, first_token: int, deadline_s: float | None = None) -> TransferStats:
         """start_finish(), then wait for each answer of the decode worker until poll() is done."""
@@ -404,13 +452,11 @@ class SenderTransfer(Transfer):
                     self._completing.result(timeout=left)
                 except Exception:
                     pass  # poll() says what happened
-            elif self._phase == "ack":
+            else:
                 try:
                     self.ack.result(timeout=left)
                 except (FutureTimeout, TransferError):
                     pass  # poll() says what happened
-            else:
-                time.sleep(left)
         return stats
 
     def start_finish(self, first_token: int, deadline_s: float | None = None) -> None:
@@ -431,7 +477,11 @@ class SenderTransfer(Transfer):
                 if not self.accepted.is_set():
                     return self._due("the decode worker's accept")
                 self.raise_if_failed()
-                self._completing = self._complete(self._deadline)
+                rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
+                self.layers_sent.update(rest)
+                if rest:
+                    self._move(rest)
+                self._completing = self._landed(self._deadline)
                 self._phase = "complete"
             if self._phase == "complete":  # the writes are posted: wait for them without blocking
                 if self._completing is not None:
@@ -440,24 +490,15 @@ class SenderTransfer(Transfer):
                     self._completing.result()  # raises the failure that resolved it
                     self._completing = None
                 self.raise_if_failed()
-                if self.cfg.fault == "stall":
-                    self._phase = "stall"
-                elif self.cfg.fault == "drop_done":
-                    self._phase = "done"
-                else:
-                    done = P.Done(self.request_id, self._first_token, self.plan.num_bytes, self.started_at,
-                                  self.finished_at, self.writes())
-                    self.sender._submit(self.sender.send, self.p, done)
-                    self._phase = "ack"
-            if self._phase == "stall":
-                if time.monotonic() < self._deadline:
-                    return None
-                raise TransferError(f"request {self.request_id}: stalled before the done notice (fault injection)")
+                done = P.Done(self.request_id, self._first_token, self.plan.num_bytes, self.started_at,
+                              self.finished_at, self.writes)
+                self.sender._submit(self.sender.send, self.p, done)
+                self._phase = "ack"
             if self._phase == "ack":
                 if not self.ack.done():
                     return self._due("the decode worker's ack of the done notice")
                 self.ack.result()  # raises the failure that resolved it
-                if self.landed_on_ack:
+                if not self.sender.one_sided:  # the bytes landed when the receiver wrote them
                     self.finished_at = time.time()
         except TransferError as e:
             self.fail(e)
@@ -478,38 +519,30 @@ class SenderTransfer(Transfer):
         self.fail(TransferError(f"request {self.request_id}: aborted by the prefill worker: {reason}"))
 
     def stats(self) -> TransferStats:
+        # copy_done_event: with an event recorded at prefill end it gives the exposed transfer on the
+        # GPU's own clock (ipc on GPU; None elsewhere)
         return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, self.copies,
                              self.layers_before_finish,
                              {"transport": self.sender.transport, "mode": self.cfg.mode, "runs": len(self.plan.runs),
-                              "copy_done_event": self.copy_done_event()})
-
-    def copy_done_event(self):
-        """A timed CUDA event recorded after the last copy, where the transport has one: with an
-        event recorded at prefill end it gives the exposed transfer on the GPU's own clock."""
-        return None
+                              "copy_done_event": self.last_event})
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def wait(self, what, deadline: float, name: str) -> None:
-        """Wait for a threading.Event or a Future, or raise TransferError at the deadline."""
-        remaining = deadline - time.monotonic()
-        if isinstance(what, Future):
-            try:
-                what.result(timeout=max(remaining, 0.0))
-                return
-            except FutureTimeout:
-                pass
-        elif what.wait(max(remaining, 0.0)):
-            return
-        raise TransferError(f"request {self.request_id}: no {name} within the deadline (decode worker {self.peer}); "
-                            "check that it is alive and reachable; free the request's prefill blocks")
-
     def mark_started(self) -> None:
         if not self.started_at:
             self.started_at = time.time()
             self.state = State.TRANSFERRING
+
+    def mark(self) -> torch.cuda.Event | None:
+        """On GPU: an event on the compute stream where the K/V written so far are complete; whatever
+        moves them waits for it (a side stream, or the I/O thread's query), the compute stream never waits."""
+        if self.src.device.type != "cuda":
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.src.device))
+        return ready
 
     # ---- either thread ---------------------------------------------------------------------
 
@@ -542,14 +575,36 @@ class SenderTransfer(Transfer):
                                     f"done notice: {msg.error}; free the request's prefill blocks"), reachable=False)
 
     def io_step(self) -> None:
-        if self.error is not None or self.retired:
-            self.pump_failed()
-        else:
-            self.pump()
-        if self._abort_reason is not None and not self.writes_in_flight():
+        """Each loop: post what is ready (none after a failure), check what is in flight, resolve the
+        finish once all landed, tell the receiver of an abort once no write of ours can still land."""
+        if self.error is None and not self.retired and self.accepted.is_set():
+            while self.queue and (self.queue[0][1] is None or self.queue[0][1].query()):
+                what, _ = self.queue.popleft()
+                try:
+                    self.writes += self._post(what)
+                except TransferError as e:
+                    self.fail(e)
+                    break
+        self._in_flight = self._writes_in_flight()
+        if self.finishing is not None and not self.finishing.done() and self.error is None \
+                and not self.queue and not self._in_flight:
+            self.finished_at = time.time()
+            self.finishing.set_result(None)
+        if self._abort_reason is not None and not self._in_flight:
             self.sender.send(self.p, P.Abort(self.request_id, self._abort_reason))
             self._abort_reason = None
             self.retired = True
+
+    def busy(self) -> bool:
+        """The loop should come back without a nap: posts waiting on a GPU event, NIXL writes in flight,
+        an Abort waiting for the last write."""
+        queued = bool(self.queue) and self.accepted.is_set()
+        return queued or (self._in_flight and (self.polls_writes or self._abort_reason is not None))
+
+    def discard(self) -> None:
+        """The peer is gone: forget what is queued, release what is in flight."""
+        self.queue.clear()
+        self._drop_writes()
 
     def _schedule_abort(self, reason: str) -> None:
         if not self.retired:
@@ -559,35 +614,30 @@ class SenderTransfer(Transfer):
         if self._abort_reason is None:
             self.retired = True
 
+    def _finish_io(self, fut: Future) -> None:
+        self.finishing = fut
+
     # ---- transports ------------------------------------------------------------------------
 
-    def _complete(self, deadline: float) -> Future | None:
-        """Caller side: move whatever is left; a Future resolved (on the I/O thread) once every byte
-        landed, or None if it has by the return; finished_at set by then."""
+    def _move(self, layers: list[int]) -> None:
+        """Caller side: these layers' K/V are in the pool (on GPU: enqueued on the current stream);
+        start moving them, return at once. Default: queue them for _post behind an event."""
+        self.sender._submit(self.queue.append, (layers, self.mark()))
+
+    def _post(self, what) -> int:
+        """I/O thread: start the writes of one queued item; how many the receiver counts."""
         raise NotImplementedError
 
-    def writes(self) -> int:
-        """Writes the receiver should count (nixl notifications, zmq frames); 0 if it counts none."""
-        return 0
+    def _landed(self, deadline: float) -> Future | None:
+        """Caller side, after the last _move: a Future resolved (on the I/O thread) once every byte
+        landed, or None if they have by the return; finished_at set by then."""
+        fut: Future = Future()
+        self.sender._submit(self._finish_io, fut)
+        return fut  # poll() waits for it without blocking the worker's loop
 
-    def pump(self) -> None:
-        """I/O thread, each loop: post what is ready, check what is in flight."""
+    def _writes_in_flight(self) -> bool:
+        """I/O thread, each loop: are writes still in flight (fail() the transfer if one failed)?"""
+        return self.last_event is not None and not self.last_event.query()
 
-    def pump_failed(self) -> None:
-        """I/O thread, after a failure: post nothing new; keep checking what is in flight."""
-        self.pump_in_flight()
-
-    def pump_in_flight(self) -> None: ...
-
-    def discard(self) -> None:
+    def _drop_writes(self) -> None:
         """I/O thread: the peer is gone; let go of whatever is still in flight."""
-
-    def writes_in_flight(self) -> bool:
-        return False
-
-    def io_pending(self) -> bool:
-        """The I/O thread has work here that needs polling without a nap (GPU events, NIXL transfers)."""
-        return False
-
-    def busy(self) -> bool:
-        return self.io_pending() or (self._abort_reason is not None and self.writes_in_flight())
