@@ -45,6 +45,7 @@ from server.errors import APIError, bad_request, unknown_model
 from server.metrics import CONTENT_TYPE, Metrics
 from server.pool import WorkerPool
 from server.request_id import RequestIdHeader
+from server.routing import Planner
 from server.timeline import Clock
 from server.tokenizer import PromptEncoder
 
@@ -57,7 +58,7 @@ OFF_LOOP_THREADS = 2  # parsing and tokenizing threads: bounds the memory hostil
 
 
 class Router:
-    """Everything one router holds: config, tokenizer, worker pool, dispatcher, metrics."""
+    """Everything one router holds: config, tokenizer, worker pool, planner, dispatcher, metrics."""
 
     def __init__(self, cfg: RouterConfig, tokenizer):
         self.cfg = cfg
@@ -65,6 +66,7 @@ class Router:
         self.metrics = Metrics(cfg.model)
         self.pool = WorkerPool(cfg, self.metrics)
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
+        self.planner = Planner(cfg, self.pool, self.dispatcher.admission, self.metrics)
         self.created = S.now_s()
         self._work = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="parse")
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (at most the vocabulary)
@@ -141,9 +143,8 @@ class Router:
         if max_tokens is None:
             default = self.cfg.default_chat_max_tokens if kind == "chat" else self.cfg.default_max_tokens
             max_tokens = default if context is None else min(default, context - n)
-        policy = self.dispatcher.resolve_policy(req.policy, n)
         clock.prepared = time.monotonic()  # the end of the `parse` phase
-        return Job(request_id, ids, req.sampling(max_tokens), policy, clock)
+        return Job(request_id, ids, req.sampling(max_tokens), req.policy, clock)
 
     def _check_fits(self, chars: int, context: int | None, param: str) -> None:
         """A prompt of more characters than `context` tokens can hold cannot fit: refuse it untokenized
@@ -168,7 +169,7 @@ class Router:
         rid = S.new_id(kind)
         http.state.request_id = rid  # the response's x-request-id (server/request_id.py)
         job = await self.prepare(kind, req, rid, clock)
-        plans = self.dispatcher.plan_all(fan_out(job, req.n))
+        plans = self.planner.plan_all(fan_out(job, req.n))
         tickets = _Tickets([p.ticket for p in plans])
         choices = self._choices(kind, req, job)
         if req.stream:
@@ -298,7 +299,7 @@ class Router:
 
     def health(self, private: bool) -> JSONResponse:
         """`private` (no API key configured, or the caller holds it): worker addresses and PIDs too."""
-        policies = {p: self.dispatcher.servable(p) for p in ("colocated", "disaggregated")}
+        policies = self.planner.servable_now()
         ok = any(policies.values())
         short = self.pool.shortfall(self.cfg.expected_workers)
         draining = self.dispatcher.admission.draining

@@ -1,10 +1,10 @@
-"""The router's view of its workers: registration, heartbeats, liveness, choice, and message delivery.
+"""The router's view of its workers: registration, heartbeats, liveness, and message delivery.
 
     WorkerPool(cfg, metrics)
       .start() / .stop()          bind the registration endpoint (PULL, a CURVE server when cfg.keys); a
                                   reader thread takes each message off it as it lands, stamps and screens it;
                                   one task handles what passed, one sweeps
-      .pick(role, ...)            the least-loaded live worker of a role, or NoWorker
+      .alive(role)                the live workers of a role: the candidates server/routing.py chooses from
       .send(worker, msg)          PUSH to the worker's control endpoint (a CURVE client of the worker key)
       .open_inbox(request_id)     per-request queue the receive task fills with that request's messages,
                                   as (message, time.monotonic() it landed on the router)
@@ -39,6 +39,7 @@ from server.metrics import Metrics
 from server.register import RegisterReader
 from protocol import auth
 from protocol import control as P
+from protocol.enums import Role
 
 log = logging.getLogger("pdserve.router")
 
@@ -77,10 +78,10 @@ class WorkerState:
     def role(self) -> str:
         return self.info.role
 
-    def load(self) -> tuple[int, int]:
-        """Smaller is less loaded: requests the router has in flight here (exact, immediate), then the
-        worker's own queue as of its last heartbeat, then more free blocks."""
-        return (len(self.inflight) + self.queue_depth, -self.free_blocks)
+    def can_send_kv_to(self, decode: "WorkerState") -> bool:
+        """A prefill worker pushes KV only into a decode worker of its own transport and mode."""
+        return (self.role == Role.PREFILL and decode.role == Role.DECODE
+                and (self.info.transport, self.info.mode) == (decode.info.transport, decode.info.mode))
 
     def describe(self, private: bool = True) -> dict:
         """What /health shows; without `private`, no addresses and no PIDs."""
@@ -135,20 +136,10 @@ class WorkerPool:
             self._reader.stop()
         self.ctx.term()
 
-    # ---- choice -----------------------------------------------------------------------------------
+    # ---- the registry -------------------------------------------------------------------------------
 
-    def alive(self, role: str, transport: str | None = None) -> list[WorkerState]:
-        return [w for w in self.workers.values()
-                if w.role == role and (transport is None or w.info.transport == transport)]
-
-    def pick(self, role: str, *, transport: str | None = None, need_blocks: int = 0) -> WorkerState:
-        candidates = self.alive(role, transport)
-        if not candidates:
-            which = f"{role} worker" + (f" with transport {transport}" if transport else "")
-            raise NoWorker(f"no {which} is registered; start one (pdserve-worker --role {role} "
-                           f"--router {self.address}) or use another policy")
-        roomy = [w for w in candidates if w.free_blocks >= need_blocks]
-        return min(roomy or candidates, key=WorkerState.load)
+    def alive(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role]
 
     def shortfall(self, expected: dict[str, int] | None) -> dict[str, int]:
         """role -> how many workers fewer than `expected` are live (roles at or above their count left out)."""
@@ -305,14 +296,10 @@ class WorkerPool:
     async def _introduce(self, w: WorkerState) -> None:
         """Have every prefill worker shake hands with every decode worker it can send to, as soon as
         both are registered (the handshake then stays out of the first request's TTFT)."""
-        if w.role == "decode":
-            pairs = [(p, w) for p in self.alive("prefill", w.info.transport) if p.info.mode == w.info.mode]
-        elif w.role == "prefill":
-            pairs = [(w, d) for d in self.alive("decode", w.info.transport) if d.info.mode == w.info.mode]
-        else:
-            return
-        for p, d in pairs:
-            await self.send(p, P.Connect(d.id, d.info.kv_address))
+        pairs = [(p, w) for p in self.alive(Role.PREFILL)] + [(w, d) for d in self.alive(Role.DECODE)]
+        for p, d in pairs:  # w as the decode worker, then as the prefill worker (one of them can be it)
+            if p.can_send_kv_to(d):
+                await self.send(p, P.Connect(d.id, d.info.kv_address))
 
     def _connect(self, address: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.PUSH)
