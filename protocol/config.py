@@ -1,48 +1,63 @@
 """The configs of a worker: its engine, its KV transfer, the worker process around them.
 
-Plain dataclasses, torch-free, checked when built: the worker CLI fills them from its flags, the
-embedded launcher (server/launcher.py) hands them to the workers it starts, the benches and tests
-build them directly. What needs torch to check (is the CUDA device there?) is checked when the engine
-starts (workers/engine/config.py).
+Plain dataclasses, torch-free, checked when built. Each field with a command-line flag declares it
+(protocol/flags.py): `pdserve-worker` and `pdserve` derive their flags from these fields. The embedded
+launcher (server/launcher.py) hands each worker its WorkerConfig in a file (write_worker_config); the
+benches and tests build them directly. What needs torch to check (is the CUDA device there?) is
+checked when the engine starts (workers/engine/config.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from protocol.auth import WorkerKeys
 from protocol.enums import MODES, ROLES, TRANSPORTS
+from protocol.flags import flag
 
 DTYPES = ("float32", "float16", "bfloat16")  # workers/engine/kv_cache.py maps each to its torch dtype
 ATTENTION = ("auto", "triton", "reference")
+MODEL_HELP = "smollm2-135m, tiny, qwen2.5-7b or a local checkpoint dir"  # the router's --model too
 
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"  # a name in models.MODEL_NAMES or a local checkpoint directory
-    device: str = "cpu"  # "cpu" or "cuda:N"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # KV blocks for requests (the pool holds one more, for padding); or kv_memory_gb
-    kv_memory_gb: float | None = None  # KV pool size in GiB; default 1 GiB on CPU, 30% of free memory on CUDA
-    max_num_seqs: int = 64  # running requests at once
-    max_batched_tokens: int = 8192  # unchunked: prompt tokens per prefill step (a longer prompt runs alone)
-    chunked_prefill: bool = True  # a step carries every running decode plus up to chunk_tokens prompt tokens
-    chunk_tokens: int = 512  # prompt tokens per step with chunked_prefill
-    prefix_cache: bool = True  # reuse the KV of full blocks a previous prompt began with (prefix_cache.py)
-    host_cache_gb: float = 0.0  # host memory for blocks evicted from the GPU (kv_tiers.py; pinned on CUDA); 0: none
-    disk_cache_dir: str | None = None  # with host_cache_gb: a directory for blocks evicted from host memory
-    disk_cache_gb: float = 16.0
-    kv_shared: bool = False  # CPU: put the pool in /dev/shm so another process can map it (ipc transport)
-    max_model_len: int | None = None  # default: the model's own limit
-    # "auto": CUDA decodes through the Triton kernel, prefix chunks gathered + flash SDPA; "triton":
-    # prefix chunks through the Triton kernel too; "reference": gather + SDPA for everything (CPU always)
-    attention: str = "auto"
-    compile: bool = True  # CUDA: torch.compile each decoder layer around attention (fused norms, rotary, MLP)
+    model: str = flag("smollm2-135m", MODEL_HELP)  # a name in models.MODEL_NAMES or a local checkpoint directory
+    device: str = flag("cpu", "cpu or cuda:N")
+    dtype: str | None = flag(None, "default: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    block_size: int = flag(16, "tokens per KV block")
+    # the pool holds one block more, for padding
+    num_blocks: int | None = flag(None, "KV pool size in blocks (or --kv-memory-gb)")
+    # default (neither given): 1 GiB on CPU, 30% of free memory on CUDA
+    kv_memory_gb: float | None = flag(None, "KV pool size in GiB")
+    max_num_seqs: int = flag(64, "running requests at once")
+    max_batched_tokens: int = flag(8192, "with --no-chunked-prefill: prompt tokens per prefill step (a longer "
+                                   "prompt runs alone)")
+    # a step carries every running decode plus up to chunk_tokens prompt tokens
+    chunked_prefill: bool = flag(True, "prefill whole prompts in steps of their own (running requests wait for them)")
+    chunk_tokens: int = flag(512, "prompt tokens per step; each step also carries every running request's next token")
+    prefix_cache: bool = flag(True, "recompute every prompt in full (default: reuse the KV of full blocks a "
+                              "previous prompt began with)")  # prefix_cache.py; host and disk tiers: kv_tiers.py
+    host_cache_gb: float = flag(0.0, "host memory (pinned on CUDA) that keeps the KV of finished requests' blocks "
+                                "below the GPU, reloaded instead of recomputed when that is cheaper (0: off)")
+    disk_cache_dir: str | None = flag(None, "with --host-cache-gb: a directory for blocks pushed out of host memory "
+                                      "(written in the background)")
+    disk_cache_gb: float = flag(16.0, "size of the --disk-cache-dir tier")
+    # CPU: put the pool in /dev/shm so another process can map it (the worker CLI sets it for ipc)
+    kv_shared: bool = False
+    max_model_len: int | None = flag(None, "context limit (default: the model's)")
+    attention: str = flag("auto", "auto: Triton paged decode + flash over gathered prefixes on CUDA; triton: "
+                          "Triton for prefixes too; reference: gather + SDPA (CPU always)", choices=ATTENTION)
+    # CUDA: torch.compile each decoder layer around attention (fused norms, rotary, MLP); --no-compile
+    # turns fuse_qkv off too (workers/cli.py)
+    compile: bool = flag(True, "CUDA: run decoder layers eagerly (no torch.compile, no fused Q/K/V)")
     fuse_qkv: bool = True  # CUDA: one Q/K/V projection instead of three (fusion.py)
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
+    # torch's thread count is the process's: the worker CLI sets it before the engine loads
+    threads: int | None = flag(None, "CPU threads for torch (default: torch's choice)")
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -68,11 +83,14 @@ class EngineConfig:
 
 @dataclass
 class TransferConfig:
-    transport: str = "ipc"  # one of TRANSPORTS
-    mode: str = "bulk"  # one of MODES
-    host: str = "127.0.0.1"  # receiver: interface to bind; also the address it advertises
-    port: int = 0  # receiver: 0 picks a free port
-    deadline_s: float = 30.0  # default for handshakes and transfers
+    transport: str = flag("ipc", "ipc: same host; nixl: NIXL/UCX; zmq: host-staged TCP, works anywhere",
+                          choices=TRANSPORTS)
+    mode: str = flag("bulk", "bulk: after prefill; layer: each layer as it is done", choices=MODES)
+    host: str = flag("127.0.0.1", "decode: interface the KV receiver binds and advertises", name="--kv-host")
+    port: int = flag(0, "decode: KV receiver port (0: any free port)", name="--kv-port")
+    # also the default deadline of a transfer
+    deadline_s: float = flag(30.0, "seconds for a KV transport handshake (a request's own deadline comes from "
+                             "the router)", name="--handshake-timeout")
     # receiver: after it gave up on a transfer already writing (ipc, nixl), how long it waits for
     # the sender to confirm it stopped before reporting the failure anyway
     cancel_grace_s: float = 10.0
@@ -91,21 +109,44 @@ class TransferConfig:
 
 @dataclass
 class WorkerConfig:
-    role: str
+    role: str = flag(help="what this worker does: prefill, decode, or both (colocated)", choices=ROLES)
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    control: str = "tcp://127.0.0.1:0"  # endpoint this worker binds for router messages (port 0: any)
-    router: str = "tcp://127.0.0.1:7100"  # the router's registration endpoint
-    advertise_host: str | None = None  # host the router should use when `control` binds a wildcard
-    worker_id: str | None = None  # default: <role>-<host>-<pid>
+    control: str = flag("tcp://127.0.0.1:0", "endpoint this worker binds for router messages (port 0: any free port)")
+    router: str = flag("tcp://127.0.0.1:7100", "the router's registration endpoint")
+    advertise_host: str | None = flag(None, "host to give the router when --control binds 0.0.0.0")
+    worker_id: str | None = flag(None, "default: <role>-<hostname>-<pid>")
     keys: WorkerKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
-    stats_interval_s: float = 10.0  # a stats line in the log this often while there is work (0: never)
-    warmup: bool = True  # one real request through the engine before registering (workers/warmup.py)
-    parent_pid: int | None = None  # the process that started us (pdserve); its death ends us at once
-    run_dir: str | None = None  # that process's private run directory: removed if it dies first
+    stats_interval_s: float = flag(10.0, "seconds between stats lines in the log (throughput, running, waiting, KV "
+                                   "usage) while there is work; 0: none", name="--stats-interval")
+    # one real request through the engine before registering (workers/warmup.py)
+    warmup: bool = flag(True, "register without running a warm-up request first (the first real request pays "
+                        "for torch's lazy start)")
+    parent_pid: int | None = flag(None, "exit when this process dies (set by `pdserve`, which starts its workers "
+                                  "with it)")
+    run_dir: str | None = flag(None, "with --parent-pid: that process's private run directory, removed if it "
+                               "dies first")
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; choose one of {', '.join(ROLES)}")
         if self.worker_id is None:
             self.worker_id = f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def write_worker_config(cfg: WorkerConfig, keys_dir: str, path: str) -> None:
+    """`cfg` as JSON in a new 0600 file, for `pdserve-worker --worker-config` (server/launcher.py). The
+    keys go as the path of their folder (0700, written by protocol.auth): key material never lands here."""
+    plain = replace(cfg, keys=None, transfer=replace(cfg.transfer, keys=None))
+    data = asdict(plain) | {"keys": keys_dir}
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def read_worker_config(path: str) -> tuple[WorkerConfig, str]:
+    """What write_worker_config wrote: the config, without keys, and the path of the keys' folder."""
+    with open(path) as f:
+        data = json.load(f)
+    keys_dir = data.pop("keys")
+    engine, transfer = EngineConfig(**data.pop("engine")), TransferConfig(**data.pop("transfer"))
+    return WorkerConfig(**data, engine=engine, transfer=transfer), keys_dir

@@ -32,55 +32,31 @@ import tempfile
 
 from protocol.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
 from protocol.cli import HelpFormatter, add_config_argument, parse_args, setup_logging, version
-from protocol.control import MODES, POLICIES, TRANSPORTS  # not workers.transfer: the router does not import torch
+from protocol.config import EngineConfig, TransferConfig, WorkerConfig  # not workers.*: no torch in the router
+from protocol.enums import Role
+from protocol.flags import add_arguments, from_args, values
+from server.config import RouterConfig, expected_counts  # noqa: F401 (tests import expected_counts from here)
 
 log = logging.getLogger("pdserve")
 
+# the flags `pdserve` offers for every worker it starts, the workers' own (any other goes as --worker-arg)
+WORKER_FLAGS = {EngineConfig: ("device", "dtype", "block_size", "num_blocks", "kv_memory_gb", "max_num_seqs",
+                               "max_model_len", "threads"),
+                TransferConfig: ("transport", "mode"),
+                WorkerConfig: ("stats_interval_s", "warmup")}
+# where pdserve's flag means something else than the worker's
+WORKER_OVERRIDES = {"device": {"default": None, "help": "one device for every worker (e.g. cpu; default: --devices)"}}
 
-def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> None:
-    from server.config import DEFAULT_MAX_BODY_BYTES
 
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, qwen2.5-7b or a checkpoint dir")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory, when the model's is not on this machine")
+def add_router_arguments(p: argparse.ArgumentParser, register_default: str | None) -> None:
+    """The router's flags: RouterConfig's fields, and the HTTP socket's and the process's own."""
     p.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: all; then set --api-key)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port; the ready line says which)")
-    p.add_argument("--register", default=register_default,
-                   help="ZMQ endpoint workers register at (port 0: any free port)"
-                        + ("" if register_default else "; default: an ipc:// socket in a temporary directory"))
-    p.add_argument("--policy", default="auto", choices=POLICIES, help="default routing policy (a request's "
-                   "\"policy\" field overrides it)")
-    p.add_argument("--auto-threshold", type=int, default=256,
-                   help="auto policy: prompts shorter than this many tokens stay colocated")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats")
-    p.add_argument("--heartbeat-misses", type=int, default=3, help="missed heartbeats before a worker is dropped")
-    p.add_argument("--kv-deadline", type=float, default=60.0, help="seconds a decode reservation waits for its KV")
-    p.add_argument("--token-timeout", type=float, default=120.0,
-                   help="seconds of silence from a worker before its request fails")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on the HTTP API (/health without it shows no addresses "
-                        "or PIDs); default: $PDSERVE_API_KEY. A flag is visible in `ps`: prefer the variable or "
-                        "--api-key-file")
+    register = {} if register_default == RouterConfig.register else {"register": {
+        "default": register_default, "help": "ZMQ endpoint workers register at (port 0: any free port); default: an "
+                                             "ipc:// socket in a temporary directory"}}
+    add_arguments(p, RouterConfig, overrides=register)
     p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
-    p.add_argument("--public-metrics", action="store_true",
-                   help="with an API key: serve /metrics without it too (a Prometheus scraper that holds no key)")
-    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
-                   help="largest HTTP request body in MiB (413 above it)")
-    p.add_argument("--max-inflight-requests", type=int, default=0,
-                   help="admission: requests in flight per role (colocated; prefill, decode) before new ones get "
-                        "429 + Retry-After (0: the role's total KV blocks, as its workers registered them)")
-    p.add_argument("--max-inflight-tokens", type=int, default=0,
-                   help="admission: prompt tokens in flight per role before new requests get 429 (0: twice the "
-                        "role's KV capacity in tokens)")
-    p.add_argument("--retry-after", type=int, default=1, help="seconds in the Retry-After of a 429 or 503")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds in-flight requests may run (new ones get 503) before the rest are "
-                        "aborted and the workers stopped")
-    p.add_argument("--failover", action="store_true",
-                   help="a disaggregated request whose prefill or KV transfer fails before its first token runs "
-                        "once more on another decode worker or colocated (its timings say so); default: it fails")
-    p.add_argument("--expect-workers", default=None, metavar="ROLE=N,...",
-                   help="/health says \"degraded\" while fewer workers of a role are live, e.g. prefill=2,decode=2 "
-                        "(pdserve: the counts it starts)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--parent-pid", type=int, default=None,
@@ -89,67 +65,28 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str) -> N
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workers started on this machine")
-    g.add_argument("--transport", default="ipc", choices=TRANSPORTS, help="KV transport between prefill and decode")
-    g.add_argument("--mode", default="bulk", choices=MODES, help="bulk: after prefill; layer: layer by layer")
+    for cls, names in WORKER_FLAGS.items():
+        add_arguments(g, cls, only=names, overrides=WORKER_OVERRIDES)
     g.add_argument("--devices", default=None,
                    help="comma-separated devices dealt to prefill, decode, colocated workers in turn "
                         "(default: every GPU, else cpu)")
-    g.add_argument("--device", default=None, help="one device for every worker (e.g. cpu)")
     g.add_argument("--prefill-workers", type=int, default=1)
     g.add_argument("--decode-workers", type=int, default=1)
     g.add_argument("--colocated-workers", type=int, default=1)
     g.add_argument("--no-colocated", action="store_true", help="no colocated worker (same as --colocated-workers 0)")
-    g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size per worker in blocks")
-    g.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool size per worker in GiB")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker (repeat: --worker-arg=--handshake-timeout --worker-arg=10)")
     g.add_argument("--no-restart", action="store_true",
                    help="a worker that dies stays gone (default: restarted with backoff, 0.5 s doubling to 30 s)")
     g.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds to wait for every worker to register (the first start converts the model)")
-    g.add_argument("--stats-interval", type=float, default=10.0,
-                   help="seconds between each worker's stats line in the log (throughput, running, waiting, KV "
-                        "usage) while it has work; 0: none")
-    g.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="workers register without a warm-up request (then the first request pays for torch's lazy "
-                        "start)")
 
 
-def expected_counts(text: str | None) -> dict[str, int] | None:
-    from protocol.control import ROLES
-
-    if not text:
-        return None
-    out = {}
-    for part in text.split(","):
-        role, _, n = part.partition("=")
-        if role.strip() not in ROLES or not n.strip().isdigit():
-            sys.exit(f"pdserve: --expect-workers takes ROLE=N,... with roles {', '.join(ROLES)}; got {part!r}")
-        out[role.strip()] = int(n)
-    return out
-
-
-def router_config(args, keys, expected: dict[str, int] | None = None):
-    from server.config import RouterConfig
-
-    expected = expected_counts(args.expect_workers) or expected
-
+def router_config(args, keys, expected: dict[str, int] | None = None) -> RouterConfig:
+    """The RouterConfig of the parsed flags; `expected`: the worker counts when --expect-workers is not given."""
     try:
-        return RouterConfig(model=args.model, tokenizer=args.tokenizer, register=args.register, policy=args.policy,
-                            auto_threshold=args.auto_threshold, heartbeat_interval_s=args.heartbeat_interval,
-                            heartbeat_misses=args.heartbeat_misses, kv_deadline_s=args.kv_deadline,
-                            token_timeout_s=args.token_timeout, keys=keys, api_key=api_key(args),
-                            public_metrics=args.public_metrics,
-                            max_body_bytes=int(args.max_body_mb * 2**20),
-                            max_inflight_requests=args.max_inflight_requests,
-                            max_inflight_tokens=args.max_inflight_tokens, retry_after_s=args.retry_after,
-                            drain_timeout_s=args.drain_timeout, expected_workers=expected,
-                            failover=args.failover)
+        return from_args(RouterConfig, args, keys=keys, api_key=api_key(args),
+                         expected_workers=args.expect_workers or expected)
     except ValueError as e:
         sys.exit(f"pdserve: {e}")
 
@@ -164,16 +101,15 @@ def api_key(args) -> str | None:
     return args.api_key or os.environ.get("PDSERVE_API_KEY") or None  # not argparse's default: --help would show it
 
 
-def worker_args(args) -> list[str]:
-    out = ["--model", args.model, "--transport", args.transport, "--mode", args.mode,
-           "--log-level", args.log_level, "--stats-interval", str(args.stats_interval)]
-    if not args.warmup:
-        out.append("--no-warmup")
-    for flag in ("dtype", "block_size", "num_blocks", "kv_memory_gb", "max_num_seqs", "max_model_len", "threads"):
-        value = getattr(args, flag)
-        if value is not None:
-            out += [f"--{flag.replace('_', '-')}", str(value)]
-    return out + list(args.worker_arg)
+def plan(args, devices: list[str], counts: dict[str, int], router: str, run_dir: str) -> list[WorkerConfig]:
+    """The config of each worker to start: the flags pdserve offers for them, the router's model."""
+    from server.launcher import plan_workers
+
+    # the device: each worker's own, dealt by plan_workers
+    engine = from_args(EngineConfig, args, only=WORKER_FLAGS[EngineConfig], model=args.model, device=devices[0])
+    transfer = from_args(TransferConfig, args, only=WORKER_FLAGS[TransferConfig])
+    return plan_workers(counts, devices, engine, transfer=transfer, router=router, parent_pid=os.getpid(),
+                        run_dir=run_dir, **values(WorkerConfig, args, only=WORKER_FLAGS[WorkerConfig]))
 
 
 def warn_if_open(host: str, api_key: str | None) -> None:
@@ -276,17 +212,16 @@ async def serve(app, sock: socket.socket, args, after_start, on_stop=None) -> in
 
 def run_embedded(args) -> int:
     from server.app import create_app
-    from server.launcher import Launcher, default_devices, plan_workers
+    from server.launcher import Launcher, default_devices
     from server.tokenizer import load_tokenizer
 
-    counts = {"prefill": args.prefill_workers, "decode": args.decode_workers,
-              "colocated": 0 if args.no_colocated else args.colocated_workers}
-    if counts["prefill"] != counts["decode"] and 0 in (counts["prefill"], counts["decode"]):
+    counts = {Role.PREFILL: args.prefill_workers, Role.DECODE: args.decode_workers,
+              Role.COLOCATED: 0 if args.no_colocated else args.colocated_workers}
+    if counts[Role.PREFILL] != counts[Role.DECODE] and 0 in (counts[Role.PREFILL], counts[Role.DECODE]):
         sys.exit("pdserve: disaggregated serving needs prefill and decode workers both (or neither)")
     if not any(counts.values()):
         sys.exit("pdserve: no workers to start; drop --no-colocated or ask for prefill/decode workers")
     devices = [args.device] if args.device else (args.devices.split(",") if args.devices else default_devices())
-    specs = plan_workers(counts, devices, worker_args(args))
     rundir = tempfile.mkdtemp(prefix="pdserve-")  # 0700: only this user can reach what is inside
     # fresh keys for this run: the router's stay in memory, the workers' go to a 0600 file they read
     router_keys, worker_keys = new_deployment()
@@ -296,11 +231,13 @@ def run_embedded(args) -> int:
         args.register = f"ipc://{rundir}/register"
     elif args.register.startswith("tcp://") and args.register.endswith(":0"):
         args.register = f"{args.register[:-2]}:{free_port(args.register[6:-2])}"
-    cfg = router_config(args, router_keys, {role: n for role, n in counts.items() if n})
+    cfg = router_config(args, router_keys, {str(role): n for role, n in counts.items() if n})
+    specs = plan(args, devices, counts, cfg.register, rundir)
     warn_if_open(args.host, cfg.api_key)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
-    launcher = Launcher(specs, cfg.register, str(keys_dir), run_dir=rundir, restart=not args.no_restart)
+    launcher = Launcher(specs, str(keys_dir), rundir, extra_args=args.worker_arg, log_level=args.log_level,
+                        restart=not args.no_restart)
     watchers: list[asyncio.Task] = []
     try:
         launcher.start()
@@ -326,8 +263,8 @@ def run_embedded(args) -> int:
                           f"stopping", file=sys.stderr, flush=True)
                     return 1
                 await router.pool.wait_for(lambda pool: want <= set(pool.workers), timeout=0.2)
-            where = ", ".join(f"{s.worker_id} on {s.device}" for s in specs)
-            disagg = f"; KV {args.transport}/{args.mode}" if counts["prefill"] else ""
+            where = ", ".join(f"{s.worker_id} on {s.engine.device}" for s in specs)
+            disagg = f"; KV {args.transport}/{args.mode}" if counts[Role.PREFILL] else ""
             print(f"pdserve ready: {url} (model {cfg.model}; {where}{disagg}; policy {cfg.policy})", flush=True)
             # supervision: a worker that exits is dropped by the router at once, and restarted;
             # keep a reference: tasks are weakly held

@@ -1,39 +1,79 @@
-"""The router's settings (the `pdserve` CLI fills them from its flags)."""
+"""The router's settings. Each field with a flag declares it (protocol/flags.py): `pdserve` and
+`pdserve router` derive their router flags from these fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass
 
 from protocol.auth import RouterKeys
-from protocol.control import POLICIES
+from protocol.config import MODEL_HELP
+from protocol.enums import POLICIES, ROLES
+from protocol.flags import flag
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt is under 1 MB of text or of token ids
 
 
+def mebibytes(text: str) -> int:
+    """--max-body-mb's MiB, as the bytes of max_body_bytes."""
+    return int(float(text) * 2**20)
+
+
+def expected_counts(text: str | None) -> dict[str, int] | None:
+    """--expect-workers' ROLE=N,... (prefill=2,decode=2) as {role: count}."""
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        role, _, n = part.partition("=")
+        if role.strip() not in ROLES or not n.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"takes ROLE=N,... with roles {', '.join(ROLES)}; got {part!r}")
+        out[role.strip()] = int(n)
+    return out
+
+
 @dataclass
 class RouterConfig:
-    model: str = "smollm2-135m"  # the one model this router serves (workers must register the same)
-    tokenizer: str | None = None  # default: the model's own tokenizer
-    register: str = "tcp://127.0.0.1:7100"  # ZMQ endpoint workers register at (port 0: any free port)
-    policy: str = "auto"  # default routing policy; a request's "policy" field overrides it
-    auto_threshold: int = 256  # auto: prompts shorter than this many tokens stay colocated
-    heartbeat_interval_s: float = 1.0  # told to workers at registration
-    heartbeat_misses: int = 3  # a worker silent for this many intervals is dropped
-    kv_deadline_s: float = 60.0  # a decode reservation waits this long for its KV
-    token_timeout_s: float = 120.0  # longest silence from a worker during a request before it fails
+    model: str = flag("smollm2-135m", MODEL_HELP)  # the one model it serves (workers must register the same)
+    tokenizer: str | None = flag(None, "tokenizer directory, when the model's is not on this machine")
+    # `pdserve` has its own default, an ipc:// socket in its run directory (server/cli.py)
+    register: str = flag("tcp://127.0.0.1:7100", "ZMQ endpoint workers register at (port 0: any free port)")
+    policy: str = flag("auto", "default routing policy (a request's \"policy\" field overrides it)", choices=POLICIES)
+    auto_threshold: int = flag(256, "auto policy: prompts shorter than this many tokens stay colocated")
+    # told to workers at registration
+    heartbeat_interval_s: float = flag(1.0, "seconds between worker heartbeats", name="--heartbeat-interval")
+    heartbeat_misses: int = flag(3, "missed heartbeats before a worker is dropped")
+    kv_deadline_s: float = flag(60.0, "seconds a decode reservation waits for its KV", name="--kv-deadline")
+    token_timeout_s: float = flag(120.0, "seconds of silence from a worker before its request fails",
+                                  name="--token-timeout")
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
     default_chat_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
     keys: RouterKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
-    api_key: str | None = field(default=None, repr=False)  # HTTP: `Authorization: Bearer <key>` required
-    public_metrics: bool = False  # /metrics answers without the API key (a scraper on a trusted network)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
+    # the CLI reads it from the flag, $PDSERVE_API_KEY or --api-key-file (server/cli.py api_key)
+    api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on the HTTP API (/health without it shows "
+                               "no addresses or PIDs); default: $PDSERVE_API_KEY. A flag is visible in `ps`: prefer "
+                               "the variable or --api-key-file", repr=False)
+    public_metrics: bool = flag(False, "with an API key: serve /metrics without it too (a Prometheus scraper that "
+                                "holds no key)")
+    # a larger request body gets 413 before it is read; the flag is in MiB
+    max_body_bytes: int = flag(DEFAULT_MAX_BODY_BYTES, "largest HTTP request body in MiB (413 above it) (default: "
+                               f"{DEFAULT_MAX_BODY_BYTES / 2**20})", name="--max-body-mb", type=mebibytes)
     # admission (server/admission.py), per role; 0: derived from the role's registered KV capacity
-    max_inflight_requests: int = 0  # requests in flight at once (0: the role's total KV blocks)
-    max_inflight_tokens: int = 0  # prompt tokens in flight at once (0: twice the role's KV tokens)
-    retry_after_s: int = 1  # the Retry-After of a 429 or 503 (seconds)
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
-    expected_workers: dict[str, int] | None = None  # role -> count; /health says "degraded" while fewer are live
-    failover: bool = False  # a disaggregated request that fails before its first token runs once more elsewhere
+    max_inflight_requests: int = flag(0, "admission: requests in flight per role (colocated; prefill, decode) before "
+                                      "new ones get 429 + Retry-After (0: the role's total KV blocks, as its workers "
+                                      "registered them)")
+    max_inflight_tokens: int = flag(0, "admission: prompt tokens in flight per role before new requests get 429 (0: "
+                                    "twice the role's KV capacity in tokens)")
+    retry_after_s: int = flag(1, "seconds in the Retry-After of a 429 or 503", name="--retry-after")
+    drain_timeout_s: float = flag(30.0, "on SIGTERM: seconds in-flight requests may run (new ones get 503) before the "
+                                  "rest are aborted and the workers stopped", name="--drain-timeout")
+    # role -> count; `pdserve` fills in the counts it starts when the flag is not given
+    expected_workers: dict[str, int] | None = flag(
+        None, "/health says \"degraded\" while fewer workers of a role are live, e.g. prefill=2,decode=2 (pdserve: the "
+        "counts it starts)", name="--expect-workers", metavar="ROLE=N,...", type=expected_counts)
+    failover: bool = flag(False, "a disaggregated request whose prefill or KV transfer fails before its first "
+                          "token runs once more on another decode worker or colocated (its timings say so); default: "
+                          "it fails")
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -1,7 +1,10 @@
 """Worker processes that `pdserve` starts on this machine: their supervision and their clean end.
 
-Each worker runs `python -m workers.cli --role ... --parent-pid <ours> --run-dir <ours>` in its own
-process group (so a terminal's Ctrl-C reaches only us, and we stop the workers in order). A worker
+Each worker runs `python -m workers.cli --worker-config <run dir>/workers/<id>.json`: the file (0600,
+written once, read again by each restart) is its whole WorkerConfig, with our pid, our run directory
+and the key folder's path (never key material); --worker-arg extras follow on the command line and
+apply on top. Each worker is in its own process group (so a terminal's Ctrl-C reaches only us, and
+we stop the workers in order). A worker
 dies with us however we end: we SIGTERM its group on exit, SIGKILL it after a grace period, and the
 worker itself holds PR_SET_PDEATHSIG plus a parent-watch thread for the case we are SIGKILLed (it
 then removes its /dev/shm pool and our run directory, and exits at once).
@@ -28,23 +31,17 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
+
+from protocol.config import EngineConfig, WorkerConfig, write_worker_config
+from protocol.enums import ROLES
 
 log = logging.getLogger("pdserve.launcher")
 
-ROLE_ORDER = ("prefill", "decode", "colocated")
 RESTART_MIN_S = 0.5  # the first restart of a worker waits this long
 RESTART_MAX_S = 30.0  # the backoff doubles per quick death, up to this
 STABLE_S = 30.0  # a worker up this long before it died starts its backoff from the bottom again
 WATCH_S = 0.2  # how often the supervisor looks at its workers
-
-
-@dataclass
-class WorkerSpec:
-    role: str
-    worker_id: str
-    device: str
-    args: list[str] = field(default_factory=list)  # everything after --role/--device/--worker-id
 
 
 def default_devices() -> list[str]:
@@ -55,24 +52,26 @@ def default_devices() -> list[str]:
     return [f"cuda:{i}" for i in range(n)] or ["cpu"]
 
 
-def plan_workers(counts: dict[str, int], devices: list[str], common: list[str]) -> list[WorkerSpec]:
+def plan_workers(counts: dict[str, int], devices: list[str], engine: EngineConfig, **shared) -> list[WorkerConfig]:
     """Workers in role order (prefill, decode, colocated), devices dealt round-robin: with two GPUs the
-    prefill worker gets cuda:0 and the decode worker cuda:1."""
-    specs = []
-    for role in ROLE_ORDER:
+    prefill worker gets cuda:0 and the decode worker cuda:1. Each gets `engine` on its device and the
+    WorkerConfig fields in `shared`; its id is <role>-<i>."""
+    out = []
+    for role in ROLES:
         for i in range(counts.get(role, 0)):
-            device = devices[len(specs) % len(devices)]
-            specs.append(WorkerSpec(role, f"{role}-{i}", device, list(common)))
-    return specs
+            device = devices[len(out) % len(devices)]
+            out.append(WorkerConfig(role, replace(engine, device=device), worker_id=f"{role}-{i}", **shared))
+    return out
 
 
 class Launcher:
-    def __init__(self, specs: list[WorkerSpec], router_endpoint: str, keys_dir: str, run_dir: str | None = None,
-                 restart: bool = True):
-        self.specs = {s.worker_id: s for s in specs}
-        self.router_endpoint = router_endpoint
+    def __init__(self, workers: list[WorkerConfig], keys_dir: str, run_dir: str, extra_args: list[str] = (),
+                 log_level: str = "INFO", restart: bool = True):
+        self.specs = {w.worker_id: w for w in workers}
         self.keys_dir = keys_dir  # the worker key folder (0700, its secret file 0600): a path, never a key
-        self.run_dir = run_dir
+        self.run_dir = run_dir  # pdserve's private one (0700): the workers' config files go here
+        self.extra_args = list(extra_args)  # --worker-arg: flags for every worker, on top of its config
+        self.log_level = log_level
         self.restart = restart
         self.procs: dict[str, subprocess.Popen] = {}  # worker id -> its current process
         self.started_at: dict[str, float] = {}
@@ -82,19 +81,22 @@ class Launcher:
         self._due: dict[str, float] = {}  # worker id -> time.monotonic() of its restart
         self._reported: set[int] = set()  # pids whose exit was reported
 
-    def command(self, spec: WorkerSpec) -> list[str]:
-        out = [sys.executable, "-m", "workers.cli", "--role", spec.role, "--device", spec.device,
-               "--worker-id", spec.worker_id, "--router", self.router_endpoint, "--keys", self.keys_dir,
-               "--parent-pid", str(os.getpid())]
-        if self.run_dir is not None:
-            out += ["--run-dir", self.run_dir]
-        return out + spec.args
+    def config_file(self, spec: WorkerConfig) -> str:
+        return os.path.join(self.run_dir, "workers", f"{spec.worker_id}.json")
+
+    def command(self, spec: WorkerConfig) -> list[str]:
+        """The same for each start of the worker: a restart reads the same file."""
+        return [sys.executable, "-m", "workers.cli", "--worker-config", self.config_file(spec),
+                "--log-level", self.log_level, *self.extra_args]
 
     def start(self) -> None:
+        os.makedirs(os.path.join(self.run_dir, "workers"), mode=0o700, exist_ok=True)
+        for spec in self.specs.values():
+            write_worker_config(spec, self.keys_dir, self.config_file(spec))
         for spec in self.specs.values():
             self._start(spec)
 
-    def _start(self, spec: WorkerSpec) -> None:
+    def _start(self, spec: WorkerConfig) -> None:
         cmd = self.command(spec)
         log.info("starting %s: %s", spec.worker_id, " ".join(cmd))
         self.procs[spec.worker_id] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)

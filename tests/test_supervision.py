@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from protocol.config import WorkerConfig
 from server import launcher as L
 from test_server_harness import TINY, Pdserve, wait_gone
 
@@ -89,10 +90,10 @@ def test_a_killed_worker_is_restarted_and_a_killed_pdserve_leaves_nothing():
 class Stub(L.Launcher):
     """A Launcher whose workers are stand-ins that exit at once; it notes when each one started."""
 
-    def command(self, spec: L.WorkerSpec) -> list[str]:
+    def command(self, spec: WorkerConfig) -> list[str]:
         return ["/bin/true"]
 
-    def _start(self, spec: L.WorkerSpec) -> None:
+    def _start(self, spec: WorkerConfig) -> None:
         super()._start(spec)
         self.starts = getattr(self, "starts", []) + [time.monotonic()]
 
@@ -116,9 +117,9 @@ def run_watch(launcher: Stub, until, timeout_s: float) -> list[tuple[str, int, s
     return exits
 
 
-def test_restarts_back_off_and_no_restart_means_none():
-    spec = L.WorkerSpec("colocated", "colocated-0", "cpu")
-    quick = Stub([spec], "ipc:///nowhere", "/nowhere")
+def test_restarts_back_off_and_no_restart_means_none(tmp_path):
+    spec = WorkerConfig("colocated", worker_id="colocated-0")
+    quick = Stub([spec], "/nowhere", str(tmp_path / "quick"))
     quick.start()
     exits = run_watch(quick, lambda: quick.restarts == 3, 15.0)
     quick.stop(grace_s=1)
@@ -129,7 +130,7 @@ def test_restarts_back_off_and_no_restart_means_none():
     for gap, backoff in zip(gaps, (0.5, 1.0, 2.0)):  # each death within STABLE_S of its start doubles it
         assert backoff <= gap < backoff + 1.0, gaps
 
-    off = Stub([spec], "ipc:///nowhere", "/nowhere", restart=False)
+    off = Stub([spec], "/nowhere", str(tmp_path / "off"), restart=False)
     off.start()
     exits = run_watch(off, lambda: False, 1.5)
     off.stop(grace_s=1)
