@@ -29,7 +29,9 @@ LOGPROB_FLOOR = -9999.0  # a logprob of -inf travels (and is shown) as this, as 
 
 
 class Sampling(msgspec.Struct, frozen=True):
-    """Sampling parameters on the wire (mirrors workers.engine.request.SamplingParams)."""
+    """What one request asks of the sampler, on the wire and in the engine (its SamplingParams). The
+    annotations are the bounds, checked when a frame is decoded (and by checked()). Logprobs are of
+    the model's raw distribution (before temperature, penalties, top-k/p), as vLLM reports them."""
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)] = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
@@ -46,13 +48,84 @@ class Sampling(msgspec.Struct, frozen=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per generated token: None off
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per prompt token
 
-    def to_params(self):
-        from workers.engine.request import SamplingParams
+    @property
+    def greedy(self) -> bool:
+        """The top token, always (a temperature below MIN_TEMPERATURE would overflow the logits)."""
+        return self.temperature < MIN_TEMPERATURE
 
-        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
-        return SamplingParams(max_tokens=self.max_tokens, temperature=temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=list(self.stop), ignore_eos=self.ignore_eos,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                              stop_token_ids=list(self.stop_token_ids), logprobs=self.logprobs,
-                              prompt_logprobs=self.prompt_logprobs)
+    @property
+    def penalized(self) -> bool:
+        """The sampler has to build this request's token counts (the common case skips them)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> "Sampling":
+        """checked(), and that the prompt and max_tokens fit the model's context (the engine's check)."""
+        self.checked()
+        # the last generated token is never fed back, so it needs no position of its own
+        if max_model_len is not None and prompt_len + self.max_tokens - 1 > max_model_len:
+            raise InvalidSampling("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) "
+                                  f"exceeds the model's context of {max_model_len} tokens; shorten the prompt or "
+                                  "lower max_tokens")
+        return self
+
+    def checked(self) -> "Sampling":
+        """This struct, after the checks a decoded frame passed already: for one built in code (the HTTP
+        API's, the engine's own callers). Raises InvalidSampling naming the field and what it may hold."""
+        try:
+            msgspec.convert(msgspec.structs.asdict(self), Sampling)  # the bounds of the fields above
+        except msgspec.ValidationError as e:
+            name = str(e).rpartition("at `$.")[2].split("`")[0].split("[")[0]
+            raise InvalidSampling(name, f"`{name}` must be {_allowed(name)}, got {_show(getattr(self, name, None))}") \
+                from None
+        if any(not s for s in self.stop):
+            raise InvalidSampling("stop", "`stop` strings must not be empty")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidSampling("min_tokens", f"`min_tokens` ({self.min_tokens}) must not exceed `max_tokens` "
+                                  f"({self.max_tokens})")
+        return self
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot take (bad parameters, a prompt it cannot hold); the message says
+    which field and what is allowed."""
+
+
+class InvalidSampling(InvalidRequest):
+    """A sampling parameter out of its bounds; `field` names it (the HTTP API's `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# what a field means at its edges, beside its bounds in an error message
+_NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)", "repetition_penalty": " (1 = off)",
+          "presence_penalty": " (0 = off)", "frequency_penalty": " (0 = off)",
+          "seed": " (0 .. 2**63-1)"}
+
+
+def _allowed(name: str) -> str:
+    """A field's bounds in words, read off its annotation (so they are written once, above)."""
+    kinds = {f.name: f.type for f in msgspec.inspect.type_info(Sampling).fields}
+    t = kinds.get(name)
+    if isinstance(t, msgspec.inspect.UnionType):  # X | None
+        t = next(x for x in t.types if not isinstance(x, msgspec.inspect.NoneType))
+    if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+        kind = "an integer" if isinstance(t, msgspec.inspect.IntType) else "a number"
+        low = f"[{_num(t.ge)}" if t.ge is not None else f"({_num(t.gt)}"
+        return f"{kind} in {low}, {_num(t.le)}]{_NOTES.get(name, '')}"
+    if isinstance(t, msgspec.inspect.ListType):
+        item = t.item_type
+        each = f" strings, each at most {item.max_length} characters" if isinstance(item, msgspec.inspect.StrType) \
+            else f" integers, each in [{item.ge}, {item.le}]"
+        return f"a list of at most {t.max_length}{each}"
+    return f"a {getattr(t, '__class__', type(t)).__name__.removesuffix('Type').lower()}"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -6,7 +6,7 @@ the text, token ids or chat messages to tokenize. Bad input raises APIError (400
 Hostile input is refused before it costs anything: the body parses with NaN/Infinity refused and
 nesting at most MAX_JSON_DEPTH deep; every string (keys too) must be valid Unicode (a lone
 surrogate such as \\ud800 cannot be tokenized or encoded); at most MAX_MESSAGES chat messages;
-every number inside the control protocol's bounds (protocol/control.py defines them once, for this
+every number inside the control protocol's bounds (protocol/sampling.py defines them once, for this
 API, the wire and the engine: seed 0..2**63-1, temperature 0..2, penalties, top_k and max_tokens below
 2**31, at most 16 stop strings of 4096 characters, 20 top logprobs), so nothing reaches msgpack or
 torch that they would fail on; a temperature under MIN_TEMPERATURE samples greedily.
@@ -36,8 +36,7 @@ from server.errors import APIError, bad_request
 from protocol import control as P
 from protocol.enums import POLICIES
 from protocol.timings import Timings
-from protocol.sampling import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP, MAX_STOP_CHARS,
-                               MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling)
+from protocol.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidSampling, Sampling
 from protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
 
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
@@ -251,45 +250,11 @@ class _Common(BaseModel):
         if self.policy is not None and self.policy not in POLICIES:
             raise bad_request(f"unknown policy {self.policy!r}; `policy` must be one of {', '.join(POLICIES)}",
                               "policy", "invalid_policy")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise bad_request(f"`max_tokens` must be a positive integer, got {self.max_tokens}", "max_tokens")
-        if self.max_tokens is not None and self.max_tokens > MAX_INT32:
-            raise bad_request(f"`max_tokens` must be at most {MAX_INT32}, got {self.max_tokens}", "max_tokens")
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise bad_request(f"`temperature` must be between 0 and {MAX_TEMPERATURE:g} (0 = greedy), got "
-                              f"{self.temperature}", "temperature")
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"`n` must be between 1 and {MAX_N} (choices per request), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise bad_request(f"`{name}` must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g} (0 = off), got "
-                                  f"{getattr(self, name)}", name)
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise bad_request(f"`repetition_penalty` must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got "
-                              f"{self.repetition_penalty}", "repetition_penalty")
-        if self.min_tokens < 0:
-            raise bad_request(f"`min_tokens` must be 0 or more, got {self.min_tokens}", "min_tokens")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad_request(f"`min_tokens` ({self.min_tokens}) must not exceed `max_tokens` ({self.max_tokens})",
-                              "min_tokens")
-        ids = self.stop_token_ids or []
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} `stop_token_ids`, got {len(ids)}", "stop_token_ids")
-        if any(not 0 <= t <= MAX_INT32 for t in ids):
-            raise bad_request(f"`stop_token_ids` must be token ids (0 or more), got {_show(ids)}", "stop_token_ids")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad_request(f"`top_p` must be in (0, 1], got {self.top_p}", "top_p")
-        if not 0 <= self.top_k <= MAX_INT32:
-            raise bad_request(f"`top_k` must be between 0 (off) and {MAX_INT32}, got {self.top_k}", "top_k")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise bad_request(f"`seed` must be an integer from 0 to 2**63-1 ({MAX_SEED}), got {self.seed}", "seed")
-        stops = self.stop_list()
-        if any(not s for s in stops):
-            raise bad_request("`stop` strings must not be empty", "stop")
-        if len(stops) > MAX_STOP:
-            raise bad_request(f"at most {MAX_STOP} `stop` strings, got {len(stops)}", "stop")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise bad_request(f"`stop` strings must be at most {MAX_STOP_CHARS} characters", "stop")
+        # every sampling bound, as the wire and the engine check it (protocol/sampling.py); max_tokens
+        # may still be unset here (then up to the model's context, known once the prompt is tokenized)
+        self._sampling(self.max_tokens if self.max_tokens is not None else MAX_INT32)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -304,15 +269,19 @@ class _Common(BaseModel):
         if self.min_tokens > max_tokens:
             raise bad_request(f"`min_tokens` ({self.min_tokens}) must not exceed the {max_tokens} tokens this "
                               f"request may generate; lower it or raise `max_tokens`", "min_tokens")
-        # logits / a temperature this small overflow to inf: below it, sampling is greedy anyway
-        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return self._sampling(max_tokens)
+
+    def _sampling(self, max_tokens: int) -> Sampling:
         logprobs, prompt_logprobs = self.logprob_counts()
-        return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p, top_k=self.top_k,
-                        seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos,
-                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                        repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                        stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs)
+        try:
+            return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                            seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos,
+                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                            stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs).checked()
+        except InvalidSampling as e:
+            raise bad_request(str(e), e.field) from None
 
 
 class CompletionRequest(_Common):
@@ -323,10 +292,10 @@ class CompletionRequest(_Common):
                        "prompt tokens' too, the first one's null)")
 
     def check(self) -> None:
-        self.check_common()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise bad_request(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS} (top alternatives per "
                               f"token), got {self.logprobs}", "logprobs")
+        self.check_common()
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
@@ -385,14 +354,14 @@ class ChatRequest(_Common):
     def check(self) -> None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        self.check_common()
-        if self.top_logprobs is not None:
+        if self.top_logprobs is not None:  # before the sampling bounds, which name it `logprobs`
             if not self.logprobs:
                 raise bad_request("`top_logprobs` needs `logprobs: true`; set it, or leave `top_logprobs` out",
                                   "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"`top_logprobs` must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
                                   "top_logprobs")
+        self.check_common()
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None

@@ -196,7 +196,7 @@ def test_stop_strings_eos_and_max_tokens():
 @pytest.mark.parametrize(
     "params, message",
     [
-        (SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
+        (SamplingParams(max_tokens=0), "`max_tokens` must be an integer in \\[1, "),
         (SamplingParams(max_tokens=10**6), "exceeds the model's context"),
         (SamplingParams(temperature=-1), "temperature"),
         (SamplingParams(top_p=0), "top_p"),

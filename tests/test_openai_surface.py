@@ -29,9 +29,9 @@ REFUSED = [
     (CHAT, {"echo": True}, "echo", "not supported"),  # a completions field
     (CHAT, {"n": 0}, "n", "between 1 and 16"),
     (CHAT, {"n": 17}, "n", "between 1 and 16"),
-    (CHAT, {"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
+    (CHAT, {"presence_penalty": 2.5}, "presence_penalty", "in [-2, 2]"),
     (CHAT, {"repetition_penalty": 0}, "repetition_penalty", "in (0, 2]"),
-    (CHAT, {"temperature": 2.5}, "temperature", "between 0 and 2"),
+    (CHAT, {"temperature": 2.5}, "temperature", "in [0, 2]"),
     (CHAT, {"min_tokens": 4}, "min_tokens", "must not exceed `max_tokens` (3)"),
     (CHAT, {"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
     (CHAT, {"min_p": 0.1}, "min_p", "not supported"),
@@ -40,8 +40,8 @@ REFUSED = [
     (COMPLETION, {"logprobs": 6}, "logprobs", "between 0 and 5"),
     (COMPLETION, {"logprobs": True}, "logprobs", "valid integer"),
     (COMPLETION, {"top_logprobs": 2}, "top_logprobs", "not supported"),  # a chat field
-    (COMPLETION, {"frequency_penalty": -2.01}, "frequency_penalty", "between -2 and 2"),
-    (COMPLETION, {"stop_token_ids": [-1]}, "stop_token_ids", "token ids"),
+    (COMPLETION, {"frequency_penalty": -2.01}, "frequency_penalty", "in [-2, 2]"),
+    (COMPLETION, {"stop_token_ids": [-1]}, "stop_token_ids", "each in [0, "),
     (COMPLETION, {"best_of": 3}, "best_of", "not supported"),
     (COMPLETION, {"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
     (COMPLETION, {"frobnicate": 1}, "frobnicate", "not a field pdserve knows"),

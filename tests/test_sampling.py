@@ -149,12 +149,12 @@ def test_processing_that_fails_for_one_row_fails_that_request_alone(engine, expe
 
 
 @pytest.mark.parametrize("params,words", [
-    (dict(presence_penalty=2.5), "presence_penalty must be in"),
-    (dict(frequency_penalty=-3.0), "frequency_penalty must be in"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be in"),
-    (dict(min_tokens=17), "min_tokens must be an integer from 0 to max_tokens"),
-    (dict(logprobs=21), "logprobs must be an integer from 0 to 20"),
-    (dict(temperature=2.5), "temperature must be in"),
+    (dict(presence_penalty=2.5), "`presence_penalty` must be a number in"),
+    (dict(frequency_penalty=-3.0), "`frequency_penalty` must be a number in"),
+    (dict(repetition_penalty=0.0), "`repetition_penalty` must be a number in"),
+    (dict(min_tokens=17), "`min_tokens`.*must not exceed `max_tokens`"),
+    (dict(logprobs=21), "`logprobs` must be an integer in [0, 20]"),
+    (dict(temperature=2.5), "`temperature` must be a number in"),
     (dict(stop_token_ids=[10**7]), "stop_token_ids [10000000] outside the vocabulary"),
 ])
 def test_out_of_range_parameters_are_refused_naming_them(engine, params, words):

@@ -37,4 +37,4 @@ def test_generate_says_what_is_wrong():
     run = generate("", "--model", "tiny")
     assert run.returncode == 2 and "the prompt is empty" in run.stderr
     run = generate("Hi", "--model", "tiny", "--max-tokens", "0")
-    assert run.returncode == 2 and "max_tokens must be a positive integer" in run.stderr
+    assert run.returncode == 2 and "`max_tokens` must be an integer in [1, " in run.stderr

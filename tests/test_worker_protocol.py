@@ -47,15 +47,16 @@ def test_router_to_worker_round_trip(msg):
     assert P.decode_to_worker(P.from_router(INC, msg)) == P.FromRouter(INC, msg)
 
 
-def test_sampling_becomes_engine_params():
-    params = S.to_params()
-    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.stop,
-            params.ignore_eos) == (5, 0.7, 0.9, 40, 3, ["\n"], True)
+def test_the_wire_sampling_is_the_engines():
+    from workers.engine.request import SamplingParams
+
+    assert SamplingParams is P.Sampling  # one definition: what the router sends is what the engine samples by
+    assert S.checked() is S and not S.greedy
 
 
 def test_temperatures_that_would_overflow_the_logits_sample_greedily():
-    assert P.Sampling(temperature=1e-40).to_params().temperature == 0.0
-    assert P.Sampling(temperature=SB.MIN_TEMPERATURE).to_params().temperature == SB.MIN_TEMPERATURE
+    assert P.Sampling(temperature=1e-40).greedy and P.Sampling(temperature=0.0).greedy
+    assert not P.Sampling(temperature=SB.MIN_TEMPERATURE).greedy
 
 
 def _generate(**sampling) -> bytes:

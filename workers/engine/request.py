@@ -1,4 +1,4 @@
-"""A request's state inside one worker, its state ladder, and the sampling parameters it carries.
+"""A request's state inside one worker and its state ladder (its sampling parameters: protocol/sampling.py).
 
 One owner: the engine's `requests` dict holds every request this worker knows, from the moment its
 message is taken until it finishes; its `status` is the one record of where it stands, and it moves
@@ -36,84 +36,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-SEED_LIMIT = 2**63  # seeds are 0 .. 2**63 - 1 (what msgpack and the HTTP API carry as a signed int64)
-
-
-class InvalidRequest(ValueError):
-    """Bad parameters; the message says which field and what is allowed."""
+# a request's sampling parameters are the wire's struct, defined once with their bounds (protocol/sampling.py)
+from protocol.sampling import InvalidRequest, Sampling as SamplingParams  # noqa: F401  (InvalidRequest: for callers)
 
 
 class IllegalTransition(RuntimeError):
     """A request was asked to move along its ladder from a state that does not lead there (a bug in
     the caller's bookkeeping, not in the request)."""
-
-
-@dataclass
-class SamplingParams:
-    """What one request asks of the sampler. The bounds are protocol/control.py's (one place for the
-    HTTP API, the wire and here). Logprobs are of the model's raw distribution (before temperature,
-    penalties, top-k/p), as vLLM reports them by default."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every token already generated
-    frequency_penalty: float = 0.0  # OpenAI: minus this times how often each token was generated
-    repetition_penalty: float = 1.0  # vLLM/HF: tokens of the prompt or the output, logit / r if > 0 else * r
-    min_tokens: int = 0  # EOS and stop_token_ids masked, stop strings not checked, until this many tokens
-    stop_token_ids: list[int] = field(default_factory=list)  # sampling one of these stops ("stop")
-    logprobs: int | None = None  # each generated token's logprob and this many top alternatives; None: off
-    prompt_logprobs: int | None = None  # the same for each prompt token (from the prefill's logits)
-
-    @property
-    def penalized(self) -> bool:
-        """The sampler has to build this request's token counts (the common case skips them)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> "SamplingParams":
-        from protocol import sampling as bounds
-
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        # the last generated token is never fed back, so it needs no position of its own
-        if max_model_len is not None and prompt_len + self.max_tokens - 1 > max_model_len:
-            raise InvalidRequest(
-                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds the model's "
-                f"context of {max_model_len} tokens; shorten the prompt or lower max_tokens"
-            )
-        if not (0.0 <= self.temperature <= bounds.MAX_TEMPERATURE):
-            raise InvalidRequest(f"temperature must be in [0, {bounds.MAX_TEMPERATURE:g}], got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT):
-            raise InvalidRequest(f"seed must be an integer in 0..2**63-1, got {self.seed!r}")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest("stop must be a list of non-empty strings")
-        if len(self.stop) > bounds.MAX_STOP:
-            raise InvalidRequest(f"at most {bounds.MAX_STOP} stop strings, got {len(self.stop)}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -bounds.MAX_PENALTY <= getattr(self, name) <= bounds.MAX_PENALTY:
-                raise InvalidRequest(f"{name} must be in [-{bounds.MAX_PENALTY:g}, {bounds.MAX_PENALTY:g}], "
-                                     f"got {getattr(self, name)!r}")
-        if not 0.0 < self.repetition_penalty <= bounds.MAX_REPETITION_PENALTY:
-            raise InvalidRequest(f"repetition_penalty must be in (0, {bounds.MAX_REPETITION_PENALTY:g}] (1 is off), "
-                                 f"got {self.repetition_penalty!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequest(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
-                                 f"got {self.min_tokens!r}")
-        if len(self.stop_token_ids) > bounds.MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"at most {bounds.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or not 0 <= k <= bounds.MAX_LOGPROBS):
-                raise InvalidRequest(f"{name} must be an integer from 0 to {bounds.MAX_LOGPROBS} (or unset), got {k!r}")
-        return self
 
 
 class Status(enum.Enum):

@@ -61,7 +61,7 @@ class Sampler:
             elif out[i] < 0:
                 out[i] = SamplingError(f"request {r.request_id}: its logits are not finite (NaN or inf) at "
                                        f"generated token {len(r.output_ids)}; no token can be chosen")
-            elif r.params.temperature > 0:
+            elif not r.params.greedy:
                 try:
                     out[i] = self._draw(logits[i], r)
                 except Exception as e:  # this request's draw, not the batch's

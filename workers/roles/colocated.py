@@ -30,7 +30,7 @@ class ColocatedRole(Role):
     def on_message(self, msg, arrived: float | None) -> None:
         taken = now()
         if isinstance(msg, P.Generate):
-            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling.to_params(),
+            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
                           arrived=taken if arrived is None else arrived, taken=taken)
             try:
                 self.engine.add_request(req)

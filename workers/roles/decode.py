@@ -62,7 +62,7 @@ class DecodeRole(Role):
     def on_message(self, msg, arrived: float | None) -> None:
         if isinstance(msg, P.Reserve):
             received = now() if arrived is None else arrived  # its deadline counts from here
-            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling.to_params(),
+            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
                           deadline=received + msg.deadline_s)
             try:
                 self.engine.admit(req)

@@ -78,7 +78,7 @@ class PrefillRole(Role):
         if isinstance(msg, P.Prefill):
             taken = now()
             received = taken if arrived is None else arrived
-            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling.to_params(), arrived=received,
+            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling, arrived=received,
                           taken=taken, deadline=received + msg.deadline_s,
                           send_to=KVTarget(msg.decode_worker, msg.kv_address, list(msg.dst_blocks), msg.skip_tokens))
             try:
