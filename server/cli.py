@@ -105,11 +105,13 @@ def plan(args, devices: list[str], counts: dict[str, int], router: str, run_dir:
     """The config of each worker to start: the flags pdserve offers for them, the router's model."""
     from server.launcher import plan_workers
 
-    # the device: each worker's own, dealt by plan_workers
-    engine = from_args(EngineConfig, args, only=WORKER_FLAGS[EngineConfig], model=args.model, device=devices[0])
-    transfer = from_args(TransferConfig, args, only=WORKER_FLAGS[TransferConfig])
-    return plan_workers(counts, devices, engine, transfer=transfer, router=router, parent_pid=os.getpid(),
-                        run_dir=run_dir, **values(WorkerConfig, args, only=WORKER_FLAGS[WorkerConfig]))
+    try:  # the device: each worker's own, dealt by plan_workers
+        engine = from_args(EngineConfig, args, only=WORKER_FLAGS[EngineConfig], model=args.model, device=devices[0])
+        transfer = from_args(TransferConfig, args, only=WORKER_FLAGS[TransferConfig])
+        return plan_workers(counts, devices, engine, transfer=transfer, router=router, parent_pid=os.getpid(),
+                            run_dir=run_dir, **values(WorkerConfig, args, only=WORKER_FLAGS[WorkerConfig]))
+    except ValueError as e:  # before any worker starts: e.g. --block-size 3, --device gpu
+        sys.exit(f"pdserve: {e}")
 
 
 def warn_if_open(host: str, api_key: str | None) -> None:
@@ -223,23 +225,24 @@ def run_embedded(args) -> int:
         sys.exit("pdserve: no workers to start; drop --no-colocated or ask for prefill/decode workers")
     devices = [args.device] if args.device else (args.devices.split(",") if args.devices else default_devices())
     rundir = tempfile.mkdtemp(prefix="pdserve-")  # 0700: only this user can reach what is inside
-    # fresh keys for this run: the router's stay in memory, the workers' go to a 0600 file they read
-    router_keys, worker_keys = new_deployment()
-    keys_dir = write_worker_keys(os.path.join(rundir, "keys"), worker_keys)
-    # the endpoint is fixed before the router binds it, so the workers start loading at once
-    if args.register is None:
-        args.register = f"ipc://{rundir}/register"
-    elif args.register.startswith("tcp://") and args.register.endswith(":0"):
-        args.register = f"{args.register[:-2]}:{free_port(args.register[6:-2])}"
-    cfg = router_config(args, router_keys, {str(role): n for role, n in counts.items() if n})
-    specs = plan(args, devices, counts, cfg.register, rundir)
-    warn_if_open(args.host, cfg.api_key)
-    sock = bind_http(args.host, args.port)
-    url = url_of(sock)
-    launcher = Launcher(specs, str(keys_dir), rundir, extra_args=args.worker_arg, log_level=args.log_level,
-                        restart=not args.no_restart)
-    watchers: list[asyncio.Task] = []
-    try:
+    launcher = None
+    try:  # whatever happens from here on, the run directory goes
+        # fresh keys for this run: the router's stay in memory, the workers' go to a 0600 file they read
+        router_keys, worker_keys = new_deployment()
+        keys_dir = write_worker_keys(os.path.join(rundir, "keys"), worker_keys)
+        # the endpoint is fixed before the router binds it, so the workers start loading at once
+        if args.register is None:
+            args.register = f"ipc://{rundir}/register"
+        elif args.register.startswith("tcp://") and args.register.endswith(":0"):
+            args.register = f"{args.register[:-2]}:{free_port(args.register[6:-2])}"
+        cfg = router_config(args, router_keys, {str(role): n for role, n in counts.items() if n})
+        specs = plan(args, devices, counts, cfg.register, rundir)
+        warn_if_open(args.host, cfg.api_key)
+        sock = bind_http(args.host, args.port)
+        url = url_of(sock)
+        launcher = Launcher(specs, str(keys_dir), rundir, extra_args=args.worker_arg, log_level=args.log_level,
+                            restart=not args.no_restart)
+        watchers: list[asyncio.Task] = []
         launcher.start()
         app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
         router = app.state.router
@@ -273,7 +276,8 @@ def run_embedded(args) -> int:
 
         return asyncio.run(serve(app, sock, args, after_start, on_stop=launcher.terminate))
     finally:
-        launcher.stop()
+        if launcher is not None:
+            launcher.stop()
         shutil.rmtree(rundir, ignore_errors=True)
 
 
