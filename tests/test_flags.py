@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import stat
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
 from protocol.auth import new_deployment, write_worker_keys
 from protocol.config import EngineConfig, TransferConfig, WorkerConfig, read_worker_config, write_worker_config
-from protocol.flags import from_args
+from protocol.flags import FLAG, from_args, option
 from server import cli as S
 from server import launcher as L
 from server.config import RouterConfig
@@ -64,6 +64,19 @@ def test_every_flag_keeps_its_name_and_default():
     assert (pd.register, pd.device, pd.port, pd.max_body_mb, pd.expect_workers) == (None, None, 8000, 4 * 2**20, None)
     assert S.router_parser().parse_args([]).register == RouterConfig.register == "tcp://127.0.0.1:7100"
     assert S.router_config(S.router_parser().parse_args([]), None) == RouterConfig()
+
+
+def test_only_the_flags_of_no_config_are_written_by_hand():
+    derived = {option(f)[0] for cls in (EngineConfig, TransferConfig, WorkerConfig, RouterConfig) for f in fields(cls)
+               if FLAG in f.metadata}
+    common = {"--config", "--help", "--version", "--log-level"}
+    assert set(flags(W.serve_parser())) - derived == common | {"--worker-config", "--keys"}
+    # (and --parent-pid, pdserve's own: the name of a WorkerConfig flag too, so not in this difference)
+    assert set(flags(S.pdserve_parser())) - derived == common | {
+        "--host", "--port", "--api-key-file", "--access-log", "--devices", "--prefill-workers",
+        "--decode-workers", "--colocated-workers", "--no-colocated", "--worker-arg", "--no-restart",
+        "--startup-timeout"}
+    assert flags(W.serve_parser())["--worker-config"].help.startswith("internal")
 
 
 def test_the_flags_pdserve_offers_its_workers_are_the_workers_own():
