@@ -52,11 +52,11 @@ def smollm2_gguf_path() -> Path:
 
 
 def manifest_expected(gguf: Path | None) -> dict:
-    import transformers
+    from importlib.metadata import version  # not `import transformers`: seconds, for a version number
 
     return {
         "format": CACHE_FORMAT,
-        "transformers_major": int(transformers.__version__.split(".")[0]),
+        "transformers_major": int(version("transformers").split(".")[0]),
         "source": SMOLLM2_GGUF,
         "source_bytes": gguf.stat().st_size if gguf is not None else None,
     }
@@ -71,18 +71,23 @@ def cache_is_current(path: Path) -> bool:
     return all(found.get(k) == want[k] for k in ("format", "transformers_major", "source"))
 
 
+def smollm2_tokenizer_dir() -> Path:
+    """The folder of SmolLM2's converted cache (tokenizer.json, chat template), converting the GGUF first
+    when the cache is missing or stale (that step loads the model: workers/engine/models.py, torch)."""
+    path = smollm2_cache_dir()
+    if cache_is_current(path):
+        return path
+    try:
+        from workers.engine.models import ensure_smollm2_cache  # the one step of the router's that needs torch
+    except ImportError as e:
+        raise RuntimeError(f"SmolLM2's tokenizer is not in {path} yet, and converting the model's GGUF needs "
+                           f"torch ({e}); start a worker on this machine once, copy that folder here (or set "
+                           f"PDSERVE_CACHE to one that has it), or pass --tokenizer DIR") from e
+    return ensure_smollm2_cache()
+
+
 def load_smollm2_tokenizer():
-    """SmolLM2's tokenizer from the converted cache, converting the GGUF first when the cache is missing
-    or stale (that step loads the model: workers/engine/models.py, torch)."""
+    """SmolLM2's tokenizer (transformers'), for the workers and the load bench."""
     from transformers import AutoTokenizer
 
-    path = smollm2_cache_dir()
-    if not cache_is_current(path):
-        try:
-            from workers.engine.models import ensure_smollm2_cache
-        except ImportError as e:
-            raise RuntimeError(f"SmolLM2's tokenizer is not in {path} yet, and converting the model's GGUF needs "
-                               f"torch ({e}); start a worker on this machine once, copy that folder here (or set "
-                               f"PDSERVE_CACHE to one that has it), or pass --tokenizer DIR") from e
-        path = ensure_smollm2_cache()
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())

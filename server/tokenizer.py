@@ -1,24 +1,107 @@
 """The router's tokenizer: it counts prompt tokens (policy, context checks) and applies chat templates,
-so workers receive token ids. The same tokenizer the workers' engines load for the model."""
+so workers receive token ids. The same tokenizer the workers' engines load for the model, read
+without transformers (which imports torch wherever torch is installed): the `tokenizers` library
+reads the model's tokenizer.json, jinja2 renders its chat template, as transformers itself does for a
+fast tokenizer (tests/test_torch_free_router.py holds the two to the same ids, text and template)."""
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
 
+from protocol.models import MODEL_NAMES, smollm2_tokenizer_dir
 from server.errors import bad_request
-from protocol.models import MODEL_NAMES, load_smollm2_tokenizer
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):
     source = tokenizer or model
     if source in MODEL_NAMES:
-        return load_smollm2_tokenizer()  # tiny and qwen2.5-7b use SmolLM2's tokenizer too
+        return FastTokenizer(smollm2_tokenizer_dir())  # tiny and qwen2.5-7b use SmolLM2's tokenizer too
     if Path(source).is_dir():
-        from transformers import AutoTokenizer
+        if (Path(source) / "tokenizer.json").is_file():
+            return FastTokenizer(Path(source))
+        from transformers import AutoTokenizer  # a slow (Python) tokenizer: only transformers reads it
 
         return AutoTokenizer.from_pretrained(source)
     raise ValueError(f"no tokenizer for {source!r}: give one of {', '.join(MODEL_NAMES)} or a local checkpoint "
                      f"directory (--tokenizer DIR when the model directory is not on the router's machine)")
+
+
+class FastTokenizer:
+    """A model folder's tokenizer.json and chat template, behind the few calls of transformers'
+    tokenizers the router makes (encode, decode, convert_ids_to_tokens, get_vocab, len,
+    apply_chat_template)."""
+
+    is_fast = True
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template_file = folder / "chat_template.jinja"
+        self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        # the special tokens a template may name ({{ bos_token }}), as strings
+        self.special_tokens = {k: _content(config[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                               if config.get(k) is not None}
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self._template = None
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        text = self.backend_tokenizer.decode(ids, skip_special_tokens=False)
+        return _clean_up(text) if self.clean_up_spaces else text
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str:
+        assert not tokenize, "the router tokenizes the text itself"
+        if self._template is None:
+            self._template = _compile(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special_tokens)
+
+
+def _content(token) -> str:
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _clean_up(text: str) -> str:
+    """The spaces before punctuation and contractions a decoder leaves (what transformers'
+    clean_up_tokenization_spaces removes, for the models whose config asks)."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
+
+
+def _compile(source: str):
+    """A chat template in a sandbox (a template is the model folder's code, run on users' messages),
+    with the whitespace rules and helpers chat templates are written for."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 class PromptEncoder:

@@ -1,6 +1,6 @@
 """The router side never imports torch: its modules, the client, `pdserve --help` and `pdserve router --help`
 run in a process where importing torch or transformers raises (even looking for them: a meta-path finder
-first in line). The router loads its tokenizer through transformers only when it serves, never for --help."""
+first in line), and so does `pdserve router` serving: its tokenizer is read without transformers."""
 
 from __future__ import annotations
 
@@ -94,21 +94,81 @@ def test_help_starts_fast():
     assert heavy == [], heavy[:5]
 
 
-def test_tokenizer_where_torch_is_not_installed():
-    """At run time the router loads SmolLM2's tokenizer with transformers, which imports torch where it is
-    installed (transformers/utils/generic.py) but works without it: a router machine needs no torch once the
-    converted cache is there (converting it loads the model, so that step does)."""
-    from protocol.models import cache_is_current, smollm2_cache_dir
+def test_server_imports_only_the_protocol_package_from_the_worker_side():
+    """Every import under server/ (top level or inside a function), read from the source: of pdserve's own
+    packages, only `protocol` (and `server` itself); the client only `protocol` and `client`."""
+    import ast
 
-    if not cache_is_current(smollm2_cache_dir()):
-        pytest.skip("SmolLM2's converted cache is not there yet (the first worker start writes it)")
-    code = ("import sys; sys.modules['torch'] = None  # as if not installed: find_spec says None, import raises\n"
-            "from server.tokenizer import PromptEncoder, load_tokenizer\n"
-            "enc = PromptEncoder(load_tokenizer('tiny'))\n"
-            "print(enc.vocab_size, enc.chat([{'role': 'user', 'content': 'Hi'}])[-3:])")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split()[0] == "49152", r.stdout
+    ours = ("protocol", "server", "workers", "client", "bench")
+    allowed = {"server": ("protocol", "server"), "client": ("protocol", "client")}
+    found = []
+    for package, ok in allowed.items():
+        for path in sorted((ROOT / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                found += [(f"{package}/{path.name}", n) for n in names
+                          if n.partition(".")[0] in ours and n.partition(".")[0] not in ok]
+    assert found == [], f"imports across the wall: {found}"
+
+
+def test_router_tokenizer_is_transformers_own():
+    """The router reads the tokenizer without transformers; transformers reads the same folder: the same ids,
+    text, token strings, vocabulary and chat template, for text that exercises the byte-level BPE."""
+    from transformers import AutoTokenizer
+
+    from protocol.models import smollm2_tokenizer_dir
+    from server.tokenizer import FastTokenizer, PromptEncoder
+
+    folder = smollm2_tokenizer_dir()
+    ours, theirs = FastTokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    for text in ("Hello there", " leading space", "Ünïcödé — emoji 🎉 and 中文", "a\n\nb\tc  d", "don't stop . , ? !",
+                 "<|im_start|>user\nhi<|im_end|>", ""):
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids) and ours.convert_ids_to_tokens(ids) == \
+            theirs.convert_ids_to_tokens(ids)
+    assert len(ours) == len(theirs) == 49152 and ours.get_vocab() == theirs.get_vocab()
+    chats = ([{"role": "user", "content": "Hi"}],
+             [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}])
+    for messages in chats:
+        for generation in (True, False):
+            assert ours.apply_chat_template(messages, add_generation_prompt=generation) == \
+                theirs.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    assert PromptEncoder(ours).max_chars_per_token == PromptEncoder(theirs).max_chars_per_token
+
+
+def test_pdserve_router_serves_without_torch_or_transformers(env, tmp_path):
+    """`pdserve router` starts, loads SmolLM2's tokenizer and answers (503: no worker registered) where
+    importing torch or transformers raises."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    if subprocess.run([*pdserve(), "keygen", str(tmp_path / "keys")], env=env, capture_output=True).returncode:
+        pytest.fail("pdserve keygen failed")
+    proc = subprocess.Popen([*pdserve(), "router", "--keys", str(tmp_path / "keys" / "router"), "--model", "tiny",
+                             "--port", "0", "--register", "tcp://127.0.0.1:0"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "pdserve router ready:" in line:
+                break
+        else:
+            pytest.fail("the router exited before it was ready:\n" + "".join(lines))
+        url = line.split("ready: ")[1].split()[0]
+        body = json.dumps({"prompt": "Hello there", "max_tokens": 2}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=60)
+        assert e.value.code == 503 and '"code":"no_worker"' in e.value.read().decode()  # tokenized, then routed
+    finally:
+        proc.terminate()
+        rest = proc.communicate(timeout=60)[0]
+    assert "the router side imported" not in rest, rest
 
 
 def test_tokenizer_without_torch_or_cache_says_what_to_do(tmp_path):
