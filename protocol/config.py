@@ -134,19 +134,17 @@ class WorkerConfig:
             self.worker_id = f"{self.role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def write_worker_config(cfg: WorkerConfig, keys_dir: str, path: str) -> None:
-    """`cfg` as JSON in a new 0600 file, for `pdserve-worker --worker-config` (server/launcher.py). The
-    keys go as the path of their folder (0700, written by protocol.auth): key material never lands here."""
-    plain = replace(cfg, keys=None, transfer=replace(cfg.transfer, keys=None))
-    data = asdict(plain) | {"keys": keys_dir}
+def write_worker_config(cfg: WorkerConfig, path: str) -> None:
+    """`cfg` as JSON in a new 0600 file, for `pdserve-worker --worker-config` (server/launcher.py). Without
+    its keys: key material never lands here (the worker loads them from `--keys DIR`)."""
+    data = asdict(replace(cfg, keys=None, transfer=replace(cfg.transfer, keys=None)))
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         json.dump(data, f, indent=1)
 
 
-def read_worker_config(path: str) -> tuple[WorkerConfig, str]:
-    """What write_worker_config wrote: the config, without keys, and the path of the keys' folder."""
+def read_worker_config(path: str) -> WorkerConfig:
+    """What write_worker_config wrote (without keys)."""
     with open(path) as f:
         data = json.load(f)
-    keys_dir = data.pop("keys")
     engine, transfer = EngineConfig(**data.pop("engine")), TransferConfig(**data.pop("transfer"))
-    return WorkerConfig(**data, engine=engine, transfer=transfer), keys_dir
+    return WorkerConfig(**data, engine=engine, transfer=transfer)

@@ -1,9 +1,9 @@
 """Worker processes that `pdserve` starts on this machine: their supervision and their clean end.
 
 Each worker runs `python -m workers.cli --worker-config <run dir>/workers/<id>.json`: the file (0600,
-written once, read again by each restart) is its whole WorkerConfig, with our pid, our run directory
-and the key folder's path (never key material); --worker-arg extras follow on the command line and
-apply on top. Each worker is in its own process group (so a terminal's Ctrl-C reaches only us, and
+written once, read again by each restart) is its whole WorkerConfig, with our pid and our run
+directory, without keys; `--keys` gives the key folder's path (never key material); --worker-arg
+extras follow on the command line and apply on top. Each worker is in its own process group (so a terminal's Ctrl-C reaches only us, and
 we stop the workers in order). A worker
 dies with us however we end: we SIGTERM its group on exit, SIGKILL it after a grace period, and the
 worker itself holds PR_SET_PDEATHSIG plus a parent-watch thread for the case we are SIGKILLed (it
@@ -87,12 +87,12 @@ class Launcher:
     def command(self, spec: WorkerConfig) -> list[str]:
         """The same for each start of the worker: a restart reads the same file."""
         return [sys.executable, "-m", "workers.cli", "--worker-config", self.config_file(spec),
-                "--log-level", self.log_level, *self.extra_args]
+                "--keys", self.keys_dir, "--log-level", self.log_level, *self.extra_args]
 
     def start(self) -> None:
         os.makedirs(os.path.join(self.run_dir, "workers"), mode=0o700, exist_ok=True)
         for spec in self.specs.values():
-            write_worker_config(spec, self.keys_dir, self.config_file(spec))
+            write_worker_config(spec, self.config_file(spec))
         for spec in self.specs.values():
             self._start(spec)
 

@@ -4,9 +4,9 @@
                          no flag parsed with nothing given differs from its field's default
     declared once        a flag pdserve offers for its workers is the worker's own, same help text
     round trip           parsed flags -> config; on/off flags; --max-body-mb in MiB; --expect-workers
-    the handoff          the launcher's 0600 JSON file: the whole WorkerConfig, the key folder's path and
-                         no key material; the worker reads it back, --worker-arg extras on top; the same
-                         command for every start of a worker
+    the handoff          the launcher's 0600 JSON file: the whole WorkerConfig, no key material (the key
+                         folder's path goes as --keys); the worker reads it back, --worker-arg extras on
+                         top; the same command for every start of a worker
 """
 
 from __future__ import annotations
@@ -131,17 +131,18 @@ def test_the_launcher_hands_each_worker_its_config_in_a_private_file(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     text = open(path).read()
     assert worker_keys.worker.secret.decode() not in text and worker_keys.worker.public.decode() not in text
-    base, got_keys = read_worker_config(path)
-    assert got_keys == keys_dir and base == decode and base.parent_pid == os.getpid()
+    base = read_worker_config(path)
+    assert base == decode and base.parent_pid == os.getpid()
     assert (base.engine.model, base.engine.num_blocks, base.warmup, base.router) == ("tiny", 64, False,
                                                                                     "ipc:///run/register")
     cmd = launcher.command(decode)
     assert cmd == launcher.command(decode)  # a restart starts the same command, reads the same file
-    assert cmd[cmd.index("--worker-config") + 1] == path and cmd[-3:] == ["--log-level", "DEBUG", "--no-prefix-cache"]
+    assert cmd[cmd.index("--worker-config") + 1] == path and cmd[cmd.index("--keys") + 1] == keys_dir
+    assert cmd[-3:] == ["--log-level", "DEBUG", "--no-prefix-cache"]
 
     # what the worker makes of it: the file's values are the defaults, flags after it win
     argv = cmd[cmd.index("--worker-config"):] + ["--kv-port", "7300"]
-    args = W.serve_parser(base, got_keys).parse_args(argv)
+    args = W.serve_parser(base).parse_args(argv)
     cfg = W.worker_config(args, base)
     assert cfg == replace(decode, engine=replace(decode.engine, prefix_cache=False, kv_shared=True),
                           transfer=replace(decode.transfer, port=7300))
@@ -150,9 +151,9 @@ def test_the_launcher_hands_each_worker_its_config_in_a_private_file(tmp_path):
 
 def test_a_worker_config_file_is_never_overwritten(tmp_path):
     path = str(tmp_path / "w.json")
-    write_worker_config(WorkerConfig("colocated", worker_id="c"), "/k", path)
+    write_worker_config(WorkerConfig("colocated", worker_id="c"), path)
     with pytest.raises(FileExistsError):
-        write_worker_config(WorkerConfig("colocated", worker_id="c"), "/k", path)
+        write_worker_config(WorkerConfig("colocated", worker_id="c"), path)
 
 
 def test_from_args_keeps_the_base_fields_that_have_no_flag():

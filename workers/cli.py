@@ -35,7 +35,7 @@ def engine_config(args, base: EngineConfig | None = None, **given) -> EngineConf
     return replace(cfg, fuse_qkv=cfg.fuse_qkv and cfg.compile)
 
 
-def serve_parser(base: WorkerConfig | None = None, keys_dir: str | None = None) -> argparse.ArgumentParser:
+def serve_parser(base: WorkerConfig | None = None) -> argparse.ArgumentParser:
     """The flags of a worker; with `base` (a WorkerConfig from --worker-config) its values are the defaults."""
     p = argparse.ArgumentParser(prog="pdserve-worker", description="Run one pdserve worker process "
                                 "(or `pdserve-worker generate PROMPT` to generate locally).", formatter_class=HelpFormatter)
@@ -49,7 +49,7 @@ def serve_parser(base: WorkerConfig | None = None, keys_dir: str | None = None) 
                   base=base and base.transfer)
     g = p.add_argument_group("worker and control plane")
     add_arguments(g, WorkerConfig, base=base)
-    g.add_argument("--keys", required=keys_dir is None, default=keys_dir, metavar="DIR",
+    g.add_argument("--keys", required=True, metavar="DIR",
                    help="the worker key folder of the deployment (`pdserve keygen DIR` wrote DIR/worker; `pdserve` "
                         "passes its own): CURVE on every control and KV socket")
     p.add_argument("--log-level", default="INFO")
@@ -91,8 +91,8 @@ def serve(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--worker-config")
     given, _ = pre.parse_known_args(argv)
-    base, keys_dir = read_worker_config(given.worker_config) if given.worker_config else (None, None)
-    args = parse_args(serve_parser(base, keys_dir), argv)
+    base = read_worker_config(given.worker_config) if given.worker_config else None
+    args = parse_args(serve_parser(base), argv)
     setup_logging(args.log_level)
     try:
         keys = load_worker_keys(args.keys)
