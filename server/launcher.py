@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from protocol.config import EngineConfig, WorkerConfig, write_worker_config
@@ -65,7 +66,7 @@ def plan_workers(counts: dict[str, int], devices: list[str], engine: EngineConfi
 
 
 class Launcher:
-    def __init__(self, workers: list[WorkerConfig], keys_dir: str, run_dir: str, extra_args: list[str] = (),
+    def __init__(self, workers: list[WorkerConfig], keys_dir: str, run_dir: str, extra_args: Sequence[str] = (),
                  log_level: str = "INFO", restart: bool = True):
         self.specs = {w.worker_id: w for w in workers}
         self.keys_dir = keys_dir  # the worker key folder (0700, its secret file 0600): a path, never a key

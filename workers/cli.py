@@ -91,7 +91,11 @@ def serve(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--worker-config")
     given, _ = pre.parse_known_args(argv)
-    base = read_worker_config(given.worker_config) if given.worker_config else None
+    try:
+        base = read_worker_config(given.worker_config) if given.worker_config else None
+    except (OSError, ValueError, TypeError) as e:  # TypeError: a key no WorkerConfig field has
+        print(f"pdserve-worker: cannot read --worker-config {given.worker_config}: {e}", file=sys.stderr)
+        return 2
     args = parse_args(serve_parser(base), argv)
     setup_logging(args.log_level)
     try:
