@@ -8,7 +8,8 @@ the worker side (a test holds it to that, tests/test_walls.py).
     sampling.py  sampling parameters and their bounds, defined once (HTTP API, wire, engine)
     phases.py    the phases of a request's time to first token
     timings.py   a request's `timings` object, one typed struct from the router to the client
-    config.py    the engine, transfer and worker configs, from which the command-line flags derive
+    config.py    the engine, transfer and worker configs; each field carries its command-line flag
+    flags.py     argparse options derived from a config dataclass, and the config built back from them
     auth.py      the deployment's CURVE keys (every control and KV socket)
     models.py    the model names and where their files and tokenizers live
     cli.py       command-line conventions of pdserve and pdserve-worker (help, --config, logging, exit)

@@ -35,7 +35,7 @@ from protocol.cli import HelpFormatter, add_config_argument, parse_args, setup_l
 from protocol.config import EngineConfig, TransferConfig, WorkerConfig  # not workers.*: no torch in the router
 from protocol.enums import Role
 from protocol.flags import add_arguments, from_args, values
-from server.config import RouterConfig, expected_counts  # noqa: F401 (tests import expected_counts from here)
+from server.config import RouterConfig
 
 log = logging.getLogger("pdserve")
 
