@@ -29,7 +29,7 @@ import msgspec
 
 from protocol import control as P
 from protocol import sampling as S
-from protocol.enums import Policy
+from protocol.enums import FailureKind, Policy
 from protocol.timings import Timings
 from server.admission import Admission, unavailable
 from server.config import RouterConfig
@@ -150,7 +150,7 @@ class Dispatcher:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    # ---- one request's link to its workers (the plans' runs) ---------------------------------------
+    # ---- one request's link to its workers (the plans' runs) --------------------------------------
 
     def attach(self, rid: str, w: WorkerState) -> None:
         try:
@@ -182,11 +182,11 @@ class Dispatcher:
                                 f"retry: the router no longer routes to it", code="worker_lost")
         if isinstance(msg, P.RequestFailed):
             text = f"request {rid}: {msg.error}"
-            if msg.kind == "invalid":
+            if msg.kind == FailureKind.INVALID:
                 raise bad_request(text)
-            if msg.kind == "capacity":
+            if msg.kind == FailureKind.CAPACITY:
                 raise unavailable(text, self.cfg.retry_after_s, "no_capacity")
-            if msg.kind == "timeout":
+            if msg.kind == FailureKind.TIMEOUT:
                 raise timed_out(text)
             raise worker_failed(text, code=f"{msg.kind}_error")
         raise worker_failed(f"request {rid}: unexpected {type(msg).__name__} from a worker", code="protocol_error")

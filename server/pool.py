@@ -136,7 +136,7 @@ class WorkerPool:
             self._reader.stop()
         self.ctx.term()
 
-    # ---- the registry -------------------------------------------------------------------------------
+    # ---- the registry -----------------------------------------------------------------------------
 
     def alive(self, role: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.role == role]

@@ -262,6 +262,8 @@ def with_first_logprobs(held: list[tuple[P.TokenOut, float]], report: P.PrefillD
 
 
 class Planner:
+    """Makes each request's plan: its policy resolved, admitted, its workers chosen (see the top)."""
+
     def __init__(self, cfg: RouterConfig, pool: WorkerPool, admission: Admission, metrics: Metrics):
         self.cfg, self.pool, self.admission, self.metrics = cfg, pool, admission, metrics
 
@@ -275,7 +277,7 @@ class Planner:
         return other if not self.servable(preferred) and self.servable(other) else preferred
 
     def servable(self, policy: Policy) -> bool:
-        if policy is Policy.COLOCATED:
+        if policy == Policy.COLOCATED:
             return bool(self.pool.alive(Role.COLOCATED))
         return any(self._prefills_for(d) for d in self.pool.alive(Role.DECODE))
 
@@ -316,7 +318,7 @@ class Planner:
                 fallback: Callable[[DisaggregatedPlan], Plan | None] | None = None) -> Plan:
         """The plan of `policy` for `job` on the workers the choice rule picks now, leaving out the
         decode worker `without`; raises NoWorker."""
-        if policy is Policy.COLOCATED:
+        if policy == Policy.COLOCATED:
             return ColocatedPlan(job, least_loaded(self._alive(Role.COLOCATED)))
         prefill, decode = self._pair(len(job.prompt_ids), without)
         return DisaggregatedPlan(job, prefill, decode, fallback=fallback)
