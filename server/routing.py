@@ -27,8 +27,9 @@ error (APIError), and whatever the other workers hold for it is aborted. Abortin
 while P may still write is safe: D frees the blocks only once its KV receiver reports that no
 write can land any more (workers/roles/decode.py). P's deadline ends before D's reservation does.
 
-A new policy: its member in protocol/enums.py Policy, and here its choice in Planner._choose (with
-a plan class of its own if its workers are driven differently), its roles in PLANS.
+A new policy: its member in protocol/enums.py Policy, and here its plan class in PLANS (a class of
+its own if its workers are driven differently; its `roles` are what admission counts) and its choice
+in Planner._choose. /health, the CLI's and the API's choices and the metrics' labels follow the enum.
 """
 
 from __future__ import annotations
