@@ -26,9 +26,9 @@ class Phase(NamedTuple):
 
 PHASES: tuple[Phase, ...] = (
     Phase("parse", "router",
-          "arrival (before the body is read) -> body parsed, prompt tokenized, policy chosen"),
+          "arrival (before the body is read) -> body parsed, prompt tokenized"),
     Phase("route", "router",
-          "workers picked; disaggregated: KV blocks reserved on the decode worker (a round trip) "
+          "policy resolved, workers picked; disaggregated: KV blocks reserved on the decode worker (a round trip) "
           "-> request sent to the worker that prefills it"),
     Phase("inbox", "prefilling worker",
           "request in the worker's socket (stamped on arrival by its inbox thread) -> its loop takes it "

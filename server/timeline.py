@@ -39,7 +39,7 @@ class Clock:
     """Router-side stamps of one request, time.monotonic() seconds."""
 
     arrival: float
-    prepared: float | None = None  # parsed, tokenized, policy chosen
+    prepared: float | None = None  # parsed, tokenized (the plan, policy and workers, is made after)
     dispatched: float | None = None  # Generate (colocated) or Prefill (disaggregated) about to be sent
     token1_landed: float | None = None  # token 1's message read off the router's socket (the reader thread)
     first_token: float | None = None  # token 1 handed to the response
