@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import msgspec
 
 from protocol.enums import Transport
-from protocol.wire import MAX_COUNT, MAX_INT32, PROTOCOL_VERSION, BlockIds, Count, Id, Text, encode  # noqa: F401  (PROTOCOL_VERSION, encode: used through this module)
+# PROTOCOL_VERSION and encode: the KV side reads them through this module
+from protocol.wire import MAX_COUNT, MAX_INT32, PROTOCOL_VERSION, BlockIds, Count, Id, Text, encode  # noqa: F401
 
 if TYPE_CHECKING:
     from workers.engine.kv_cache import KVLayout
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 Small = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]  # layers, heads, head dim, block size
 Name = Annotated[str, msgspec.Meta(max_length=256)]  # hosts, agent names, paths
 Handle = Annotated[bytes, msgspec.Meta(max_length=256)]  # CUDA IPC handles (64 bytes in practice)
+
 
 class Layout(msgspec.Struct, frozen=True):
     num_layers: Small
@@ -46,15 +48,10 @@ class Layout(msgspec.Struct, frozen=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 
     @classmethod
-    def of(cls, layout: "KVLayout") -> "Layout":
+    def of(cls, layout: "KVLayout") -> "Layout":  # and back: KVLayout.from_wire (the worker side's, with torch)
         return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                    layout.block_size, layout.num_blocks)
 
-    def to_kv(self) -> "KVLayout":
-        from workers.engine.kv_cache import KVLayout  # the worker side's: with torch
-
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                        self.block_size, self.num_blocks)
 
 
 # ---- how to reach the receiver's pool, one struct per transport -------------------------------

@@ -82,7 +82,7 @@ def test_protocol_round_trip_and_no_pickle():
     assert P.decode_to_receiver(P.encode(hello)) == hello
     welcome = P.Welcome(1, "h", P.Layout.of(LAYOUT), P.NixlInfo("a", b"\x00md", 123, 0, "DRAM"))
     assert P.decode_to_sender(P.encode(welcome)) == welcome
-    assert P.Layout.of(LAYOUT).to_kv() == LAYOUT
+    assert KVLayout.from_wire(P.Layout.of(LAYOUT)) == LAYOUT
     with pytest.raises(Exception):
         P.decode_to_receiver(b"\x80\x04\x95")  # a pickle header is not a message
 

@@ -45,6 +45,12 @@ class KVLayout:
     block_size: int
     num_blocks: int
 
+    @classmethod
+    def from_wire(cls, layout) -> "KVLayout":
+        """A handshake's layout (protocol/kv.py Layout, the same fields in the same order)."""
+        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size,
+                   layout.num_blocks)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

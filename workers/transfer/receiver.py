@@ -53,7 +53,7 @@ import zmq
 
 from protocol import kv as P
 from protocol.config import TransferConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer.base import Arrival, KVReceiver
 from workers.transfer.errors import TransferError, layout_mismatch
 from workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
@@ -207,7 +207,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
                 self._on_abort(ident, msg)
 
     def _on_hello(self, ident: bytes, hello: P.Hello) -> None:
-        theirs = hello.layout.to_kv()
+        theirs = KVLayout.from_wire(hello.layout)
         if hello.version != P.PROTOCOL_VERSION:
             refusal = P.Refused("version", f"protocol version {hello.version} (prefill {hello.sender}) vs "
                                 f"{P.PROTOCOL_VERSION} (decode {self.address}); run the same pdserve version on both")

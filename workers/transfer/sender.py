@@ -250,7 +250,7 @@ class ChannelSender(Endpoint, KVSender):
         return p.ready
 
     def _on_welcome(self, p: Peer, msg: P.Welcome) -> None:
-        theirs = msg.layout.to_kv()
+        theirs = KVLayout.from_wire(msg.layout)
         if msg.version != P.PROTOCOL_VERSION:
             raise TransferError(f"decode worker at {p.address} speaks protocol {msg.version}, this prefill worker "
                                 f"{P.PROTOCOL_VERSION}; run the same pdserve version on both")
