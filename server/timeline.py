@@ -26,7 +26,7 @@ decode step makes token 2; it is inside e2e_ms, never inside ttft_ms (token 1 co
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from protocol import phases as PH
 from protocol import control as P
@@ -93,9 +93,9 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
     pre = prefilled_by
     cached = pre.cached_tokens if pre is not None else None
     return Timings(
+        **as_measured(pre),
         policy=policy,
         queue_ms=_r(_sum(*queue)),
-        prefill_ms=_r(pre.prefill_ms if pre is not None else None),
         transfer_ms=_r(prefill.transfer_ms) if disaggregated else None,
         transfer_exposed_ms=_r(prefill.transfer_exposed_ms) if disaggregated else None,
         first_decode_step_ms=_r(decoded_by.first_step_ms if decoded_by is not None else None),
@@ -111,16 +111,26 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
         worker=worker,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        # the prefix cache: prompt tokens whose KV the computing worker reused, those it computed, and
-        # (disaggregated) those the decode worker held already, so they were not transferred
-        cached_tokens=cached,
+        # the prefix cache: the prompt tokens the computing worker computed (cached_tokens: those whose KV
+        # it reused, as measured), and (disaggregated) those the decode worker held already, not transferred
         recomputed_tokens=None if cached is None else prompt_tokens - cached,
         reused_tokens=None if cached is None else ReusedTokens(
             gpu=cached - (pre.host_tokens or 0) - (pre.disk_tokens or 0),
             host=pre.host_tokens or 0, disk=pre.disk_tokens or 0),
-        reload_ms=_r(pre.reload_ms if pre is not None else None),
         kv_skipped_tokens=kv_skipped_tokens if disaggregated else None,
     )
+
+
+# A worker's Timeline field that has a Timings field of the same name is reported as the worker that
+# prefilled measured it (prefill_ms, cached_tokens, reload_ms): a new one is a field in each struct
+# and the line that measures it; what the router composes (the phases, queue_ms, ...) timings() writes out.
+AS_MEASURED = tuple(f.name for f in fields(Timings) if f.name in P.Timeline.__struct_fields__)
+
+
+def as_measured(timeline: P.Timeline | None) -> dict:
+    if timeline is None:
+        return {}
+    return {name: _r(v) if isinstance(v := getattr(timeline, name), float) else v for name in AS_MEASURED}
 
 
 def _sum(*parts: float | None) -> float | None:

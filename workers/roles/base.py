@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from protocol import control as P
+from protocol.enums import FailureKind
 from workers.engine.request import Request, Status
 from protocol.phases import ms
 
@@ -80,7 +81,7 @@ class Role:
 
     # helpers ------------------------------------------------------------------------------------
 
-    def fail(self, request_id: str, kind: str, error: str) -> None:
+    def fail(self, request_id: str, kind: FailureKind, error: str) -> None:
         log.warning("%s: request %s failed (%s): %s", self.worker_id, request_id, kind, error)
         self.worker.send(P.RequestFailed(self.worker_id, request_id, kind, error))
 
@@ -96,7 +97,7 @@ class Role:
         for o in outputs:
             r = o.request
             if o.error is not None:
-                self.fail(r.request_id, "internal", f"on {self.worker_id}: {o.error}")
+                self.fail(r.request_id, FailureKind.INTERNAL, f"on {self.worker_id}: {o.error}")
                 continue
             if r.token1_sent is None:
                 r.token1_sent = sent

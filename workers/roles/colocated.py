@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from protocol import control as P
+from protocol.enums import FailureKind
 from workers.engine.request import InvalidRequest, Request, Status
 from workers.roles.base import Role, now
 
@@ -35,7 +36,7 @@ class ColocatedRole(Role):
             try:
                 self.engine.add_request(req)
             except InvalidRequest as e:
-                self.fail(msg.request_id, "invalid", str(e))
+                self.fail(msg.request_id, FailureKind.INVALID, str(e))
         elif isinstance(msg, P.Abort):
             self.engine.abort(msg.request_id)  # no-op once it finished
         else:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 
 from protocol import control as P
+from protocol.enums import FailureKind
 from workers.engine.request import InvalidRequest, Request, Status
 from workers.roles.base import Role, now
 from workers.transfer.errors import TransferError
@@ -67,7 +68,7 @@ class DecodeRole(Role):
             try:
                 self.engine.admit(req)
             except InvalidRequest as e:
-                self.fail(msg.request_id, "invalid", str(e))
+                self.fail(msg.request_id, FailureKind.INVALID, str(e))
                 return
             self._reserve_waiting()
         elif isinstance(msg, P.Abort):
@@ -105,7 +106,7 @@ class DecodeRole(Role):
                          f"within {req.deadline - req.arrived:.1f}s ({self.engine.blocks.num_free} blocks free); "
                          f"add decode workers or KV memory (--kv-memory-gb)")
                 self.engine.fail(rid, error)
-                self.fail(rid, "capacity", error)
+                self.fail(rid, FailureKind.CAPACITY, error)
                 continue
             blocks = self.engine.reserve(rid, len(req.prompt_ids))
             if blocks is None:
@@ -115,7 +116,7 @@ class DecodeRole(Role):
                 self.receiver.expect(rid, fill, max(0.0, req.deadline - now()))
             except TransferError as e:
                 self.engine.fail(rid, str(e))
-                self.fail(rid, "transfer", f"decode worker {self.worker_id} cannot take KV for request {rid}: {e}")
+                self.fail(rid, FailureKind.TRANSFER, f"decode worker {self.worker_id} cannot take KV for request {rid}: {e}")
                 continue
             self.worker.send(P.Reserved(self.worker_id, rid, fill, self.kv_address, req.cached_tokens))
 
@@ -138,12 +139,12 @@ class DecodeRole(Role):
             if not arrival.ok:
                 error = f"KV for request {rid} did not arrive at {self.worker_id}: {arrival.error}"
                 self.engine.fail(rid, error)
-                self.fail(rid, "transfer", error)
+                self.fail(rid, FailureKind.TRANSFER, error)
                 continue
             try:
                 first = self.engine.adopt(req, arrival.first_token)
             except InvalidRequest as e:  # the engine finished it and freed its blocks
-                self.fail(rid, "invalid", str(e))
+                self.fail(rid, FailureKind.INVALID, str(e))
                 continue
             req.landed, req.adopted_at = arrival.reported_at, now()
             adopted.append(first)

@@ -45,6 +45,7 @@ import logging
 import time
 
 from protocol import control as P
+from protocol.enums import FailureKind
 from workers.engine.block_pool import OutOfBlocks
 from workers.engine.request import InvalidRequest, KVTarget, Request, Status
 from workers.engine.sampler import SamplingError
@@ -88,19 +89,19 @@ class PrefillRole(Role):
                                          f"of the block size {bs} below the prompt's {len(msg.prompt_ids)} tokens")
                 self.engine.admit(req)
             except InvalidRequest as e:
-                self.fail(msg.request_id, "invalid", str(e))
+                self.fail(msg.request_id, FailureKind.INVALID, str(e))
         elif isinstance(msg, P.Connect):  # a decode worker (re)registered: shake hands now, without waiting
             self.sender.reach(msg.kv_address, fresh=True)
         elif isinstance(msg, P.Abort):
             req = self.engine.requests.get(msg.request_id)
             if req is not None and req.status is Status.WAITING:
                 self.engine.abort(msg.request_id)
-                self.fail(msg.request_id, "aborted", f"aborted before prefill: {msg.reason}")
+                self.fail(msg.request_id, FailureKind.ABORTED, f"aborted before prefill: {msg.reason}")
             elif msg.request_id in self.sending:  # its decode worker may be gone: do not wait for it
                 req, transfer, _ = self.sending.pop(msg.request_id)
                 transfer.abort(msg.reason)
                 self.engine.fail(msg.request_id, f"aborted during the transfer: {msg.reason}")
-                self.fail(msg.request_id, "aborted", f"aborted during the KV transfer: {msg.reason}")
+                self.fail(msg.request_id, FailureKind.ABORTED, f"aborted during the KV transfer: {msg.reason}")
         else:
             log.error("%s: prefill worker got %s; only Prefill, Connect and Abort go to prefill workers",
                       self.worker_id, type(msg).__name__)
@@ -124,7 +125,7 @@ class PrefillRole(Role):
                 text = (f"KV transfer {self.worker_id} -> {req.send_to.worker_id} failed: the decode worker at "
                         f"{req.send_to.address} is unreachable ({why}); retry the request on another one")
                 self.engine.fail(req.request_id, text)
-                self.fail(req.request_id, "transfer", text)
+                self.fail(req.request_id, FailureKind.TRANSFER, text)
             else:
                 self._held = True
         return None
@@ -215,19 +216,19 @@ def wall_clock(mono: float) -> float:
     return mono + (time.time() - time.monotonic())
 
 
-def _failure_kind(e: Exception) -> str:
+def _failure_kind(e: Exception) -> FailureKind:
     if isinstance(e, PrefillDeadline):
-        return "timeout"
+        return FailureKind.TIMEOUT
     if isinstance(e, InvalidRequest):
-        return "invalid"
+        return FailureKind.INVALID
     if isinstance(e, OutOfBlocks):
-        return "capacity"
+        return FailureKind.CAPACITY
     if isinstance(e, TransferError):
-        return "transfer"
+        return FailureKind.TRANSFER
     if isinstance(e, SamplingError):  # this request's logits or draw; the worker is fine
-        return "internal"
+        return FailureKind.INTERNAL
     log.exception("prefill failed unexpectedly")
-    return "internal"
+    return FailureKind.INTERNAL
 
 
 def _failure_text(e: Exception, worker_id: str, decode_worker: str) -> str:
