@@ -5,3 +5,15 @@ reads this when it is first imported, which another test module's imports may do
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pdserve():
+    """One tiny pdserve (router + prefill, decode and colocated workers) for the live tests that only
+    send requests and compare answers, so they do not each pay for a start."""
+    from test_server_harness import TINY, Pdserve
+
+    with Pdserve(*TINY) as s:
+        yield s

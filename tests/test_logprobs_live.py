@@ -11,7 +11,6 @@ from __future__ import annotations
 import openai
 import pytest
 
-from test_server_harness import TINY, Pdserve
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -21,9 +20,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def srv():
-    with Pdserve(*TINY) as s:
-        yield s
+def srv(tiny_pdserve):
+    return tiny_pdserve  # shared with the other request-only live tests (conftest.py)
 
 
 @pytest.fixture(scope="module")

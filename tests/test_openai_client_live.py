@@ -7,7 +7,6 @@ from __future__ import annotations
 import openai
 import pytest
 
-from test_server_harness import TINY, Pdserve
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -18,9 +17,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def srv():
-    with Pdserve(*TINY) as s:
-        yield s
+def srv(tiny_pdserve):
+    return tiny_pdserve  # shared with the other request-only live tests (conftest.py)
 
 
 @pytest.fixture(scope="module")
