@@ -180,13 +180,13 @@ class PrefillSide:
             self.engine.release(req.request_id)
             return {"error": f"{type(e).__name__}: {e}"}
         self.engine.release(req.request_id)
-        done_event = stats.extra.get("copy_done_event")
+        done_event = stats.done_event
         gpu_exposed = None
         if prefill_event is not None and done_event is not None:
             gpu_exposed = max(0.0, prefill_event.elapsed_time(done_event))
         return {"prefill_ms": prefill_ms, "transfer_ms": (stats.finished_at - stats.started_at) * 1e3,
                 "exposed_ms": max(0.0, stats.finished_at - prefill_end) * 1e3, "copies": stats.copies,
-                "exposed_gpu_ms": gpu_exposed, "ucx_lane": stats.extra.get("ucx_lane"),
+                "exposed_gpu_ms": gpu_exposed, "ucx_lane": stats.ucx_lane,
                 "kv_bytes": stats.num_bytes, "first_token": result.first_token,
                 "logits_sha": logits_digest(result.logits)}
 

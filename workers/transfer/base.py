@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -89,7 +89,11 @@ class TransferStats:
     finished_at: float  # time.time() when the last copy was complete
     copies: int  # copy calls or descriptors issued
     layers_sent_before_finish: int = 0  # layer mode: layers already moving when finish() was called
-    extra: dict = field(default_factory=dict)
+    runs: int = 0  # contiguous runs of blocks the plan moved
+    # ipc on GPU: a CUDA event recorded after the last copy; with one recorded at prefill end it gives
+    # the exposed transfer on the GPU's own clock (None elsewhere)
+    done_event: object | None = None
+    ucx_lane: dict | None = None  # nixl: the UCX lane the writes took (ucx_log.py), or why it is unknown
 
 
 class Transfer(ABC):

@@ -32,7 +32,7 @@ UCX settings (environment, read when the agent is created):
     UCX_PROTO_INFO=y / UCX_LOG_LEVEL=info   show which transport a transfer took; set here (into a file of
                         this process, unless the user chose a UCX log level or file) so that both sides log
                         the lane of every peer: "KV to <peer> goes over UCX tcp (inter-node cfg#1: puts over
-                        tcp/eth0; ...)" at the handshake, and the sender's TransferStats.extra["ucx_lane"]
+                        tcp/eth0; ...)" at the handshake, and the sender's TransferStats.ucx_lane
                         carries it (ucx_log.py); GPU memory on a host-staged lane is a warning
 
 Why NIXL moved VRAM at only 0.4 GB/s on the H200 in the first try, and what this transport does:
@@ -249,8 +249,8 @@ class NixlTransfer(SenderTransfer):
     def stats(self):
         st = super().stats()
         lane = self.remote.lane if self.remote is not None else None
-        st.extra["ucx_lane"] = lane.as_dict() if lane is not None else {"unknown": self.sender.ucx.why or
-                                                                        "UCX logged no lane for this peer"}
+        st.ucx_lane = lane.as_dict() if lane is not None else {"unknown": self.sender.ucx.why or
+                                                               "UCX logged no lane for this peer"}
         return st
 
 

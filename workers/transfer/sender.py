@@ -519,12 +519,8 @@ class SenderTransfer(Transfer):
         self.fail(TransferError(f"request {self.request_id}: aborted by the prefill worker: {reason}"))
 
     def stats(self) -> TransferStats:
-        # copy_done_event: with an event recorded at prefill end it gives the exposed transfer on the
-        # GPU's own clock (ipc on GPU; None elsewhere)
         return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, self.copies,
-                             self.layers_before_finish,
-                             {"transport": self.sender.transport, "mode": self.cfg.mode, "runs": len(self.plan.runs),
-                              "copy_done_event": self.last_event})
+                             self.layers_before_finish, len(self.plan.runs), done_event=self.last_event)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
