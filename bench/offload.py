@@ -115,7 +115,8 @@ class Bench:
     def __init__(self, args, lengths: list[int], out: Path):
         from protocol.config import EngineConfig
         from workers.engine.engine import Engine
-        from workers.engine.kv_tiers import DiskTier, HostTier
+        from workers.engine.kv_tiers.disk import DiskTier
+        from workers.engine.kv_tiers.host import HostTier
 
         self.args = args
         self.device = torch.device(args.device)

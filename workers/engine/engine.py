@@ -123,7 +123,8 @@ class Engine:
         """The host tier (and disk below it) for blocks the prefix cache keeps, if asked for."""
         if not (config.prefix_cache and config.host_cache_gb):
             return None
-        from workers.engine.kv_tiers import DiskTier, HostTier
+        from workers.engine.kv_tiers.disk import DiskTier
+        from workers.engine.kv_tiers.host import HostTier
         from workers.engine.tiering import Tiers
 
         disk = None

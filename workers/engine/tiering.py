@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 
-from workers.engine.kv_tiers import HostTier, LoadHandle
+from workers.engine.kv_tiers.host import HostTier
+from workers.engine.kv_tiers.load import LoadHandle
 from workers.engine.request import Request
 
 log = logging.getLogger("pdserve.engine")

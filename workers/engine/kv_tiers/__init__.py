@@ -1,0 +1,17 @@
+"""The KV tiers below GPU memory: a host slot pool (pinned on CUDA), an optional disk directory
+under it, and the cost model that chooses between reloading a cached prefix and recomputing it.
+
+An entry is one whole block, every layer (`pool[:, b]`: entry_bytes = num_layers x
+KVLayout.block_bytes), named by the prefix cache's block hash (bytes, opaque here). The engine
+drives a HostTier from one caller thread (through workers/engine/tiering.py); the tiers' own
+threads only write files, read files and free slots.
+
+One concept per module (each docstring lists its primitives):
+    host.py    HostTier: the slot memory and its bookkeeping (LRU, spill to disk, discard, stats)
+    copies.py  the copies between GPU blocks and host slots (staging, streams, runs; CUDA)
+    load.py    LoadHandle, and the load path that spans the host and disk tiers
+    disk.py    DiskTier: files per batch (model, layout, per-block crc), restart-safe, LRU by file
+    cost.py    CostModel: reload or recompute (torch-free)
+    stats.py   TierStats: the counters each tier reports
+This file imports nothing, so that cost.py and stats.py load without torch.
+"""

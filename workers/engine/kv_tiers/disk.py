@@ -1,0 +1,410 @@
+"""DiskTier: KV entries on local disk, below a HostTier (the engine makes it; the HostTier drives it).
+
+One file per batch of entries written together, each file naming the model and the layout and
+each block carrying its crc32, so a restarted worker serves only what matches and a bad byte
+costs one block (the class docstring has the format). Its own module because it is the one
+tier with a file format and threads of its own (a writer, a pool of readers), and it touches
+no tensor: it writes and reads bytes from and into the host slots the HostTier hands it.
+    DiskTier(directory, capacity_bytes, layout, model_id)
+    contains(hash), put(entries, ready, done), read(hashes, buffers) -> [error | None], discard(hashes),
+    flush(), drop_page_cache(method) -> str, probe_gbps(), stats(), files(), close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from workers.engine.kv_cache import KVLayout
+from workers.engine.kv_tiers.stats import TierStats
+
+log = logging.getLogger("pdserve.kv_tiers")
+
+MAGIC = b"PDSKV01\n"
+HEAD = struct.Struct("<QI")  # header JSON length, its crc32
+ALIGN = 4096  # the payload starts on a page boundary
+
+
+def _layout_fields(layout: KVLayout) -> dict:
+    fields = asdict(layout)
+    fields.pop("num_blocks")  # a restarted worker may size its pool differently
+    return fields
+
+
+def _crc(h: bytes, data) -> int:
+    return zlib.crc32(data, zlib.crc32(h))  # the hash inside: bytes swapped between entries fail too
+
+
+@dataclass
+class _File:
+    name: str
+    hashes: list[bytes]
+    crcs: list[int]
+    payload_offset: int
+    size: int
+    live: int  # entries still indexed from this file
+
+
+class DiskTier:
+    """Entries on local disk. One file per batch of entries written together (what one eviction
+    or spill pushed out: typically one request's run, whose blocks were stored and used together),
+    split at max_file_bytes: 32k tokens of a 7B model is 2048 blocks, which as one file per block
+    costs 2048 creates, renames and inodes and 2048 opens to read back; as files per run it costs
+    a few. A block is still addressed alone, (file, index), so a partial hit reads only its
+    blocks, and each block carries its own crc32 (over its hash and bytes) so a bad byte costs
+    that block, not its file.
+
+    A file: MAGIC, (json length, crc32 of the json), json {model, layout (KVLayout without
+    num_blocks), entry_bytes, entries: [[hash hex, crc32], ...]}, padding to 4 KiB, the entries.
+    Written to a temporary name and renamed (atomic); no fsync by default: a cache need not survive
+    a crash, and a file the crash truncated fails its size or checksum check, so it is refused.
+    On start the directory is indexed: files of another model or layout, or with a bad header,
+    are logged and left alone (never served, never deleted: the directory is one worker's, but a
+    mistake should not cost someone else's cache). LRU by file, bounded by capacity_bytes.
+    Reads verify every block; a mismatch is a miss (logged, the entry forgotten), never served."""
+
+    SUFFIX = ".kv"
+
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, layout: KVLayout, model_id: str,
+                 *, fsync: bool = False, read_threads: int = 8, max_file_bytes: int = 256 << 20):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.layout = layout
+        self.model_id = model_id
+        self.entry_bytes = layout.num_layers * layout.block_bytes
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.max_file_entries = max(1, max_file_bytes // self.entry_bytes)
+        self._meta = {"model": model_id, "layout": _layout_fields(layout), "entry_bytes": self.entry_bytes}
+        self._files: OrderedDict[str, _File] = OrderedDict()  # LRU first
+        self._where: dict[bytes, tuple[str, int]] = {}  # hash -> (file, index)
+        self._bytes = 0
+        self._stats = TierStats("disk", capacity_bytes=capacity_bytes)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0  # write jobs queued or running
+        self._index()
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pdserve-kv-disk-read")  # reads, crcs
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="pdserve-kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- start: what a previous worker left --------------------------------------------------
+
+    def _index(self) -> None:
+        for tmp in self.dir.glob(".*.tmp-*"):
+            try:
+                os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
+            except (ValueError, PermissionError):
+                continue
+            except ProcessLookupError:  # its writer died mid-write
+                tmp.unlink(missing_ok=True)
+        paths = sorted(self.dir.glob("*" + self.SUFFIX), key=lambda p: p.stat().st_mtime)
+        for path in paths:
+            try:
+                f = self._read_header(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:  # a header we did not write
+                log.warning("disk tier %s: not serving %s: %s", self.dir, path.name, e)
+                continue
+            self._add_file(f)
+        self._evict_over_capacity()
+        if paths:
+            log.info("disk tier %s: %d entries in %d files reused", self.dir, len(self._where), len(self._files))
+
+    def _read_header(self, path: Path) -> _File:
+        with open(path, "rb") as fh:
+            head = fh.read(len(MAGIC) + HEAD.size)
+            if len(head) < len(MAGIC) + HEAD.size or head[:len(MAGIC)] != MAGIC:
+                raise ValueError("not a pdserve KV file (bad magic)")
+            length, crc = HEAD.unpack(head[len(MAGIC):])
+            if length > 1 << 28:
+                raise ValueError(f"header length {length} is implausible")
+            text = fh.read(length)
+        if len(text) != length or zlib.crc32(text) != crc:
+            raise ValueError("header checksum mismatch (corrupt or truncated)")
+        meta = json.loads(text)
+        if meta.get("model") != self.model_id:
+            raise ValueError(f"written for model {meta.get('model')!r}, this worker serves {self.model_id!r}")
+        if meta.get("layout") != self._meta["layout"] or meta.get("entry_bytes") != self.entry_bytes:
+            raise ValueError(f"written for layout {meta.get('layout')}, this worker has {self._meta['layout']}")
+        entries = meta["entries"]
+        offset = _align(len(MAGIC) + HEAD.size + length)
+        size = path.stat().st_size
+        if size != offset + len(entries) * self.entry_bytes:
+            raise ValueError(f"{size} bytes, its header says {offset + len(entries) * self.entry_bytes} (truncated)")
+        return _File(path.name, [bytes.fromhex(h) for h, _ in entries], [int(c) for _, c in entries], offset, size, 0)
+
+    def _add_file(self, f: _File) -> None:
+        for i, h in enumerate(f.hashes):
+            if h not in self._where:
+                self._where[h] = (f.name, i)
+                f.live += 1
+        self._files[f.name] = f
+        self._bytes += f.size
+        if f.live == 0:
+            self._remove_file(f.name)
+
+    def _remove_file(self, name: str) -> None:
+        f = self._files.pop(name)
+        for i, h in enumerate(f.hashes):
+            if self._where.get(h) == (name, i):
+                del self._where[h]
+        self._bytes -= f.size
+        self._stats.evicted += f.live
+        try:
+            os.unlink(self.dir / name)
+        except FileNotFoundError:
+            pass
+
+    def _evict_over_capacity(self) -> None:
+        while self._bytes > self.capacity_bytes and self._files:
+            self._remove_file(next(iter(self._files)))
+
+    # ---- for the host tier -------------------------------------------------------------------
+
+    def contains(self, h: bytes) -> bool:
+        return h in self._where
+
+    def put(self, entries: list[tuple[bytes, memoryview]], ready: Callable[[], None] | None = None,
+            done: Callable[[bool], None] | None = None) -> None:
+        """Write these entries in the background (the writer thread calls ready() first, e.g. to
+        wait until the bytes have landed in the buffers, and done(ok) once it no longer reads them)."""
+        with self._lock:
+            self._pending += 1
+        self._queue.put((entries, ready, done))
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            entries, ready, done = job
+            ok = False
+            try:
+                if ready is not None:
+                    ready()
+                self._write(entries)
+                ok = True
+            except Exception:
+                log.exception("disk tier %s: writing %d entries failed; they are dropped", self.dir, len(entries))
+                with self._lock:
+                    self._stats.dropped += len(entries)
+            finally:
+                try:
+                    if done is not None:
+                        done(ok)
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+                        self._idle.notify_all()
+
+    def _write(self, entries: list[tuple[bytes, memoryview]]) -> None:
+        with self._lock:
+            seen: set[bytes] = set()
+            todo = []
+            for h, buf in entries:
+                if h not in self._where and h not in seen:
+                    seen.add(h)
+                    todo.append((h, buf))
+        for start in range(0, len(todo), self.max_file_entries):
+            group = todo[start:start + self.max_file_entries]
+            if len(group) * self.entry_bytes > self.capacity_bytes:
+                with self._lock:
+                    self._stats.dropped += len(group)
+                continue
+            self._write_file(group)
+
+    def _write_file(self, group: list[tuple[bytes, memoryview]]) -> None:
+        crcs = list(self._readers.map(lambda entry: _crc(*entry), group))  # crc32 lets go of the GIL
+        text = json.dumps({**self._meta, "entries": [[h.hex(), c] for (h, _), c in zip(group, crcs)]}).encode()
+        head = MAGIC + HEAD.pack(len(text), zlib.crc32(text)) + text
+        head += b"\0" * (_align(len(head)) - len(head))
+        name = f"{uuid.uuid4().hex}{self.SUFFIX}"
+        tmp = self.dir / f".{name}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, memoryview(head))
+            for _, buf in group:
+                _write_all(fd, buf)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, self.dir / name)
+        f = _File(name, [h for h, _ in group], crcs, len(head), len(head) + len(group) * self.entry_bytes, 0)
+        with self._lock:
+            self._add_file(f)
+            self._stats.stored_bytes += len(group) * self.entry_bytes
+            self._evict_over_capacity()
+
+    def read(self, hashes: list[bytes], buffers: list[memoryview]) -> list[str | None]:
+        """Read each entry into its buffer (entry_bytes, writable) and verify it; per entry None or
+        why it was refused. A refused entry is forgotten: the next lookup misses it."""
+        errors: list[str | None] = [None] * len(hashes)
+        tasks: dict[str, list[tuple[int, int]]] = {}
+        with self._lock:
+            for k, h in enumerate(hashes):
+                where = self._where.get(h)
+                if where is None:
+                    errors[k] = f"entry {h.hex()[:16]} is not on disk (evicted)"
+                    continue
+                tasks.setdefault(where[0], []).append((k, where[1]))
+                self._files.move_to_end(where[0])
+            files = {name: self._files[name] for name in tasks}
+        chunk = max(1, (32 << 20) // self.entry_bytes)
+        futures = [self._readers.submit(self._read_some, files[name], part[i:i + chunk], hashes, buffers)
+                   for name, part in tasks.items() for i in range(0, len(part), chunk)]
+        for fut in futures:
+            for k, why in fut.result():
+                errors[k] = why
+        with self._lock:
+            for k, why in enumerate(errors):
+                h = hashes[k]
+                if why is None:
+                    self._stats.loaded_bytes += self.entry_bytes
+                elif h in self._where and self._where[h][0] in files:
+                    log.warning("disk tier %s: refusing entry %s: %s", self.dir, h.hex()[:16], why)
+                    self._stats.corrupt += 1
+                    self._forget(h)
+        return errors
+
+    def _read_some(self, f: _File, part: list[tuple[int, int]], hashes, buffers) -> list[tuple[int, str]]:
+        bad = []
+        try:
+            fd = os.open(self.dir / f.name, os.O_RDONLY)
+        except OSError as e:
+            return [(k, f"{f.name}: {e}") for k, _ in part]
+        try:
+            for k, i in part:
+                buf = buffers[k]
+                got = _read_all(fd, buf, f.payload_offset + i * self.entry_bytes)
+                if got != self.entry_bytes:
+                    bad.append((k, f"{f.name}: short read, {got} of {self.entry_bytes} bytes"))
+                elif f.hashes[i] != hashes[k] or _crc(hashes[k], buf) != f.crcs[i]:
+                    bad.append((k, f"{f.name}: checksum mismatch on entry {i}"))
+        finally:
+            os.close(fd)
+        return bad
+
+    def _forget(self, h: bytes) -> None:
+        name, _ = self._where.pop(h)
+        f = self._files[name]
+        f.live -= 1
+        if f.live == 0:
+            self._remove_file(name)
+
+    def _count(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self._stats.hits += 1
+            else:
+                self._stats.misses += 1
+
+    def discard(self, hashes: list[bytes]) -> None:
+        with self._lock:
+            for h in hashes:
+                if h in self._where:
+                    self._forget(h)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk (or failed); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            s = TierStats(**asdict(self._stats))
+            s.entries, s.bytes = len(self._where), self._bytes
+        return s
+
+    def files(self) -> list[Path]:
+        with self._lock:
+            return [self.dir / name for name in self._files]
+
+    def drop_page_cache(self, method: str = "fadvise") -> str:
+        """Make the next reads come from the device: "fadvise" (fdatasync + POSIX_FADV_DONTNEED on
+        each file: only our files) or "drop_caches" (sync + /proc/sys/vm/drop_caches: the whole
+        machine's page cache, root only; falls back to fadvise). Returns the method that ran."""
+        self.flush()
+        if method == "drop_caches":
+            try:
+                os.sync()
+                with open("/proc/sys/vm/drop_caches", "w") as fh:
+                    fh.write("1\n")
+                return "drop_caches"
+            except OSError as e:
+                log.info("drop_caches refused (%s); using posix_fadvise(DONTNEED)", e)
+        elif method != "fadvise":
+            raise ValueError(f"unknown page cache method {method!r}; use fadvise or drop_caches")
+        for path in self.files():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fdatasync(fd)  # dirty pages are not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"
+
+    def probe_gbps(self, nbytes: int = 16 << 20) -> float:
+        """Read bandwidth of a file written, synced and dropped from the page cache (GB/s)."""
+        path = self.dir / f".probe-{uuid.uuid4().hex[:8]}.tmp-{os.getpid()}"
+        data = os.urandom(nbytes)
+        buf = bytearray(nbytes)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, memoryview(data))
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                start = time.perf_counter()
+                _read_all(fd, memoryview(buf), 0)
+                seconds = time.perf_counter() - start
+            finally:
+                os.close(fd)
+        finally:
+            path.unlink(missing_ok=True)
+        return nbytes / max(seconds, 1e-9) / 1e9
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self._readers.shutdown(wait=True)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    buf = buf.cast("B")
+    while buf:
+        buf = buf[os.write(fd, buf):]
+
+
+def _read_all(fd: int, buf: memoryview, offset: int) -> int:
+    buf, got = buf.cast("B"), 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
