@@ -40,7 +40,7 @@ class EngineConfig:
     chunked_prefill: bool = flag(True, "prefill whole prompts in steps of their own (running requests wait for them)")
     chunk_tokens: int = flag(512, "prompt tokens per step; each step also carries every running request's next token")
     prefix_cache: bool = flag(True, "recompute every prompt in full (default: reuse the KV of full blocks a "
-                              "previous prompt began with)")  # prefix_cache.py; host and disk tiers: kv_tiers.py
+                              "previous prompt began with)")  # prefix_cache.py; host and disk tiers: kv_tiers/
     host_cache_gb: float = flag(0.0, "host memory (pinned on CUDA) that keeps the KV of finished requests' blocks "
                                 "below the GPU, reloaded instead of recomputed when that is cheaper (0: off)")
     disk_cache_dir: str | None = flag(None, "with --host-cache-gb: a directory for blocks pushed out of host memory "
