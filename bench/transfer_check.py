@@ -12,8 +12,8 @@ destinations, and a fault knob that proves the check catches a transport that dr
         skip-block:K   every request's block K (negative: from the end) is never sent
         skip-all       nothing is sent; the transfer still reports success
 
-The faults wrap a sender's transfer factory (`ChannelSender._new_transfer`, every transport's
-hook for a new transfer) so the transport moves a Plan with runs left out; the receiver still
+The faults wrap a sender's transfer factory (`ChannelSender._new_transfer`, where every transport's
+sender makes a transfer of its transfer_class) so the transport moves a Plan with runs left out; the receiver still
 sees the full reservation and a clean done notice, as it would from a buggy sender.
 """
 

@@ -47,10 +47,6 @@ class CostModel:
     def bandwidth_gbps(self, tier: str) -> float | None:
         return self._gbps.get(tier)
 
-    @property
-    def prefill_s_per_token(self) -> float | None:
-        return self._s_per_token
-
     def reload_seconds(self, tier: str, nbytes: int) -> float | None:
         gbps = self._gbps.get(tier)
         return None if gbps is None else nbytes / (gbps * 1e9)

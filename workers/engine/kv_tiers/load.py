@@ -36,7 +36,6 @@ class LoadHandle:
 
     def __init__(self, tier: "HostTier", n: int):
         self._tier = tier
-        self.n = n
         self.error: str | None = None
         self._failed = n  # index of the first item that did not land
         self._events: list = []  # CUDA: each part's last copy
