@@ -213,9 +213,7 @@ async def serve(app, sock: socket.socket, args, after_start, on_stop=None) -> in
 
 
 def run_embedded(args) -> int:
-    from server.app import create_app
     from server.launcher import Launcher, default_devices
-    from server.tokenizer import load_tokenizer
 
     counts = {Role.PREFILL: args.prefill_workers, Role.DECODE: args.decode_workers,
               Role.COLOCATED: 0 if args.no_colocated else args.colocated_workers}
@@ -243,7 +241,10 @@ def run_embedded(args) -> int:
         launcher = Launcher(specs, str(keys_dir), rundir, extra_args=args.worker_arg, log_level=args.log_level,
                             restart=not args.no_restart)
         watchers: list[asyncio.Task] = []
-        launcher.start()
+        launcher.start()  # first: the workers load their model while the router imports its app
+        from server.app import create_app
+        from server.tokenizer import load_tokenizer
+
         app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
         router = app.state.router
 

@@ -27,6 +27,7 @@ import asyncio
 import glob
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,12 @@ WATCH_S = 0.2  # how often the supervisor looks at its workers
 
 
 def default_devices() -> list[str]:
-    """Every visible GPU, or the CPU."""
+    """Every visible GPU, or the CPU. A machine with no NVIDIA driver to be seen (no GPU under
+    /proc/driver/nvidia, no WSL GPU device, no nvidia-smi) has the CPU only, known without importing
+    torch (seconds the workers' start would wait for); elsewhere torch counts what CUDA can use
+    (CUDA_VISIBLE_DEVICES, a CPU-only torch build)."""
+    if not (glob.glob("/proc/driver/nvidia/gpus/*") or os.path.exists("/dev/dxg") or shutil.which("nvidia-smi")):
+        return ["cpu"]
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
