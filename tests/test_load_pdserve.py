@@ -3,15 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -20,47 +11,10 @@ from client import Client, ServerError
 from client import cli
 from test_load_run import PNGS, check_block_against_records  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
-REPO = Path(__file__).resolve().parent.parent
-READY = re.compile(r"pdserve ready: (http://\S+)")
-START_TIMEOUT_S = 400  # three workers load the model; a busy 2-core CI box is slow
-
 
 @pytest.fixture(scope="module")
-def pdserve():
-    cmd = [sys.executable, "-m", "server.cli", "--model", "tiny", "--port", "0", "--device", "cpu",
-           "--threads", "1", "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue = queue.Queue()
-    log: list[str] = []
-
-    def pump():
-        for line in proc.stdout:
-            log.append(line)
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    url = None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while url is None:
-            if proc.poll() is not None:
-                pytest.fail(f"pdserve exited with {proc.returncode} before it was ready:\n{''.join(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"pdserve not ready within {START_TIMEOUT_S} s:\n{''.join(log)}")
-            try:
-                match = READY.search(lines.get(timeout=1.0))
-            except queue.Empty:
-                continue
-            url = match.group(1) if match else None
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def pdserve(tiny_pdserve) -> str:
+    return tiny_pdserve.url  # the request-only live tests' shared pdserve (conftest.py)
 
 
 def test_client_and_cli_against_pdserve(pdserve, capsys):

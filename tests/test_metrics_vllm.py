@@ -19,7 +19,7 @@ import pytest
 
 from protocol.timings import Timings
 from server.metrics import Metrics, kv_usage
-from test_server_harness import ROOT, TINY, Pdserve  # pytest puts tests/ on sys.path
+from test_server_harness import ROOT  # pytest puts tests/ on sys.path
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve.json"
 METRIC = re.compile(r"\b((?:vllm|pdserve)[:_][A-Za-z0-9_:]+)")
@@ -181,28 +181,34 @@ def test_dashboard_queries_only_metrics_pdserve_exports():
         assert needed in titles, f"no {needed!r} panel"
 
 
-def test_live_metrics_hold_what_the_requests_did_and_cover_the_dashboard():
-    with Pdserve(*TINY) as srv:
-        usage = []
-        for policy in ("colocated", "disaggregated", "disaggregated"):
-            r = srv.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3,
-                                             "ignore_eos": True, "policy": policy})
-            assert r.status_code == 200, r.text
-            usage.append((policy, r.json()["usage"]))
-        health = srv.health()
-        page = srv.get("/metrics").text
+def test_live_metrics_hold_what_the_requests_did_and_cover_the_dashboard(tiny_pdserve):
+    """On the shared tiny pdserve (conftest.py): what these requests added to each series."""
+    srv = tiny_pdserve
+    before = srv.get("/metrics").text
+    usage = []
+    for policy in ("colocated", "disaggregated", "disaggregated"):
+        r = srv.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3,
+                                         "ignore_eos": True, "policy": policy})
+        assert r.status_code == 200, r.text
+        usage.append((policy, r.json()["usage"]))
+    health = srv.health()
+    page = srv.get("/metrics").text
+
+    def added(name: str, **labels) -> float:
+        return (value(page, name, **labels) or 0.0) - (value(before, name, **labels) or 0.0)
+
     missing = {name for _, expr in dashboard_queries() for name in METRIC.findall(expr)} - exported_names(page)
     assert not missing, f"the dashboard queries metrics a live /metrics does not declare: {sorted(missing)}"
     for policy in ("colocated", "disaggregated"):
         lab = {"model_name": "tiny", "policy": policy}
         mine = [u for p, u in usage if p == policy]
-        assert value(page, "vllm:time_to_first_token_seconds_count", **lab) == len(mine)
-        assert value(page, "vllm:e2e_request_latency_seconds_count", **lab) == len(mine)
-        assert value(page, "vllm:inter_token_latency_seconds_count", **lab) == 2 * len(mine)  # 3 tokens: 2 gaps
-        assert value(page, "vllm:prompt_tokens_total", **lab) == sum(u["prompt_tokens"] for u in mine)
-        assert value(page, "vllm:generation_tokens_total", **lab) == sum(u["completion_tokens"] for u in mine)
-        assert value(page, "vllm:request_success_total", finished_reason="length", **lab) == len(mine)
-    assert value(page, "pdserve_transfer_seconds_count", transport="ipc", mode="bulk") == 2
+        assert added("vllm:time_to_first_token_seconds_count", **lab) == len(mine)
+        assert added("vllm:e2e_request_latency_seconds_count", **lab) == len(mine)
+        assert added("vllm:inter_token_latency_seconds_count", **lab) == 2 * len(mine)  # 3 tokens: 2 gaps
+        assert added("vllm:prompt_tokens_total", **lab) == sum(u["prompt_tokens"] for u in mine)
+        assert added("vllm:generation_tokens_total", **lab) == sum(u["completion_tokens"] for u in mine)
+        assert added("vllm:request_success_total", finished_reason="length", **lab) == len(mine)
+    assert added("pdserve_transfer_seconds_count", transport="ipc", mode="bulk") == 2
     workers = health["workers"]
     assert len(workers) == 3
     for w in workers:
