@@ -1,4 +1,4 @@
-"""Hostile HTTP input against a live pdserve (tiny model, one colocated worker, every process real):
+"""Hostile HTTP input against a live pdserve (tiny model, the shared one of conftest.py, every process real):
 
 - a table of hostile requests: each gets a 4xx naming the field (where there is one), fast, while a
   sampled stream on the same worker runs beside them and completes every token; requests that are
@@ -19,7 +19,6 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from test_server_harness import TINY, Pdserve
 from test_server_router import colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
 from protocol.sampling import MAX_SEED
 
@@ -31,9 +30,8 @@ STREAM_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def srv():
-    with Pdserve(*TINY, "--prefill-workers", "0", "--decode-workers", "0") as s:
-        yield s
+def srv(tiny_pdserve):
+    return tiny_pdserve  # the request-only live tests' shared pdserve (conftest.py)
 
 
 def rss_mb(pid: int) -> float:
