@@ -12,7 +12,7 @@ import time
 from client.client import DEFAULT_BASE_URL, Client
 from client.errors import ClientError
 from client.wire import Completion
-from protocol.control import POLICIES
+from protocol.enums import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,13 +45,11 @@ from typing import Annotated, Union
 
 import msgspec
 
-from protocol.enums import FAILURE_KINDS, FailureKind, Mode, Policy, Role, Transport
+from protocol.enums import FailureKind, Mode, Role, Transport
 from protocol.sampling import LOGPROB_FLOOR, MAX_LOGPROBS, Sampling
-from protocol.wire import (MAX_COUNT, MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, Address, BlockIds, Count, Id,
+# PROTOCOL_VERSION, ProtocolError and encode: the control side reads them through this module
+from protocol.wire import (MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, Address, BlockIds, Count, Id,  # noqa: F401
                            ProtocolError, Seconds, Text, TokenId, TokenIds, encode, short)
-
-ROLES, TRANSPORTS, MODES, POLICIES = Role.values(), Transport.values(), Mode.values(), Policy.values()
-
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks that hold num_tokens (at least one); the router counts a reservation as the engine's pool does."""

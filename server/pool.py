@@ -39,7 +39,7 @@ from server.metrics import Metrics
 from server.register import RegisterReader
 from protocol import auth
 from protocol import control as P
-from protocol.enums import Role
+from protocol.enums import ROLES, Role
 
 log = logging.getLogger("pdserve.router")
 
@@ -250,7 +250,7 @@ class WorkerPool:
         elif reg.model != self.cfg.model:
             refusal = (f"worker {reg.worker_id} serves model {reg.model!r}, this router {self.cfg.model!r}; "
                        f"start the worker with --model {self.cfg.model}")
-        elif reg.role not in P.ROLES:
+        elif reg.role not in ROLES:
             refusal = f"worker {reg.worker_id} has unknown role {reg.role!r}"
         elif old is None and len(self.workers) >= MAX_WORKERS:
             refusal = f"this router has {MAX_WORKERS} workers already; worker {reg.worker_id} is not taken"

@@ -23,6 +23,7 @@ from client import AsyncClient, Timings
 from server.timeline import Clock, ttft_phases
 from test_server_harness import ROOT  # pytest puts tests/ on sys.path
 from protocol import control as P
+from protocol.enums import TRANSPORTS
 from protocol.phases import MEANING, NAMES, PHASES, UNATTRIBUTED
 
 pytestmark = pytest.mark.timeout(300)
@@ -141,5 +142,5 @@ def test_router_client_and_phases_stay_torch_free():
     assert run.returncode == 0 and "--transport {ipc,nixl,zmq}" in run.stdout, run.stderr
     assert run.stderr.strip().splitlines()[-1] == "False", run.stderr
     from workers.transfer import registry  # every transport the router can name (torch-free) is one a worker has
-    for name in P.TRANSPORTS:
+    for name in TRANSPORTS:
         assert registry.transport(name).Sender and registry.transport(name).Receiver
