@@ -88,7 +88,12 @@ class NixlInfo(msgspec.Struct, tag="nixl"):
 
 
 class ZmqInfo(msgspec.Struct, tag="zmq"):
-    """zmq: nothing beyond the socket itself."""
+    """zmq: where the sender's data streams connect ("": this KV channel's own socket, CURVE with the
+    deployment's keys; else the decode worker's --kv-plaintext port) and the secret token (sent over the
+    authenticated channel) that ties each stream to this handshake."""
+
+    data_address: Name = ""
+    token: Handle = b""
 
 
 TransportInfo = ShmInfo | CudaIpcInfo | NixlInfo | ZmqInfo

@@ -29,8 +29,8 @@ from workers import cli as W
 WORKER_FLAGS = {
     "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--device",
     "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
-    "--kv-host", "--kv-memory-gb", "--kv-port", "--log-level", "--max-batched-tokens", "--max-model-len",
-    "--max-num-seqs", "--mode", "--model", "--no-chunked-prefill", "--no-compile", "--no-prefix-cache",
+    "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-streams", "--log-level",
+    "--max-batched-tokens", "--max-model-len", "--max-num-seqs", "--mode", "--model", "--no-chunked-prefill", "--no-compile", "--no-prefix-cache",
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
     "--threads", "--transport", "--version", "--worker-config", "--worker-id"}
 ROUTER_FLAGS = {
@@ -158,5 +158,6 @@ def test_a_worker_config_file_is_never_overwritten(tmp_path):
 
 def test_from_args_keeps_the_base_fields_that_have_no_flag():
     base = TransferConfig(cancel_grace_s=3.0)
-    args = argparse.Namespace(transport="zmq", mode="layer", kv_host="10.0.0.2", kv_port=1, handshake_timeout=2.0)
+    args = argparse.Namespace(transport="zmq", mode="layer", kv_host="10.0.0.2", kv_port=1, handshake_timeout=2.0,
+                              kv_streams=4, kv_plaintext=False)
     assert from_args(TransferConfig, args, base=base) == TransferConfig("zmq", "layer", "10.0.0.2", 1, 2.0, 3.0)

@@ -1,0 +1,176 @@
+"""The zmq transport's data path: frames cut at FRAME_BYTES over several streams, with CURVE (the
+deployment's keys) and with --kv-plaintext, strangers on the plaintext port, and the fence (a request
+given up on is reported only once its pool writes in progress are done)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from protocol import auth
+from protocol import kv as P
+from protocol.config import TransferConfig
+from workers.engine.kv_cache import KVCache, KVLayout
+from workers.transfer import zmq as Z
+from workers.transfer.errors import TransferError
+from workers.transfer.registry import make_receiver, make_sender
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYOUT = KVLayout(3, 2, 8, "bfloat16", 16, 64)  # 1 KiB per block and layer
+
+
+@pytest.fixture()
+def small_frames(monkeypatch):
+    monkeypatch.setattr(Z, "FRAME_BYTES", 3 * LAYOUT.block_bytes)  # a 10-block run: 4 frames per layer
+
+
+@pytest.fixture(scope="module")
+def keys():
+    return auth.new_deployment()[1]
+
+
+def pools():
+    src, dst = KVCache(LAYOUT, "cpu"), KVCache(LAYOUT, "cpu", shared=True)
+    src.pool.view(torch.int16).copy_(torch.randint(-2**15, 2**15, src.pool.shape, dtype=torch.int16,
+                                                   generator=torch.Generator().manual_seed(5)))
+    dst.pool.view(torch.int16).fill_(0x7FC1)  # a NaN pattern: a block never written stays so
+    return src, dst
+
+
+def wait_arrival(recv, rid: str, timeout_s: float = 10):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for a in recv.poll():
+            if a.request_id == rid:
+                return a
+        time.sleep(0.005)
+    raise AssertionError(f"no arrival for {rid}")
+
+
+def move(recv, send, rid: str, src_blocks, dst_blocks, mode_layers=None):
+    recv.expect(rid, dst_blocks, 10)
+    t = send.open(rid, recv.address, src_blocks, dst_blocks, len(src_blocks) * 16)
+    for layer in mode_layers or []:
+        t.layer_done(layer)
+    stats = t.finish(7, deadline_s=10)
+    return stats, wait_arrival(recv, rid)
+
+
+def same(src, dst, sb, db) -> bool:
+    return torch.equal(src.pool[:, sb].view(torch.int16), dst.pool[:, db].view(torch.int16))
+
+
+@pytest.mark.parametrize("secure", ["curve", "plaintext", "none"])
+@pytest.mark.parametrize("mode", ["bulk", "layer"])
+def test_frames_over_several_streams_arrive_exactly(small_frames, keys, secure, mode):
+    src, dst = pools()
+    k = None if secure == "none" else keys
+    plain = secure == "plaintext"
+    recv = make_receiver(dst, TransferConfig(transport="zmq", keys=k, streams=3, plaintext=plain, deadline_s=10))
+    send = make_sender(src, TransferConfig(transport="zmq", mode=mode, keys=k, streams=3, plaintext=plain,
+                                           deadline_s=10))
+    ids = []
+    real = Z.Receiver._on_chunk
+
+    def on_chunk(self, ident, chunk, data):
+        ids.append(ident)
+        return real(self, ident, chunk, data)
+
+    try:
+        Z.Receiver._on_chunk = on_chunk
+        sb, db = list(range(2, 12)) + [30], list(range(40, 50)) + [5]  # a 10-block run and a 1-block one
+        stats, a = move(recv, send, "r", sb, db, range(LAYOUT.num_layers) if mode == "layer" else None)
+        assert a.ok and a.first_token == 7, a
+        assert stats.num_bytes == len(sb) * LAYOUT.num_layers * LAYOUT.block_bytes
+        assert same(src, dst, sb, db)
+        untouched = [b for b in range(LAYOUT.num_blocks) if b not in db]
+        assert (dst.pool[:, untouched].view(torch.int16) == 0x7FC1).all()
+        frames = LAYOUT.num_layers * (4 + 1)
+        assert len(ids) == frames if not plain else len(ids) == 0  # plaintext: read on the data port
+        assert (recv.data_address != "") == plain
+        if not plain:
+            assert len(set(ids)) == 3 and all(i.startswith(Z.TOKEN_PREFIX) and len(i) == 18 for i in ids)
+    finally:
+        Z.Receiver._on_chunk = real
+        send.close(), recv.close(), dst.close()
+
+
+def test_a_prefill_worker_without_plaintext_refuses_a_plaintext_receiver(keys):
+    src, dst = pools()
+    recv = make_receiver(dst, TransferConfig(transport="zmq", keys=keys, plaintext=True, deadline_s=5))
+    send = make_sender(src, TransferConfig(transport="zmq", keys=keys, deadline_s=5))
+    try:
+        with pytest.raises(TransferError, match="only unencrypted.*--kv-plaintext"):
+            send.connect(recv.address, 5)
+    finally:
+        send.close(), recv.close(), dst.close()
+
+
+def test_strangers_on_the_plaintext_port_write_nothing(keys):
+    """A process without the keys reaches the plaintext port: with a made-up token, with no routing id,
+    with a frame larger than any real one; none of it lands, and the real sender's transfer still does."""
+    src, dst = pools()
+    recv = make_receiver(dst, TransferConfig(transport="zmq", keys=keys, plaintext=True, deadline_s=10))
+    send = make_sender(src, TransferConfig(transport="zmq", keys=keys, plaintext=True, deadline_s=10))
+    ctx = zmq.Context()
+    try:
+        recv.expect("x", [20, 21], 10)
+        send.connect(recv.address, 5)
+        data = torch.zeros(2, *LAYOUT.shape[2:], dtype=torch.bfloat16).view(torch.uint8).numpy()
+        header = P.encode(P.Chunk("x", 0, 20, 2, data.nbytes))
+        for ident, payload in ((Z.TOKEN_PREFIX + bytes(16) + b"\0", data), (None, data),
+                               (Z.TOKEN_PREFIX + bytes(17), bytes(Z.max_frame_bytes(LAYOUT.block_bytes) + 8192))):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if ident is not None:
+                sock.setsockopt(zmq.ROUTING_ID, ident)
+            sock.connect(recv.data_address)
+            sock.send_multipart([header, payload])
+        time.sleep(0.5)
+        assert (dst.pool[:, [20, 21]].view(torch.int16) == 0x7FC1).all(), "a stranger's frame was written"
+        t = send.open("x", recv.address, [3, 4], [20, 21], 32)
+        t.finish(1, deadline_s=10)
+        assert wait_arrival(recv, "x").ok and same(src, dst, [3, 4], [20, 21])
+    finally:
+        ctx.destroy(linger=0)
+        send.close(), recv.close(), dst.close()
+
+
+def test_a_cancelled_request_is_reported_after_its_writes_end(small_frames, monkeypatch):
+    """Pool writes slowed to 0.3 s each: the cancel's failed arrival (when the blocks may go back)
+    comes only after every write that had started has ended."""
+    src, dst = pools()
+    ended: list[float] = []
+    started = threading.Event()
+    real = Z.Receiver._copy
+
+    def slow(self, d, s):
+        started.set()
+        time.sleep(0.3)
+        real(self, d, s)
+        ended.append(time.monotonic())
+
+    monkeypatch.setattr(Z.Receiver, "_copy", slow)
+    recv = make_receiver(dst, TransferConfig(transport="zmq", streams=2, deadline_s=10))
+    send = make_sender(src, TransferConfig(transport="zmq", streams=2, deadline_s=10))
+    try:
+        sb, db = list(range(10)), list(range(30, 40))
+        recv.expect("c", db, 10)
+        t = send.open("c", recv.address, sb, db, 160)
+        t.start_finish(1, deadline_s=10)
+        while not started.is_set():
+            t.poll()
+            time.sleep(0.005)
+        recv.cancel("c")
+        a = wait_arrival(recv, "c")
+        assert not a.ok and "cancelled" in a.error
+        assert ended and a.reported_at >= max(ended), (a.reported_at, ended)
+        with pytest.raises(TransferError):
+            t.finish(1, deadline_s=5)
+    finally:
+        send.close(), recv.close(), dst.close()
