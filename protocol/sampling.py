@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from protocol.wire import MAX_INT32, TokenId
+from protocol.wire import MAX_INT32, TokenId, TokenIds
 
 MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
 # temperatures below this sample the top token with probability 1 to float32 precision; dividing
@@ -25,6 +25,10 @@ MAX_LOGPROBS = 20  # top logprobs per token (OpenAI chat: 0..20)
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 4096  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64  # bad_words per request, each a few token ids (MAX_BAD_WORD_TOKENS)
+MAX_BAD_WORD_TOKENS = 32
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range, -100..100
 LOGPROB_FLOOR = -9999.0  # a logprob of -inf travels (and is shown) as this, as vLLM does: JSON has no -inf
 
 
@@ -47,11 +51,30 @@ class Sampling(msgspec.Struct, frozen=True):
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per generated token: None off
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # per prompt token
+    # vLLM's: tokens below min_p x the top token's probability are dropped before the draw (0: off)
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    # vLLM's: only these token ids may be generated (empty: any)
+    allowed_token_ids: TokenIds = []
+    # vLLM's bad_words, tokenized by the router: a sequence's last token is banned wherever the output
+    # ends with the tokens before it (a one-token word is banned everywhere)
+    bad_words_ids: Annotated[list[Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]],
+                             msgspec.Meta(max_length=MAX_BAD_WORDS * 2)] = []
+    # OpenAI's logit_bias: {token id: -100..100} added to the logits before anything else
+    logit_bias: Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-MAX_LOGIT_BIAS_VALUE,
+                                                                       le=MAX_LOGIT_BIAS_VALUE)]],
+                          msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string (or stop token's text) stays in the text
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the output text
 
     @property
     def greedy(self) -> bool:
         """The top token, always (a temperature below MIN_TEMPERATURE would overflow the logits)."""
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def masked(self) -> bool:
+        """The sampler has to mask or bias this request's logits every step (allowed ids, bad words, bias)."""
+        return bool(self.allowed_token_ids or self.bad_words_ids or self.logit_bias)
 
     @property
     def penalized(self) -> bool:
@@ -101,7 +124,7 @@ class InvalidSampling(InvalidRequest):
 # what a field means at its edges, beside its bounds in an error message
 _NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)", "repetition_penalty": " (1 = off)",
           "presence_penalty": " (0 = off)", "frequency_penalty": " (0 = off)",
-          "seed": " (0 .. 2**63-1)"}
+          "seed": " (0 .. 2**63-1)", "min_p": " (0 = off)"}
 
 
 def _allowed(name: str) -> str:

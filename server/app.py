@@ -63,7 +63,7 @@ class Router:
     def __init__(self, cfg: RouterConfig, tokenizer):
         self.cfg = cfg
         self.encoder = PromptEncoder(tokenizer)
-        self.metrics = Metrics(cfg.model)
+        self.metrics = Metrics(cfg.served_name)
         self.pool = WorkerPool(cfg, self.metrics)
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
         self.planner = Planner(cfg, self.pool, self.dispatcher.admission, self.metrics)
@@ -113,20 +113,21 @@ class Router:
     async def prepare(self, kind: str, req: S.CompletionRequest | S.ChatRequest, request_id: str,
                       clock: Clock) -> Job:
         req.check()
-        if req.model is not None and req.model != self.cfg.model:
-            raise unknown_model(req.model, self.cfg.model)
+        self._check_model(req.model)
         prompt = req.prompt_input()
         param = "messages" if kind == "chat" else "prompt"
         context = self.pool.max_model_len()
         if kind == "chat":
             chars = sum(len(m["content"]) for m in prompt)
             self._check_fits(chars, context, param)
-            ids = await self._off_loop(self.encoder.chat, prompt, chars + MESSAGE_CHARS * len(prompt))
+            ids = await self._off_loop(lambda p: req.encode(self.encoder, p), prompt,
+                                       chars + MESSAGE_CHARS * len(prompt))
         elif isinstance(prompt, str):
             self._check_fits(len(prompt), context, param)
-            ids = await self._off_loop(self.encoder.text, prompt, len(prompt))
+            ids = await self._off_loop(lambda p: req.encode(self.encoder, p), prompt, len(prompt))
         else:
             ids = self.encoder.check_ids(prompt)
+        ids = req.prepared_ids(ids, context, self.encoder)  # truncate_prompt_tokens; token ids the request names
         if not ids:
             raise bad_request(f"`{param}` encodes to no tokens; send some text", param, "empty_prompt")
         n = len(ids)
@@ -200,7 +201,7 @@ class Router:
             return Response(status_code=499)
         work.result()  # raises the request's APIError, if any
         return JSONResponse(S.response_body(
-            kind, rid, S.now_s(), self.cfg.model, [c.body() for c in choices], len(job.prompt_ids),
+            kind, req.response_id(rid), S.now_s(), self.cfg.served_name, [c.body() for c in choices], len(job.prompt_ids),
             sum(len(d.token_ids) for d in dones), dones[0].timings))
 
     def _choices(self, kind: str, req: S.CompletionRequest | S.ChatRequest, job: Job) -> list[S.ChoiceBuilder]:
@@ -222,9 +223,12 @@ class Router:
 
     async def _sse(self, kind: str, job: Job, plans: list, req: S.CompletionRequest | S.ChatRequest,
                    choices: list[S.ChoiceBuilder]):
-        rid, created, model = job.request_id, S.now_s(), self.cfg.model
-        # OpenAI's include_usage: every event says "usage": null, and a last one (empty choices) the usage
-        usage_event = req.stream_options is not None and req.stream_options.include_usage
+        rid, created, model = req.response_id(job.request_id), S.now_s(), self.cfg.served_name
+        # OpenAI's include_usage: every event says "usage": null, and a last one (empty choices) the usage;
+        # vLLM's continuous_usage_stats: every event carries the usage so far
+        usage_event = req.stream_options is not None and req.stream_options.usage_event()
+        continuous = usage_event and req.stream_options.continuous_usage_stats
+        generated = 0  # tokens of every choice so far
         held: dict[int, tuple[str, list[int]]] = {}  # choice -> its last token, sent with its Done in one event
         completion_tokens, left = 0, len(plans)
         timings = Timings()  # choice 0's, as a whole response reports them
@@ -233,15 +237,21 @@ class Router:
                 c = choices[i]
                 if isinstance(event, Token):
                     text = c.add(event.token_id, event.text, event.logprobs, event.prompt_logprobs)
+                    generated += 1
                     if event.last:  # the Done follows at once: one final event carries both
                         held[i] = (text, [event.token_id])
                     else:
-                        yield _event(S.chunk_body(kind, rid, created, model, c.delta(text, [event.token_id]),
-                                                  null_usage=usage_event))
+                        body = S.chunk_body(kind, rid, created, model, c.delta(text, [event.token_id]),
+                                            null_usage=usage_event)
+                        if continuous:
+                            body["usage"] = S.usage(len(job.prompt_ids), generated)
+                        yield _event(body)
                     continue
                 text, ids = held.pop(i, ("", []))
                 body = S.chunk_body(kind, rid, created, model, c.delta(text, ids, event.finish_reason),
                                     null_usage=usage_event)
+                if continuous:
+                    body["usage"] = S.usage(len(job.prompt_ids), generated)
                 completion_tokens += len(event.token_ids)
                 timings = event.timings if i == 0 else timings
                 left -= 1
@@ -294,8 +304,9 @@ class Router:
         return JSONResponse({"prompt": await self._off_loop(self.encoder.decode, ids, len(ids))})
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.cfg.model:
-            raise unknown_model(model, self.cfg.model)
+        """The served name (--served-model-name) or, when that differs, the model itself; null: this one."""
+        if model is not None and model not in (self.cfg.served_name, self.cfg.model):
+            raise unknown_model(model, self.cfg.served_name)
 
     def health(self, private: bool) -> JSONResponse:
         """`private` (no API key configured, or the caller holds it): worker addresses and PIDs too."""
@@ -304,7 +315,7 @@ class Router:
         short = self.pool.shortfall(self.cfg.expected_workers)
         draining = self.dispatcher.admission.draining
         status = "draining" if draining else "unavailable" if not ok else "degraded" if short else "ok"
-        body = {"status": status, "model": self.cfg.model, "policy": self.cfg.policy,
+        body = {"status": status, "model": self.cfg.served_name, "policy": self.cfg.policy,
                 "policies": policies, "workers": [w.describe(private) for w in self.pool.workers.values()]}
         if short:  # still serving (200), with fewer workers than configured
             body["missing"] = short
@@ -405,14 +416,13 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         router.require_key(request)
-        return S.models_body(cfg.model, router.created, router.pool.max_model_len())
+        return S.models_body(cfg.served_name, router.created, router.pool.max_model_len())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
         router.require_key(request)
-        if model_id != cfg.model:
-            raise unknown_model(model_id, cfg.model)
-        return S.model_card(cfg.model, router.created, router.pool.max_model_len())
+        router._check_model(model_id)
+        return S.model_card(cfg.served_name, router.created, router.pool.max_model_len())
 
     @app.post("/tokenize", openapi_extra=tokenize_body)
     async def tokenize(request: Request):

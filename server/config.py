@@ -36,6 +36,8 @@ def expected_counts(text: str | None) -> dict[str, int] | None:
 class RouterConfig:
     model: str = flag("smollm2-135m", MODEL_HELP)  # the one model it serves (workers must register the same)
     tokenizer: str | None = flag(None, "tokenizer directory, when the model's is not on this machine")
+    served_model_name: str | None = flag(None, "the model's id in the API (/v1/models, the `model` of requests and "
+                                         "responses); default: --model")
     # `pdserve` has its own default, an ipc:// socket in its run directory (server/cli.py)
     register: str = flag("tcp://127.0.0.1:7100", "ZMQ endpoint workers register at (port 0: any free port)")
     policy: str = flag("auto", "default routing policy (a request's \"policy\" field overrides it)", choices=POLICIES)
@@ -46,8 +48,9 @@ class RouterConfig:
     kv_deadline_s: float = flag(60.0, "seconds a decode reservation waits for its KV", name="--kv-deadline")
     token_timeout_s: float = flag(120.0, "seconds of silence from a worker before its request fails",
                                   name="--token-timeout")
-    default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
-    default_chat_max_tokens: int = 512  # chat without max_tokens (capped by the context left)
+    default_max_tokens: int = flag(16, "tokens a completion without max_tokens may generate (OpenAI's default)")
+    default_chat_max_tokens: int = flag(512, "tokens a chat answer without max_tokens may generate (capped by the "
+                                        "context left)")
     keys: RouterKeys | None = None  # CURVE keys of the deployment; None: plain sockets (tests only)
     # the CLI reads it from the flag, $PDSERVE_API_KEY or --api-key-file (server/cli.py api_key)
     api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on the HTTP API (/health without it shows "
@@ -88,8 +91,14 @@ class RouterConfig:
             raise ValueError("admission bounds must be 0 (derived from the KV capacity) or positive")
         if self.retry_after_s < 1 or self.drain_timeout_s < 0:
             raise ValueError("retry-after must be at least 1 s and the drain timeout not negative")
+        if self.default_max_tokens < 1 or self.default_chat_max_tokens < 1:
+            raise ValueError("the default max_tokens must be at least 1")
         if self.kv_deadline_s <= 1.0:
             raise ValueError(f"kv deadline must exceed 1 s, got {self.kv_deadline_s}")
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model
 
     @property
     def heartbeat_timeout_s(self) -> float:

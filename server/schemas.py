@@ -16,9 +16,9 @@ greedy (temperature 0) unless the request says otherwise. `n` > 1: choice i samp
 when a seed is given.
 
 Nothing is silently ignored: a field no model here declares is refused (400, naming it), and so is a
-field OpenAI or vLLM defines that pdserve does not implement (UNSUPPORTED: `tools`, `response_format`,
-`best_of`, `min_p`, `logit_bias`, ...) unless it holds its neutral value (`best_of: 1`, `min_p: 0`),
-which changes nothing and is what many clients send by default.
+field OpenAI or vLLM defines that pdserve does not implement (server/fields.py, one row a field:
+`tools`, `response_format`, `best_of`, guided decoding, ...) unless it holds its neutral value
+(`best_of: 1`, `tools: []`), which changes nothing and is what many clients send by default.
 """
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ import math
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from server.errors import APIError, bad_request
+from server.fields import neutral_values, reason
 from protocol import control as P
 from protocol.enums import POLICIES
 from protocol.timings import Timings
-from protocol.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidSampling, Sampling
+from protocol.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidSampling,
+                               Sampling)
 from protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
 
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
@@ -44,6 +46,7 @@ MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's legacy boun
 MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) is 5 levels
 MAX_MESSAGES = 2048  # chat messages per request (OpenAI's own cap)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
@@ -70,35 +73,20 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
         raise _validation_error(e) from None
 
 
-# OpenAI or vLLM fields pdserve does not implement -> the values that change nothing (accepted, dropped)
-# (a field one endpoint implements is that endpoint's model's: `echo` on completions, `top_logprobs` on chat)
-UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (1,), "min_p": (0,), "logit_bias": ({},), "top_logprobs": (0,),
-    "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
-    "use_beam_search": (False,), "length_penalty": (1,), "prediction": (),
-    "modalities": (["text"],), "audio": (), "reasoning_effort": (), "web_search_options": (), "store": (False,),
-    "metadata": (), "service_tier": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (), "chat_template": (), "chat_template_kwargs": (),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "truncate_prompt_tokens": (),
-}
-_WHY = {"tools": "pdserve has no tool calling", "tool_choice": "pdserve has no tool calling",
-        "functions": "pdserve has no function calling", "function_call": "pdserve has no function calling",
-        "response_format": "pdserve returns plain text only, `{\"type\": \"text\"}`"}
-
-
 def refuse_unsupported(data: dict, model_cls: type[BaseModel]) -> None:
-    """Refuse, naming it, a field pdserve does not implement; drop it when it holds a neutral value (or
-    null: clients send null for "not set"). A field the model declares is the model's to check."""
-    for name in [k for k in data if k in UNSUPPORTED and k not in model_cls.model_fields]:
-        value, neutral = data[name], UNSUPPORTED[name]
+    """Refuse, naming it, a field this endpoint does not implement (server/fields.py); drop it when it
+    holds a neutral value (or null: clients send null for "not set")."""
+    kind = getattr(model_cls, "endpoint", None)
+    table = neutral_values(kind) if kind else {}
+    for name in [k for k in data if k in table and k not in model_cls.model_fields]:
+        value, neutral = data[name], table[name]
         if value is None or any(_same(value, v) for v in neutral):
             del data[name]
             continue
         hint = f"leave it out or set it to {json.dumps(neutral[0])}" if neutral else "leave it out"
-        why = f" ({_WHY[name]})" if name in _WHY else ""
-        raise bad_request(f"`{name}` is not supported by pdserve{why}, got {_show(value)}; {hint}", name,
-                          "unsupported_field")
+        why = reason(kind, name)
+        raise bad_request(f"`{name}` is not supported by pdserve{f' ({why})' if why else ''}, got {_show(value)}; "
+                          f"{hint}", name, "unsupported_field")
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -179,7 +167,7 @@ def _validation_error(e: ValidationError) -> APIError:
         return bad_request(f"`{param}` is required", param=param, code="missing_field")
     if err["type"] == "extra_forbidden":
         return bad_request(f"`{param}` is not a field pdserve knows, so it is not supported; leave it out (the "
-                           f"fields each endpoint takes: the README's Requests section, or GET /openapi.json)",
+                           f"fields each endpoint takes: docs/api.md, or GET /openapi.json)",
                            param=param, code="unsupported_field")
     if err["type"] == "value_error":
         return bad_request(msg, param=param)
@@ -197,10 +185,15 @@ def _show(value: Any) -> str:
 
 class StreamOptions(BaseModel):
     """OpenAI's: `include_usage` adds a last event before [DONE] with empty `choices` and the usage (and
-    pdserve's timings); the other events then carry `"usage": null`."""
+    pdserve's timings); the other events then carry `"usage": null`. vLLM's `continuous_usage_stats`:
+    every event carries the usage so far instead (and include_usage, unless given, is then true)."""
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False
+
+    def usage_event(self) -> bool:
+        return self.include_usage if self.include_usage is not None else self.continuous_usage_stats
 
 
 class _Common(BaseModel):
@@ -233,6 +226,22 @@ class _Common(BaseModel):
                             "tokens (stop strings are not checked either)")
     stop_token_ids: list[int] | None = Field(None, description="vLLM: generating one of these token ids stops "
                                              "(finish_reason stop; its text stays unless it is a special token)")
+    min_p: float = Field(0.0, description="vLLM: 0..1, drop tokens less likely than min_p x the top token's "
+                         "probability; 0: off")
+    logit_bias: dict[str, float] | None = Field(None, description="OpenAI: {token id: -100..100} added to its logit")
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM: only these token ids may be generated")
+    bad_words: list[str] | None = Field(None, description="vLLM: words that must not be generated (as written "
+                                        "and with a leading space)")
+    include_stop_str_in_output: bool = Field(False, description="vLLM: the stop string that ended the answer stays "
+                                             "in its text")
+    skip_special_tokens: bool = Field(True, description="vLLM: leave special tokens' text out of the answer")
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM: keep only the prompt's last N tokens (-1: as "
+                                               "many as the context holds)")
+    add_special_tokens: bool | None = Field(None, description="vLLM: the tokenizer's special tokens (BOS) around "
+                                            "the prompt; default: true for completions, false for chat")
+    request_id: str | None = Field(None, description="vLLM: the response's id becomes cmpl-<id> / chatcmpl-<id>")
+    safety_identifier: str | None = Field(None, description="OpenAI's end-user tag: accepted, changes nothing")
+    _bad_words_ids: list[list[int]] = PrivateAttr(default_factory=list)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -252,9 +261,60 @@ class _Common(BaseModel):
                               "policy", "invalid_policy")
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"`n` must be between 1 and {MAX_N} (choices per request), got {self.n}", "n")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and self.stream_options.include_usage is False:
+            raise bad_request("`stream_options.continuous_usage_stats` puts the usage in every event and needs "
+                              "`include_usage` true (or left out)", "stream_options.continuous_usage_stats")
+        if self.top_k == -1:  # vLLM's spelling of "off"
+            self.top_k = 0
+        if self.request_id is not None and not _REQUEST_ID.fullmatch(self.request_id):
+            raise bad_request(f"`request_id` must be 1 to 128 characters of A-Z a-z 0-9 . _ : -, got "
+                              f"{_show(self.request_id)}", "request_id")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1):
+            raise bad_request(f"`truncate_prompt_tokens` must be at least 1 (or -1: the context), got "
+                              f"{self.truncate_prompt_tokens}", "truncate_prompt_tokens")
+        if self.bad_words is not None and (len(self.bad_words) > MAX_BAD_WORDS or not all(self.bad_words)):
+            raise bad_request(f"`bad_words` takes at most {MAX_BAD_WORDS} non-empty words", "bad_words")
         # every sampling bound, as the wire and the engine check it (protocol/sampling.py); max_tokens
         # may still be unset here (then up to the model's context, known once the prompt is tokenized)
         self._sampling(self.max_tokens if self.max_tokens is not None else MAX_INT32)
+
+    def response_id(self, rid: str) -> str:
+        """The id the response shows: pdserve's own (`rid`, unique: workers key their state by it), or the
+        caller's `request_id` under the same prefix."""
+        return rid if self.request_id is None else f"{rid.split('-')[0]}-{self.request_id}"
+
+    def encode(self, encoder, prompt) -> list[int]:
+        """The prompt's token ids with this request's tokenizer options (chat: through the template)."""
+        if isinstance(prompt, str):
+            return encoder.text(prompt, self.add_special_tokens is not False)
+        return encoder.chat(prompt, **self.template_options())
+
+    def template_options(self) -> dict:
+        return {"add_special_tokens": bool(self.add_special_tokens)}
+
+    def prepared_ids(self, ids: list[int], context: int | None, encoder) -> list[int]:
+        """The prompt after truncate_prompt_tokens; the token ids this request names (allowed_token_ids,
+        logit_bias) checked against the vocabulary, and its bad words tokenized."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1 and context is not None:
+            keep = context - 1  # at least one token of the context is left for the answer
+        if keep is not None and keep > 0 and len(ids) > keep:
+            ids = ids[-keep:]
+        encoder.check_ids(list(self.allowed_token_ids or []), "allowed_token_ids")
+        bias = self.logit_bias or {}
+        if any(not k.isdigit() for k in bias):
+            raise bad_request(f"`logit_bias` keys must be token ids (digits), got {_show(list(bias))}", "logit_bias")
+        encoder.check_ids([int(k) for k in bias], "logit_bias")
+        words = []
+        for w in self.bad_words or []:  # as written and after a space: the two spellings a word takes in text
+            for spelling in (w, " " + w.lstrip()):
+                word = encoder.text(spelling, False)
+                if word and word not in words:
+                    words.append(word[:MAX_BAD_WORD_TOKENS])
+        self._bad_words_ids = words
+        return ids
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -279,12 +339,17 @@ class _Common(BaseModel):
                             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
                             stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs).checked()
+                            prompt_logprobs=prompt_logprobs, min_p=self.min_p,
+                            allowed_token_ids=list(self.allowed_token_ids or []), bad_words_ids=self._bad_words_ids,
+                            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items() if k.isdigit()},
+                            include_stop_str_in_output=self.include_stop_str_in_output,
+                            skip_special_tokens=self.skip_special_tokens).checked()
         except InvalidSampling as e:
             raise bad_request(str(e), e.field) from None
 
 
 class CompletionRequest(_Common):
+    endpoint: ClassVar[str] = "completions"  # its row of server/fields.py
     prompt: Any = None
     logprobs: int | None = Field(None, description=f"OpenAI's legacy format: the chosen token's logprob and the "
                                  f"top 0..{MAX_COMPLETION_LOGPROBS} alternatives of each token")
@@ -345,13 +410,25 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Common):
+    endpoint: ClassVar[str] = "chat"
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = Field(False, description="each generated token's logprob (choices[i].logprobs.content)")
     top_logprobs: int | None = Field(None, description=f"with `logprobs`: the 0..{MAX_LOGPROBS} most likely "
                                      "alternatives of each token too")
+    add_generation_prompt: bool = Field(True, description="vLLM: the template ends with the assistant's turn")
+    continue_final_message: bool = Field(False, description="vLLM: the last message stays open and the answer "
+                                         "continues it (with add_generation_prompt false)")
+
+    def template_options(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "add_special_tokens": bool(self.add_special_tokens)}
 
     def check(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("`continue_final_message` continues the last message, `add_generation_prompt` starts "
+                              "a new one: set `add_generation_prompt` to false", "continue_final_message")
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None:  # before the sampling bounds, which name it `logprobs`

@@ -113,13 +113,23 @@ class PromptEncoder:
     def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+             add_special_tokens: bool = False) -> list[int]:
+        """continue_final_message: the text ends with the last message's content (what the template puts
+        after it, such as an end-of-turn token, is cut), so the answer continues that message."""
         if not self.tokenizer.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt",
                               "messages", "no_chat_template")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        if continue_final_message:
+            last = messages[-1]["content"]
+            at = text.rfind(last) if last else -1
+            if at < 0:
+                raise bad_request("`continue_final_message` needs a last message with text the chat template keeps",
+                                  "continue_final_message")
+            text = text[:at + len(last)]
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

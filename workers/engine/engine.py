@@ -459,6 +459,7 @@ class Engine:
             hit = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
             if hit >= 0:
                 before = len(req.text) - len(delta)
+                hit += max(len(s) for s in p.stop if req.text.startswith(s, hit)) if p.include_stop_str_in_output else 0
                 req.text = req.text[:hit]
                 delta = req.text[before:] if hit > before else ""
                 reason = "stop"
@@ -472,8 +473,9 @@ class Engine:
         UTF-8 character, which shows as U+FFFD until the next token completes it)."""
         ids = req.output_ids
         decode = self.tokenizer.decode
-        before = decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
-        after = decode(ids[req.prefix_offset:], skip_special_tokens=True)
+        skip = req.params.skip_special_tokens
+        before = decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
+        after = decode(ids[req.prefix_offset:], skip_special_tokens=skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         delta = after[len(before):]

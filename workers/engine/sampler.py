@@ -4,8 +4,10 @@
     token_logprobs(logits, reqs, toks)  -> each asking row's TokenLogprobs (None for the others)
     logprobs_of(logits, targets, k)     -> TokenLogprobs per row (the runner's prompt logprobs too)
 
-Processing first, only for the rows that need it (the common case, no penalties and min_tokens
-reached, costs nothing extra): min_tokens masks EOS and stop_token_ids to -inf until reached;
+Processing first, only for the rows that need it (the common case, no penalties, masks or bias and
+min_tokens reached, costs nothing extra): logit_bias added (OpenAI's), every token outside
+allowed_token_ids and each bad word's next token (vLLM's: the word's last token where the output ends
+with the ones before it) masked to -inf; min_tokens masks EOS and stop_token_ids to -inf until reached;
 repetition_penalty (vLLM/HF: every token of the prompt or the output, logit / r if > 0 else * r),
 then frequency_penalty * count and presence_penalty * (count > 0) subtracted (OpenAI: output tokens
 only). The counts are per-row [rows, vocab] tensors built on the device for those rows alone, each
@@ -14,9 +16,10 @@ the colocated run counts).
 
 Greedy rows take one batched max, which also checks every row: a row holding NaN or +inf (its max
 is not finite) fails that request alone. Sampled rows apply temperature, top-k and top-p, then
-draw. A seeded request draws its n-th token from a generator seeded with (seed, n), so it gives
-the same tokens whatever shares its batch, and whether its first token was drawn on a prefill
-worker and the rest on a decode worker or all in one place.
+draw; min_p (vLLM's) drops the tokens less likely than min_p x the top one's probability, after
+top-k and before top-p. A seeded request draws its n-th token from a generator seeded with (seed,
+n), so it gives the same tokens whatever shares its batch, and whether its first token was drawn on
+a prefill worker and the rest on a decode worker or all in one place.
 
 Logprobs are of the raw logits (log_softmax before processing, temperature, top-k/p: vLLM's default
 `raw_logprobs`), so they do not depend on how the token was chosen; -inf is reported as
@@ -72,7 +75,7 @@ class Sampler:
     # ---- processing: min_tokens, penalties ----------------------------------------------------------
 
     def _needs_processing(self, r: Request) -> bool:
-        return r.params.penalized or len(r.output_ids) < r.params.min_tokens
+        return r.params.penalized or r.params.masked or len(r.output_ids) < r.params.min_tokens
 
     def process(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, dict[int, SamplingError]]:
         """The logits to choose from (the input itself when no row needs processing) and the rows
@@ -98,6 +101,8 @@ class Sampler:
         """rows: [m, vocab] float32 of the requests that need processing -> the processed rows."""
         vocab = rows.shape[1]
         dev = rows.device
+        if any(r.params.masked for r in reqs):
+            rows = self._masked(rows, reqs)
         for j, r in enumerate(reqs):  # min_tokens: a few ids per row
             if len(r.output_ids) < r.params.min_tokens:
                 banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
@@ -120,6 +125,29 @@ class Sampler:
         rows[pen] = sub
         return rows
 
+    @staticmethod
+    def _masked(rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """rows: [m, vocab] -> logit_bias added, then -inf outside allowed_token_ids and on the bad words'
+        next tokens; one indexed write each, over the rows that asked."""
+        vocab, dev = rows.shape[1], rows.device
+        bias = [(j, r.params.logit_bias) for j, r in enumerate(reqs) if r.params.logit_bias]
+        if bias:
+            at = torch.tensor([j for j, b in bias for _ in b], dtype=torch.long, device=dev)
+            ids = torch.tensor([t for _, b in bias for t in b], dtype=torch.long, device=dev)
+            vals = torch.tensor([v for _, b in bias for v in b.values()], dtype=rows.dtype, device=dev)
+            rows = rows.index_put((at, ids), vals, accumulate=True)
+        allowed = [j for j, r in enumerate(reqs) if r.params.allowed_token_ids]
+        if allowed:
+            keep = token_counts([reqs[j].params.allowed_token_ids for j in allowed], vocab, dev) > 0  # [a, vocab]
+            at = torch.tensor(allowed, dtype=torch.long, device=dev)
+            rows[at] = rows[at].masked_fill(~keep, float("-inf"))
+        banned = [(j, w[-1]) for j, r in enumerate(reqs) for w in r.params.bad_words_ids
+                  if len(w) == 1 or r.output_ids[-(len(w) - 1):] == w[:-1]]
+        if banned:
+            at, ids = torch.tensor(banned, dtype=torch.long, device=dev).T
+            rows[at, ids] = float("-inf")
+        return rows
+
     # ---- drawing ------------------------------------------------------------------------------------
 
     def _draw(self, row: torch.Tensor, req: Request) -> int:
@@ -129,6 +157,9 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        if p.min_p > 0.0:  # the top token's probability is probs.max(); the top token always stays
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             cum = sorted_probs.cumsum(0)
