@@ -7,6 +7,9 @@ transfer and the prefill are of the same order. As root (namespaces, tc).
 
     pdserve-bench multihost                                  # nixl, 1k and 4k, 50/200/1000/2000 Mbit/s
     pdserve-bench multihost --rates 100,500 --lengths 1k --transports nixl,zmq --repeats 3
+    pdserve-bench multihost --rates 5000,10000,25000 --lengths 4k --transports zmq,nixl --probe-mib 256
+                                                             # link speed: a 2-core CPU shapes up to ~10 Gb/s;
+                                                             # above, the probe shows what TCP reaches unshaped
 
 Two namespaces on a bridge (tests/netns.py, the tests' own helper), one process each
 (bench/transfer_roles.py, as `pdserve-bench transfer` runs them, with the decode side's receivers bound
@@ -21,6 +24,8 @@ bytes would go over cma, never the link). Per rate, tbf on both directions of th
     predicted      transfer = KV bytes x 8 / rate (nominal) and / the measured ceiling; bulk exposes the
                    whole transfer; layer exposes max(one layer's share, transfer - prefill (1 - 1/layers)):
                    it can hide the move only when the move is shorter than the prefill it runs beside
+    link check     per transport, rate and length: bulk transfer / (KV bytes x 8 / tbf rate) and / the
+                   measured ceiling; within 10% (<= 1.1) is the target
 
 The machine's load average at start and end goes into the JSON: on a shared 2-core machine the prefill
 times (and a layer-mode overlap that competes with prefill for the cores) are noisy; medians of
@@ -156,6 +161,7 @@ def report(paths: list[Path], out: Path | None = None) -> int:
     for block in result["rates"]:
         for row in block["lengths"]:
             row["predicted"] = predict(row, block["rate_mbit"], block["ceiling"]["mbit_s"], layers)
+    result["link_check"] = link_check(result)
     path = out.with_suffix(".json") if out else paths[0]
     path.write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
@@ -217,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             prefill.close()
             decode.close()
     result["complete"] = True
+    result["link_check"] = link_check(result)
     prov["load_average_end"] = os.getloadavg()
     provenance.finish(prov)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -242,6 +249,28 @@ def predict(row: dict, rate_mbit: float, ceiling_mbit: float, layers: int) -> di
     return {"transfer_ms_nominal": nominal, "transfer_ms_at_ceiling": at_ceiling, "layer_prefill_ms": prefill,
             "bulk_exposed_ms": at_ceiling,
             "layer_exposed_ms": layer_exposed(at_ceiling, prefill, layers)}
+
+
+LINK_TOLERANCE = 1.1  # bulk transfer within 10% of bytes / rate
+
+
+def link_check(result: dict) -> list[dict]:
+    """Bulk transfer time against bytes / rate (the tbf rate, and the ceiling TCP reached), per row."""
+    out = []
+    for block in result["rates"]:
+        for row in block["lengths"]:
+            for t in result["config"]["transports"]:
+                b = _result(row, t, "bulk")
+                if b is None:
+                    continue
+                ms, pred = b["transfer_ms"]["median"], row["predicted"]
+                out.append({"transport": t, "rate_mbit": block["rate_mbit"], "ceiling_mbit": block["ceiling"]["mbit_s"],
+                            "tokens": row["tokens"], "bulk_transfer_ms": ms,
+                            "over_nominal": ms / pred["transfer_ms_nominal"],
+                            "over_ceiling": ms / pred["transfer_ms_at_ceiling"],
+                            "within_10pct_of_rate": ms <= LINK_TOLERANCE * pred["transfer_ms_nominal"],
+                            "within_10pct_of_ceiling": ms <= LINK_TOLERANCE * pred["transfer_ms_at_ceiling"]})
+    return out
 
 
 def layer_exposed(transfer_ms: float, prefill_ms: float, layers: int) -> float:
@@ -319,6 +348,13 @@ def markdown(result: dict) -> str:
                         for p, e in zip(lay["prefill_ms"]["runs"], lay["exposed_ms"]["runs"])]
                 lines.append(f"- {t}, {block['rate_mbit']:g} Mbit/s, {row['tokens']} tokens, T {T:.0f} ms: "
                              f"{'; '.join(runs)} ms")
+    lines += ["", "Link check: bulk transfer against KV bytes / rate (target: within 10%, <= 1.1x):", ""]
+    for c_ in result.get("link_check") or link_check(result):
+        lines.append(f"- {c_['transport']}, {c_['rate_mbit']:g} Mbit/s (TCP reached {c_['ceiling_mbit']:.0f}), "
+                     f"{c_['tokens']} tokens: {c_['bulk_transfer_ms']:.0f} ms = {c_['over_nominal']:.2f}x bytes / tbf "
+                     f"rate ({'within' if c_['within_10pct_of_rate'] else 'NOT within'} 10%), "
+                     f"{c_['over_ceiling']:.2f}x bytes / the measured ceiling "
+                     f"({'within' if c_['within_10pct_of_ceiling'] else 'NOT within'} 10%)")
     lanes = {t: lane for block in result["rates"] for t, lane in block["ucx_lane"].items() if lane}
     for t, lane in lanes.items():
         lines.append(f"\n{t}: UCX lane {'+'.join(lane.get('transports', [])) or lane} "

@@ -50,10 +50,12 @@ import torch
 
 from bench.engine_bench import sync
 from bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
+from bench.transfer_pools import paged_copy, parse_method, release, scatter
 from protocol.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.kv_cache import SHM_PREFIX
 from workers.engine.request import Request, SamplingParams
+from protocol import auth
 from protocol import kv as P
 from protocol.config import TransferConfig
 from protocol.enums import MODES
@@ -78,13 +80,19 @@ def make_engine(args, device: str, max_len: int, shared: bool) -> Engine:
                                prefix_cache=False))
 
 
+def transfer_config(args, method: str, **kw) -> TransferConfig:
+    """A method's TransferConfig: its transport; zmq-curve with the bench's keys (--keys)."""
+    transport, variant = parse_method(method)
+    keys = auth.load_worker_keys(args.keys) if variant == "curve" else None
+    return TransferConfig(transport=transport, deadline_s=args.deadline_s, keys=keys, **kw)
+
+
 class PrefillSide:
     def __init__(self, args):
         self.args = args
         self.device = torch.device(args.device)
         self.engine = make_engine(args, args.device, args.max_len, shared=False)
-        self.senders = {(t, m): make_sender(self.engine.kv, TransferConfig(transport=t, mode=m,
-                                                                            deadline_s=args.deadline_s))
+        self.senders = {(t, m): make_sender(self.engine.kv, transfer_config(args, t, mode=m))
                         for t in args.transports.split(",") for m in MODES}
         fault = parse_fault(args.fault)
         if fault is not None:
@@ -114,29 +122,8 @@ class PrefillSide:
         return {"gbps": cmd["nbytes"] / runs[len(runs) // 2] / 1e9}
 
     def paged_copy(self, cmd) -> dict:
-        """A request's paged-KV copy pattern inside this pool (blocks 0..n-1 -> n..2n-1, all layers):
-        one strided copy_ (what ipc bulk does) against one contiguous copy_ per layer."""
-        nb, pool = cmd["blocks"], self.engine.kv.pool
-        src, dst = pool[:, :nb], pool[:, nb:2 * nb]
-        nbytes = src.numel() * src.element_size()
-
-        def per_layer():
-            for layer in range(pool.shape[0]):
-                dst[layer].copy_(src[layer])
-
-        out = {"blocks": nb, "bytes": nbytes}
-        for name, fn in (("strided", lambda: dst.copy_(src)), ("per_layer", per_layer)):
-            runs = []
-            for i in range(6):
-                sync(self.device)
-                start = time.perf_counter()
-                fn()
-                sync(self.device)
-                if i:
-                    runs.append(time.perf_counter() - start)
-            runs.sort()
-            out[f"{name}_gbps"] = nbytes / runs[len(runs) // 2] / 1e9
-        return out
+        """A request's paged-KV copy patterns inside this pool (bench/transfer_pools.py)."""
+        return paged_copy(self.engine.kv.pool, cmd["blocks"], self.device)
 
     def request(self, rid: str, n: int, seed: int) -> Request:
         return Request(rid, prompt_ids(self.engine.vocab_size, n, seed),
@@ -155,6 +142,9 @@ class PrefillSide:
         sender = self.senders[(cmd["transport"], cmd["mode"])]
         req = self.request(cmd["id"], cmd["n"], cmd["seed"])
         holder = []
+        fillers = []
+        if parse_method(cmd["transport"])[1] == "fragmented":  # the prompt's blocks scattered over the pool
+            fillers = scatter(self.engine, -(-cmd["n"] // self.engine.layout.block_size), cmd["seed"])
 
         def open_transfer():
             return sender.open(req.request_id, cmd["peer"], list(req.block_ids), cmd["dst"], cmd["n"])
@@ -178,15 +168,17 @@ class PrefillSide:
             if holder:
                 holder[0].abort(repr(e))
             self.engine.release(req.request_id)
+            release(self.engine, fillers)
             return {"error": f"{type(e).__name__}: {e}"}
         self.engine.release(req.request_id)
+        release(self.engine, fillers)
         done_event = stats.done_event
         gpu_exposed = None
         if prefill_event is not None and done_event is not None:
             gpu_exposed = max(0.0, prefill_event.elapsed_time(done_event))
         return {"prefill_ms": prefill_ms, "transfer_ms": (stats.finished_at - stats.started_at) * 1e3,
                 "exposed_ms": max(0.0, stats.finished_at - prefill_end) * 1e3, "copies": stats.copies,
-                "exposed_gpu_ms": gpu_exposed, "ucx_lane": stats.ucx_lane,
+                "exposed_gpu_ms": gpu_exposed, "ucx_lane": stats.ucx_lane, "runs": stats.runs,
                 "kv_bytes": stats.num_bytes, "first_token": result.first_token,
                 "logits_sha": logits_digest(result.logits)}
 
@@ -270,9 +262,9 @@ class DecodeSide:
         self.args = args
         self.device = torch.device(args.decode_device)
         self.engine = make_engine(args, args.decode_device, args.max_len, shared=self.device.type == "cpu")
-        self.receivers = {t: make_receiver(self.engine.kv, TransferConfig(transport=t, deadline_s=args.deadline_s,
-                                                                          host=args.kv_host))
+        self.receivers = {t: make_receiver(self.engine.kv, transfer_config(args, t, host=args.kv_host))
                           for t in args.transports.split(",")}
+        self.fillers: dict[str, list[str]] = {}  # request -> the blocks held to scatter its reservation
         self.refs: dict[str, dict] = {}  # request id -> its colocated reference
         self.lengths_seen: set[int] = set()
         self.seed_buffers: dict[int, torch.Tensor] = {}
@@ -292,8 +284,12 @@ class DecodeSide:
             buf.fill_(float("nan"))
             sync(buf.device)
             return {"ok": True}
+        if parse_method(cmd["method"])[1] == "fragmented":  # room for the prompt and the decoded tokens
+            need = -(-(n + self.args.tokens) // self.engine.layout.block_size) + 1
+            self.fillers[rid] = scatter(self.engine, need, seed)
         blocks = self.engine.reserve(rid, n)
         if blocks is None:
+            self._done(rid)
             return {"error": f"no room for {n} tokens in the decode pool"}
         poison(self.engine.kv.pool, blocks, seed)
         receiver = self.receivers[cmd["method"]]
@@ -320,6 +316,7 @@ class DecodeSide:
 
     def _done(self, rid: str) -> None:
         self.refs.pop(rid, None)
+        release(self.engine, self.fillers.pop(rid, []))
         scrub(self.engine.kv.pool)  # every block is free again: leave no NaN behind for the next run
 
     def _continue(self, cmd) -> dict:
@@ -423,6 +420,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--transports", required=True)
     ap.add_argument("--deadline-s", type=float, default=60.0)
+    ap.add_argument("--keys", default=None, help="worker key folder for the zmq-curve method (made by bench/transfer.py)")
     ap.add_argument("--kv-host", default="127.0.0.1",
                     help="decode side: the address its receivers bind and advertise (bench/multihost.py: its namespace's)")
     ap.add_argument("--break", dest="fault", default=None,

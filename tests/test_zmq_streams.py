@@ -4,6 +4,7 @@ given up on is reported only once its pool writes in progress are done)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -172,5 +173,46 @@ def test_a_cancelled_request_is_reported_after_its_writes_end(small_frames, monk
         assert ended and a.reported_at >= max(ended), (a.reported_at, ended)
         with pytest.raises(TransferError):
             t.finish(1, deadline_s=5)
+    finally:
+        send.close(), recv.close(), dst.close()
+
+
+class DoneEvent:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None: ...
+
+
+class HostStream:
+    """Stands in for the sender's CUDA side stream on a CPU machine: its copies run at once, its
+    events are complete when recorded. What runs for real: the slots, their reuse, ZMQ's trackers."""
+
+    def record_event(self) -> DoneEvent:
+        return DoneEvent()
+
+
+def test_staging_slots_are_reused_and_all_come_back(monkeypatch):
+    layout = KVLayout(3, 4, 64, "bfloat16", 16, 64)  # 16 KiB blocks: 5-block frames go zero-copy, tracked
+    monkeypatch.setattr(Z, "FRAME_BYTES", 5 * layout.block_bytes)
+    monkeypatch.setattr(Z, "SLOTS_PER_STREAM", 1)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    src, dst = KVCache(layout, "cpu"), KVCache(layout, "cpu", shared=True)
+    src.pool.view(torch.int16).copy_(torch.randint(-2**15, 2**15, src.pool.shape, dtype=torch.int16,
+                                                   generator=torch.Generator().manual_seed(8)))
+    recv = make_receiver(dst, TransferConfig(transport="zmq", streams=2, deadline_s=10))
+    send = make_sender(src, TransferConfig(transport="zmq", streams=2, deadline_s=10))
+    send.stream = HostStream()
+    try:
+        for i, (sb, db) in enumerate([(list(range(0, 23)), list(range(30, 53))), ([60, 61], [2, 3])]):
+            stats, a = move(recv, send, f"s{i}", sb, db)
+            assert a.ok and same(src, dst, sb, db), a
+            assert stats.copies == layout.num_layers * -(-len(sb) // 5)  # one staging copy per frame
+        assert send.slot_count == 2  # 2 slots carried 15 + 3 frames
+        deadline = time.monotonic() + 5
+        while len(send.slots.free) < 2 and time.monotonic() < deadline:
+            send._call(send.slots.reclaim, timeout_s=5)
+            time.sleep(0.01)
+        assert len(send.slots.free) == 2 and not send.slots.sending
     finally:
         send.close(), recv.close(), dst.close()

@@ -15,8 +15,14 @@ The decode pool is mapped ONCE per peer into the prefill process, at the handsha
 
 Copies, per paired run of blocks (plan.Plan.runs), never per block:
     bulk   finish(): one strided copy_ per run for all layers, dst[:, d:d+n] <- src[:, s:s+n]; on GPU
-           from 512 MiB up, one copy_ per run and layer instead (faster for large requests)
+           from 512 MiB up, one 2D memcpy per run for all layers instead (cudaMemcpy2DAsync: rows = layers,
+           pitch = each pool's layer stride; one copy-engine operation where copy_ per layer paid a gap of
+           ~6-8 us per copy into the other process's memory), or one copy_ per run and layer where the CUDA
+           runtime cannot be reached or refuses it
     layer  layer_done(l): the same copies for layer l, as soon as its K/V are in the pool
+    many runs  (more than INDEX_RUNS: a fragmented pool) by block index instead, one gather and one
+           scatter per layer (or for all layers at once in bulk below 512 MiB): four passes over the bytes
+           instead of two, but a handful of kernels where a copy per run costs a launch and a gap each
 
 On GPU the copies run on a side stream: layer_done(l) records an event on the current (compute)
 stream, the side stream waits for it and copies; the compute stream never waits and the host
@@ -28,6 +34,8 @@ Nothing but the handshake, Begin/Accept and the done notice crosses the socket.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import mmap
 import os
@@ -44,7 +52,9 @@ from workers.transfer.plan import Plan
 from workers.transfer.receiver import ChannelReceiver
 from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
 
-PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: per-layer copies from this request size up
+PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: 2D (else per-layer) copies from this request size up
+INDEX_RUNS = 8  # more runs than this (a fragmented pool): copy by block index
+log = logging.getLogger("pdserve.transfer")
 POOL_NAME = re.compile(re.escape(SHM_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{8}")  # KVCache's names, nothing else
 SPIN_S = 2e-3  # finish(): spin this long on the side stream's event before napping between queries
 
@@ -128,6 +138,7 @@ class IpcTransfer(SenderTransfer):
         self.dst: torch.Tensor = peer.remote
         self.stream: torch.cuda.Stream | None = sender.stream
         self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # the block ids, for many runs
 
     def _move(self, layers: list[int]) -> None:
         ready = self.mark()
@@ -163,20 +174,62 @@ class IpcTransfer(SenderTransfer):
             self.pending.clear()
 
     def _copy(self, layers: list[int | slice], ready: torch.cuda.Event | None) -> None:
-        src, dst, runs = self.src, self.dst, self.plan.runs
         if self.stream is None:
+            self._copies(layers)
+            return
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            if self.layered or len(layers) != self.plan.num_layers or len(self.plan.runs) > INDEX_RUNS \
+                    or not self._copies_2d():
+                self._copies(layers)
+        self.last_event = torch.cuda.Event(enable_timing=True)
+        self.last_event.record(self.stream)
+
+    def _copies(self, layers: list[int | slice]) -> None:
+        """One copy_ per run and layer, or by block index when the runs are many (on the current stream)."""
+        src, dst, runs = self.src, self.dst, self.plan.runs
+        if len(runs) > INDEX_RUNS:
+            src_ids, dst_ids = self._block_index()
             for layer in layers:
-                for s, d, n in runs:
-                    dst[layer, d:d + n].copy_(src[layer, s:s + n])
-        else:
-            self.stream.wait_event(ready)
-            with torch.cuda.stream(self.stream):
-                for layer in layers:
-                    for s, d, n in runs:
-                        dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=True)
-            self.last_event = torch.cuda.Event(enable_timing=True)
-            self.last_event.record(self.stream)
+                dim = 0 if isinstance(layer, int) else 1  # a layer's [blocks, ...], or all layers' [L, blocks, ...]
+                dst[layer].index_copy_(dim, dst_ids, src[layer].index_select(dim, src_ids))
+            self.copies += 2 * len(layers)
+            return
+        for layer in layers:
+            for s, d, n in runs:
+                dst[layer, d:d + n].copy_(src[layer, s:s + n], non_blocking=True)
         self.copies += len(layers) * len(runs)
+
+    def _block_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's source and destination block ids, once per transfer, on the pool's device."""
+        if self._index is None:
+            src = [s + i for s, _, n in self.plan.runs for i in range(n)]
+            dst = [d + i for _, d, n in self.plan.runs for i in range(n)]
+            self._index = (torch.tensor(src, device=self.src.device), torch.tensor(dst, device=self.dst.device))
+        return self._index
+
+    def _copies_2d(self) -> bool:
+        """Every layer of each run as one cudaMemcpy2DAsync on the side stream; False (nothing issued)
+        where the CUDA runtime is out of reach or refuses the first (then copy_ per layer, from now on)."""
+        memcpy2d = cuda_memcpy2d()
+        if memcpy2d is None:
+            return False
+        src, dst = self.src, self.dst
+        elem = src.element_size()
+        spitch, dpitch = src.stride(0) * elem, dst.stride(0) * elem
+        block = self.plan.block_bytes
+        for i, (s, d, n) in enumerate(self.plan.runs):
+            err = memcpy2d(dst.data_ptr() + d * block, dpitch, src.data_ptr() + s * block, spitch, n * block,
+                           src.shape[0], CUDA_MEMCPY_DEVICE_TO_DEVICE, self.stream.cuda_stream)
+            if err != 0:
+                if i:  # some runs went out: the rest cannot wait for a fallback decision
+                    raise TransferError(f"request {self.request_id}: cudaMemcpy2DAsync failed with CUDA error {err}")
+                log.warning("cudaMemcpy2DAsync refused a KV copy (CUDA error %d); copying layer by layer from now on",
+                            err)
+                _CUDART[0] = None
+                return False
+            self.copies += 1
+        return True
 
 
 class Sender(ChannelSender):
@@ -193,6 +246,29 @@ class Sender(ChannelSender):
         if isinstance(info, P.ShmInfo):
             return map_shm(info, layout.shape, layout.torch_dtype, peer.address)
         return map_cuda(info, layout.shape, layout.torch_dtype, peer.address)
+
+
+CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
+_CUDART: list = []  # [cudaMemcpy2DAsync or None], looked up once
+
+
+def cuda_memcpy2d():
+    """The CUDA runtime's cudaMemcpy2DAsync (the libcudart torch loaded), or None where it cannot be found."""
+    if not _CUDART:
+        fn = None
+        for name in (f"libcudart.so.{(torch.version.cuda or '0').split('.')[0]}", "libcudart.so"):
+            try:
+                fn = ctypes.CDLL(name).cudaMemcpy2DAsync
+            except (OSError, AttributeError):
+                continue
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                           ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            break
+        if fn is None:
+            log.info("no CUDA runtime library found for cudaMemcpy2DAsync; large ipc copies go layer by layer")
+        _CUDART.append(fn)
+    return _CUDART[0]
 
 
 def wait_event(event: torch.cuda.Event, deadline: float, request_id: str, peer: str) -> None:

@@ -10,9 +10,9 @@ stay on the KV channel's own socket (sender.py, receiver.py).
 Where the time of the first version went (one frame per run with all layers on the channel's one
 socket: 1.3 GB/s at 32k tokens on the H200 host, 0.23 GiB/s with CURVE on the CPU), and what
 replaced it:
-    frame size   a frame is a fresh receive buffer; past glibc's 32 MiB mmap threshold every byte
-                 of it is a page fault (one stream on this project's CPU machine: 0.6 GB/s at 256 MiB
-                 frames, 2.6 GB/s at 16 MiB)                                  -> FRAME_BYTES
+    frame size   a frame is a fresh receive buffer; past glibc's 32 MiB mmap threshold each is a new
+                 mapping the kernel zero-fills page by page (one stream on this project's CPU machine:
+                 0.6 GB/s at 256 MiB frames, 2.6 GB/s at 16 MiB)              -> FRAME_BYTES
     one socket   one TCP connection, one ZMQ I/O thread, one CURVE session: one core does all the
                  encryption                                   -> --kv-streams connections, each its own
                                                                  CURVE session on its own ZMQ I/O thread
@@ -231,10 +231,10 @@ class ZmqTransfer(SenderTransfer):
     def __init__(self, sender: Sender, peer: Peer, plan):
         super().__init__(sender, peer, plan)
         self.streams: Streams = peer.remote
-        self.gpu = self.src.device.type == "cuda"
+        self.gpu = sender.stream is not None  # on GPU: frames staged through pinned slots
         self.polls_writes = self.gpu  # staged copies to watch: poll without a nap
         self.todo: collections.deque = collections.deque()  # (layer, src, dst, n)
-        self.staged: collections.deque = collections.deque()  # (slot view, Chunk, copy event)
+        self.staged: collections.deque = collections.deque()  # (slot, its view, Chunk, copy event)
 
     def frames(self, layers: list[int]):
         step = frame_blocks(self.plan.block_bytes)
@@ -271,22 +271,23 @@ class ZmqTransfer(SenderTransfer):
     def _pump(self) -> None:
         """GPU, I/O thread: send the staged frames whose copy is done, then stage more into free slots."""
         slots: Slots = self.sender.slots
-        while self.staged and self.staged[0][2].query():
-            buf, chunk, _ = self.staged.popleft()
+        while self.staged and self.staged[0][3].query():
+            slot, buf, chunk, _ = self.staged.popleft()
             tracker = self._send(chunk, buf, track=True)
             if tracker is None:
-                slots.free.append(buf)
+                slots.free.append(slot)
             else:
-                slots.sending.append((buf, tracker))
+                slots.sending.append((slot, tracker))
         slots.reclaim()
         stream = self.sender.stream
         while self.todo and (slots.free or self.sender.more_slots()):
             layer, s, d, n = self.todo.popleft()
             view = self.src[layer, s:s + n]
-            buf = slots.free.pop()[:view.numel() * view.element_size()].view(view.dtype).view(view.shape)
+            slot = slots.free.pop()  # [max_frame_bytes] uint8, pinned
+            buf = slot[:view.numel() * view.element_size()].view(view.dtype).view(view.shape)
             with torch.cuda.stream(stream):
                 buf.copy_(view, non_blocking=True)
-            self.staged.append((buf, self._chunk(layer, d, n), stream.record_event()))
+            self.staged.append((slot, buf, self._chunk(layer, d, n), stream.record_event()))
             self.copies += 1
 
     def _writes_in_flight(self) -> bool:
@@ -301,9 +302,9 @@ class ZmqTransfer(SenderTransfer):
     def _drop_writes(self) -> None:
         self.todo.clear()
         while self.staged:
-            buf, _, event = self.staged.popleft()
+            slot, _, _, event = self.staged.popleft()
             event.synchronize()  # a device-to-host copy of at most FRAME_BYTES
-            self.sender.slots.free.append(buf)
+            self.sender.slots.free.append(slot)
 
 
 class Sender(ChannelSender):
@@ -325,7 +326,7 @@ class Sender(ChannelSender):
         if self.slot_count >= SLOTS_PER_STREAM * self.cfg.streams:
             return False
         nbytes = max_frame_bytes(self.layout.block_bytes)
-        self.slots.free.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        self.slots.free.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.kv.pool.is_cuda))
         self.slot_count += 1
         return True
 

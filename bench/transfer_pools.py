@@ -1,0 +1,104 @@
+"""What `pdserve-bench transfer` varies besides the transport: methods, pool states, copy ceilings.
+
+    methods      a transport name, optionally with a variant (`--transports ipc,zmq,zmq-curve,nixl-fragmented`):
+                 <t>             the transport on plain sockets, pools as the run left them (contiguous runs)
+                 zmq-curve       zmq with a deployment's keys: every KV byte through CURVE (worker_keys())
+                 <t>-fragmented  both pools scattered first, as a prior mixed workload leaves them (scatter())
+    scatter(engine, need, seed)  take every free block as fillers of 1-4 blocks, then give back fillers in a
+                 seeded order until `need` blocks are free: what a request gets then is many short runs,
+                 paired across two independently scattered pools into shorter ones still
+    paged_copy(pool, blocks, device)   the longest request's blocks copied inside one pool, all layers: one
+                 strided copy_, one copy_ per layer (ipc's contiguous pattern), and the same blocks
+                 scattered (every other block) moved as ipc moves scattered runs (gather-scatter by index)
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine_bench import sync
+from protocol import auth
+from protocol.enums import TRANSPORTS
+
+VARIANTS = ("", "curve", "fragmented")
+
+
+def parse_method(method: str) -> tuple[str, str]:
+    """'zmq-curve' -> ('zmq', 'curve'); raises ValueError for an unknown transport or variant."""
+    transport, _, variant = method.partition("-")
+    if transport not in TRANSPORTS or variant not in VARIANTS or (variant == "curve" and transport != "zmq"):
+        raise ValueError(f"unknown method {method!r}: a transport ({', '.join(TRANSPORTS)}), zmq-curve, or "
+                         "<transport>-fragmented")
+    return transport, variant
+
+
+def worker_keys() -> str:
+    """A fresh deployment's worker key folder, for both processes of the bench (zmq-curve)."""
+    _, keys = auth.new_deployment()
+    return str(auth.write_worker_keys(Path(tempfile.mkdtemp(prefix="pdserve-bench-keys-")) / "worker", keys))
+
+
+def scatter(engine, need: int, seed: int) -> list[str]:
+    """Fragment the engine's free blocks (see the module docstring); returns the fillers' request ids."""
+    rng = random.Random(seed)
+    fillers, block = [], engine.layout.block_size
+    while engine.blocks.num_free > 0:
+        n = min(rng.randint(1, 4), engine.blocks.num_free)
+        rid = f"filler-{seed}-{len(fillers)}"
+        if engine.reserve(rid, n * block) is None:
+            break
+        fillers.append(rid)
+    rng.shuffle(fillers)
+    while fillers and engine.blocks.num_free < need:
+        engine.release(fillers.pop())
+    return fillers
+
+
+def release(engine, fillers: list[str]) -> None:
+    for rid in fillers:
+        engine.release(rid)
+
+
+def _timed(fn, device: torch.device) -> float:
+    """Median of 5 runs after one warm-up, s."""
+    runs = []
+    for i in range(6):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        if i:
+            runs.append(time.perf_counter() - start)
+    runs.sort()
+    return runs[len(runs) // 2]
+
+
+def paged_copy(pool: torch.Tensor, nb: int, device: torch.device) -> dict:
+    """Copy patterns inside one pool, GB/s (module docstring)."""
+    src, dst = pool[:, :nb], pool[:, nb:2 * nb]
+    nbytes = src.numel() * src.element_size()
+
+    def per_layer():
+        for layer in range(pool.shape[0]):
+            dst[layer].copy_(src[layer])
+
+    out = {"blocks": nb, "bytes": nbytes}
+    for name, fn in (("strided", lambda: dst.copy_(src)), ("per_layer", per_layer)):
+        out[f"{name}_gbps"] = nbytes / _timed(fn, device) / 1e9
+    half = nb // 2  # every other block of the first nb, into every other block of the next nb
+    flat = pool.view(pool.shape[0], pool.shape[1], -1)
+    src_idx = torch.arange(0, 2 * half, 2, device=pool.device)
+    dst_idx = src_idx + nb
+    scattered = pool.shape[0] * half * flat.shape[-1] * flat.element_size()
+
+    def gather_scatter():
+        flat[:, dst_idx] = flat[:, src_idx]
+
+    out["scattered_blocks"] = half
+    out["scattered_gather_gbps"] = scattered / _timed(gather_scatter, device) / 1e9
+    return out
