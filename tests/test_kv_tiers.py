@@ -14,7 +14,7 @@ import torch
 
 from workers.engine.kv_cache import KVCache, KVLayout
 from workers.engine.kv_tiers.cost import CostModel
-from workers.engine.kv_tiers.disk import MAGIC, DiskTier
+from workers.engine.kv_tiers.disk import HEAD, MAGIC, DiskTier
 from workers.engine.kv_tiers.host import HostTier
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4, num_blocks=32)
@@ -292,7 +292,7 @@ def test_a_full_store_keeps_its_leading_blocks(kv):
 def test_probes_seed_the_cost_model(tmp_path):
     tier = HostTier(LAYOUT, 8 * ENTRY, "cpu", disk=DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny"))
     assert tier.cost.bandwidth_gbps("host") > 0 and tier.cost.bandwidth_gbps("disk") > 0
-    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["kv.key"]  # the probe file is gone; the folder's MAC key stays
 
 
 # ---- the cost model ------------------------------------------------------------------------
@@ -342,9 +342,9 @@ def test_disk_entries_carry_model_layout_and_checksums(kv, tmp_path):
     spilled(kv, tmp_path, hs, [0, 1])
     [path] = tmp_path.glob("*.kv")
     raw = path.read_bytes()
-    meta = json.loads(raw[len(MAGIC) + 12:raw.index(b"}", raw.index(b'"entries"')) + 1])
+    meta = json.loads(raw[len(MAGIC) + HEAD.size:raw.index(b"}", raw.index(b'"entries"')) + 1])
     assert meta["model"] == "tiny" and meta["layout"]["block_size"] == 4 and "num_blocks" not in meta["layout"]
-    assert [bytes.fromhex(h) for h, _ in meta["entries"]] == hs and all(isinstance(c, int) for _, c in meta["entries"])
+    assert [bytes.fromhex(h) for h, _ in meta["entries"]] == hs and all(len(m) == 64 for _, m in meta["entries"])
 
 
 def test_a_disk_load_without_host_room_goes_through_a_temporary_buffer(kv, tmp_path):

@@ -1,17 +1,21 @@
 """DiskTier: KV entries on local disk, below a HostTier (the engine makes it; the HostTier drives it).
 
 One file per batch of entries written together, each file naming the model and the layout and
-each block carrying its crc32, so a restarted worker serves only what matches and a bad byte
-costs one block (the class docstring has the format). Its own module because it is the one
+each block carrying its keyed MAC, so a restarted worker serves only what matches, what it (or its
+deployment) wrote, and a bad byte costs one block (the class docstring has the format). KV bytes
+are the prompt in another form (layer 0's values are a function of the token alone), so the folder
+is private (0700, this user's, no one else may write it: refused otherwise), its files 0600, opened
+without following links and only if regular, and every read has a deadline. Its own module because it is the one
 tier with a file format and threads of its own (a writer, a pool of readers), and it touches
 no tensor: it writes and reads bytes from and into the host slots the HostTier hands it.
-    DiskTier(directory, capacity_bytes, layout, model_id)
+    DiskTier(directory, capacity_bytes, layout, model_id, key=None)   key: the deployment's MAC key
     contains(hash), put(entries, ready, done), read(hashes, buffers) -> [error | None], discard(hashes),
     flush(), drop_page_cache(method) -> str, probe_gbps(), stats(), files(), close()
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -20,21 +24,24 @@ import struct
 import threading
 import time
 import uuid
-import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from protocol.auth import Throttle
 from workers.engine.kv_cache import KVLayout
+from workers.engine.kv_tiers.files import (MAC, MAC_BYTES, DiskTierError, folder_key, is_own_regular, mac, open_regular,
+                                           private_dir, run_with_deadline)
 from workers.engine.kv_tiers.stats import TierStats
 
 log = logging.getLogger("pdserve.kv_tiers")
 
-MAGIC = b"PDSKV01\n"
-HEAD = struct.Struct("<QI")  # header JSON length, its crc32
+MAGIC = b"PDSKV02\n"  # 01: crc32s, not keyed; such files are refused
+HEAD = struct.Struct(f"<Q{MAC_BYTES}s")  # header JSON length, its MAC
 ALIGN = 4096  # the payload starts on a page boundary
+READ_TIMEOUT_S = 10.0  # a read (a hung mount, a FIFO) that takes longer is a miss, and the file forgotten
 
 
 def _layout_fields(layout: KVLayout) -> dict:
@@ -43,15 +50,11 @@ def _layout_fields(layout: KVLayout) -> dict:
     return fields
 
 
-def _crc(h: bytes, data) -> int:
-    return zlib.crc32(data, zlib.crc32(h))  # the hash inside: bytes swapped between entries fail too
-
-
 @dataclass
 class _File:
     name: str
     hashes: list[bytes]
-    crcs: list[int]
+    macs: list[str]
     payload_offset: int
     size: int
     live: int  # entries still indexed from this file
@@ -63,24 +66,31 @@ class DiskTier:
     split at max_file_bytes: 32k tokens of a 7B model is 2048 blocks, which as one file per block
     costs 2048 creates, renames and inodes and 2048 opens to read back; as files per run it costs
     a few. A block is still addressed alone, (file, index), so a partial hit reads only its
-    blocks, and each block carries its own crc32 (over its hash and bytes) so a bad byte costs
-    that block, not its file.
+    blocks, and each block carries its own HMAC-SHA256 (over its hash and bytes, keyed) so a bad
+    byte costs that block, not its file, and an entry rewritten by anyone without the key is refused.
 
-    A file: MAGIC, (json length, crc32 of the json), json {model, layout (KVLayout without
-    num_blocks), entry_bytes, entries: [[hash hex, crc32], ...]}, padding to 4 KiB, the entries.
+    A file: MAGIC, (json length, HMAC of the json), json {model, layout (KVLayout without
+    num_blocks), entry_bytes, entries: [[hash hex, HMAC hex], ...]}, padding to 4 KiB, the entries.
+    The key: the deployment's (`key`), else the folder's own KEY_FILE (0600, made on first use).
     Written to a temporary name and renamed (atomic); no fsync by default: a cache need not survive
     a crash, and a file the crash truncated fails its size or checksum check, so it is refused.
     On start the directory is indexed: files of another model or layout, or with a bad header,
     are logged and left alone (never served, never deleted: the directory is one worker's, but a
     mistake should not cost someone else's cache). LRU by file, bounded by capacity_bytes.
-    Reads verify every block; a mismatch is a miss (logged, the entry forgotten), never served."""
+    Reads verify every block; a mismatch is a miss (logged, throttled; the entry forgotten), never
+    served. A read that outlasts read_timeout_s is a miss too: its file is forgotten (never waited on
+    again), and the bytes it may still bring land in a buffer of its own, never in the caller's."""
 
     SUFFIX = ".kv"
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, layout: KVLayout, model_id: str,
-                 *, fsync: bool = False, read_threads: int = 8, max_file_bytes: int = 256 << 20):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+                 *, fsync: bool = False, read_threads: int = 8, max_file_bytes: int = 256 << 20,
+                 key: bytes | None = None, read_timeout_s: float = READ_TIMEOUT_S):
+        self.dir = private_dir(Path(directory))
+        self._key = key if key is not None else folder_key(self.dir)
+        self.read_timeout_s = read_timeout_s
+        self.read_threads = read_threads
+        self._warn = Throttle(log)
         self.layout = layout
         self.model_id = model_id
         self.entry_bytes = layout.num_layers * layout.block_bytes
@@ -96,7 +106,7 @@ class DiskTier:
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # write jobs queued or running
         self._index()
-        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pdserve-kv-disk-read")  # reads, crcs
+        self._macs = ThreadPoolExecutor(read_threads, thread_name_prefix="pdserve-kv-disk-mac")  # writes' MACs
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="pdserve-kv-disk-writer", daemon=True)
         self._writer.start()
@@ -107,16 +117,18 @@ class DiskTier:
         for tmp in self.dir.glob(".*.tmp-*"):
             try:
                 os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
-            except (ValueError, PermissionError):
+            except (ValueError, OverflowError, PermissionError):
                 continue
             except ProcessLookupError:  # its writer died mid-write
-                tmp.unlink(missing_ok=True)
-        paths = sorted(self.dir.glob("*" + self.SUFFIX), key=lambda p: p.stat().st_mtime)
+                if is_own_regular(tmp):
+                    tmp.unlink(missing_ok=True)
+        paths = sorted((p for p in self.dir.glob("*" + self.SUFFIX) if is_own_regular(p)),
+                       key=lambda p: p.lstat().st_mtime)
         for path in paths:
             try:
                 f = self._read_header(path)
             except (OSError, ValueError, KeyError, TypeError) as e:  # a header we did not write
-                log.warning("disk tier %s: not serving %s: %s", self.dir, path.name, e)
+                self._warn("header", logging.WARNING, "disk tier %s: not serving %s: %s", self.dir, path.name, e)
                 continue
             self._add_file(f)
         self._evict_over_capacity()
@@ -124,16 +136,18 @@ class DiskTier:
             log.info("disk tier %s: %d entries in %d files reused", self.dir, len(self._where), len(self._files))
 
     def _read_header(self, path: Path) -> _File:
-        with open(path, "rb") as fh:
+        fd = open_regular(path)
+        with open(fd, "rb") as fh:
             head = fh.read(len(MAGIC) + HEAD.size)
             if len(head) < len(MAGIC) + HEAD.size or head[:len(MAGIC)] != MAGIC:
-                raise ValueError("not a pdserve KV file (bad magic)")
-            length, crc = HEAD.unpack(head[len(MAGIC):])
+                raise ValueError("not a pdserve KV file of this version (bad magic)")
+            length, signed = HEAD.unpack(head[len(MAGIC):])
             if length > 1 << 28:
                 raise ValueError(f"header length {length} is implausible")
             text = fh.read(length)
-        if len(text) != length or zlib.crc32(text) != crc:
-            raise ValueError("header checksum mismatch (corrupt or truncated)")
+            size = os.fstat(fd).st_size
+        if len(text) != length or not hmac.compare_digest(hmac.digest(self._key, text, MAC), signed):
+            raise ValueError("header MAC mismatch (corrupt, truncated, or not written with this key)")
         meta = json.loads(text)
         if meta.get("model") != self.model_id:
             raise ValueError(f"written for model {meta.get('model')!r}, this worker serves {self.model_id!r}")
@@ -141,10 +155,9 @@ class DiskTier:
             raise ValueError(f"written for layout {meta.get('layout')}, this worker has {self._meta['layout']}")
         entries = meta["entries"]
         offset = _align(len(MAGIC) + HEAD.size + length)
-        size = path.stat().st_size
         if size != offset + len(entries) * self.entry_bytes:
             raise ValueError(f"{size} bytes, its header says {offset + len(entries) * self.entry_bytes} (truncated)")
-        return _File(path.name, [bytes.fromhex(h) for h, _ in entries], [int(c) for _, c in entries], offset, size, 0)
+        return _File(path.name, [bytes.fromhex(h) for h, _ in entries], [str(m) for _, m in entries], offset, size, 0)
 
     def _add_file(self, f: _File) -> None:
         for i, h in enumerate(f.hashes):
@@ -156,17 +169,18 @@ class DiskTier:
         if f.live == 0:
             self._remove_file(f.name)
 
-    def _remove_file(self, name: str) -> None:
+    def _remove_file(self, name: str, unlink: bool = True) -> None:
         f = self._files.pop(name)
         for i, h in enumerate(f.hashes):
             if self._where.get(h) == (name, i):
                 del self._where[h]
         self._bytes -= f.size
         self._stats.evicted += f.live
-        try:
-            os.unlink(self.dir / name)
-        except FileNotFoundError:
-            pass
+        if unlink:
+            try:
+                os.unlink(self.dir / name)
+            except FileNotFoundError:
+                pass
 
     def _evict_over_capacity(self) -> None:
         while self._bytes > self.capacity_bytes and self._files:
@@ -227,13 +241,13 @@ class DiskTier:
             self._write_file(group)
 
     def _write_file(self, group: list[tuple[bytes, memoryview]]) -> None:
-        crcs = list(self._readers.map(lambda entry: _crc(*entry), group))  # crc32 lets go of the GIL
-        text = json.dumps({**self._meta, "entries": [[h.hex(), c] for (h, _), c in zip(group, crcs)]}).encode()
-        head = MAGIC + HEAD.pack(len(text), zlib.crc32(text)) + text
+        macs = list(self._macs.map(lambda entry: mac(self._key, *entry), group))
+        text = json.dumps({**self._meta, "entries": [[h.hex(), m] for (h, _), m in zip(group, macs)]}).encode()
+        head = MAGIC + HEAD.pack(len(text), hmac.digest(self._key, text, MAC)) + text
         head += b"\0" * (_align(len(head)) - len(head))
         name = f"{uuid.uuid4().hex}{self.SUFFIX}"
         tmp = self.dir / f".{name}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _write_all(fd, memoryview(head))
             for _, buf in group:
@@ -246,7 +260,7 @@ class DiskTier:
             raise
         os.close(fd)
         os.replace(tmp, self.dir / name)
-        f = _File(name, [h for h, _ in group], crcs, len(head), len(head) + len(group) * self.entry_bytes, 0)
+        f = _File(name, [h for h, _ in group], macs, len(head), len(head) + len(group) * self.entry_bytes, 0)
         with self._lock:
             self._add_file(f)
             self._stats.stored_bytes += len(group) * self.entry_bytes
@@ -254,7 +268,8 @@ class DiskTier:
 
     def read(self, hashes: list[bytes], buffers: list[memoryview]) -> list[str | None]:
         """Read each entry into its buffer (entry_bytes, writable) and verify it; per entry None or
-        why it was refused. A refused entry is forgotten: the next lookup misses it."""
+        why it was refused. A refused entry is forgotten: the next lookup misses it. Returns within
+        read_timeout_s (plus the copies in progress): what has not been read by then is refused."""
         errors: list[str | None] = [None] * len(hashes)
         tasks: dict[str, list[tuple[int, int]]] = {}
         with self._lock:
@@ -267,39 +282,67 @@ class DiskTier:
                 self._files.move_to_end(where[0])
             files = {name: self._files[name] for name in tasks}
         chunk = max(1, (32 << 20) // self.entry_bytes)
-        futures = [self._readers.submit(self._read_some, files[name], part[i:i + chunk], hashes, buffers)
-                   for name, part in tasks.items() for i in range(0, len(part), chunk)]
-        for fut in futures:
-            for k, why in fut.result():
-                errors[k] = why
+        parts = [(files[name], part[i:i + chunk]) for name, part in tasks.items() for i in range(0, len(part), chunk)]
+        late = self._read_parts(parts, hashes, buffers, errors)
         with self._lock:
+            for name in late:  # a read that hung (a FIFO, a hung mount): never waited on again
+                if name in self._files:
+                    self._remove_file(name, unlink=False)
             for k, why in enumerate(errors):
                 h = hashes[k]
                 if why is None:
                     self._stats.loaded_bytes += self.entry_bytes
                 elif h in self._where and self._where[h][0] in files:
-                    log.warning("disk tier %s: refusing entry %s: %s", self.dir, h.hex()[:16], why)
+                    self._warn("refused", logging.WARNING, "disk tier %s: refusing entry %s: %s", self.dir,
+                               h.hex()[:16], why)
                     self._stats.corrupt += 1
                     self._forget(h)
         return errors
 
-    def _read_some(self, f: _File, part: list[tuple[int, int]], hashes, buffers) -> list[tuple[int, str]]:
-        bad = []
+    def _read_parts(self, parts: list[tuple[_File, list[tuple[int, int]]]], hashes, buffers, errors) -> set[str]:
+        """Read the parts, each entry into a buffer of the reading thread's own, verified, then copied
+        into the caller's buffer unless the deadline passed (a read that returns after the caller gave
+        up writes nothing the caller handed out). The files whose reads were late."""
+
+        def job(f: _File, part: list[tuple[int, int]]):
+            def deliver(k: int, data, why: str | None) -> None:
+                if why is None:
+                    buffers[k].cast("B")[:] = data
+                errors[k] = why
+            return lambda guard: self._read_some(f, part, hashes, lambda k, data, why: guard(deliver, k, data, why))
+
+        late = run_with_deadline([job(f, part) for f, part in parts], self.read_threads, self.read_timeout_s)
+        why = f"read timed out after {self.read_timeout_s:.0f}s (a hung mount or a file that is not one)"
+        for j in late:
+            f, part = parts[j]
+            for k, _ in part:
+                if errors[k] is None:
+                    errors[k] = f"{f.name}: {why}"
+        return {parts[j][0].name for j in late}
+
+    def _read_some(self, f: _File, part: list[tuple[int, int]], hashes, deliver) -> None:
         try:
-            fd = os.open(self.dir / f.name, os.O_RDONLY)
+            fd = open_regular(self.dir / f.name)
         except OSError as e:
-            return [(k, f"{f.name}: {e}") for k, _ in part]
+            for k, _ in part:
+                deliver(k, None, f"{f.name}: {e}")
+            return
+        own = bytearray(self.entry_bytes)
         try:
             for k, i in part:
-                buf = buffers[k]
-                got = _read_all(fd, buf, f.payload_offset + i * self.entry_bytes)
-                if got != self.entry_bytes:
-                    bad.append((k, f"{f.name}: short read, {got} of {self.entry_bytes} bytes"))
-                elif f.hashes[i] != hashes[k] or _crc(hashes[k], buf) != f.crcs[i]:
-                    bad.append((k, f"{f.name}: checksum mismatch on entry {i}"))
+                try:
+                    got = _read_all(fd, memoryview(own), f.payload_offset + i * self.entry_bytes)
+                except OSError as e:
+                    why = f"{f.name}: {e}"
+                else:
+                    why = None if got == self.entry_bytes else f"{f.name}: short read, {got} of {self.entry_bytes} bytes"
+                if why is None and (f.hashes[i] != hashes[k] or
+                                    not hmac.compare_digest(mac(self._key, hashes[k], own), f.macs[i])):
+                    why = f"{f.name}: checksum (MAC) mismatch on entry {i}"
+                if not deliver(k, own, why):
+                    return
         finally:
             os.close(fd)
-        return bad
 
     def _forget(self, h: bytes) -> None:
         name, _ = self._where.pop(h)
@@ -353,8 +396,8 @@ class DiskTier:
             raise ValueError(f"unknown page cache method {method!r}; use fadvise or drop_caches")
         for path in self.files():
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+                fd = open_regular(path)
+            except OSError:
                 continue
             try:
                 os.fdatasync(fd)  # dirty pages are not dropped
@@ -387,7 +430,7 @@ class DiskTier:
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
-        self._readers.shutdown(wait=True)
+        self._macs.shutdown(wait=True)
 
 
 def _align(n: int) -> int:
