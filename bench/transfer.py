@@ -205,8 +205,13 @@ def run(args: argparse.Namespace) -> int:
             "bandwidth": bandwidth,
             "lengths": [],
         }
+        def partial(row: dict) -> None:  # after each method: a run cut short keeps what it measured
+            out.with_suffix(".json").write_text(json.dumps({**result, "lengths": [*result["lengths"], row]},
+                                                           indent=1) + "\n")
+
         for n in lengths:
-            result["lengths"].append(measure_length(n, args, prefill, decode, addresses, transports, modes))
+            result["lengths"].append(measure_length(n, args, prefill, decode, addresses, transports, modes,
+                                                    partial))
             out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     finally:
         prefill.close()
@@ -226,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_length(n: int, args, prefill: Child, decode: Child, addresses: dict, transports: list[str],
-                   modes: list[str]) -> dict:
+                   modes: list[str], partial=None) -> dict:
     groups = list(transports)
     if not args.no_seed_method:
         info = decode.ask("seed_buffer", n=n)["info"]
@@ -254,6 +259,8 @@ def measure_length(n: int, args, prefill: Child, decode: Child, addresses: dict,
             row["results"][-1]["orders"] = got.orders
         row["kv_bytes"] = row["kv_bytes"] or next((r["kv_bytes"] for m in modes for r in got.results[m]
                                                     if "kv_bytes" in r), None)
+        if partial is not None:
+            partial(row)
     row["prefill_ms"] = ab.summary(plain_all)
     return row
 
