@@ -283,6 +283,14 @@ class Sender(ChannelSender):
     def _teardown_transport(self) -> None:
         self.agent.deregister_memory(self.reg)
 
+    def _tick(self) -> float:
+        """While a finish() waits for writes in flight, poll them without a nap (a 50 us nap is ~100 us
+        of sleep, 7% of a 1.8 GiB bulk write on one H200); layer mode's writes during prefill keep it."""
+        wait_s = super()._tick()
+        finishing = any(t.handles and t.finishing is not None for p in self._peers.values()
+                        for t in p.transfers.values())
+        return 0.0 if finishing else wait_s
+
     def _lane_after_write(self, peer: Peer) -> None:
         """Once, after the first write to a peer: UCX prints some protocols only at first use, and a
         lane it had not logged at the handshake shows up now."""

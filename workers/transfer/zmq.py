@@ -57,8 +57,6 @@ from workers.transfer.errors import TransferError
 from workers.transfer.receiver import ChannelReceiver, Expected
 from workers.transfer.sender import ZERO_COPY_MIN, ChannelSender, Peer, SenderTransfer
 
-log = logging.getLogger("pdserve.transfer")
-
 FRAME_BYTES = 8 * 2**20  # at most this per frame (one block more where a single block is larger)
 SLOTS_PER_STREAM = 2  # GPU: pinned staging buffers of FRAME_BYTES per data stream
 TOKEN_PREFIX = b"d"  # a stream's routing id: prefix + token + stream index (ids may not start with 0)
