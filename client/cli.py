@@ -1,11 +1,13 @@
 """`pdserve-client "prompt"`: send one request, print the text, then the server's timeline.
 
     pdserve-client "Why is the sky blue?" --max-tokens 64 --stream --policy disaggregated
+    pdserve-client "Hello" --host 10.0.0.1 --port 8000 --api-key KEY     (or --base-url http://10.0.0.1:8000)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -18,7 +20,12 @@ from protocol.enums import POLICIES
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve-client", description=__doc__.splitlines()[0])
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    p.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"server address (default {DEFAULT_BASE_URL})")
+    p.add_argument("--base-url", default=None, help=f"server address (default {DEFAULT_BASE_URL}, or the one "
+                   "--host and --port make)")
+    p.add_argument("--host", default=None, help="server host (default 127.0.0.1), as `pdserve --host` took it")
+    p.add_argument("--port", type=int, default=None, help="server port (default 8000)")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $PDSERVE_API_KEY, then "
+                   "$OPENAI_API_KEY)")
     p.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
     p.add_argument("--policy", choices=POLICIES, default=None,
                    help="pdserve routing policy for this request (default: the server's own)")
@@ -30,6 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
     return p
+
+
+def base_url(args) -> str:
+    """--base-url, or http://HOST:PORT from --host and --port (either alone keeps the other's default)."""
+    if args.base_url is not None:
+        if args.host is not None or args.port is not None:
+            raise SystemExit("pdserve-client: give --base-url or --host/--port, not both")
+        return args.base_url
+    if args.host is None and args.port is None:
+        return DEFAULT_BASE_URL
+    host = args.host or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{args.port or 8000}"
 
 
 def _send(c: Client, args) -> tuple[Completion, float | None, float]:
@@ -71,7 +91,8 @@ def report(out: Completion, client_ttft_s: float | None, client_e2e_s: float) ->
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with Client(args.base_url, model=args.model, timeout_s=args.timeout) as c:
+        key = args.api_key or os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        with Client(base_url(args), model=args.model, timeout_s=args.timeout, api_key=key) as c:
             out, ttft, e2e = _send(c, args)
     except ClientError as e:
         print(f"pdserve-client: {e}", file=sys.stderr)

@@ -13,7 +13,8 @@
             async for delta in s:
                 ...
 
-`AsyncClient` is the same with `async with` / `await` / `async for`. Each client owns one httpx
+`AsyncClient` is the same with `async with` / `await` / `async for`. `api_key=` is sent as
+`Authorization: Bearer <key>` (a server started with --api-key). Each client owns one httpx
 connection pool, closed when the client closes. `model=None` asks the server's /v1/models once
 and uses the first model it lists.
 """
@@ -58,6 +59,11 @@ def _timeout(timeout_s: float | None) -> httpx.Timeout:
 
 def _limits(max_connections: int | None) -> httpx.Limits:
     return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+
+
+def _headers(api_key: str | None, headers: dict[str, str] | None) -> dict[str, str]:
+    """The headers every request carries: `headers`, and the API key as a bearer token."""
+    return {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
 def _request_id(response: httpx.Response) -> str | None:
@@ -135,9 +141,10 @@ class CompletionStream:
 
 class Client(_Base):
     def __init__(self, base_url: str = DEFAULT_BASE_URL, model: str | None = None, timeout_s: float | None = 600.0,
-                 max_connections: int | None = 16):
+                 max_connections: int | None = 16, api_key: str | None = None):
         super().__init__(base_url, model, timeout_s)
-        self._http = httpx.Client(timeout=_timeout(timeout_s), limits=_limits(max_connections))
+        self._http = httpx.Client(timeout=_timeout(timeout_s), limits=_limits(max_connections),
+                                  headers=_headers(api_key, None))
 
     def close(self) -> None:
         self._http.close()
@@ -250,10 +257,11 @@ class AsyncCompletionStream:
 
 class AsyncClient(_Base):
     def __init__(self, base_url: str = DEFAULT_BASE_URL, model: str | None = None, timeout_s: float | None = 600.0,
-                 max_connections: int | None = None, headers: dict[str, str] | None = None):
+                 max_connections: int | None = None, headers: dict[str, str] | None = None, api_key: str | None = None):
         super().__init__(base_url, model, timeout_s)
-        # headers go with every request, e.g. {"Authorization": "Bearer <key>"} for a server with an API key
-        self._http = httpx.AsyncClient(timeout=_timeout(timeout_s), limits=_limits(max_connections), headers=headers)
+        # headers go with every request (api_key: as `Authorization: Bearer <key>`)
+        self._http = httpx.AsyncClient(timeout=_timeout(timeout_s), limits=_limits(max_connections),
+                                       headers=_headers(api_key, headers))
 
     async def aclose(self) -> None:
         await self._http.aclose()

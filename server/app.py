@@ -7,6 +7,7 @@
     POST /detokenize            vLLM's: token ids -> text
     GET  /version               pdserve's version
     GET  /openapi.json          the API, request bodies included
+    GET  /docs                  the API on one HTML page (endpoints, request fields, vLLM's fields)
     GET  /health                200 when some policy can be served, 503 otherwise; lists the workers
                                 (their addresses and PIDs only to a caller holding the API key)
     GET  /metrics               Prometheus
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.timings import Timings
@@ -41,6 +42,7 @@ from server import schemas as S
 from server.admission import AdmittedStream
 from server.config import RouterConfig
 from server.dispatch import Dispatcher, Done, Job, Token, fan_out
+from server.docs_page import page as docs_page
 from server.errors import APIError, bad_request, unknown_model
 from server.metrics import CONTENT_TYPE, Metrics
 from server.pool import WorkerPool
@@ -376,7 +378,8 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
         finally:
             await router.stop()
 
-    # the docs pages are off (they load scripts from a CDN); /openapi.json is served below, behind the key
+    # FastAPI's docs pages are off (they load scripts from a CDN): /docs is our own page, /openapi.json is
+    # served below, behind the key
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
     app.add_middleware(RequestIdHeader)
@@ -396,7 +399,7 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
         hint = f"{request.method} {request.url.path}: {e.detail}"
         if e.status_code == 404:
             hint += ("; endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-                     "/version, /health, /metrics, /openapi.json")
+                     "/version, /health, /metrics, /openapi.json, /docs")
         return APIError(e.status_code, hint, "invalid_request_error", None, None).response()
 
     @app.exception_handler(Exception)
@@ -436,6 +439,11 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     async def version(request: Request):
         router.require_key(request)
         return {"version": _version()}
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():  # static text about the API, nothing of this deployment's: no key needed
+        return HTMLResponse(docs_page("pdserve", _version(), {"/v1/completions": S.CompletionRequest,
+                                                              "/v1/chat/completions": S.ChatRequest}))
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request):

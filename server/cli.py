@@ -29,23 +29,30 @@ import shutil
 import socket
 import sys
 import tempfile
+from dataclasses import fields
+from pathlib import Path
 
 from protocol.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
-from protocol.cli import HelpFormatter, add_config_argument, parse_args, setup_logging, version
+from protocol.cli import add_config_argument, parse_args, setup_logging, version
 from protocol.config import EngineConfig, TransferConfig, WorkerConfig  # not workers.*: no torch in the router
 from protocol.enums import Role
-from protocol.flags import add_arguments, from_args, values
+from protocol.flags import FLAG, add_arguments, from_args, values
+from protocol.models import MODEL_NAMES, cache_is_current, smollm2_cache_dir, smollm2_gguf_path
 from server.config import RouterConfig
+from server.parser import Parser
 
 log = logging.getLogger("pdserve")
 
-# the flags `pdserve` offers for every worker it starts, the workers' own (any other goes as --worker-arg)
-WORKER_FLAGS = {EngineConfig: ("device", "dtype", "block_size", "num_blocks", "kv_memory_gb", "max_num_seqs",
-                               "max_model_len", "threads"),
-                TransferConfig: ("transport", "mode"),
+# the flags `pdserve` takes for every worker it starts: each of the engine's and the transfer's (but the
+# model, the router's; and the KV receiver's address, each decode worker's own), and the worker's own
+WORKER_FLAGS = {EngineConfig: tuple(f.name for f in fields(EngineConfig) if FLAG in f.metadata and f.name != "model"),
+                TransferConfig: tuple(f.name for f in fields(TransferConfig) if FLAG in f.metadata
+                                      and f.name not in ("host", "port")),
                 WorkerConfig: ("stats_interval_s", "warmup")}
 # where pdserve's flag means something else than the worker's
-WORKER_OVERRIDES = {"device": {"default": None, "help": "one device for every worker (e.g. cpu; default: --devices)"}}
+WORKER_OVERRIDES = {"device": {"default": None, "help": "one device for every worker (e.g. cpu; default: --devices)"},
+                    "threads": {"help": "CPU threads for torch in each worker (default: this machine's cores shared "
+                                        "among the workers it starts, at least 1)"}}
 
 
 def add_router_arguments(p: argparse.ArgumentParser, register_default: str | None) -> None:
@@ -70,9 +77,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", default=None,
                    help="comma-separated devices dealt to prefill, decode, colocated workers in turn "
                         "(default: every GPU, else cpu)")
-    g.add_argument("--prefill-workers", type=int, default=1)
-    g.add_argument("--decode-workers", type=int, default=1)
-    g.add_argument("--colocated-workers", type=int, default=1)
+    g.add_argument("--prefill-workers", type=int, default=1, help="prefill workers to start")
+    g.add_argument("--decode-workers", type=int, default=1, help="decode workers to start")
+    g.add_argument("--colocated-workers", type=int, default=1, help="colocated workers to start")
     g.add_argument("--no-colocated", action="store_true", help="no colocated worker (same as --colocated-workers 0)")
     g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker (repeat: --worker-arg=--handshake-timeout --worker-arg=10)")
@@ -101,12 +108,37 @@ def api_key(args) -> str | None:
     return args.api_key or os.environ.get("PDSERVE_API_KEY") or None  # not argparse's default: --help would show it
 
 
+def check_model(model: str, tokenizer: str | None = None) -> None:
+    """Exit with one line, before anything starts, when the model (or its tokenizer) is not on this machine."""
+    if model in MODEL_NAMES:
+        if tokenizer is None and not cache_is_current(smollm2_cache_dir()):
+            try:  # the named models take SmolLM2's tokenizer, converted from the GGUF on first use
+                smollm2_gguf_path()
+            except FileNotFoundError as e:
+                sys.exit(f"pdserve: {e}")
+        return
+    path = Path(model)
+    if not path.is_dir():
+        sys.exit(f"pdserve: unknown model {model!r}: give one of {', '.join(MODEL_NAMES)} or a local checkpoint "
+                 f"directory (no model hub is reached)")
+    if not (path / "config.json").is_file():
+        sys.exit(f"pdserve: {model} holds no config.json; --model takes a HuggingFace checkpoint directory")
+
+
+def default_threads(workers: int) -> int:
+    """torch threads per worker when --threads is not given: this machine's cores shared among the workers
+    pdserve starts on it (each would take every core by default, and they would fight over them)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+
+
 def plan(args, devices: list[str], counts: dict[str, int], router: str, run_dir: str) -> list[WorkerConfig]:
     """The config of each worker to start: the flags pdserve offers for them, the router's model."""
     from server.launcher import plan_workers
 
     try:  # the device: each worker's own, dealt by plan_workers
-        engine = from_args(EngineConfig, args, only=WORKER_FLAGS[EngineConfig], model=args.model, device=devices[0])
+        threads = args.threads or default_threads(sum(counts.values()))
+        engine = from_args(EngineConfig, args, only=WORKER_FLAGS[EngineConfig], model=args.model, device=devices[0],
+                           threads=threads)
         transfer = from_args(TransferConfig, args, only=WORKER_FLAGS[TransferConfig])
         return plan_workers(counts, devices, engine, transfer=transfer, router=router, parent_pid=os.getpid(),
                             run_dir=run_dir, **values(WorkerConfig, args, only=WORKER_FLAGS[WorkerConfig]))
@@ -153,6 +185,8 @@ def url_of(sock: socket.socket) -> str:
 def _uvicorn_server(app, args):
     import uvicorn
 
+    from server.guard import connection_options
+
     class Server(uvicorn.Server):
         """uvicorn without its own signal handling: pdserve's handler stops the workers too."""
 
@@ -165,7 +199,8 @@ def _uvicorn_server(app, args):
 
     # log_config=None: uvicorn's loggers go through pdserve's (one format for every line)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
-                            timeout_graceful_shutdown=5, log_config=None)
+                            timeout_graceful_shutdown=5, log_config=None,
+                            **connection_options(app.state.router.cfg))  # cap, header timeout (server/guard.py)
     return Server(config)
 
 
@@ -222,6 +257,7 @@ def run_embedded(args) -> int:
     if not any(counts.values()):
         sys.exit("pdserve: no workers to start; drop --no-colocated or ask for prefill/decode workers")
     devices = [args.device] if args.device else (args.devices.split(",") if args.devices else default_devices())
+    check_model(args.model, args.tokenizer)
     rundir = tempfile.mkdtemp(prefix="pdserve-")  # 0700: only this user can reach what is inside
     launcher = None
     try:  # whatever happens from here on, the run directory goes
@@ -247,6 +283,7 @@ def run_embedded(args) -> int:
 
         app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
         router = app.state.router
+        router.supervisor = launcher  # /health shows a worker it cannot restart
 
         async def after_start(stop: asyncio.Event) -> int:
             want = {s.worker_id for s in specs}
@@ -269,7 +306,11 @@ def run_embedded(args) -> int:
                 await router.pool.wait_for(lambda pool: want <= set(pool.workers), timeout=0.2)
             where = ", ".join(f"{s.worker_id} on {s.engine.device}" for s in specs)
             disagg = f"; KV {args.transport}/{args.mode}" if counts[Role.PREFILL] else ""
-            print(f"pdserve ready: {url} (model {cfg.model}; {where}{disagg}; policy {cfg.policy})", flush=True)
+            threads = f"{specs[0].engine.threads} torch threads each (" + (
+                "--threads" if args.threads else f"{len(os.sched_getaffinity(0))} cores / {len(specs)} workers") + ")"
+            named = f" as {cfg.served_name}" if cfg.served_name != cfg.model else ""
+            print(f"pdserve ready: {url} (model {cfg.model}{named}; {where}; {threads}{disagg}; policy {cfg.policy})",
+                  flush=True)
             # supervision: a worker that exits is dropped by the router at once, and restarted;
             # keep a reference: tasks are weakly held
             watchers.append(asyncio.create_task(launcher.watch(stop, router.pool.lost)))
@@ -294,10 +335,14 @@ def run_router(args) -> int:
     except KeyFileError as e:
         sys.exit(f"pdserve router: {e}")
     cfg = router_config(args, keys)
+    try:  # the router needs only the tokenizer: the model may live on the workers' machines alone
+        tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
+    except (ValueError, OSError, RuntimeError) as e:
+        sys.exit(f"pdserve router: {e}")
     warn_if_open(args.host, cfg.api_key)
     sock = bind_http(args.host, args.port)
     url = url_of(sock)
-    app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
+    app = create_app(cfg, tokenizer)
 
     async def after_start(_stop: asyncio.Event) -> int:
         print(f"pdserve router ready: {url} (model {cfg.model}; workers register at {app.state.router.pool.address}; "
@@ -324,9 +369,9 @@ def keygen(argv: list[str]) -> int:
 
 
 def pdserve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
-                                epilog="`pdserve router --help`: the router alone; `pdserve keygen DIR`: keys "
-                                       "for workers on other machines.", formatter_class=HelpFormatter)
+    p = Parser(prog="pdserve", description=__doc__.splitlines()[0],
+               epilog="`pdserve router --help`: the router alone; `pdserve keygen DIR`: keys for workers on other "
+                      "machines. Docs: docs/serving.md.")
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     add_config_argument(p)
     add_router_arguments(p, register_default=None)
@@ -335,9 +380,8 @@ def pdserve_parser() -> argparse.ArgumentParser:
 
 
 def router_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve router", description="Run only the router; workers started "
-                                "elsewhere (pdserve-worker --router ... --keys DIR/worker) register with it.",
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="pdserve router", description="Run only the router; workers started elsewhere (pdserve-worker "
+               "--router ... --keys DIR/worker) register with it.")
     p.add_argument("--version", action="version", version=f"pdserve {version()}")
     add_config_argument(p)
     add_router_arguments(p, register_default="tcp://127.0.0.1:7100")

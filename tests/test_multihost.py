@@ -25,6 +25,7 @@ import os
 import random
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -145,6 +146,7 @@ class Deployment:
                 p.kill()
                 p.wait(10)
         self.http.close()
+        shutil.rmtree(self.logdir, ignore_errors=True)  # a failing test has quoted the logs it needs already
 
     def alive(self, name: str) -> None:
         p = self.procs[name]

@@ -94,8 +94,9 @@ class Pdserve:
             self.lines.put(line.strip())
 
     def _fail(self, why: str):
-        self.kill()
-        pytest.fail(f"{why}\n--- pdserve log ---\n{self.log_text()[-6000:]}")
+        text = self.log_text()
+        self.kill(keep_log=True)
+        pytest.fail(f"{why} (log: {self.log.name})\n--- pdserve log ---\n{text[-6000:]}")
 
     def log_text(self) -> str:
         if not self.log.closed:
@@ -158,8 +159,9 @@ class Pdserve:
         self._close()
         Path(self.log.name).unlink()  # kept only when something went wrong
 
-    def kill(self) -> None:
-        """SIGKILL pdserve and (as a safety net for the test run) its workers, by pid."""
+    def kill(self, keep_log: bool = False) -> None:
+        """SIGKILL pdserve and (as a safety net for the test run) its workers, by pid; its log goes unless
+        `keep_log` (a failure to look into)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -167,6 +169,8 @@ class Pdserve:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._close()
+        if not keep_log:
+            Path(self.log.name).unlink(missing_ok=True)
 
     def _close(self) -> None:
         self.http.close()
