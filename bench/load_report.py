@@ -1,6 +1,7 @@
 """Writing a load run down: results.json (vllm-bench-serve field names, one block per arm and run,
-plus where and when it ran) and summary.md (the tables a reader wants first: how the policies were
-run, each arm's warm-up and capacity, then every run with its saturation and cold marks)."""
+plus where and when it ran) and summary.md (what a reader wants first: how the policies were run, the
+verdict in words (bench/load_verdict.py), each arm's warm-up and capacity, then every run with its
+saturation and cold marks)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
+from bench.load_verdict import verdict_lines
 from bench.metrics import SERVER_PHASES, pct_name
 
 PACKAGES = ("pdserve", "httpx", "numpy", "torch", "transformers", "fastapi", "uvicorn", "nixl")
@@ -211,6 +213,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         lines.append("- goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in run["slos_ms"].items())
                      + (f"; a run meets them when >= {run['goodput_target']:.0%} of its requests do"
                         if run.get("goodput_target") else ""))
+    lines += verdict_lines(run)
     lines += _capacity_lines(run)
     lines += [
         "",

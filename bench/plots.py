@@ -54,6 +54,12 @@ def _colors(policies: list[str]) -> dict[str, str]:
     return {p: cycle[i % len(cycle)] for i, p in enumerate(policies)}
 
 
+def _once(ax, label: str) -> str | None:
+    """`label` the first time it is drawn on `ax`, None after: every kind of mark in the legend once, whichever
+    arm or point draws it first."""
+    return None if label in ax.get_legend_handles_labels()[1] else label
+
+
 def _cdf(blocks: list[dict], values_of, xlabel: str, title: str, path: Path) -> None:
     points, policies = _points(blocks), _policies(blocks)
     colors = _colors(policies)
@@ -116,8 +122,7 @@ def plot_latency_vs_load(blocks: list[dict], out_dir: Path) -> Path:
                 ax.plot(x, y, style, color=colors[policy], label=f"{policy} {'p50' if stat == 'median' else stat}")
                 sat = [(xi, yi) for xi, yi, b in zip(x, y, mine) if b is not None and _saturated(b)]
                 if sat:
-                    ax.plot(*zip(*sat), "x", color="red", markersize=9,
-                            label="past saturation" if policy == policies[0] and stat == "median" else None)
+                    ax.plot(*zip(*sat), "x", color="red", markersize=9, label=_once(ax, "past saturation"))
         if not numeric:
             ax.set_xticks(range(len(points)), points)
         ax.set_xlabel(blocks[0]["load_kind"])
@@ -160,8 +165,7 @@ def plot_goodput_vs_rate(blocks: list[dict], out_dir: Path) -> Path | None:
         for ax, key in ((left, "goodput_fraction"), (right, "request_throughput")):
             sat = [(b["request_rate"], b[key] or 0.0) for b in mine if _saturated(b)]
             if sat:
-                ax.plot(*zip(*sat), "x", color="red", markersize=9,
-                        label="past saturation" if policy == policies[0] else None)
+                ax.plot(*zip(*sat), "x", color="red", markersize=9, label=_once(ax, "past saturation"))
         if policy in caps:
             left.axvline(caps[policy], color=colors[policy], linestyle=":",
                          label=f"{policy} capacity {caps[policy]:.3g}/s")
@@ -201,7 +205,6 @@ def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(7.5, 1.8 * len(points) * len(policies)) + 6, 6))
     part_colors = [*plt.get_cmap("tab20").colors[::2], *plt.get_cmap("tab20").colors[1::2]]
     labels, positions = [], []
-    first = True
     for i, point in enumerate(points):
         for j, policy in enumerate(policies):
             b = next((b for b in blocks if (b.get("point") or b["load_label"]) == point
@@ -216,14 +219,13 @@ def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
             for k, (key, label) in enumerate(parts):
                 value = split.get(key) or 0.0  # results written before a phase existed have no such key
                 ax.bar(pos, value, width * 0.9, bottom=up if value >= 0 else down, color=part_colors[k],
-                       label=textwrap.fill(label, 70, subsequent_indent="  ") if first else None)
+                       label=_once(ax, textwrap.fill(label, 70, subsequent_indent="  ")))
                 up, down = (up + value, down) if value >= 0 else (up, down + value)
             ax.bar(pos, split["first_step"], width * 0.9, bottom=up, color="white", edgecolor="dimgrey",
-                   hatch="//", label="first decode step (token 2, after the first token)" if first else None)
+                   hatch="//", label=_once(ax, "first decode step (token 2, after the first token)"))
             if split.get("server_ttft") is not None:
                 ax.hlines(split["server_ttft"], pos - width * 0.45, pos + width * 0.45, colors="dimgrey",
-                          linestyles="dashed", linewidth=2, label="server TTFT (sum of the phases)" if first else None)
-            first = False
+                          linestyles="dashed", linewidth=2, label=_once(ax, "server TTFT (sum of the phases)"))
     ax.set_xticks(positions, labels, fontsize=8)
     ax.set_ylabel("mean time (ms)")
     ax.set_title("Where the time to first token goes")
