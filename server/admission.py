@@ -17,16 +17,23 @@ from the KV capacity the role's live workers registered (num_blocks * block_size
 
 Over a bound: 429 with Retry-After, before any worker sees the request. No live worker for a role
 the request needs: 503 with Retry-After. A Ticket is released exactly once, whichever of the
-request's ends (its stream, its response, a disconnect) comes first.
+request's ends (its workers' last message, its response, a disconnect) comes first: a stream's
+events are taken from its workers at their pace (workers_pace), not at its client's, so a client
+that stops reading holds no admission once its workers are done, and is dropped after
+--send-timeout (AdmittedStream).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import APIError
+
+log = logging.getLogger("pdserve.router")
 
 TOKENS_PER_KV_TOKEN = 2  # default token bound: this many pools' worth of prompt tokens in flight per role
 
@@ -139,16 +146,63 @@ class Admission:
             return not self.tickets
 
 
+class SendTimeout(Exception):
+    """The client stopped reading: a response chunk could not be sent within the send timeout."""
+
+
 class AdmittedStream(StreamingResponse):
     """A StreamingResponse that releases its request's admission ticket however the response ends,
-    even if its body generator never started (the client left first)."""
+    even if its body generator never started (the client left first), and gives up on a client that
+    has not taken a chunk for send_timeout_s (its connection is closed)."""
 
-    def __init__(self, content, ticket: Ticket, **kw):
+    def __init__(self, content, ticket: Ticket, send_timeout_s: float, **kw):
         super().__init__(content, **kw)
         self.ticket = ticket
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope, receive, send):
+        async def send_within(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except asyncio.TimeoutError:
+                raise SendTimeout() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_within)
+        except SendTimeout:
+            log.warning("request %s: its client took no data for %.0fs (--send-timeout); dropped",
+                        self.ticket.request_id, self.send_timeout_s)
+            await self.body_iterator.aclose()
         finally:
             self.ticket.release()
+
+
+async def workers_pace(events: AsyncIterator) -> AsyncIterator:
+    """`events`, taken from the workers as fast as they come, whatever the pace of whoever iterates
+    this: they wait here (at most one request's tokens) while a slow client reads, and the request's
+    workers and admission are done with it when they are. Closing this stops `events`."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump() -> None:
+        try:
+            async for item in events:
+                queue.put_nowait((item, None))
+            queue.put_nowait((end, None))
+        except Exception as e:  # the consumer raises it, in order
+            queue.put_nowait((end, e))
+        finally:
+            await events.aclose()
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -39,11 +39,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.timings import Timings
 from server import schemas as S
-from server.admission import AdmittedStream
+from server.admission import AdmittedStream, workers_pace
 from server.config import RouterConfig
 from server.dispatch import Dispatcher, Done, Job, Token, fan_out
 from server.docs_page import page as docs_page
 from server.errors import APIError, bad_request, unknown_model
+from server.guard import BodyBudget, ClientGone, FrontDoor
 from server.metrics import CONTENT_TYPE, Metrics
 from server.pool import WorkerPool
 from server.request_id import RequestIdHeader
@@ -56,6 +57,7 @@ log = logging.getLogger("pdserve.router")
 LONG_TEXT_CHARS = 8192  # longer prompts are tokenized off the event loop
 LONG_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
 MESSAGE_CHARS = 64  # what one chat message costs the template and tokenizer beyond its text, roughly
+DETOKENIZE_MAX = 131072  # /detokenize's bound on ids while no worker has said its context
 OFF_LOOP_THREADS = 2  # parsing and tokenizing threads: bounds the memory hostile bodies can take at once
 
 
@@ -64,7 +66,7 @@ class Router:
 
     def __init__(self, cfg: RouterConfig, tokenizer):
         self.cfg = cfg
-        self.encoder = PromptEncoder(tokenizer)
+        self.encoder = PromptEncoder(tokenizer, cfg.chat_special_tokens)
         self.metrics = Metrics(cfg.served_name)
         self.pool = WorkerPool(cfg, self.metrics)
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
@@ -72,6 +74,8 @@ class Router:
         self.created = S.now_s()
         self._work = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="parse")
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (at most the vocabulary)
+        self.bodies = BodyBudget(cfg)
+        self.supervisor = None  # pdserve's Launcher when it started the workers: its trouble() shows on /health
 
     async def start(self) -> None:
         await self.pool.start()
@@ -97,18 +101,9 @@ class Router:
                            "invalid_api_key")
 
     async def read_body(self, http: Request) -> bytes:
-        """The body, refused with 413 as soon as it is known to exceed the limit."""
-        limit = self.cfg.max_body_bytes
-        declared = http.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(int(declared), limit)
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        """The body: 413 as soon as it is known to exceed the limit, 503 over the router's budget of
+        bodies in flight, 408 past the body timeout (server/guard.py)."""
+        return await self.bodies.read(http)
 
     # ---- one request ------------------------------------------------------------------------------
 
@@ -176,7 +171,8 @@ class Router:
         tickets = _Tickets([p.ticket for p in plans])
         choices = self._choices(kind, req, job)
         if req.stream:
-            return AdmittedStream(self._sse(kind, job, plans, req, choices), tickets, media_type="text/event-stream",
+            return AdmittedStream(self._sse(kind, job, plans, req, choices), tickets, self.cfg.send_timeout_s,
+                                  media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         dones: list[Done | None] = [None] * len(plans)
 
@@ -235,7 +231,7 @@ class Router:
         completion_tokens, left = 0, len(plans)
         timings = Timings()  # choice 0's, as a whole response reports them
         try:
-            async for i, event in self.dispatcher.execute_all(plans):
+            async for i, event in workers_pace(self.dispatcher.execute_all(plans)):
                 c = choices[i]
                 if isinstance(event, Token):
                     text = c.add(event.token_id, event.text, event.logprobs, event.prompt_logprobs)
@@ -302,8 +298,15 @@ class Router:
         req = await self._off_loop(lambda body: S.parse_body(body, S.DetokenizeRequest), raw, len(raw),
                                    LONG_BODY_BYTES)
         self._check_model(req.model)
-        ids = self.encoder.check_ids(req.check(), "tokens")
-        return JSONResponse({"prompt": await self._off_loop(self.encoder.decode, ids, len(ids))})
+        ids = req.check()
+        context = self.pool.max_model_len() or DETOKENIZE_MAX
+        if len(ids) > context:  # no sequence this server makes or takes is longer
+            raise bad_request(f"`tokens` has {len(ids)} ids; the model's context is {context} tokens", "tokens",
+                              "context_length_exceeded")
+        ids = self.encoder.check_ids(ids, "tokens")
+        loop = asyncio.get_running_loop()  # decoded and encoded on the router's threads, whatever the size
+        body = await loop.run_in_executor(self._work, lambda: JSONResponse({"prompt": self.encoder.decode(ids)}))
+        return body
 
     def _check_model(self, model: str | None) -> None:
         """The served name (--served-model-name) or, when that differs, the model itself; null: this one."""
@@ -319,10 +322,18 @@ class Router:
         status = "draining" if draining else "unavailable" if not ok else "degraded" if short else "ok"
         body = {"status": status, "model": self.cfg.served_name, "policy": self.cfg.policy,
                 "policies": policies, "workers": [w.describe(private) for w in self.pool.workers.values()]}
+        trouble = self.supervisor.trouble() if self.supervisor is not None else {}
+        if status == "ok" and trouble:
+            status = "degraded"
         if short:  # still serving (200), with fewer workers than configured
             body["missing"] = short
             body["message"] = "fewer workers than configured: " + ", ".join(
                 f"{role} {n} missing of {self.cfg.expected_workers[role]}" for role, n in short.items())
+        if trouble:  # a worker that cannot be restarted, or supervision itself failing (and retrying)
+            body["supervision"] = trouble
+            body["message"] = "; ".join([body["message"]] * ("message" in body) + [
+                f"{who}: {why}" for who, why in trouble.items()])
+        body["status"] = status
         if private:
             body["register"] = self.pool.address
         if not ok:
@@ -338,6 +349,7 @@ class _Tickets:
 
     def __init__(self, tickets: list):
         self.tickets = tickets
+        self.request_id = tickets[0].request_id.rsplit("-", 1)[0] if len(tickets) > 1 else tickets[0].request_id
 
     def release(self) -> None:
         for t in self.tickets:
@@ -349,11 +361,6 @@ def _version() -> str:
         return importlib.metadata.version("pdserve")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(413, f"the request body is {size} bytes or more; this server takes at most {limit} "
-                    f"(--max-body-mb)", "invalid_request_error", None, "body_too_large")
 
 
 async def _disconnected(http: Request) -> None:
@@ -383,6 +390,7 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
     app.add_middleware(RequestIdHeader)
+    app.add_middleware(FrontDoor, cfg=cfg)  # outermost: Host, content type and framing before anything else
     completion_body, completion_schemas = S.openapi_body(S.CompletionRequest)
     chat_body, chat_schemas = S.openapi_body(S.ChatRequest)
     tokenize_body, tokenize_schemas = S.openapi_body(S.TokenizeRequest)
@@ -393,6 +401,11 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, e: APIError):
         return e.response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, _e: ClientGone):
+        log.info("%s %s: the client disconnected before its request was read whole", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):

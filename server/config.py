@@ -61,6 +61,22 @@ class RouterConfig:
     # a larger request body gets 413 before it is read; the flag is in MiB
     max_body_bytes: int = flag(DEFAULT_MAX_BODY_BYTES, "largest HTTP request body in MiB (413 above it) (default: "
                                f"{DEFAULT_MAX_BODY_BYTES / 2**20})", name="--max-body-mb", type=mebibytes)
+    # the front door (server/guard.py): what a connection and a body may hold, and for how long
+    max_bodies_bytes: int = flag(16 * DEFAULT_MAX_BODY_BYTES, "request bodies being read at once, router-wide, in "
+                                 f"MiB (503 above it) (default: {16 * DEFAULT_MAX_BODY_BYTES / 2**20})",
+                                 name="--max-bodies-mb", type=mebibytes)
+    header_timeout_s: float = flag(10.0, "seconds a connection may take to send a request's headers before it is "
+                                   "closed", name="--header-timeout")
+    body_timeout_s: float = flag(60.0, "seconds a request body may take to arrive (408 after)", name="--body-timeout")
+    send_timeout_s: float = flag(60.0, "seconds a streamed response waits for a client that stopped reading before it "
+                                 "is dropped", name="--send-timeout")
+    max_connections: int = flag(4096, "open HTTP connections at most (kept under the open-file limit); past it a new "
+                                "one closes the longest idle")
+    allowed_hosts: str | None = flag(None, "without an API key: Host names the HTTP API answers besides localhost and "
+                                     "IP addresses, comma-separated ('*': any); a guard against DNS rebinding")
+    chat_special_tokens: str = flag("escape", "special tokens (e.g. <|im_start|>) typed in chat messages: escape (read "
+                                    "as plain text), refuse (400), or allow (vLLM's: they become real markers)",
+                                    choices=("escape", "refuse", "allow"))
     # admission (server/admission.py), per role; 0: derived from the role's registered KV capacity
     max_inflight_requests: int = flag(0, "admission: requests in flight per role (colocated; prefill, decode) before "
                                       "new ones get 429 + Retry-After (0: the role's total KV blocks, as its workers "
@@ -93,6 +109,10 @@ class RouterConfig:
             raise ValueError("retry-after must be at least 1 s and the drain timeout not negative")
         if self.default_max_tokens < 1 or self.default_chat_max_tokens < 1:
             raise ValueError("the default max_tokens must be at least 1")
+        if min(self.header_timeout_s, self.body_timeout_s, self.send_timeout_s) <= 0 or self.max_connections < 8:
+            raise ValueError("the header, body and send timeouts must be positive and max connections at least 8")
+        if self.max_bodies_bytes < self.max_body_bytes:
+            raise ValueError("--max-bodies-mb must be at least --max-body-mb")
         if self.kv_deadline_s <= 1.0:
             raise ValueError(f"kv deadline must exceed 1 s, got {self.kv_deadline_s}")
 

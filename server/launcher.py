@@ -17,6 +17,10 @@ Supervision (`watch()`, on the event loop, from the moment pdserve is ready):
                         its start, at most RESTART_MAX_S; the new process registers under the same
                         worker id and the router has the prefill workers shake hands with it anew
     --no-restart        a worker that exits stays gone
+    errors              supervision survives any error of its own: a worker that cannot be started
+                        (out of file descriptors, of memory) is retried with the same backoff and
+                        trouble() names it for /health; an error of the loop itself is logged and the
+                        loop goes on after RESTART_MIN_S
 Workers are started from the event loop's thread (the main thread): PR_SET_PDEATHSIG fires when
 the thread that forked a child ends, so a worker started from a helper thread would die with it.
 """
@@ -37,6 +41,7 @@ from dataclasses import replace
 
 from protocol.config import EngineConfig, WorkerConfig, write_worker_config
 from protocol.enums import ROLES
+from protocol.shm import remove_pools
 
 log = logging.getLogger("pdserve.launcher")
 
@@ -87,6 +92,7 @@ class Launcher:
         self._quick_deaths: dict[str, int] = {}  # worker id -> deaths in a row within STABLE_S of a start
         self._due: dict[str, float] = {}  # worker id -> time.monotonic() of its restart
         self._reported: set[int] = set()  # pids whose exit was reported
+        self._trouble: dict[str, str] = {}  # worker id (or "supervision") -> why it is not running as it should
 
     def config_file(self, spec: WorkerConfig) -> str:
         return os.path.join(self.run_dir, "workers", f"{spec.worker_id}.json")
@@ -108,6 +114,12 @@ class Launcher:
         log.info("starting %s: %s", spec.worker_id, " ".join(cmd))
         self.procs[spec.worker_id] = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
         self.started_at[spec.worker_id] = time.monotonic()
+        self._trouble.pop(spec.worker_id, None)
+
+    def trouble(self) -> dict[str, str]:
+        """Worker id (or "supervision") -> why supervision cannot keep it running now, e.g. a restart
+        that failed; empty when all is well (the router's /health shows it)."""
+        return dict(self._trouble)
 
     def exited(self) -> list[tuple[str, int, int]]:
         """Workers that exited since the last call: (worker id, pid, exit code; -N: killed by signal N).
@@ -122,35 +134,54 @@ class Launcher:
             _remove_shared_memory(p.pid)
             out.append((wid, p.pid, rc))
             if self.restart and not self.stopping:
-                quick = now - self.started_at[wid] < STABLE_S
-                deaths = self._quick_deaths.get(wid, 0) + 1 if quick else 1
-                self._quick_deaths[wid] = deaths
-                self._due[wid] = now + min(RESTART_MIN_S * 2 ** (deaths - 1), RESTART_MAX_S)
+                self._schedule(wid, quick=now - self.started_at[wid] < STABLE_S)
         return out
+
+    def _schedule(self, wid: str, quick: bool) -> None:
+        deaths = self._quick_deaths.get(wid, 0) + 1 if quick else 1
+        self._quick_deaths[wid] = deaths
+        self._due[wid] = time.monotonic() + min(RESTART_MIN_S * 2 ** (deaths - 1), RESTART_MAX_S)
 
     def restart_due(self) -> list[str]:
         """Start again the workers whose backoff is over; their ids."""
         now = time.monotonic()
         due = [wid for wid, at in self._due.items() if at <= now and not self.stopping]
+        started = []
         for wid in due:
             del self._due[wid]
-            self._start(self.specs[wid])
+            try:
+                self._start(self.specs[wid])
+            except Exception as e:  # EMFILE, ENOMEM, EAGAIN from fork: try again later, say so on /health
+                self._trouble[wid] = f"cannot restart it: {type(e).__name__}: {e}; retrying"
+                log.error("worker %s: %s", wid, self._trouble[wid])
+                self._schedule(wid, quick=True)
+                continue
             self.restarts += 1
-        return due
+            started.append(wid)
+        return started
 
     async def watch(self, stop: asyncio.Event, on_exit) -> None:
         """Until `stop`: report each worker's exit to on_exit(worker id, pid, why) and restart it."""
         while not stop.is_set():
-            for wid, pid, rc in self.exited():
-                why = f"its process (pid {pid}) " + (f"was killed by {_signal_name(-rc)}" if rc < 0
-                                                     else f"exited with code {rc}")
-                delay = self._due.get(wid)
-                log.error("worker %s: %s; %s", wid, why, "restarting it in %.1fs" % (delay - time.monotonic())
-                          if delay is not None else "not restarted (--no-restart)")
-                on_exit(wid, pid, why)
-            for wid in self.restart_due():
-                log.warning("worker %s restarted (pid %d)", wid, self.procs[wid].pid)
+            try:
+                self._watch_once(on_exit)
+                self._trouble.pop("supervision", None)
+            except Exception as e:  # never let supervision end: log, say so on /health, go on
+                self._trouble["supervision"] = f"supervision failed: {type(e).__name__}: {e}; retrying"
+                log.exception("supervision failed; retrying in %.1fs", RESTART_MIN_S)
+                await asyncio.sleep(RESTART_MIN_S)
             await asyncio.sleep(WATCH_S)
+
+    def _watch_once(self, on_exit) -> None:
+        for wid, pid, rc in self.exited():
+            why = f"its process (pid {pid}) " + (f"was killed by {_signal_name(-rc)}" if rc < 0
+                                                 else f"exited with code {rc}")
+            delay = self._due.get(wid)
+            log.error("worker %s: %s; %s", wid, why, "restarting it in %.1fs" % (delay - time.monotonic())
+                      if delay is not None else "not restarted (--no-restart)")
+            on_exit(wid, pid, why)
+        for wid in self.restart_due():
+            log.warning("worker %s restarted (pid %d)", wid, self.procs[wid].pid)
 
     def pids(self) -> dict[str, int]:
         return {wid: p.pid for wid, p in self.procs.items()}
@@ -202,10 +233,6 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 def _remove_shared_memory(pid: int) -> None:
     """A worker killed before it could close its KV pool leaves /dev/shm/pdserve-kv-<pid>-* behind
-    (the CPU pool of the ipc transport, see workers/engine/kv_cache.py)."""
-    for path in glob.glob(f"/dev/shm/pdserve-kv-{pid}-*"):
-        try:
-            os.unlink(path)
-            log.info("removed %s left by worker pid %d", path, pid)
-        except FileNotFoundError:
-            pass
+    (the CPU pool of the ipc transport); only this user's regular files go, and nothing raises."""
+    for path in remove_pools(pid):
+        log.info("removed %s left by worker pid %d", path, pid)

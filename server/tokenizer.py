@@ -7,6 +7,8 @@ fast tokenizer (tests/test_torch_free_router.py holds the two to the same ids, t
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -104,11 +106,26 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+SPECIAL_TOKEN_MODES = ("escape", "refuse", "allow")
+
+
 class PromptEncoder:
-    def __init__(self, tokenizer):
+    """Prompt text and chat messages to token ids. `special_tokens`: what a special token's text (such as
+    <|im_start|>) inside a chat message's content becomes: "escape" (the default) encodes it as plain
+    text, so a message cannot open a turn of another role; "refuse": 400; "allow": a real special token,
+    as vLLM does (then a user's text can forge a system or assistant turn). A plain completions prompt is
+    the client's own whole text: its special tokens are always real."""
+
+    def __init__(self, tokenizer, special_tokens: str = "escape"):
+        if special_tokens not in SPECIAL_TOKEN_MODES:
+            raise ValueError(f"special tokens in chat: one of {', '.join(SPECIAL_TOKEN_MODES)}, not {special_tokens!r}")
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.max_chars_per_token = max_chars_per_token(tokenizer)
+        self.special_tokens = special_tokens
+        specials = sorted(special_strings(tokenizer), key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._literal = None  # a copy of the tokenizer that reads special tokens' text as plain text
 
     def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -120,6 +137,14 @@ class PromptEncoder:
         if not self.tokenizer.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt",
                               "messages", "no_chat_template")
+        forged = self._forged(messages)
+        if forged is not None and self.special_tokens == "refuse":
+            i, token = forged
+            raise bad_request(f"`messages.{i}.content` holds the special token {token!r}, which would act as a chat "
+                              f"marker; remove it (this server refuses them: --chat-special-tokens)",
+                              f"messages.{i}.content", "special_token_in_message")
+        if forged is not None and self.special_tokens == "escape":
+            return self._chat_escaped(messages, add_generation_prompt, continue_final_message, add_special_tokens)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
         if continue_final_message:
@@ -130,6 +155,50 @@ class PromptEncoder:
                                   "continue_final_message")
             text = text[:at + len(last)]
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _forged(self, messages: list[dict]) -> tuple[int, str] | None:
+        """The first (message index, special token text) found in a message's content, or None."""
+        if self._special is None or self.special_tokens == "allow":
+            return None
+        for i, m in enumerate(messages):
+            found = self._special.search(m["content"])
+            if found:
+                return i, found.group(0)
+        return None
+
+    def _chat_escaped(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                      add_special_tokens: bool) -> list[int]:
+        """The template rendered around a private mark per message; the template's text encoded as
+        usual (its markers real), each message's content encoded with special tokens read as text."""
+        nonce = secrets.token_hex(8)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        text = self.tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
+        if continue_final_message:
+            at = text.rfind(marks[-1])
+            if at < 0:
+                raise bad_request("`continue_final_message` needs a last message with text the chat template keeps",
+                                  "continue_final_message")
+            text = text[:at + len(marks[-1])]
+        ids, pos = [], 0
+        for found in re.finditer(re.escape(f"\ue000{nonce}:") + r"(\d+)\ue001", text):
+            ids += self.tokenizer.encode(text[pos:found.start()], add_special_tokens=add_special_tokens and not ids)
+            ids += self._encode_literal(messages[int(found.group(1))]["content"])
+            pos = found.end()
+        if pos == 0:
+            raise bad_request("this model's chat template does not show message contents as given, so special tokens "
+                              "in them cannot be escaped; remove them", "messages", "special_token_in_message")
+        return ids + self.tokenizer.encode(text[pos:], add_special_tokens=False)
+
+    def _encode_literal(self, text: str) -> list[int]:
+        if isinstance(self.tokenizer, FastTokenizer):
+            if self._literal is None:
+                from tokenizers import Tokenizer
+
+                self._literal = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+                self._literal.encode_special_tokens = True
+            return self._literal.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)  # transformers'
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -153,3 +222,11 @@ def max_chars_per_token(tokenizer) -> int:
     longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
     normalized = not tokenizer.is_fast or tokenizer.backend_tokenizer.normalizer is not None
     return max(1, longest) * (4 if normalized else 1)
+
+
+def special_strings(tokenizer) -> set[str]:
+    """The text of every special token (the markers a chat template writes, such as <|im_start|>)."""
+    if isinstance(tokenizer, FastTokenizer):
+        return {t.content for t in tokenizer.backend_tokenizer.get_added_tokens_decoder().values() if t.special}
+    added = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}  # transformers'
+    return added | set(tokenizer.all_special_tokens)

@@ -34,6 +34,8 @@ WORKER_FLAGS = {
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
     "--threads", "--transport", "--version", "--worker-config", "--worker-id"}
 ROUTER_FLAGS = {
+    "--allowed-hosts", "--body-timeout", "--chat-special-tokens", "--header-timeout", "--max-bodies-mb",
+    "--max-connections", "--send-timeout",  # the front door (server/guard.py), chat text (server/tokenizer.py)
     "--access-log", "--api-key", "--api-key-file", "--auto-threshold", "--config", "--drain-timeout",
     "--expect-workers", "--failover", "--heartbeat-interval", "--heartbeat-misses", "--help", "--host",
     "--kv-deadline", "--log-level", "--max-body-mb", "--max-inflight-requests", "--max-inflight-tokens", "--model",

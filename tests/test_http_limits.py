@@ -49,7 +49,7 @@ def raw_post(url: str, path: str, head: bytes, declared: int | None, chunked: by
     u = urlsplit(url)
     with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
         length = f"Content-Length: {declared}\r\n" if declared is not None else "Transfer-Encoding: chunked\r\n"
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{length}\r\n".encode())
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{length}\r\n".encode())
         try:
             if chunked is None:
                 s.sendall(head)

@@ -94,7 +94,7 @@ def test_stream_without_include_usage_keeps_usage_on_the_last_choice(client):
 
 @pytest.fixture(scope="module")
 def oai(client):
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=client, max_retries=0)
 
 
 def test_openai_client_refused_tools_is_a_bad_request(oai):

@@ -158,7 +158,7 @@ def test_a_client_that_leaves_stops_its_request(srv, policy):
     host, port = srv.url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
         time.sleep(0.5)  # leaves long before 2000 tokens
     left = time.monotonic()

@@ -140,7 +140,7 @@ def router(tokenizer, **overrides):
         return w
 
     try:
-        with TestClient(app) as client:
+        with TestClient(app, base_url="http://localhost") as client:  # a loopback name: the Host guard lets it in
             client.add_worker = add
             client.worker_keys = worker_keys
             yield client

@@ -11,7 +11,6 @@ workers with `--worker-config FILE`: their whole WorkerConfig, which the flags t
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from protocol.cli import (PARENT_DIED, HelpFormatter, add_config_argument, die_w
 from protocol.config import EngineConfig, TransferConfig, WorkerConfig, read_worker_config
 from protocol.enums import Role, Transport
 from protocol.flags import add_arguments, from_args
+from protocol.shm import remove_pools
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, base: EngineConfig | None = None) -> None:
@@ -109,8 +109,7 @@ def serve(argv: list[str]) -> int:
     if cfg.parent_pid is not None:
         def abandon(parent_died: bool) -> None:
             """Still loading: the KV pool may exist already (workers/engine/kv_cache.py SHM_PREFIX)."""
-            for path in glob.glob(f"/dev/shm/pdserve-kv-{os.getpid()}-*"):
-                os.unlink(path)
+            remove_pools(os.getpid())
             if parent_died and cfg.run_dir:
                 shutil.rmtree(cfg.run_dir, ignore_errors=True)
             os._exit(1)

@@ -16,13 +16,13 @@ Block bookkeeping lives in `block_pool.py` (no torch).
 
 from __future__ import annotations
 
-import glob
 import math
 import os
-import uuid
 from dataclasses import asdict, dataclass
 
 import torch
+
+from protocol.shm import SHM_PREFIX, create_pool, remove_pools  # noqa: F401  (SHM_PREFIX: the ipc transport's)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -105,24 +105,10 @@ def blocks_for_budget(bytes_budget: int, num_layers: int, num_kv_heads: int, hea
     return max(1, bytes_budget // per_block)
 
 
-SHM_PREFIX = "/dev/shm/pdserve-kv-"  # + creator pid + "-" + random suffix
-
-
 def remove_orphaned_pools() -> None:
-    """Unlink shared pools whose creating process is gone (killed before it could clean up)."""
-    for path in glob.glob(SHM_PREFIX + "*"):
-        try:
-            pid = int(path[len(SHM_PREFIX):].split("-")[0])
-            os.kill(pid, 0)
-        except ValueError:
-            continue
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        except PermissionError:  # alive, another user's
-            continue
+    """Unlink shared pools whose creating process is gone (killed before it could clean up): this
+    user's regular files only, whatever else /dev/shm holds (protocol/shm.py)."""
+    remove_pools()
 
 
 class KVCache:
@@ -137,7 +123,7 @@ class KVCache:
         numel = math.prod(layout.shape)
         if shared and self.device.type == "cpu":
             remove_orphaned_pools()
-            self.shm_path = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.shm_path = create_pool(numel * torch.empty((), dtype=layout.torch_dtype).element_size())
             flat = torch.from_file(self.shm_path, shared=True, size=numel, dtype=layout.torch_dtype)
             flat.zero_()
             self.pool = flat.view(layout.shape)
