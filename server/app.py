@@ -331,7 +331,7 @@ class Router:
                 f"{role} {n} missing of {self.cfg.expected_workers[role]}" for role, n in short.items())
         if trouble:  # a worker that cannot be restarted, or supervision itself failing (and retrying)
             body["supervision"] = trouble
-            body["message"] = "; ".join([body["message"]] * ("message" in body) + [
+            body["message"] = "; ".join(([body["message"]] if "message" in body else []) + [
                 f"{who}: {why}" for who, why in trouble.items()])
         body["status"] = status
         if private:
