@@ -91,9 +91,15 @@ class TransferConfig:
     # also the default deadline of a transfer
     deadline_s: float = flag(30.0, "seconds for a KV transport handshake (a request's own deadline comes from "
                              "the router)", name="--handshake-timeout")
-    # receiver: after it gave up on a transfer already writing (ipc, nixl), how long it waits for
-    # the sender to confirm it stopped before reporting the failure anyway
+    # receiver: after it gave up on a transfer already writing (ipc, nixl), how long the sender may
+    # take to confirm it stopped before a warning; the request fails at once, its blocks stay fenced
+    # (held) until that confirmation or the sender's death (docs/design-fencing.md)
     cancel_grace_s: float = 10.0
+    # integrity (workers/transfer/integrity.py): both sides need it; a debug and test option (one
+    # extra pass over each request's KV on each side)
+    checksum: bool = flag(False, "stamp every transferred KV block with a checksum on the prefill worker and verify "
+                          "it on the decode worker before the request runs (debugging; both sides need it)",
+                          name="--kv-checksum")
     # the deployment's CURVE keys: the KV channel's sockets authenticate and encrypt (endpoint.py);
     # None: plain sockets (tests and benches of the transports themselves)
     keys: WorkerKeys | None = None

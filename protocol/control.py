@@ -141,6 +141,14 @@ class CacheFigures(msgspec.Struct, frozen=True):
                 "tiers": tiers}
 
 
+class FaultFigures(msgspec.Struct, frozen=True):
+    """A decode worker's fences and integrity checks (its KV receiver), cumulative since it started."""
+
+    fenced_waits: Count = 0  # transfers given up on whose blocks waited for the sender's fence
+    fenced_blocks: Count = 0  # blocks held by a fence now
+    integrity_failures: Count = 0  # arrivals refused: a block differed from the sender's checksum
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: Id
     address: Address
@@ -149,6 +157,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     running: Count  # requests running (decoding) on this worker
     sent_at: float  # time.time()
     cache: CacheFigures | None = None  # its prefix cache and KV tiers
+    faults: FaultFigures | None = None  # decode workers: fences and integrity checks
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):

@@ -29,7 +29,8 @@ import msgspec
 
 from protocol.enums import Transport
 # PROTOCOL_VERSION and encode: the KV side reads them through this module
-from protocol.wire import MAX_COUNT, MAX_INT32, PROTOCOL_VERSION, BlockIds, Count, Id, Text, encode  # noqa: F401
+from protocol.wire import (MAX_COUNT, MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, BlockIds, Count, Id,  # noqa: F401
+                           Text, encode)
 
 if TYPE_CHECKING:
     from workers.engine.kv_cache import KVLayout
@@ -155,6 +156,10 @@ class Done(msgspec.Struct, tag="done"):
     started_at: float  # time.time() of the first copy issued
     finished_at: float  # time.time() when the last copy was seen complete
     writes: Count  # nixl: transfers posted (each sends one XferNote); zmq: chunks sent
+    # --kv-checksum: one 63-bit digest per destination block, in the reservation's order
+    # (workers/transfer/integrity.py); empty without it
+    checksums: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]],
+                         msgspec.Meta(max_length=MAX_PROMPT_TOKENS)] = []
 
 
 class Ack(msgspec.Struct, tag="ack"):

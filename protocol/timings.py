@@ -46,6 +46,17 @@ class Failover:
 
 
 @dataclass(frozen=True)
+class Migration:
+    """A running request whose decode (or colocated) worker was lost went on elsewhere (--migrate): the
+    router sent the prompt and the tokens generated so far to another worker, which continued them."""
+
+    from_: str = ""  # the worker that was lost (JSON: "from")
+    to: str = ""  # where the request continued: a disaggregated pair, or a colocated worker
+    after_tokens: int = 0  # tokens the client had when it moved (the next one came from `to`)
+    error: str = ""  # how the worker was lost
+
+
+@dataclass(frozen=True)
 class Timings:
     policy: str | None = None  # "colocated" | "disaggregated"
     queue_ms: float | None = None  # parse + route + inbox + prefill_queue: arrival -> prefill start
@@ -71,6 +82,7 @@ class Timings:
     reload_ms: float | None = None  # reloading cached KV from host memory or disk
     kv_skipped_tokens: int | None = None  # disaggregated: held by the decode worker already, not transferred
     failover: Failover | None = None  # set when the request ran a second time (--failover)
+    migrations: list[Migration] | None = None  # set when it moved while running (--migrate), in order
     extra: dict = field(default_factory=dict)  # the client: fields this version does not know
 
     def to_dict(self) -> dict:
@@ -80,10 +92,12 @@ class Timings:
             value = getattr(self, f.name)
             if f.name == "extra":
                 continue
-            if f.name == "failover" and value is None:
+            if f.name in ("failover", "migrations") and value is None:
                 continue  # present only when it happened
             if dataclasses.is_dataclass(value):
-                value = {k.rstrip("_"): v for k, v in dataclasses.asdict(value).items()}
+                value = _plain(value)
+            elif isinstance(value, list):
+                value = [_plain(v) for v in value]
             elif isinstance(value, dict):
                 value = dict(value)
             out[f.name] = value
@@ -126,7 +140,9 @@ class Timings:
             elif f.name == "kv_bytes":
                 out.append((f.name, f"{value} ({value / 2**20:.2f} MiB)"))
             elif dataclasses.is_dataclass(value):
-                out.append((f.name, ", ".join(f"{k.rstrip('_')} {v}" for k, v in dataclasses.asdict(value).items())))
+                out.append((f.name, ", ".join(f"{k} {v}" for k, v in _plain(value).items())))
+            elif isinstance(value, list):
+                out.extend((f.name, ", ".join(f"{k} {v}" for k, v in _plain(m).items())) for m in value)
             else:
                 out.append((f.name, str(value)))
             if f.name == "ttft_ms" and self.ttft_phases_ms:
@@ -162,11 +178,18 @@ def _read(name: str, hint, value):
             return value
     elif typing.get_origin(kind) is dict:
         return _phases(value)
+    elif typing.get_origin(kind) is list and isinstance(value, list):
+        return [_read(name, typing.get_args(kind)[0], v) for v in value]
     elif dataclasses.is_dataclass(kind) and isinstance(value, dict):
         names = {f.name.rstrip("_"): f.name for f in fields(kind)}
         return kind(**{names[k]: v for k, v in value.items() if k in names})
     raise TimingsError(f"timings.{name} should be {getattr(kind, '__name__', kind)}, got {value!r}; the server's "
                        "timings object does not follow the pdserve schema")
+
+
+def _plain(value) -> dict:
+    """A nested struct as its JSON object (from_ -> "from")."""
+    return {k.rstrip("_"): v for k, v in dataclasses.asdict(value).items()}
 
 
 def _phases(value) -> dict[str, float | None]:

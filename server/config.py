@@ -93,6 +93,9 @@ class RouterConfig:
     failover: bool = flag(False, "a disaggregated request whose prefill or KV transfer fails before its first "
                           "token runs once more on another decode worker or colocated (its timings say so); default: "
                           "it fails")
+    migrate: bool = flag(False, "a request whose decode (or colocated) worker is lost after its first token "
+                         "continues on another worker from its prompt and the tokens so far (its timings say so); "
+                         "default: it fails")
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -110,6 +110,7 @@ class WorkerPool:
         # requests failed because their worker was dropped for silence: if that same process comes
         # back (it was slow, not dead) it is told to abort them, so it frees their blocks
         self._orphans: dict[tuple[str, str], set[str]] = {}  # (worker id, incarnation) -> request ids
+        self._ever: set[str] = set()  # worker ids registered before (a new process under one: a restart)
         self._reader: RegisterReader | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -222,6 +223,9 @@ class WorkerPool:
             self.metrics.worker_seen(w.id, w.role, msg.queue_depth, msg.running, msg.free_blocks, w.info.num_blocks)
             if msg.cache is not None:
                 self.metrics.observe_kv_tiers(w.id, w.role, msg.cache.as_stats())
+            if msg.faults is not None:
+                f = msg.faults
+                self.metrics.observe_faults(w.id, w.role, f.fenced_waits, f.fenced_blocks, f.integrity_failures)
         elif isinstance(msg, P.Goodbye):
             self._drop(w, f"it exited ({msg.reason})", logging.INFO)  # it said so: a crash is in its own log
         elif isinstance(msg, P.Tokens):
@@ -269,6 +273,10 @@ class WorkerPool:
                                                                         retry=True))
             return
         if old is None:
+            if reg.worker_id in self._ever:  # a new process under an id we had: a restart
+                self.metrics.restarts.labels(reg.role).inc()
+            elif len(self._ever) < 16 * MAX_WORKERS:  # ids, not processes; bounded all the same
+                self._ever.add(reg.worker_id)
             w = WorkerState(reg, inc, self._connect(reg.address), landed, reg.free_blocks)
             self.workers[reg.worker_id] = w
             self.known[inc] = reg.worker_id

@@ -22,6 +22,16 @@ DisaggregatedPlan(job, prefill, decode, fallback).run(dispatcher):
   with a fallback (--failover), a failure before token 1 runs the request once more on the plan the
   fallback makes then: another pair without D, else a colocated worker.
 
+Either plan, with --migrate: when the worker generating a request (D, or the colocated W) is lost
+after token 1, the request continues on the plan `migrate` makes then (the same policy on other
+workers, else the other policy), as a new request of its own id: the prompt and the tokens the client
+has as its prompt, max_tokens (and min_tokens) less those, no prompt logprobs. Its tokens follow on
+the same stream; the Done counts all of them and its timings list the move (`migrations`). The new
+worker recomputes the prefix, or takes it from its prefix cache: greedy output is the undisturbed
+run's (up to float32 rounding of a recomputed prefix, which may tip a near tie). A seeded sampler starts
+afresh there, and penalties count only the new worker's tokens; a stop string that spans the move is
+not seen.
+
 Every wait has a deadline; a worker that fails, times out or is dropped ends the request with an
 error (APIError), and whatever the other workers hold for it is aborted. Aborting D's reservation
 while P may still write is safe: D frees the blocks only once its KV receiver reports that no
@@ -43,7 +53,7 @@ import msgspec
 
 from protocol import control as P
 from protocol.enums import Policy, Role
-from protocol.timings import Failover
+from protocol.timings import Failover, Migration
 from server.admission import Admission, Ticket, unavailable
 from server.config import RouterConfig
 from server.dispatch import PREFILL_REPORT_GRACE_S, Dispatcher, Done, Job, Token, TokenStream
@@ -94,7 +104,12 @@ class ColocatedPlan:
     def route(self) -> str:
         return self.worker.id
 
-    async def run(self, d: Dispatcher) -> AsyncIterator[Token | Done]:
+    migrate: Callable[[Plan, str], Plan | None] | None = None  # --migrate (see the top)
+
+    def run(self, d: Dispatcher) -> AsyncIterator[Token | Done]:
+        return migrating(self, d, self._run(d))
+
+    async def _run(self, d: Dispatcher) -> AsyncIterator[Token | Done]:
         job, w = self.job, self.worker
         rid = job.request_id
         inbox = d.pool.open_inbox(rid)
@@ -135,16 +150,25 @@ class DisaggregatedPlan:
     decode: WorkerState
     ticket: Ticket | None = None
     fallback: Callable[[DisaggregatedPlan], Plan | None] | None = None
+    migrate: Callable[[Plan, str], Plan | None] | None = None  # --migrate (see the top)
 
     @property
     def lead(self) -> WorkerState:
         return self.decode
 
     @property
+    def worker(self) -> WorkerState:
+        """The worker that generates the tokens."""
+        return self.decode
+
+    @property
     def route(self) -> str:
         return f"{self.prefill.id}/{self.decode.id}"
 
-    async def run(self, d: Dispatcher) -> AsyncIterator[Token | Done]:
+    def run(self, d: Dispatcher) -> AsyncIterator[Token | Done]:
+        return migrating(self, d, self._failing_over(d))
+
+    async def _failing_over(self, d: Dispatcher) -> AsyncIterator[Token | Done]:
         """The pair's run; with a fallback, a failure before any event went out (502/503/504, not the
         server's shutdown) runs the request on the fallback's plan, its timings saying so ("failover")."""
         sent = False
@@ -162,6 +186,7 @@ class DisaggregatedPlan:
             raise failed
         log.warning("request %s: %s failed before its first token (%s); failing over to %s", self.job.request_id,
                     self.route, failed.message, retry.route)
+        retry.migrate = None  # the run that moves is this one (migrating() around it)
         try:
             async for event in retry.run(d):
                 if isinstance(event, Done):
@@ -243,6 +268,51 @@ class DisaggregatedPlan:
 
 
 Plan = Union[ColocatedPlan, DisaggregatedPlan]
+
+
+async def migrating(plan: Plan, d: Dispatcher, events: AsyncIterator[Token | Done]) -> AsyncIterator[Token | Done]:
+    """`events` (the plan's run); with --migrate, when the worker generating it is lost after token 1,
+    the rest comes from the plan's `migrate` continuation (again and again, while workers are left)."""
+    job, sent, moves = plan.job, [], []
+    current, tickets = plan, []
+    try:
+        while True:
+            try:
+                async for event in events:
+                    if isinstance(event, Token):
+                        sent.append(event.token_id)
+                    elif moves:  # the Done of a continuation: the whole request's
+                        event = Done(event.finish_reason, replace(
+                            event.timings, prompt_tokens=len(job.prompt_ids), completion_tokens=len(sent),
+                            migrations=list(moves)), list(sent))
+                    yield event
+                return
+            except APIError as e:
+                if plan.migrate is None or not sent or e.code != "worker_lost":
+                    raise
+                lost = current.worker.id
+                nxt = plan.migrate(current, continued(job, sent, len(moves) + 1))
+                if nxt is None:
+                    raise
+                log.warning("request %s: worker %s was lost after %d tokens (%s); it continues on %s",
+                            job.request_id, lost, len(sent), e.message, nxt.route)
+                moves.append(Migration(lost, nxt.route, len(sent), e.message))
+                tickets.append(nxt.ticket)
+                current, events = nxt, nxt._run(d)
+    finally:
+        for t in tickets:
+            t.release()
+
+
+def continued(job: Job, sent: list[int], move: int) -> Job:
+    """The request from its (move)th continuation on: its own id (the first try's aborts cannot reach
+    it), the tokens the client has appended to the prompt, their count off the token limits, the
+    same clock (TTFT and the inter-token gaps go on counting)."""
+    s = job.sampling
+    sampling = msgspec.structs.replace(s, max_tokens=s.max_tokens - len(sent), prompt_logprobs=None,
+                                       min_tokens=max(0, s.min_tokens - len(sent)))
+    return replace(job, request_id=f"{job.request_id}-m{move}", prompt_ids=job.prompt_ids + sent,
+                   sampling=sampling, clock=job.clock)
 PLANS: dict[Policy, type] = {Policy.COLOCATED: ColocatedPlan, Policy.DISAGGREGATED: DisaggregatedPlan}
 
 
@@ -299,6 +369,8 @@ class Planner:
             ticket.release()
             raise
         plan.ticket = ticket
+        if self.cfg.migrate:
+            plan.migrate = self._migration
         return plan
 
     def plan_all(self, jobs: list[Job]) -> list[Plan]:
@@ -339,7 +411,27 @@ class Planner:
                 retry.ticket = self.admission.admit(job.request_id, retry.roles, len(job.prompt_ids))
             except APIError:
                 return None
+            self.metrics.failovers.labels(retry.policy).inc()
             return retry
+        return None
+
+    def _migration(self, lost: Plan, job: Job) -> Plan | None:
+        """Where a request continues once its generating worker is lost (see the top): the same policy on
+        other workers, else the other one; admitted like any request. None: nowhere, or no room."""
+        order = (lost.policy, Policy.COLOCATED if lost.policy == Policy.DISAGGREGATED else Policy.DISAGGREGATED)
+        for policy in order:
+            try:
+                nxt = self._choose(policy, job, lost.worker.id)
+            except NoWorker:
+                continue
+            if nxt.worker.id == lost.worker.id:
+                continue
+            try:
+                nxt.ticket = self.admission.admit(job.request_id, nxt.roles, len(job.prompt_ids))
+            except APIError:
+                return None
+            self.metrics.migrations.labels(nxt.policy).inc()
+            return nxt
         return None
 
     def _pair(self, prompt_tokens: int, without: str | None = None) -> tuple[WorkerState, WorkerState]:

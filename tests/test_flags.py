@@ -29,7 +29,7 @@ from workers import cli as W
 WORKER_FLAGS = {
     "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--device",
     "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
-    "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-streams", "--log-level",
+    "--kv-checksum", "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-streams", "--log-level",
     "--max-batched-tokens", "--max-model-len", "--max-num-seqs", "--mode", "--model", "--no-chunked-prefill", "--no-compile", "--no-prefix-cache",
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
     "--threads", "--transport", "--version", "--worker-config", "--worker-id"}
@@ -38,8 +38,8 @@ ROUTER_FLAGS = {
     "--max-connections", "--send-timeout",  # the front door (server/guard.py), chat text (server/tokenizer.py)
     "--access-log", "--api-key", "--api-key-file", "--auto-threshold", "--config", "--drain-timeout",
     "--expect-workers", "--failover", "--heartbeat-interval", "--heartbeat-misses", "--help", "--host",
-    "--kv-deadline", "--log-level", "--max-body-mb", "--max-inflight-requests", "--max-inflight-tokens", "--model",
-    "--parent-pid", "--policy", "--port", "--public-metrics", "--register", "--retry-after", "--token-timeout",
+    "--kv-deadline", "--log-level", "--max-body-mb", "--max-inflight-requests", "--max-inflight-tokens", "--migrate",
+    "--model", "--parent-pid", "--policy", "--port", "--public-metrics", "--register", "--retry-after", "--token-timeout",
     "--tokenizer", "--version"}
 PDSERVE_WORKER_FLAGS = {
     "--block-size", "--colocated-workers", "--decode-workers", "--device", "--devices", "--dtype", "--kv-memory-gb",

@@ -217,10 +217,11 @@ def pair(request):
 
 
 def wait_arrival(recv, request_id: str, timeout_s: float):
+    """The request's arrival that lets its blocks go (a fenced one's notice, released=False, comes first)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         for a in recv.poll():
-            if a.request_id == request_id:
+            if a.request_id == request_id and a.released:
                 return a
         time.sleep(0.005)
     raise AssertionError(f"no arrival for {request_id} within {timeout_s} s")

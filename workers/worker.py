@@ -238,7 +238,8 @@ class Worker:
     def heartbeat(self) -> P.Heartbeat:
         return P.Heartbeat(worker_id=self.worker_id, address=self.address,
                            free_blocks=self.engine.blocks.num_free, queue_depth=self.role.queue_depth(),
-                           running=self.role.running(), sent_at=time.time(), cache=self.cache_figures())
+                           running=self.role.running(), sent_at=time.time(), cache=self.cache_figures(),
+                           faults=self.role.faults())
 
     def cache_figures(self) -> P.CacheFigures | None:
         try:  # read from the heartbeat thread: figures a step is updating may be one step old

@@ -76,6 +76,10 @@ class Role:
         counts = self._counts
         return sum(counts[s] for s in self.ACTIVE)
 
+    def faults(self) -> P.FaultFigures | None:  # the heartbeat thread
+        """What the heartbeat reports of fences and integrity checks (decode workers: their KV receiver)."""
+        return None
+
     def close(self) -> None:
         pass
 

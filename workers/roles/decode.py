@@ -13,6 +13,9 @@ Life cycle of a request (its status, in the engine: workers/engine/request.py):
                                                         -> Tokens(token 1: it travelled with the KV, we emit it first)
                     -> Arrival failed or past its deadline
                                             FINISHED    (error) engine.fail() frees the blocks -> RequestFailed transfer
+                    -> Arrival failed, not released (the sender may still write: its fence is due)
+                                            CANCELLING  -> RequestFailed transfer now; engine.release() at the
+                                                        Arrival(released=True) that follows
     decode steps                            RUNNING     -> Tokens, a token each; the last carries the timeline
                                             FINISHED    stop, length: blocks freed; its sampling or text failed:
                                                         blocks freed -> RequestFailed internal, the batch goes on
@@ -133,12 +136,16 @@ class DecodeRole(Role):
                 log.error("%s: the KV receiver reported request %s, which this worker does not expect (%s)",
                           self.worker_id, rid, "unknown" if req is None else req.status.value)
                 continue
-            if req.status is Status.CANCELLING:  # aborted: now no write can land, the blocks may go
-                self.engine.release(rid)
+            if req.status is Status.CANCELLING:  # aborted (or failed, fenced): once no write can land,
+                if arrival.released:  # the blocks may go
+                    self.engine.release(rid)
                 continue
             if not arrival.ok:
                 error = f"KV for request {rid} did not arrive at {self.worker_id}: {arrival.error}"
-                self.engine.fail(rid, error)
+                if arrival.released:
+                    self.engine.fail(rid, error)
+                else:  # the request fails now; a write may still land in its blocks: they wait for the fence
+                    self.engine.cancel(rid)
                 self.fail(rid, FailureKind.TRANSFER, error)
                 continue
             try:
@@ -154,6 +161,10 @@ class DecodeRole(Role):
         if self.engine.has_work() or self.engine.in_state(Status.WAITING):
             return 0
         return EXPECTING_POLL_MS if self.engine.in_state(*IN_FLIGHT) else idle_ms
+
+    def faults(self) -> P.FaultFigures:
+        waits, held, integrity = self.receiver.figures()
+        return P.FaultFigures(fenced_waits=waits, fenced_blocks=held, integrity_failures=integrity)
 
     def close(self) -> None:
         self.receiver.close()

@@ -5,7 +5,9 @@ Decode side (receiver), one per decode worker, made once at start:
     .address                                the endpoint (e.g. tcp://10.0.0.2:7300) to give to senders
     .expect(request_id, block_ids, deadline_s)   blocks are reserved and wait for this request's KV
     .poll() -> list[Arrival]                transfers that landed, failed or missed their deadline (non-blocking);
-                                            free the blocks of every Arrival with ok=False
+                                            free the blocks of every Arrival with ok=False and released=True;
+                                            released=False: fail the request, keep its blocks (fenced) until
+                                            the Arrival(released=True) that follows
     .began() -> list[str]                   requests whose sender began writing since the last call
     .cancel(request_id)                     stop waiting (router gave up); an Arrival(ok=False) follows once
                                             no write can land any more: free the blocks then, not before
@@ -34,6 +36,9 @@ Prefill side (sender), one per prefill worker:
 States of a transfer: OPENED -> TRANSFERRING -> DONE | FAILED. The receiver accepts a transfer
 (answer to the sender's Begin) before any byte is written into its blocks, and a request it
 gave up on is refused, so a late sender never writes into blocks that went back to the pool.
+Fenced reuse: a block an accepted transfer may still write into goes back only after the
+sender's Done or Abort (sent once none of its writes can land), or the sender's death confirmed;
+per transport in docs/design-fencing.md.
 Every wait has a deadline; NIXL, CUDA and ZMQ have none of their own. A failure raises
 TransferError naming the request, the peer and what to check.
 
@@ -80,6 +85,9 @@ class Arrival:
     started_at: float = 0.0
     finished_at: float = 0.0
     reported_at: float | None = None  # receiver's time.monotonic() when it reported this (its I/O thread)
+    # ok=False only: True when no write into the request's blocks can land any more (free them now);
+    # False when the request failed but its blocks stay fenced: an Arrival(released=True) follows
+    released: bool = True
 
 
 @dataclass

@@ -7,10 +7,19 @@ Life cycle of an expected transfer (on the receiver's I/O thread):
     Done, data landed               -> Arrival(ok=True, first_token) and Ack(ok)
     Abort                           -> Arrival(ok=False, the sender's reason)
     deadline or cancel() WAITING    -> Arrival(ok=False) at once
-                        ACCEPTED    zmq (we do the writes): Arrival(ok=False) at once, Cancel to the sender
+                        ACCEPTED    zmq (we do the writes): Arrival(ok=False) once our writes in progress
+                                    finished, Cancel to the sender
                                     ipc, nixl (the sender writes into our pool): Cancel, then CANCELLING
-                        CANCELLING  until the sender's Abort (no more writes), its Done, its disconnect,
-                                    or cancel_grace_s -> Arrival(ok=False)
+                        CANCELLING  Arrival(ok=False, released=False) at once (the request fails, its
+                                    blocks stay held), then the fence: the sender's Abort (sent once none
+                                    of its writes can land), its Done, or its process's death confirmed
+                                    (_sender_gone) -> Arrival(ok=False) (released: the blocks may go);
+                                    past cancel_grace_s a warning says which blocks wait. A disconnect is
+                                    no fence: a process that lost its socket may still write into our pool.
+
+With --kv-checksum the Done carries a digest of every block and the arrival is refused on a difference
+(integrity.py). Counted for the heartbeat (figures()): fenced waits, blocks held by a fence now,
+integrity failures.
 
 A transport's Receiver sets `transport` (its name) and implements, all on the I/O thread:
     _transport_info(hello) -> P.TransportInfo   what the sender needs to reach the pool (the Welcome);
@@ -42,8 +51,11 @@ The role never reads the table; the table never learns the request's status.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
+import os
+import select
 import socket
 import threading
 import time
@@ -57,6 +69,7 @@ from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer.base import Arrival, KVReceiver
 from workers.transfer.errors import TransferError, layout_mismatch
 from workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
+from workers.transfer.integrity import first_mismatch
 
 log = logging.getLogger("pdserve.transfer")
 
@@ -83,6 +96,35 @@ class Expected:
         self.received_bytes = 0
         self.give_up: str | None = None  # why we stopped waiting (deadline, cancel, bad data)
         self.grace_deadline = 0.0
+        self.overdue = False  # CANCELLING past its grace: warned once
+
+
+MAX_SENDERS = 1024  # sender processes remembered for the fence (the oldest forgotten: no death check)
+
+
+class SenderProcess:
+    """The process behind a sender, as its Hello names it ("host:pid"); on this host, a pidfd taken at
+    the handshake confirms its death without mistaking a later process that reused the pid. The name
+    comes over the authenticated channel: a worker of this deployment."""
+
+    def __init__(self, name: str, host: str):
+        self.pidfd: int | None = None
+        peer_host, _, pid = name.rpartition(":")
+        if peer_host == host and pid.isdigit():
+            try:
+                self.pidfd = os.pidfd_open(int(pid))
+            except (OSError, AttributeError):  # gone already, or no pidfd here (not Linux >= 5.3)
+                self.pidfd = None
+
+    def gone(self) -> bool:
+        if self.pidfd is None:
+            return False  # another host, or unknown: only its Abort or Done is a fence
+        return bool(select.select([self.pidfd], [], [], 0)[0])  # readable once the process exited
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 class ChannelReceiver(Endpoint, KVReceiver):
@@ -101,6 +143,9 @@ class ChannelReceiver(Endpoint, KVReceiver):
         self._expected: dict[str, Expected] = {}
         self._arrivals: list[Arrival] = []  # each stamped with reported_at: token 1's pickup starts there
         self._began: list[str] = []  # Begins accepted since the last began()
+        self._senders: collections.OrderedDict[bytes, SenderProcess] = collections.OrderedDict()  # I/O thread
+        self.fenced_waits = 0  # transfers given up on that had to wait for their fence
+        self.integrity_failures = 0  # arrivals refused: a block differed from the sender's checksum
         self._start(cfg.deadline_s)
 
     # ---- public (engine thread) ------------------------------------------------------------
@@ -121,11 +166,12 @@ class ChannelReceiver(Endpoint, KVReceiver):
 
     def poll(self) -> list[Arrival]:
         with self._lock:
-            if self._broken is not None:  # the I/O thread is gone: fail everything still waiting
-                for exp in self._expected.values():
+            if self._broken is not None:  # the I/O thread is gone: fail everything still waiting; blocks a
+                for exp in self._expected.values():  # sender may still write into stay held for good
+                    held = self.one_sided and exp.phase is not Phase.WAITING
                     self._arrivals.append(Arrival(exp.request_id, False, error=f"request {exp.request_id}: "
                                                   f"the KV receiver failed ({self._broken})",
-                                                  reported_at=time.monotonic()))
+                                                  reported_at=time.monotonic(), released=not held))
                 self._expected.clear()
             out, self._arrivals = self._arrivals, []
         return out
@@ -141,6 +187,12 @@ class ChannelReceiver(Endpoint, KVReceiver):
             if exp is not None and exp.give_up is None:
                 exp.give_up = f"request {request_id}: cancelled on the decode worker"
         self._submit(lambda: None)  # wake the I/O thread
+
+    def figures(self) -> tuple[int, int, int]:
+        """(fenced waits so far, blocks a fence holds now, integrity failures so far)"""
+        with self._lock:
+            held = sum(len(e.block_ids) for e in self._expected.values() if e.phase is Phase.CANCELLING)
+        return self.fenced_waits, held, self.integrity_failures
 
     def close(self) -> None:
         self._stop()
@@ -179,6 +231,8 @@ class ChannelReceiver(Endpoint, KVReceiver):
 
     def _teardown(self) -> None:
         self._teardown_transport()
+        for proc in self._senders.values():
+            proc.close()
 
     def _on_readable(self, sock: zmq.Socket) -> None:
         for _ in range(1000):  # bounded, so deadlines and progress still get their turn
@@ -222,10 +276,25 @@ class ChannelReceiver(Endpoint, KVReceiver):
             except (TransferError, RuntimeError) as e:  # other host, or the pool cannot be exported
                 refusal = P.Refused("host", str(e))
             else:
+                if self.one_sided:
+                    self._remember(ident, SenderProcess(hello.sender, self.host))
                 self._send(ident, P.Welcome(P.PROTOCOL_VERSION, self.host, P.Layout.of(self.layout), info))
                 return
         log.warning("refused a handshake: %s", refusal.error)
         self._send(ident, refusal)
+
+    def _remember(self, ident: bytes, proc: SenderProcess) -> None:
+        old = self._senders.pop(ident, None)
+        if old is not None:
+            old.close()
+        self._senders[ident] = proc
+        while len(self._senders) > MAX_SENDERS:
+            self._senders.popitem(last=False)[1].close()
+
+    def _sender_gone(self, exp: Expected) -> bool:
+        """The fence a receiver controls: the sender's process is confirmed dead (no write of it can land)."""
+        proc = self._senders.get(exp.sender)
+        return proc is not None and proc.gone()
 
     def _on_begin(self, ident: bytes, msg: P.Begin) -> None:
         rid = msg.request_id
@@ -300,9 +369,14 @@ class ChannelReceiver(Endpoint, KVReceiver):
                                f"({exp.phase.value}); free its blocks")
             if exp.give_up is not None and exp.phase is not Phase.CANCELLING:
                 self._give_up(exp, exp.give_up)
-            elif exp.phase is Phase.CANCELLING and now > exp.grace_deadline:
-                self._report(exp, Arrival(exp.request_id, False, error=f"{exp.give_up} (the prefill worker did not "
-                                          f"confirm it stopped writing within {self.cfg.cancel_grace_s:.1f} s)"))
+            elif exp.phase is Phase.CANCELLING and self._sender_gone(exp):
+                self._report(exp, Arrival(exp.request_id, False, error=f"{exp.give_up} (the prefill worker's "
+                                          "process exited)"))
+            elif exp.phase is Phase.CANCELLING and now > exp.grace_deadline and not exp.overdue:
+                exp.overdue = True
+                log.warning("request %s: the prefill worker did not confirm within %.1f s that it stopped writing "
+                            "into %d blocks; they stay held until it does or its process exits",
+                            exp.request_id, self.cfg.cancel_grace_s, len(exp.block_ids))
             elif self.needs_progress and exp.phase is not Phase.WAITING:
                 # data moving: make progress now and then; once the Done is in, watch for the last notes
                 wait_s = min(wait_s, NOW_S if exp.done is not None else MOVING_S)
@@ -321,6 +395,15 @@ class ChannelReceiver(Endpoint, KVReceiver):
             return
         if self.stream is not None:
             self.stream.synchronize()
+        if self.cfg.checksum:
+            differs = first_mismatch(self.kv.pool, exp.block_ids, list(done.checksums))
+            if differs is not None:
+                self.integrity_failures += 1
+                log.error("request %s: integrity check failed: %s", exp.request_id, differs)
+                self._send(exp.sender, P.Ack(exp.request_id, False, f"integrity check failed: {differs}"))
+                self._report(exp, Arrival(exp.request_id, False, error=f"request {exp.request_id}: the KV failed "
+                                          f"its integrity check (--kv-checksum): {differs}"))
+                return
         self._report(exp, Arrival(exp.request_id, True, first_token=done.first_token, num_bytes=done.num_bytes,
                                   started_at=done.started_at, finished_at=done.finished_at))
         self._send(exp.sender, P.Ack(exp.request_id, True))
@@ -330,12 +413,21 @@ class ChannelReceiver(Endpoint, KVReceiver):
         if exp.phase is Phase.WAITING:
             self._report(exp, Arrival(exp.request_id, False, error=exp.give_up))
             return
-        reached = self._send(exp.sender, P.Cancel(exp.request_id, exp.give_up))
-        if not self.one_sided or not reached:  # no write of the sender's can land any more
+        self._send(exp.sender, P.Cancel(exp.request_id, exp.give_up))
+        if not self.one_sided:  # we do the writes: none lands once ours in progress finished (_report)
             self._report(exp, Arrival(exp.request_id, False, error=exp.give_up))
-        else:
-            exp.phase = Phase.CANCELLING
-            exp.grace_deadline = time.monotonic() + self.cfg.cancel_grace_s
+        else:  # the sender writes: even one we cannot reach any more (it may have lost only its socket)
+            self._fence(exp)
+
+    def _fence(self, exp: Expected) -> None:
+        """The request fails now; its blocks are held until the sender confirms it stopped writing, or
+        its process is gone."""
+        exp.phase = Phase.CANCELLING
+        exp.grace_deadline = time.monotonic() + self.cfg.cancel_grace_s
+        self.fenced_waits += 1
+        with self._lock:
+            self._arrivals.append(Arrival(exp.request_id, False, error=exp.give_up, reported_at=time.monotonic(),
+                                          released=False))
 
     def _report(self, exp: Expected, arrival: Arrival) -> None:
         with self._lock:

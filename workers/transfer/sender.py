@@ -73,6 +73,7 @@ from workers.engine.kv_cache import KVCache, KVLayout
 from workers.transfer.base import KVSender, PeerState, State, Transfer, TransferStats
 from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
 from workers.transfer.errors import LayoutMismatch, TransferError, layout_mismatch
+from workers.transfer.integrity import block_checksums
 from workers.transfer.plan import Plan, make_plan
 
 log = logging.getLogger("pdserve.transfer")
@@ -491,7 +492,7 @@ class SenderTransfer(Transfer):
                     self._completing = None
                 self.raise_if_failed()
                 done = P.Done(self.request_id, self._first_token, self.plan.num_bytes, self.started_at,
-                              self.finished_at, self.writes)
+                              self.finished_at, self.writes, self._checksums())
                 self.sender._submit(self.sender.send, self.p, done)
                 self._phase = "ack"
             if self._phase == "ack":
@@ -507,6 +508,12 @@ class SenderTransfer(Transfer):
         self._phase = "done"
         self.sender._submit(self._retire)
         return self.stats()
+
+    def _checksums(self) -> list[int]:
+        """--kv-checksum: a digest of each source block, in the order of the destination blocks."""
+        if not self.cfg.checksum:
+            return []
+        return block_checksums(self.src, [s + k for s, _, n in self.plan.runs for k in range(n)])
 
     def _due(self, name: str) -> None:
         """Still waiting for `name`: None, or TransferError once the deadline passed."""
