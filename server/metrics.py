@@ -7,7 +7,7 @@ Three families, every one on /metrics:
                 per-request series, `worker` and `role` on the per-worker gauges. Sums over workers
                 count a disaggregated request on its prefill and on its decode worker.
     pdserve_*   pdserve's own: P/D phases, KV transfer, admission, workers, the control plane
-    pdserve:*   the KV tiers and their prefix cache (observe_kv_tiers), fed from worker heartbeats
+    pdserve_*   the KV tiers and their prefix cache (observe_kv_tiers), fed from worker heartbeats
 
 Who feeds what (all on the router's event loop):
     pool        worker_registered (Register), worker_seen (each Heartbeat), worker_gone (dropped)
@@ -15,9 +15,6 @@ Who feeds what (all on the router's event loop):
                 observe_timings (a finished request's `timings`), request_ended (every request, once)
     admission   admitted, admitted_tokens, rejected (the pdserve_ gauges and counter directly)
     (the lead)  observe_kv_tiers(worker, role, stats) with a heartbeat's KV-tier counters
-    pool        observe_faults (a decode worker's heartbeat: fenced waits and blocks, integrity failures),
-                restarts (a known worker id registered by a new process)
-    routing     failovers (--failover), migrations (--migrate)
 """
 
 from __future__ import annotations
@@ -107,9 +104,7 @@ class Metrics:
                                        "dropped or refused, by reason (junk, stranger, rate-limited, id held, ...)",
                                        ["reason"], registry=r)
         self._kv_tiers(r)
-        self._faults(r)
-        self._per_worker = (self.queue_depth, self.running, self.free_blocks, self.kv_blocks, self.fenced_waits,
-                            self.fenced_blocks, self.integrity_failures)
+        self._per_worker = (self.queue_depth, self.running, self.free_blocks, self.kv_blocks)
         self._per_worker_vllm = (self.v_running, self.v_waiting, self.v_kv_usage)
         self._kv_totals: dict[tuple, float] = {}  # (what, worker, role, tier): the last cumulative value seen
         self._tiers: dict[tuple[str, str], set[str]] = {}  # (worker, role): the tiers it reported
@@ -165,46 +160,20 @@ class Metrics:
                                         "queried tokens.", wrk, registry=r)
         self.v_prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
                                      "tokens (pdserve: found in any tier).", wrk, registry=r)
-        self.prefix_queries = Counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+        self.prefix_queries = Counter("pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       ["worker", "role"], registry=r)
-        self.prefix_hits = Counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache, by the "
+        self.prefix_hits = Counter("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache, by the "
                                    "tier they were found in", ["worker", "role", "tier"], registry=r)
-        self.kv_offload = Counter("pdserve:kv_offload_bytes", "KV bytes written into a tier (offloaded to it)",
+        self.kv_offload = Counter("pdserve_kv_offload_bytes", "KV bytes written into a tier (offloaded to it)",
                                   ["worker", "role", "tier"], registry=r)
-        self.kv_reload = Counter("pdserve:kv_reload_bytes", "KV bytes read back from a tier (reloaded from it)",
+        self.kv_reload = Counter("pdserve_kv_reload_bytes", "KV bytes read back from a tier (reloaded from it)",
                                  ["worker", "role", "tier"], registry=r)
-        self.tier_usage = Gauge("pdserve:kv_tier_usage_bytes", "KV bytes a tier holds", ["worker", "role", "tier"],
+        self.tier_usage = Gauge("pdserve_kv_tier_usage_bytes", "KV bytes a tier holds", ["worker", "role", "tier"],
                                 registry=r)
-        self.tier_capacity = Gauge("pdserve:kv_tier_capacity_bytes", "KV bytes a tier can hold",
+        self.tier_capacity = Gauge("pdserve_kv_tier_capacity_bytes", "KV bytes a tier can hold",
                                    ["worker", "role", "tier"], registry=r)
 
     # ---- workers --------------------------------------------------------------------------------------
-
-    def _faults(self, r: CollectorRegistry) -> None:
-        self.restarts = Counter("pdserve_worker_restarts", "Workers that registered again under a worker id "
-                                "this router had before (a new process: restarted by pdserve, or by hand)",
-                                ["role"], registry=r)
-        self.failovers = Counter("pdserve_failovers", "Requests run once more after their prefill or KV transfer "
-                                 "failed before token 1 (--failover), by the policy they ran again under",
-                                 ["policy"], registry=r)
-        self.migrations = Counter("pdserve_migrations", "Running requests moved to another worker after theirs was "
-                                  "lost (--migrate), by the policy they continued under", ["policy"], registry=r)
-        wr = ["worker", "role"]
-        self.fenced_waits = Counter("pdserve_kv_fenced_waits", "Transfers a decode worker gave up on (abort, "
-                                    "deadline, cancel) whose blocks waited for the sender's fence before reuse",
-                                    wr, registry=r)
-        self.fenced_blocks = Gauge("pdserve_kv_fenced_blocks", "KV blocks held now until a sender confirms it "
-                                   "stopped writing into them (or its process exits)", wr, registry=r)
-        self.integrity_failures = Counter("pdserve_kv_integrity_failures", "Transferred requests whose KV blocks "
-                                          "differed from the sender's checksum (--kv-checksum)", wr, registry=r)
-
-    def observe_faults(self, worker: str, role: str, fenced_waits: int, fenced_blocks: int,
-                       integrity_failures: int) -> None:
-        """A heartbeat's fence and integrity figures (cumulative counts, as observe_kv_tiers takes them)."""
-        self.fenced_waits.labels(worker, role).inc(self._advance("fenced", worker, role, "", fenced_waits))
-        self.fenced_blocks.labels(worker, role).set(fenced_blocks)
-        self.integrity_failures.labels(worker, role).inc(self._advance("integrity", worker, role, "",
-                                                                       integrity_failures))
 
     def worker_registered(self, worker: str, role: str, num_blocks: int, free_blocks: int) -> None:
         """A new worker: its pool, and nothing running or waiting on it until its first heartbeat."""
@@ -257,10 +226,10 @@ class Metrics:
         increments against the last value it saw from that worker; a smaller figure (the worker
         restarted under the same id) counts from zero again. worker_gone() forgets the worker.
 
-        Exports: pdserve:prefix_cache_queries_total{worker,role},
-        pdserve:prefix_cache_hits_total{worker,role,tier}, pdserve:kv_offload_bytes_total{...,tier},
-        pdserve:kv_reload_bytes_total{...,tier}, pdserve:kv_tier_usage_bytes{...,tier},
-        pdserve:kv_tier_capacity_bytes{...,tier}; and vLLM's vllm:prefix_cache_queries_total and
+        Exports: pdserve_prefix_cache_queries_total{worker,role},
+        pdserve_prefix_cache_hits_total{worker,role,tier}, pdserve_kv_offload_bytes_total{...,tier},
+        pdserve_kv_reload_bytes_total{...,tier}, pdserve_kv_tier_usage_bytes{...,tier},
+        pdserve_kv_tier_capacity_bytes{...,tier}; and vLLM's vllm:prefix_cache_queries_total and
         vllm:prefix_cache_hits_total{model_name,worker,role} (hits summed over tiers: a token found
         in any tier is not recomputed). Hit rate: rate(hits) / rate(queries).
         """

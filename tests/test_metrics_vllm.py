@@ -126,19 +126,19 @@ def test_kv_tiers_turn_cumulative_figures_into_counters():
                             "tiers": {"cpu": {"usage_bytes": 2000, "offload_bytes": 6000}}})
     page = m.render().decode()
     lab = {"worker": "prefill-0", "role": "prefill"}
-    assert value(page, "pdserve:prefix_cache_queries_total", **lab) == 160
-    assert value(page, "pdserve:prefix_cache_hits_total", tier="gpu", **lab) == 70
-    assert value(page, "pdserve:prefix_cache_hits_total", tier="cpu", **lab) == 10
+    assert value(page, "pdserve_prefix_cache_queries_total", **lab) == 160
+    assert value(page, "pdserve_prefix_cache_hits_total", tier="gpu", **lab) == 70
+    assert value(page, "pdserve_prefix_cache_hits_total", tier="cpu", **lab) == 10
     assert value(page, "vllm:prefix_cache_queries_total", model_name="tiny", **lab) == 160
     assert value(page, "vllm:prefix_cache_hits_total", model_name="tiny", **lab) == 80  # every tier
-    assert value(page, "pdserve:kv_offload_bytes_total", tier="cpu", **lab) == 6000
-    assert value(page, "pdserve:kv_reload_bytes_total", tier="cpu", **lab) == 1000
-    assert value(page, "pdserve:kv_tier_usage_bytes", tier="cpu", **lab) == 2000  # a gauge: the latest
-    assert value(page, "pdserve:kv_tier_capacity_bytes", tier="cpu", **lab) == 8000  # absent: left as it was
+    assert value(page, "pdserve_kv_offload_bytes_total", tier="cpu", **lab) == 6000
+    assert value(page, "pdserve_kv_reload_bytes_total", tier="cpu", **lab) == 1000
+    assert value(page, "pdserve_kv_tier_usage_bytes", tier="cpu", **lab) == 2000  # a gauge: the latest
+    assert value(page, "pdserve_kv_tier_capacity_bytes", tier="cpu", **lab) == 8000  # absent: left as it was
     # the worker restarted under the same id: its figures start again from zero, the counters go on
     m.observe_kv_tiers(*w, {"prefix_cache_queries": 20, "prefix_cache_hits": {"gpu": 5}})
     page = m.render().decode()
-    assert value(page, "pdserve:prefix_cache_queries_total", **lab) == 180
+    assert value(page, "pdserve_prefix_cache_queries_total", **lab) == 180
     assert value(page, "vllm:prefix_cache_hits_total", model_name="tiny", **lab) == 85
     with pytest.raises(ValueError, match="negative"):
         m.observe_kv_tiers(*w, {"prefix_cache_queries": -1})

@@ -154,4 +154,4 @@ def test_heartbeat_figures_reach_the_metrics():
     m = Metrics("tiny")
     m.observe_kv_tiers("c0", "colocated", stats)
     text = m.render().decode()
-    assert 'pdserve:prefix_cache_hits_total{role="colocated",tier="host",worker="c0"} 64.0' in text, text
+    assert 'pdserve_prefix_cache_hits_total{role="colocated",tier="host",worker="c0"} 64.0' in text, text
