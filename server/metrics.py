@@ -15,6 +15,9 @@ Who feeds what (all on the router's event loop):
                 observe_timings (a finished request's `timings`), request_ended (every request, once)
     admission   admitted, admitted_tokens, rejected (the pdserve_ gauges and counter directly)
     (the lead)  observe_kv_tiers(worker, role, stats) with a heartbeat's KV-tier counters
+    pool        observe_faults (a decode worker's heartbeat: fenced waits and blocks, integrity failures),
+                restarts (a known worker id registered by a new process)
+    routing     failovers (--failover), migrations (--migrate)
 """
 
 from __future__ import annotations
@@ -104,7 +107,9 @@ class Metrics:
                                        "dropped or refused, by reason (junk, stranger, rate-limited, id held, ...)",
                                        ["reason"], registry=r)
         self._kv_tiers(r)
-        self._per_worker = (self.queue_depth, self.running, self.free_blocks, self.kv_blocks)
+        self._faults(r)
+        self._per_worker = (self.queue_depth, self.running, self.free_blocks, self.kv_blocks, self.fenced_waits,
+                            self.fenced_blocks, self.integrity_failures)
         self._per_worker_vllm = (self.v_running, self.v_waiting, self.v_kv_usage)
         self._kv_totals: dict[tuple, float] = {}  # (what, worker, role, tier): the last cumulative value seen
         self._tiers: dict[tuple[str, str], set[str]] = {}  # (worker, role): the tiers it reported
@@ -174,6 +179,32 @@ class Metrics:
                                    ["worker", "role", "tier"], registry=r)
 
     # ---- workers --------------------------------------------------------------------------------------
+
+    def _faults(self, r: CollectorRegistry) -> None:
+        self.restarts = Counter("pdserve_worker_restarts", "Workers that registered again under a worker id "
+                                "this router had before (a new process: restarted by pdserve, or by hand)",
+                                ["role"], registry=r)
+        self.failovers = Counter("pdserve_failovers", "Requests run once more after their prefill or KV transfer "
+                                 "failed before token 1 (--failover), by the policy they ran again under",
+                                 ["policy"], registry=r)
+        self.migrations = Counter("pdserve_migrations", "Running requests moved to another worker after theirs was "
+                                  "lost (--migrate), by the policy they continued under", ["policy"], registry=r)
+        wr = ["worker", "role"]
+        self.fenced_waits = Counter("pdserve_kv_fenced_waits", "Transfers a decode worker gave up on (abort, "
+                                    "deadline, cancel) whose blocks waited for the sender's fence before reuse",
+                                    wr, registry=r)
+        self.fenced_blocks = Gauge("pdserve_kv_fenced_blocks", "KV blocks held now until a sender confirms it "
+                                   "stopped writing into them (or its process exits)", wr, registry=r)
+        self.integrity_failures = Counter("pdserve_kv_integrity_failures", "Transferred requests whose KV blocks "
+                                          "differed from the sender's checksum (--kv-checksum)", wr, registry=r)
+
+    def observe_faults(self, worker: str, role: str, fenced_waits: int, fenced_blocks: int,
+                       integrity_failures: int) -> None:
+        """A heartbeat's fence and integrity figures (cumulative counts, as observe_kv_tiers takes them)."""
+        self.fenced_waits.labels(worker, role).inc(self._advance("fenced", worker, role, "", fenced_waits))
+        self.fenced_blocks.labels(worker, role).set(fenced_blocks)
+        self.integrity_failures.labels(worker, role).inc(self._advance("integrity", worker, role, "",
+                                                                       integrity_failures))
 
     def worker_registered(self, worker: str, role: str, num_blocks: int, free_blocks: int) -> None:
         """A new worker: its pool, and nothing running or waiting on it until its first heartbeat."""
