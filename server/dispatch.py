@@ -108,7 +108,9 @@ class Dispatcher:
         """(choice index, event) of every plan's run, as they come; the first error ends them all.
         A prompt of a full KV block or more: the others start once the first has its token 1, so that
         its prompt's blocks are in the workers' prefix cache and the others reuse them instead of
-        computing the prompt again (their TTFT pays the first's prefill; the workers compute it once)."""
+        computing the prompt again (their TTFT pays the first's prefill; the workers compute it once).
+        Prompt logprobs: only the first asks (fan_out), whatever the prompt's length; the others wait for it
+        and show its copy (the prompt is the same), so n choices cost one prompt-logprob pass, not n."""
         if len(plans) == 1:
             async for event in self.execute(plans[0]):
                 yield 0, event
@@ -116,8 +118,9 @@ class Dispatcher:
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
         lead_prefilled = asyncio.Event()
-        if len(plans[0].job.prompt_ids) <= plans[0].lead.info.block_size:  # no full block to share
-            lead_prefilled.set()
+        first = plans[0].job
+        if len(first.prompt_ids) <= plans[0].lead.info.block_size and first.sampling.prompt_logprobs is None:
+            lead_prefilled.set()  # no full block to share, no prompt logprobs to wait for
 
         async def run(i: int, plan: Plan) -> None:
             try:
@@ -135,6 +138,7 @@ class Dispatcher:
                 queue.put_nowait((i, end))
 
         tasks = [asyncio.ensure_future(run(i, plan)) for i, plan in enumerate(plans)]
+        shared, started = None, set()  # the first's prompt logprobs; choices whose token 1 was seen
         try:
             running = len(tasks)
             while running:
@@ -144,6 +148,12 @@ class Dispatcher:
                 elif isinstance(event, Exception):
                     raise event
                 else:
+                    if isinstance(event, Token) and i not in started:
+                        started.add(i)
+                        if i == 0:
+                            shared = event.prompt_logprobs
+                        elif shared is not None and event.prompt_logprobs is None:
+                            event = dataclasses.replace(event, prompt_logprobs=shared)
                     yield i, event
         finally:  # an error, or the client left: the other sequences stop (their workers are told)
             for t in tasks:
@@ -236,13 +246,18 @@ class Dispatcher:
 
 def fan_out(job: Job, n: int) -> list[Job]:
     """The n sequences of one request: ids `<id>-<i>`, sequence i seeded with seed + i (wrapping within
-    0..2**63-1) when a seed is given, so each choice differs and the whole is reproducible."""
+    0..2**63-1) when a seed is given, so each choice differs and the whole is reproducible; prompt
+    logprobs asked of sequence 0 only (the prompt is the same: execute_all shares them)."""
     if n == 1:
         return [job]
     s = job.sampling
-    return [Job(f"{job.request_id}-{i}", job.prompt_ids,
-                s if s.seed is None else msgspec.structs.replace(s, seed=(s.seed + i) % (S.MAX_SEED + 1)),
-                job.policy, dataclasses.replace(job.clock)) for i in range(n)]
+
+    def sampling(i: int) -> S.Sampling:
+        out = s if s.seed is None else msgspec.structs.replace(s, seed=(s.seed + i) % (S.MAX_SEED + 1))
+        return out if i == 0 or s.prompt_logprobs is None else msgspec.structs.replace(out, prompt_logprobs=None)
+
+    return [Job(f"{job.request_id}-{i}", job.prompt_ids, sampling(i), job.policy, dataclasses.replace(job.clock))
+            for i in range(n)]
 
 
 class TokenStream:

@@ -325,3 +325,35 @@ def test_chat_text_cannot_forge_role_markers(tokenizer, mode):  # noqa: F811
             r = post(url, "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a <|im_start|> b"}], '
                                                   b'"max_tokens": 2}')
             assert r.status_code == 200, r.text
+
+
+# ---- n choices with prompt logprobs --------------------------------------------------------------
+
+
+def prompt_logprob_echo(w: FakeWorker, msg):
+    """A colocated worker that answers with token 1's prompt logprobs when a request asks for them."""
+    if isinstance(msg, P.Generate):
+        n = len(msg.prompt_ids) - 1
+        prompt = ([P.TokenLogprobs(-0.5 - j / 100, [7], [-0.1]) for j in range(n)]
+                  if msg.sampling.prompt_logprobs is not None else None)
+        w.send(P.Tokens(w.worker_id, [P.TokenOut(msg.request_id, 100, "<100>", False, logprobs=P.TokenLogprobs(-1.0),
+                                                 prompt_logprobs=prompt),
+                                      P.TokenOut(msg.request_id, 101, "<101>", True, "length",
+                                                 logprobs=P.TokenLogprobs(-1.0))]))
+
+
+def test_n_choices_compute_the_prompt_logprobs_once(tokenizer):  # noqa: F811
+    """n=4 with echo and logprobs: one sequence asks its worker for the prompt's logprobs (each would
+    recompute the whole prompt), and every choice shows them."""
+    from test_server_router import router
+
+    with router(tokenizer) as client:
+        w = client.add_worker("colocated", "c0", prompt_logprob_echo)
+        r = client.post("/v1/completions", json={"prompt": "Hello there my friend", "max_tokens": 2, "n": 4,
+                                                 "echo": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        asked = [m.sampling.prompt_logprobs for m in w.got(P.Generate)]
+        assert len(asked) == 4 and sum(a is not None for a in asked) == 1, asked
+        shown = [c["logprobs"]["token_logprobs"] for c in r.json()["choices"]]
+        assert shown[0][0] is None and all(v is not None for v in shown[0][1:-2])
+        assert all(s == shown[0] for s in shown), shown
