@@ -57,6 +57,7 @@ from bench import ab, provenance
 from bench.engine_bench import machine_slug, parse_counts
 from bench.transfer_check import FAULTS, parse_fault, run_seed
 from bench.transfer_pools import parse_method, worker_keys
+from protocol.config import TransferConfig
 from protocol.enums import MODES, TRANSPORTS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -90,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth-mib", type=int, default=None,
                         help="size of the copy-bandwidth buffer (default 1024 on CUDA, 64 on CPU)")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="per transfer (default 60)")
+    parser.add_argument("--kv-streams", type=int, default=None, help="zmq's data streams per decode worker (default: the workers' --kv-streams default)")
     parser.add_argument("--out", default=None, help="output path without suffix (default bench/results/...)")
     parser.add_argument("--break", dest="fault", default=None,
                         help=f"tests only: our senders drop part of every request ({', '.join(FAULTS)})")
@@ -153,6 +155,8 @@ def role_process(role: str, args: argparse.Namespace, max_len: int) -> Child:
         argv += ["--break", args.fault]
     if args.keys:
         argv += ["--keys", args.keys]
+    if args.kv_streams:
+        argv += ["--kv-streams", str(args.kv_streams)]
     return Child(role, argv)
 
 
@@ -201,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
                        "kv_bytes_per_token": model["bytes_per_token"], "num_layers": model["num_layers"],
                        "lengths": lengths, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
                        "tokens_compared": args.tokens, "transports": transports, "modes": modes,
-                       "device": args.device, "decode_device": args.decode_device, "fault": args.fault},
+                       "device": args.device, "decode_device": args.decode_device, "fault": args.fault,
+                       "kv_streams": args.kv_streams or TransferConfig.streams},
             "bandwidth": bandwidth,
             "lengths": [],
         }

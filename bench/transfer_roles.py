@@ -84,7 +84,8 @@ def transfer_config(args, method: str, **kw) -> TransferConfig:
     """A method's TransferConfig: its transport; zmq-curve with the bench's keys (--keys)."""
     transport, variant = parse_method(method)
     keys = auth.load_worker_keys(args.keys) if variant == "curve" else None
-    return TransferConfig(transport=transport, deadline_s=args.deadline_s, keys=keys, **kw)
+    streams = {"streams": args.kv_streams} if args.kv_streams else {}
+    return TransferConfig(transport=transport, deadline_s=args.deadline_s, keys=keys, **streams, **kw)
 
 
 class PrefillSide:
@@ -420,6 +421,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--transports", required=True)
     ap.add_argument("--deadline-s", type=float, default=60.0)
+    ap.add_argument("--kv-streams", type=int, default=None, help="zmq's data streams (default: TransferConfig's)")
     ap.add_argument("--keys", default=None, help="worker key folder for the zmq-curve method (made by bench/transfer.py)")
     ap.add_argument("--kv-host", default="127.0.0.1",
                     help="decode side: the address its receivers bind and advertise (bench/multihost.py: its namespace's)")

@@ -103,7 +103,7 @@ class TransferConfig:
     # the deployment's CURVE keys: the KV channel's sockets authenticate and encrypt (endpoint.py);
     # None: plain sockets (tests and benches of the transports themselves)
     keys: WorkerKeys | None = None
-    streams: int = flag(4, "zmq: parallel TCP streams per decode worker for the KV bytes (each its own CURVE "
+    streams: int = flag(8, "zmq: parallel TCP streams per decode worker for the KV bytes (each its own CURVE "
                         "session and ZMQ I/O thread, so the encryption spreads over cores)", name="--kv-streams")
     plaintext: bool = flag(False, "zmq, decode and prefill: KV bytes unencrypted on a second port (--kv-port + 1), "
                            "for an isolated network only (SECURITY.md); the handshake stays CURVE",

@@ -161,5 +161,5 @@ def test_a_worker_config_file_is_never_overwritten(tmp_path):
 def test_from_args_keeps_the_base_fields_that_have_no_flag():
     base = TransferConfig(cancel_grace_s=3.0)
     args = argparse.Namespace(transport="zmq", mode="layer", kv_host="10.0.0.2", kv_port=1, handshake_timeout=2.0,
-                              kv_streams=4, kv_plaintext=False)
+                              kv_streams=8, kv_plaintext=False, kv_checksum=False)
     assert from_args(TransferConfig, args, base=base) == TransferConfig("zmq", "layer", "10.0.0.2", 1, 2.0, 3.0)
