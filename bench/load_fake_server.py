@@ -146,7 +146,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
             ended = time.perf_counter()
             t = {"policy": policy, "queue_ms": (started - arrived) * 1e3, "prefill_ms": (ended - started) * 1e3,
                  "cached_tokens": cached[0],
-                 "reused_tokens": None if cached[0] is None else {"gpu": cached[0], "host": 0, "disk": 0},
+                 "reused_tokens": None if cached[0] is None else {"device": cached[0], "host": 0, "disk": 0},
                  "transfer_ms": None, "transfer_exposed_ms": None, "kv_bytes": 0, "transport": None,
                  "mode": None, "prefill_worker": None, "decode_worker": None, "worker": "fake-colocated-0",
                  "prompt_tokens": n_prompt}

@@ -236,7 +236,7 @@ def per_turn(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES) -> l
         for name, key in (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("reload", "reload_ms")):
             values = [t[key] for t in timed if t.get(key) is not None]
             row[f"mean_{name}_ms"] = float(np.mean(values)) if values else None
-        # where pdserve's cached tokens came from: {"gpu": n, "host": n, "disk": n} in timings.reused_tokens
+        # where pdserve's cached tokens came from: {"device": n, "host": n, "disk": n} in timings.reused_tokens
         tiers = [t["reused_tokens"] for t in timed if isinstance(t.get("reused_tokens"), dict)]
         row["mean_reused_tokens"] = {k: float(np.mean([d.get(k) or 0 for d in tiers]))
                                      for k in dict.fromkeys(k for d in tiers for k in d)} if tiers else None

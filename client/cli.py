@@ -14,16 +14,18 @@ import time
 from client.client import DEFAULT_BASE_URL, Client
 from client.errors import ClientError
 from client.wire import Completion
+from protocol.cli import HelpFormatter
 from protocol.enums import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve-client", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdserve-client", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    p.add_argument("--base-url", default=None, help=f"server address (default {DEFAULT_BASE_URL}, or the one "
+    p.add_argument("--base-url", default=None, help=f"server address (default: {DEFAULT_BASE_URL}, or the one "
                    "--host and --port make)")
-    p.add_argument("--host", default=None, help="server host (default 127.0.0.1), as `pdserve --host` took it")
-    p.add_argument("--port", type=int, default=None, help="server port (default 8000)")
+    p.add_argument("--host", default=None, help="server host (default: 127.0.0.1), as `pdserve --host` took it")
+    p.add_argument("--port", type=int, default=None, help="server port (default: 8000)")
     p.add_argument("--api-key", default=None, help="the server's API key (default: $PDSERVE_API_KEY, then "
                    "$OPENAI_API_KEY)")
     p.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
@@ -31,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pdserve routing policy for this request (default: the server's own)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (the chat template)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=None, help="0..2 (default: the server's, greedy)")
+    p.add_argument("--seed", type=int, default=None, help="seeds the sampling (with --temperature)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
     return p

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Three "machines" on this one: network namespaces pdserve-router, pdserve-decode and pdserve-prefill,
-# joined by veth pairs to a bridge, each with its own address, running the README's commands for
+# joined by veth pairs to a bridge, each with its own address, running docs/deployment.md's commands for
 # workers on separate machines. As root.
 #
 #   sudo deploy/netns.sh up                 # router 10.99.0.1, decode 10.99.0.2, prefill 10.99.0.3; CPU
@@ -88,7 +88,7 @@ up() {
   rm -rf "$STATE/keys" && "$BIN/pdserve" keygen "$STATE/keys" >/dev/null
   [ -s "$STATE/api-key" ] || (umask 077 && openssl rand -hex 24 >"$STATE/api-key" 2>/dev/null ||
                                head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$STATE/api-key")
-  # the README's commands for separate machines, one per "machine"
+  # docs/deployment.md's commands for separate machines, one per "machine"
   start router router PDSERVE_API_KEY="$(cat "$STATE/api-key")" -- \
     "$BIN/pdserve" router --host "$r" --port 8000 --register "tcp://$r:7100" --keys "$STATE/keys/router" --model "$MODEL"
   start decode decode "${ucx[@]}" -- \

@@ -51,7 +51,7 @@ PHASES: tuple[Phase, ...] = (
 )
 
 NAMES: tuple[str, ...] = tuple(p.name for p in PHASES)
-# README.md's table of phases is these rows (a test holds it to them)
+# docs/api.md's table of phases is these rows (a test holds it to them)
 MEANING: dict[str, str] = {p.name: p.meaning for p in PHASES}
 UNATTRIBUTED = "unattributed"
 FIELD = "ttft_phases_ms"  # the key of the split in the `timings` object

@@ -29,9 +29,10 @@ class TimingsError(ValueError):
 
 @dataclass(frozen=True)
 class ReusedTokens:
-    """Where a request's cached prompt tokens came from: the GPU pool, host memory, disk."""
+    """Where a request's cached prompt tokens came from: the worker's own KV pool (on its device, a GPU or
+    the CPU), host memory, disk."""
 
-    gpu: int = 0
+    device: int = 0
     host: int = 0
     disk: int = 0
 

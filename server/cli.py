@@ -64,7 +64,7 @@ def add_router_arguments(p: argparse.ArgumentParser, register_default: str | Non
                                              "ipc:// socket in a temporary directory"}}
     add_arguments(p, RouterConfig, overrides=register)
     p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, for the router and its workers")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="shut down when this process dies (for scripts that start pdserve, e.g. deploy/local-gpus.sh)")

@@ -115,7 +115,7 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
         # it reused, as measured), and (disaggregated) those the decode worker held already, not transferred
         recomputed_tokens=None if cached is None else prompt_tokens - cached,
         reused_tokens=None if cached is None else ReusedTokens(
-            gpu=cached - (pre.host_tokens or 0) - (pre.disk_tokens or 0),
+            device=cached - (pre.host_tokens or 0) - (pre.disk_tokens or 0),
             host=pre.host_tokens or 0, disk=pre.disk_tokens or 0),
         kv_skipped_tokens=kv_skipped_tokens if disaggregated else None,
     )

@@ -18,7 +18,7 @@ FULL_TIMINGS = {
     "decode_tokens_per_s": 120.0, "kv_bytes": 1048576, "transport": "ipc", "mode": "layer",
     "prefill_worker": "prefill-0", "decode_worker": "decode-0", "worker": "decode-0",
     "prompt_tokens": 100, "completion_tokens": 8, "cached_tokens": 64, "recomputed_tokens": 36,
-    "reused_tokens": {"gpu": 48, "host": 16, "disk": 0}, "kv_skipped_tokens": 32, "reload_ms": 2.5,
+    "reused_tokens": {"device": 48, "host": 16, "disk": 0}, "kv_skipped_tokens": 32, "reload_ms": 2.5,
     "ttft_phases_ms": {"parse": 0.5, "route": 0.6, "inbox": 0.1, "prefill_queue": 0.3, "prefill": 20.0,
                        "transfer_exposed": 0.2, "decode_pickup": 0.1, "hops": 0.1, "first_token_send": 0.1,
                        "unattributed": 0.0},

@@ -6,6 +6,7 @@ anything starts; --served-model-name; the default max_tokens settable; /docs; `p
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from test_server_harness import ROOT, Pdserve
+from client import cli as client_cli
 from server import cli
 from workers.cli import serve_parser
 
@@ -90,6 +92,7 @@ def test_served_model_name_default_max_tokens_docs_and_the_client(tmp_path):
         assert srv.get("/v1/models/tiny-chat").status_code == 200
         out = srv.post("/v1/completions", {"model": "tiny-chat", "prompt": "Hello", "ignore_eos": True}).json()
         assert out["model"] == "tiny-chat" and out["usage"]["completion_tokens"] == 3, out
+        assert set(out["timings"]["reused_tokens"]) == {"device", "host", "disk"}, out["timings"]  # no "gpu" on a CPU
         chat = srv.post("/v1/chat/completions", {"model": "tiny", "ignore_eos": True,
                                                  "messages": [{"role": "user", "content": "Hi"}]}).json()
         assert chat["usage"]["completion_tokens"] == 5, chat
@@ -103,3 +106,22 @@ def test_served_model_name_default_max_tokens_docs_and_the_client(tmp_path):
                               "--max-tokens", "2", "--ignore-eos"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 0 and "completion_tokens=2" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("make", [cli.pdserve_parser, cli.router_parser, client_cli.build_parser],
+                         ids=["pdserve", "pdserve router", "pdserve-client"])
+def test_help_shows_every_default(make):
+    p = make()
+    formatter = p._get_formatter()  # argparse's own, as --help formats each option
+    hidden = [a.option_strings[0] for a in p._actions
+              if a.option_strings and a.nargs != 0 and a.default not in (None, [], argparse.SUPPRESS)
+              and "default" not in (formatter._expand_help(a) if a.help else "")]
+    assert not hidden, f"{p.prog} --help shows no default for {hidden}"
+
+
+def test_one_metric_prefix():
+    from server.metrics import Metrics
+
+    names = [m.name for m in Metrics("tiny").registry.collect()]
+    odd = [n for n in names if not (n.startswith("pdserve_") or n.startswith("vllm:"))]
+    assert names and not odd, f"metrics outside pdserve_* and vLLM's vllm:*: {odd}"

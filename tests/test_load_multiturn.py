@@ -70,7 +70,7 @@ def test_chat_turns_grow_by_the_returned_reply_and_reuse_shows_per_turn(tmp_path
     rows = block["per_turn"]
     assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["completed"] == 3 for r in rows)
     assert rows[0]["mean_cached_tokens"] == 0 and rows[1]["cached_share"] > 0.9
-    assert rows[1]["mean_reused_tokens"] == {"gpu": rows[1]["mean_cached_tokens"], "host": 0, "disk": 0}
+    assert rows[1]["mean_reused_tokens"] == {"device": rows[1]["mean_cached_tokens"], "host": 0, "disk": 0}
     # turn 1 prefills ~1500 words (75 ms); later turns only the ~50 new ones
     assert rows[1]["median_ttft_ms"] < 0.5 * rows[0]["median_ttft_ms"], rows
     assert rows[2]["median_ttft_ms"] < 0.5 * rows[0]["median_ttft_ms"], rows

@@ -22,7 +22,7 @@ def _block(arm: str, phase: str, rate: float, ps: list[str]) -> dict:
     b["per_turn"] = [{"turn": t, "requests": 4, "completed": 4, "mean_prompt_tokens": 1000.0 * (t + 1),
                       "mean_cached_tokens": None if t == 1 else 990.0 * t, "cached_share": None if t == 1 else 0.9,
                       "mean_queue_ms": 1.0, "mean_prefill_ms": None, "mean_reload_ms": 2.0 if t > 1 else None,
-                      "mean_reused_tokens": {"gpu": 10.0, "host": 980.0} if t > 1 else None,
+                      "mean_reused_tokens": {"device": 10.0, "host": 980.0} if t > 1 else None,
                       **{f"{p}_ttft_ms": 50.0 for p in ps}}
                      for t in (1, 2, 3)]
     return b

@@ -1,11 +1,11 @@
 """Separate machines for real: a router, a prefill and a decode worker in three network namespaces
-(tests/netns.py), each with its own address on a bridge, started with the README's commands for
+(tests/netns.py), each with its own address on a bridge, started with docs/deployment.md's commands for
 separate machines (`pdserve keygen`, `pdserve router --host/--register`, `pdserve-worker --control
 --kv-host --kv-port`).
 
 - every address the router and the workers advertise is their own namespace's, and nothing of ours
   listens on 0.0.0.0
-- nixl (UCX over TCP: UCX_TLS=tcp, as the README says between hosts without RDMA) and zmq, bulk and
+- nixl (UCX over TCP: UCX_TLS=tcp, as docs/design.md says between hosts without RDMA) and zmq, bulk and
   layer: smollm2-135m's greedy tokens through the disaggregated path equal the colocated worker's,
   timings present, and the nixl worker's log names the UCX lane (tcp, inter-node)
 - for each of those pairs, the decode host's link pulled (`ip link set ... down`) while its KV crosses
@@ -45,14 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 API_KEY = "multihost-test-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-# between hosts without RDMA (README, workers/transfer/nixl.py): without it UCX sees one kernel and
+# between hosts without RDMA (docs/design.md, workers/transfer/nixl.py): without it UCX sees one kernel and
 # moves the bytes over cma, never over the namespaces' link (the lane test below shows which)
 NIXL_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 HEARTBEAT_S, MISSES, KV_DEADLINE_S = 0.5, 3, 15.0
 
 
 def command(name: str) -> list[str]:
-    """The console script the README uses, from this interpreter's environment."""
+    """The console script the docs use, from this interpreter's environment."""
     script = BIN / name
     module = {"pdserve": "server.cli", "pdserve-worker": "workers.cli"}[name]
     return [str(script)] if script.exists() else [sys.executable, "-m", module]

@@ -6,7 +6,7 @@
   phases sum to ttft_ms within 1 ms, none is negative, nothing is unattributed; /metrics histograms
   the same phases, and there they sum to the TTFT histogram's sum.
 - The split's arithmetic with a stamp missing (no server): that part goes to `unattributed`.
-- README.md's table of phases is protocol/phases.py's list, row for row.
+- docs/api.md's table of phases is protocol/phases.py's list, row for row.
 - What the router and the client import for this stays torch-free (`pdserve --help` included).
 """
 
@@ -127,8 +127,8 @@ def test_a_missing_stamp_goes_to_unattributed_not_into_another_phase():
         assert sum(v for v in split.values() if v is not None) == pytest.approx(21.0, abs=1e-3)
 
 
-def test_readme_lists_the_phases_as_the_code_defines_them():
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_list_the_phases_as_the_code_defines_them():
+    text = (ROOT / "docs" / "api.md").read_text()
     table = text[text.index("| phase | clock | from -> to |\n|---|---|---|\n"):].split("\n\n")[0].splitlines()[2:]
     assert table == [f"| `{p.name}` | {p.clock} | {p.meaning} |" for p in PHASES]
 
