@@ -3,6 +3,7 @@
     pdserve-bench load      colocated vs disaggregated under load (bench/load.py)
     pdserve-bench transfer  the KV transfer table (bench/transfer.py)
     pdserve-bench engine    prefill and decode step times against transformers (bench/engine_bench.py)
+    pdserve-bench offline   an offline workload beside its floor and transformers' batching (bench/offline.py)
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/attention_bench.py)
     pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/multihost.py)
 
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "load": ("bench.load", "load generator: colocated vs disaggregated latency under the same load"),
     "transfer": ("bench.transfer", "KV transfer table: prefill, transfer and first decode step per length"),
     "engine": ("bench.engine_bench", "engine prefill and decode step times against transformers"),
+    "offline": ("bench.offline", "an offline workload through the engine beside its floor and transformers' batching"),
     "attention": ("bench.attention_bench", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
     "multihost": ("bench.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
     "offload": ("bench.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),

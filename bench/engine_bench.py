@@ -52,6 +52,7 @@ import torch
 
 from bench import ab, provenance
 from bench import engine_decode as dec
+from bench import engine_mixed as mx
 from bench.engine_report import markdown, targets
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -79,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk-prompt", default="16k", help="chunked scenario: the prompt that arrives (default 16k)")
     a("--chunk-tokens", type=int, default=None, help="prompt tokens per step with chunking (default: EngineConfig's)")
     a("--chunk-steady-steps", type=int, default=16, help="chunked scenario: steps before the arrival (default 16)")
+    a("--mixed-step", default="32,1k,5k,512",
+      help="decodes,context,prefix,chunk of the mixed-step point (wall vs GPU-busy time); '' skips it")
     a("--kv-memory-gb", type=float, default=None, help="cap the decode points' KV pool (GiB); default: sized from them")
     a("--reserve-gb", type=float, default=20.0,
       help="CUDA: memory left free beside the pool for activations, graphs, transformers' cache (default 20)")
@@ -257,10 +260,16 @@ def run(args: argparse.Namespace) -> int:
         chunk_steps = chunk["steady_steps"] + chunk["max_prefill_steps"] + chunk["after_steps"] + 4
         chunk_blocks = chunk["decodes"] * dec.blocks_for(chunk["context"] + chunk_steps, BLOCK_SIZE) \
             + dec.blocks_for(chunk["prompt"] + chunk["after_steps"] + 2, BLOCK_SIZE)
+    mixed_shape = parse_counts(args.mixed_step) if args.mixed_step else None  # decodes, context, prefix, chunk
+    mixed_blocks = 0
+    if mixed_shape:
+        b, ctx, pre, n = mixed_shape
+        mixed_blocks = b * dec.blocks_for(ctx + 2, BLOCK_SIZE) + dec.blocks_for(pre + n + 1, BLOCK_SIZE)
     num_blocks = max([p["blocks"] for p in points]
                      + [dec.blocks_for(max(lengths) + 1, BLOCK_SIZE)]
                      + [b * dec.blocks_for(hf_ctx + args.warmup + args.pairs + 2, BLOCK_SIZE) for b in hf_points]
-                     + ([chunk_blocks] if chunk else [])) + 8
+                     + ([chunk_blocks] if chunk else [])
+                     + ([mixed_blocks] if mixed_blocks else [])) + 8
 
     log(f"roofline copies for {len(points)} points (start)")
     roof_start = dec.copy_roofline([p["bytes"] for p in points], device, args.warmup, args.repeats)
@@ -269,8 +278,10 @@ def run(args: argparse.Namespace) -> int:
     # (adopted requests only decode: the chunked flag does not touch them), then the chunked scenario
     max_len = max(max(lengths) + 1, max((c for p in points for c in p["contexts"]), default=0) + steps + 4,
                   hf_ctx + steps + 4,
-                  chunk["prompt"] + 8 if chunk else 0, chunk["context"] + chunk_steps + 4 if chunk else 0)
+                  chunk["prompt"] + 8 if chunk else 0, chunk["context"] + chunk_steps + 4 if chunk else 0,
+                  mixed_shape[2] + mixed_shape[3] + 2 if mixed_shape else 0)
     shape = dict(num_blocks=num_blocks, max_num_seqs=max([p["batch"] for p in points] + hf_points + [1]
+                                                         + ([mixed_shape[0] + 1] if mixed_shape else [])
                                                          + ([chunk["decodes"] + 1] if chunk else [])),
                  max_batched_tokens=max(8192, max(lengths)), max_model_len=max(max_len, loaded.max_model_len))
     if chunk:
@@ -286,6 +297,11 @@ def run(args: argparse.Namespace) -> int:
         log(f"decode batch {p['batch']}, {p['kind']} context {p['context'] or p['range']}")
         p["ours_ms"] = dec.decode_point(engine, p["contexts"], device, args.warmup, args.repeats,
                                         seed=args.seed + i, tag=f"decode-{i}")
+    mixed_step = None
+    if mixed_shape:
+        b, ctx, pre, n = mixed_shape
+        log(f"mixed step: {b} decodes at {ctx} + {n} prompt tokens at a {pre}-token prefix")
+        mixed_step = mx.mixed_step_point(engine, device, b, ctx, pre, n, max(10, args.repeats), args.seed)
     chunked = {}
     for on in ((True, False) if chunk else ()):
         if not on:  # the same engine with chunked prefill off, its pool only as large as the scenario needs
@@ -324,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
         "prefill": prefill_rows,
         "transformers_decode": hf_rows,
         "chunked": chunked,
+        "mixed_step": mixed_step,
     }
     result["targets"] = targets(result)
     out = Path(args.out) if args.out else RESULTS_DIR / (

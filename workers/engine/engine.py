@@ -94,13 +94,16 @@ class Engine:
         # cached KV is only comparable under the same model and layout (the prefix cache's root name)
         self.prefix_root = root_name(self.model_name, self.layout.describe())
         self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens,
-                                   config.chunked_prefill, config.chunk_tokens, self.prefix_root)
+                                   config.chunked_prefill, config.chunk_tokens, self.prefix_root,
+                                   config.chunk_attention_tokens)
         self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
                                   config.max_num_seqs, self.max_model_len, config.cuda_graphs,
                                   kernels=config.attention != "reference" and attention.use_kernels(self.device),
                                   prefix_kernel=config.attention == "triton",
                                   compile_layers=config.compile and self.device.type == "cuda",
-                                  fuse_qkv=config.fuse_qkv and self.device.type == "cuda")
+                                  fuse_qkv=config.fuse_qkv and self.device.type == "cuda",
+                                  mixed_tokens=max(config.mixed_graph_tokens, config.chunk_tokens + config.max_num_seqs)
+                                  if config.mixed_graph_tokens else 0)
         self.tiers = self._tiers(config)
         self.scheduler.tiers = self.tiers
         self.sampler = Sampler(self.device, self.eos_token_ids)
@@ -139,11 +142,14 @@ class Engine:
         """CUDA: capture the decode graph of every (batch, block table) bucket ahead of traffic,
         largest first so the shared memory pool is sized once; returns seconds spent (0 on CPU
         or with cuda_graphs off). About 0.2 s a graph for a 7B model on an H200."""
-        graphs = self.runner.graphs
-        if graphs is None:
-            return 0.0
+        graphs, mixed = self.runner.graphs, self.runner.mixed
+        spent = 0.0
         with torch.inference_mode():
-            return sum(graphs.capture(graphs.batch_buckets[::-1], blocks) for blocks in graphs.block_buckets[::-1])
+            if graphs is not None:
+                spent += sum(graphs.capture(graphs.batch_buckets[::-1], blocks) for blocks in graphs.block_buckets[::-1])
+            if mixed is not None:
+                spent += mixed.capture()
+        return spent
 
     # ---- prompts -------------------------------------------------------------------------
 

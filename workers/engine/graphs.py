@@ -47,7 +47,8 @@ class DecodeGraphs:
         self.packed = torch.zeros_like(self.host, device=dev)
         self.copied = torch.cuda.Event()  # the last copy out of `host` is done: it may be rewritten
         self.ids, self.pos, self.k_slots, self.v_slots, self.lens, self.table = self._views(self.packed, nb, nm)
-        self.host_views = self._views(self.host, nb, nm)
+        names = ("ids", "pos", "k_slots", "v_slots", "lens", "table")
+        self.host_arrays = {k: t.numpy() for k, t in zip(names, self._views(self.host, nb, nm))}
         self.keep = torch.arange(nb, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -68,13 +69,10 @@ class DecodeGraphs:
         n = len(reqs)
         key = (self._bucket(n, self.batch_buckets), self._bucket(max(len(r.block_ids) for r in reqs), self.block_buckets))
         batch, blocks = key
-        inp = self.runner.decode_inputs(reqs, batch, blocks)
-        ids, pos, k_slots, v_slots, lens, table = self.host_views
-        self.copied.synchronize()
-        ids[:batch], pos[:batch], lens[:batch] = inp["ids"], inp["pos"], inp["lens"]
-        k_slots[:batch], v_slots[:batch] = inp["k_slots"], inp["v_slots"]
-        table[:batch, :blocks] = inp["table"]
-        used = 5 * len(ids) + batch * table.shape[1]  # the rows of the table this step reads
+        self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
+        self.runner.decode_inputs(reqs, batch, blocks, self.host_arrays)
+        nb, width = len(self.ids), self.table.shape[1]
+        used = 5 * nb + batch * width  # the rows of the table this step reads
         self.packed[:used].copy_(self.host[:used], non_blocking=True)
         self.copied.record()
         graph = self.graphs.get(key)
@@ -119,3 +117,107 @@ class DecodeGraphs:
         self.graphs[(batch, blocks)] = graph
         self.outputs[(batch, blocks)] = out
         return graph
+
+
+class MixedGraphs:
+    """Steps that carry prompt tokens (decodes and prompt chunks mixed, or prompt chunks alone), at
+    most `max_tokens` tokens and `max_keep` kept rows: the model cut at attention (layers.Cut),
+    each of its L + 1 dense segments captured once per token bucket and replayed, attention run
+    eagerly between them over the step's real rows (it takes any mix of decodes, fresh chunks and
+    chunks over a cached prefix, and calls the transfer's per-layer hook).
+
+    A step of T tokens runs the segments of the smallest bucket >= T: rows [T, bucket) are padding
+    (token 0 at position 0; attention neither reads nor writes them; their results are dropped).
+    Buckets: 16, 32, 64, then multiples of 64 up to max_tokens. Without CUDA graphs (the CPU, or
+    cuda_graphs off) the same segments run directly: the same code path, tested on the CPU.
+    """
+
+    def __init__(self, runner, max_tokens: int, max_keep: int, use_graphs: bool, compile: bool = False):
+        from workers.engine.layers import Cut
+
+        self.runner = runner
+        dev = runner.device
+        self.buckets = _buckets(max_tokens, [16, 32, 64], lambda b: b + 64)
+        self.max_tokens, self.max_keep = self.buckets[-1], max_keep
+        self.cut = Cut(runner.model, self.max_tokens, max_keep, dev, compile=compile)
+        self.use_graphs = use_graphs
+        n, k = self.max_tokens, max_keep
+        # ids, positions [n] and kept rows [k] in one buffer: one host-to-device copy a step
+        self.host = torch.zeros(2 * n + k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.packed = torch.zeros_like(self.host, device=dev)
+        self.host_np = self.host.numpy()
+        self.cut.ids, self.cut.pos, self.cut.keep = self.packed[:n], self.packed[n:2 * n], self.packed[2 * n:]
+        self.copied = torch.cuda.Event() if use_graphs else None
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.mempool = None
+
+    def fits(self, tokens: int, keep: int) -> bool:
+        return tokens <= self.max_tokens and keep <= self.max_keep
+
+    def run(self, inp) -> torch.Tensor:
+        """The forward of a step (attention.STEP set by the runner, but its slots) -> [K, vocab] logits."""
+        t, kept = len(inp.ids), len(inp.keep)
+        bucket = DecodeGraphs._bucket(t, self.buckets)
+        n = self.max_tokens
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
+        h = self.host_np
+        h[:t], h[t:bucket] = inp.ids, 0
+        h[n:n + t], h[n + t:n + bucket] = inp.positions, 0
+        h[2 * n:2 * n + kept], h[2 * n + kept:] = inp.keep, 0
+        self.packed.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        dev = self.runner.device
+        step = attention.STEP
+        step.k_slots = torch.from_numpy(inp.k_slots).to(dev, non_blocking=True)
+        step.v_slots = torch.from_numpy(inp.v_slots).to(dev, non_blocking=True)
+        segments = self._segments(bucket)
+        cut = self.cut
+        segments[0]()
+        for i, layer in enumerate(cut.layers):
+            attn = layer.self_attn
+            q = cut.q[:t].transpose(0, 1).unsqueeze(0)  # [1, H, t, D], as transformers hands it over
+            k = cut.k[:t].transpose(0, 1).unsqueeze(0)
+            v = cut.v[:t].transpose(0, 1).unsqueeze(0)
+            out, _ = attention.paged_attention(attn, q, k, v, None, scaling=attn.scaling)
+            cut.attn[:t] = out.reshape(t, -1)
+            segments[i + 1]()
+        return cut.logits[:kept].clone()  # the buffer is the next step's
+
+    def _segments(self, bucket: int) -> list:
+        if not self.use_graphs:
+            return [lambda i=i: self.cut.segment(i, bucket) for i in range(self.cut.num_segments)]
+        graphs = self.graphs.get(bucket)
+        if graphs is None:
+            graphs = self._capture(bucket)
+        return [g.replay for g in graphs]
+
+    def capture(self, buckets: list[int] | None = None) -> float:
+        """Capture the segments of these token buckets (default: all) ahead of traffic; seconds spent."""
+        if not self.use_graphs:
+            return 0.0
+        start = time.monotonic()
+        for b in (buckets or self.buckets)[::-1]:  # largest first: the shared pool is sized once
+            if b not in self.graphs:
+                self._capture(b)
+        torch.cuda.synchronize(self.runner.device)
+        return time.monotonic() - start
+
+    def _capture(self, bucket: int) -> list[torch.cuda.CUDAGraph]:
+        cut = self.cut
+        side = torch.cuda.Stream(self.runner.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # lazy initialisation must not land in a graph
+            for i in range(cut.num_segments):
+                cut.segment(i, bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        for i in range(cut.num_segments):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.mempool):
+                cut.segment(i, bucket)
+            self.mempool = g.pool()
+            graphs.append(g)
+        self.graphs[bucket] = graphs
+        return graphs

@@ -91,6 +91,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    table_row: object | None = field(default=None, repr=False)  # step_inputs.block_row's NumPy mirror of block_ids
     status: Status = Status.WAITING  # moved only by the methods below
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "sent" (prefill worker)
     error: str | None = None  # finish_reason "error": what failed, naming the request

@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import numpy as np
 import torch
 
-from workers.engine import attention, fusion
+from workers.engine import attention, fusion, step_inputs
 from workers.engine.kv_cache import KVCache
 from workers.engine.request import Request
 from workers.engine.sampler import logprobs_of
@@ -52,7 +53,8 @@ def compile_decoder_layers(model) -> None:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, block_size: int, scratch_block: int,
                  max_num_seqs: int, max_model_len: int, cuda_graphs: bool, kernels: bool = False,
-                 compile_layers: bool = False, fuse_qkv: bool = False, prefix_kernel: bool = False):
+                 compile_layers: bool = False, fuse_qkv: bool = False, prefix_kernel: bool = False,
+                 mixed_tokens: int = 0):
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -76,25 +78,42 @@ class ModelRunner:
             from workers.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // block_size))
+        self.mixed = None  # steps with prompt tokens, up to mixed_tokens of them: piecewise graphs
+        if mixed_tokens:
+            from workers.engine.graphs import MixedGraphs
+            from workers.engine.layers import cuttable
 
-    def slots(self, blocks_at: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of K and V for the given positions in a layer viewed as
-        [blocks * 2 * block_size, heads, dim]; blocks_at[i] is the block holding positions[i]."""
-        bs = self.block_size
-        k = blocks_at * (2 * bs) + positions % bs
-        return k, k + bs
+            if cuttable(model):
+                self.mixed = MixedGraphs(self, mixed_tokens, max_num_seqs, use_graphs=cuda_graphs and self.device.type == "cuda",
+                                         compile=compile_layers)
+            else:
+                log.info("%s is not a Llama-style decoder: steps with prompt tokens run eagerly", type(model).__name__)
 
     @torch.inference_mode()
     def run(self, work: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One forward over `work`: (request, n) computes positions [num_computed, num_computed + n)
         of that request, whose blocks must already cover them. Returns [K, vocab] float32 logits
         of the last position of every request that reaches its num_tokens, in `work` order, and
-        advances each num_computed by n."""
-        if (self.graphs is not None and on_layer is None and all(n == 1 and r.num_computed for r, n in work)
-                and not any(prompt_positions(r, n) for r, n in work)):
+        advances each num_computed by n.
+
+        Which forward (the dispatch, in one place): decodes only -> the decode graphs; decodes and
+        prompt chunks of at most `mixed.max_tokens` tokens -> the piecewise graphs; anything else
+        (a long prompt, prompt logprobs asked) -> eagerly. On the CPU only the last two, with the
+        piecewise path run without graphs."""
+        asks = any(prompt_positions(r, n) for r, n in work)
+        if (self.graphs is not None and on_layer is None and not asks
+                and all(n == 1 and r.num_computed for r, n in work)):
             logits = self.graphs.decode([r for r, _ in work])
         else:
-            logits = self._run_eager(work, on_layer)
+            inp = step_inputs.build(work, self.block_size)
+            if self.mixed is not None and not asks and self.mixed.fits(len(inp.ids), len(inp.keep)):
+                self._set_step(inp, on_layer)
+                try:
+                    logits = self.mixed.run(inp)
+                finally:
+                    self._clear_step()
+            else:
+                logits = self._run_eager(work, inp, on_layer)
         for r, n in work:
             r.num_computed += n
         return logits
@@ -103,82 +122,69 @@ class ModelRunner:
         """Every request's remaining tokens in one forward -> [len(reqs), vocab] logits."""
         return self.run([(r, r.num_tokens - r.num_computed) for r in reqs], on_layer)
 
-    def _run_eager(self, work: list[tuple[Request, int]], on_layer) -> torch.Tensor:
-        bs = self.block_size
-        decodes = [(r, n) for r, n in work if n == 1 and r.num_computed]
-        chunks = [(r, n) for r, n in work if not (n == 1 and r.num_computed)]
-        ids, positions, blocks_at, last = [], [], [], {}
-        for r, _ in decodes:
-            p = r.num_computed
-            last[id(r)] = len(ids)
-            ids.append(r.token_at(p))
-            positions.append(p)
-            blocks_at.append(r.block_ids[p // bs])
-        step = attention.STEP
-        step.fresh, step.prefix = [], []
-        prefix_reqs = []
-        for r, n in chunks:
-            a, row = r.num_computed, len(ids)
-            ids.extend(r.tokens(a, a + n))
-            positions.extend(range(a, a + n))
-            blocks_at.extend(r.block_ids[p // bs] for p in range(a, a + n))
-            if a == 0:
-                step.fresh.append((row, row + n))
-            else:
-                step.prefix.append((len(prefix_reqs), row, n, a))
-                prefix_reqs.append(r)
-            last[id(r)] = len(ids) - 1
+    def _set_step(self, inp: step_inputs.StepInputs, on_layer) -> None:
+        """attention.STEP for a forward over `inp` (everything but the slots, which the caller puts
+        on the device its own way)."""
         dev = self.device
-        pos = torch.tensor(positions)
-        k, v = self.slots(torch.tensor(blocks_at), pos)
-        step.k_slots, step.v_slots, step.on_layer = k.to(dev), v.to(dev), on_layer
-        step.num_decode = len(decodes)
-        if decodes:
-            step.table = self.block_table([r for r, _ in decodes]).to(dev)
-            ctx = [r.num_computed + 1 for r, _ in decodes]
-            step.ctx_lens, step.max_ctx = torch.tensor(ctx, device=dev), max(ctx)
-        if prefix_reqs:
-            step.prefix_table = self.block_table(prefix_reqs).to(dev)
+        step = attention.STEP
+        step.pool, step.kernels, step.prefix_kernel = self.kv.pool, self.kernels, self.prefix_kernel
+        step.fresh, step.prefix, step.on_layer = inp.fresh, inp.prefix, on_layer
+        step.num_decode = len(inp.decodes)
+        if inp.decodes:
+            step.table = torch.from_numpy(step_inputs.block_table(inp.decodes)).to(dev, non_blocking=True)
+            step.ctx_lens = torch.from_numpy(np.asarray(inp.ctx_lens, dtype=np.int64)).to(dev, non_blocking=True)
+            step.max_ctx = max(inp.ctx_lens)
+        if inp.prefix_reqs:
+            step.prefix_table = torch.from_numpy(step_inputs.block_table(inp.prefix_reqs)).to(dev, non_blocking=True)
             if self.prefix_kernel:
                 from workers.engine.paged_kernel import prefill_tiles
 
                 g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
-                step.prefix_tiles = torch.tensor(prefill_tiles(step.prefix, g), dtype=torch.int32, device=dev)
-        keep = [last[id(r)] for r, n in work if r.num_computed + n == r.num_tokens]
+                step.prefix_tiles = torch.tensor(prefill_tiles(inp.prefix, g), dtype=torch.int32, device=dev)
+
+    @staticmethod
+    def _clear_step() -> None:
+        """The step's tensors live no longer than the step (a dropped engine frees its pool)."""
+        step = attention.STEP
+        step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
+        step.on_layer = None
+
+    def _run_eager(self, work: list[tuple[Request, int]], inp: step_inputs.StepInputs, on_layer) -> torch.Tensor:
+        dev = self.device
+        self._set_step(inp, on_layer)
+        step = attention.STEP
+        step.k_slots = torch.from_numpy(inp.k_slots).to(dev)
+        step.v_slots = torch.from_numpy(inp.v_slots).to(dev)
         asks = []  # (request, rows of this step whose logits predict its prompt tokens, top k)
         for r, n in work:
             wanted = prompt_positions(r, n)
             if wanted:
-                first_row = last[id(r)] - n + 1  # the row of position num_computed
+                first_row = inp.last_row[id(r)] - n + 1  # the row of position num_computed
                 asks.append((r, [first_row + p - r.num_computed for p in wanted], r.params.prompt_logprobs))
         try:
-            return self.forward(torch.tensor(ids, device=dev), pos.to(dev), torch.tensor(keep, dtype=torch.long, device=dev),
-                                asks)
+            return self.forward(torch.from_numpy(inp.ids).to(dev), torch.from_numpy(inp.positions).to(dev),
+                                torch.from_numpy(inp.keep).to(dev), asks)
         finally:
-            step.on_layer = None
+            self._clear_step()
 
-    @staticmethod
-    def block_table(reqs: list[Request], width: int | None = None) -> torch.Tensor:
-        """[len(reqs), width] int64 block ids, zero padded (width: the longest list)."""
-        width = width or max(len(r.block_ids) for r in reqs)
-        return torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], dtype=torch.long)
-
-    def decode_inputs(self, reqs: list[Request], batch: int, max_blocks: int) -> dict[str, torch.Tensor]:
-        """CPU tensors of a decode step, padded to `batch` rows and `max_blocks` columns."""
+    def decode_inputs(self, reqs: list[Request], batch: int, max_blocks: int, out: dict[str, np.ndarray]) -> None:
+        """A decode step's inputs written into `out`'s arrays (rows [0, batch), table columns
+        [0, max_blocks)), padded: rows past len(reqs) read block 0 with length 1 and write their K/V
+        into the scratch block."""
         bs = self.block_size
         n = len(reqs)
-        table = torch.zeros(batch, max_blocks, dtype=torch.long)
-        table[:n] = self.block_table(reqs, max_blocks)
-        lens = torch.ones(batch, dtype=torch.long)
-        lens[:n] = torch.tensor([r.num_computed + 1 for r in reqs])
-        ids = torch.zeros(batch, dtype=torch.long)
-        ids[:n] = torch.tensor([r.token_at(r.num_computed) for r in reqs])
-        pos = lens - 1
-        blocks_at = table[torch.arange(batch), pos // bs]
-        blocks_at[n:] = self.scratch_block  # padding rows write into the scratch block
-        pos[n:] = 0
-        k, v = self.slots(blocks_at, pos)
-        return {"ids": ids, "pos": pos, "k_slots": k, "v_slots": v, "table": table, "lens": lens}
+        table = out["table"]
+        step_inputs.block_table(reqs, max_blocks, table[:batch])
+        table[n:batch, :max_blocks] = 0
+        lens = np.fromiter((r.num_computed + 1 for r in reqs), dtype=np.int64, count=n)
+        out["lens"][:n], out["lens"][n:batch] = lens, 1
+        out["ids"][:n] = [r.token_at(r.num_computed) for r in reqs]
+        out["ids"][n:batch] = 0
+        pos = out["pos"][:batch]
+        pos[:n], pos[n:] = lens - 1, 0
+        blocks_at = np.full(batch, self.scratch_block, dtype=np.int64)
+        blocks_at[:n] = table[np.arange(n), pos[:n] // bs]
+        out["k_slots"][:batch], out["v_slots"][:batch] = step_inputs.slots(blocks_at, pos, bs)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 asks: list[tuple[Request, list[int], int]] = ()) -> torch.Tensor:

@@ -9,7 +9,9 @@ A step is a list of (request, n): compute n positions of that request from its n
 
 Chunked prefill (the default, as vLLM and SGLang run): every step carries each running
 request's next token (its decode) plus prompt tokens up to `chunk_tokens` in all: the
-rest of a prompt that is part way through, then newly admitted ones. A 16k prompt is thus
+rest of a prompt that is part way through, then newly admitted ones. A prompt token at
+position p counts 1 + p / attention_tokens against that budget (a chunk deep in a long prompt
+attends over more keys), so steps cost about the same from a prompt's start to its end. A 16k prompt is thus
 prefilled over many steps while the running requests keep getting a token each step; the
 cost of that interference is what the colocated comparison measures.
 
@@ -41,7 +43,7 @@ from workers.engine.request import IllegalTransition, Request, Status
 
 class Scheduler:
     def __init__(self, blocks: PrefixCache, block_size: int, max_num_seqs: int, max_batched_tokens: int,
-                 chunked: bool = False, chunk_tokens: int = 512, root: bytes = b""):
+                 chunked: bool = False, chunk_tokens: int = 512, root: bytes = b"", attention_tokens: int = 0):
         self.blocks = blocks
         self.root = root  # the prefix cache's root name (model and layout)
         self.tiers = None  # tiering.Tiers: prefixes reloaded from host memory or disk (the engine sets it)
@@ -50,6 +52,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.chunked = chunked
         self.chunk_tokens = chunk_tokens
+        self.attention_tokens = attention_tokens  # see _weight; 0: every prompt token counts 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._last_was_prefill = False
@@ -86,25 +89,35 @@ class Scheduler:
                 self._last_was_prefill = True
                 return batch
         self._last_was_prefill = False
-        return [(r, 1) for r in self._grow_running() if r.num_tokens - r.num_computed == 1 and not self._loading(r)]
+        return [(r, 1) for r in self.grow_running() if r.num_tokens - r.num_computed == 1 and not self._loading(r)]
 
     def _loading(self, req: Request) -> bool:
         return self.tiers is not None and self.tiers.loading(req)
 
     def _schedule_chunked(self) -> list[tuple[Request, int]]:
-        running = [r for r in self._grow_running() if not self._loading(r)]
+        running = [r for r in self.grow_running() if not self._loading(r)]
         work = [(r, 1) for r in running if r.num_tokens - r.num_computed == 1]
-        budget = self.chunk_tokens
+        budget = float(self.chunk_tokens)
         for r in running:
             left = r.num_tokens - r.num_computed
-            if left > 1 and budget > 0:
-                work.append((r, min(left, budget)))
-                budget -= work[-1][1]
-        if budget > 0:
+            if left > 1 and budget >= 0.5:
+                n = self._chunk(r.num_computed, left, budget)
+                if n:
+                    work.append((r, n))
+                    budget -= n * self._weight(r.num_computed)
+        if budget >= 0.5:
             work += self._admit(budget, whole=False)
         return work
 
-    def _admit(self, budget: int, whole: bool) -> list[tuple[Request, int]]:
+    def _weight(self, position: int) -> float:
+        """What one prompt token from `position` on counts for in the chunk budget: attending over
+        the prefix makes a chunk late in a long prompt cost more than the same tokens early on."""
+        return 1.0 + position / self.attention_tokens if self.attention_tokens else 1.0
+
+    def _chunk(self, position: int, left: int, budget: float) -> int:
+        return min(left, round(budget / self._weight(position)))
+
+    def _admit(self, budget: float, whole: bool) -> list[tuple[Request, int]]:
         """Admit waiting requests into `running`; whole: their whole prompts (the first even past
         the budget), else the first `budget` tokens of each, in order, until it is spent."""
         batch: list[tuple[Request, int]] = []
@@ -116,6 +129,8 @@ class Scheduler:
             lower = self.lower_prefix(req, len(hit))
             if whole and batch and n - cached > budget:
                 break
+            if not whole and not lower and self._chunk(cached, n - cached, budget) == 0:
+                break  # what is left of the budget does not buy one token this far into the prompt
             need = blocks_for(n, self.block_size) - len(hit)
             if not self.blocks.can_allocate(need, hit):
                 break
@@ -130,9 +145,9 @@ class Scheduler:
             if lower:  # the next blocks come back from host memory or disk; it computes once they land
                 self.start_reload(req, lower)
                 continue
-            take = n - cached if whole else min(n - cached, budget)
+            take = n - cached if whole else self._chunk(cached, n - cached, budget)
             batch.append((req, take))
-            budget -= take
+            budget -= take if whole else take * self._weight(cached)
         return batch
 
     def cached_prefix(self, req: Request) -> list[int]:
@@ -160,7 +175,7 @@ class Scheduler:
             return []
         return self.tiers.plan(names_upto(req, full, self.block_size, self.root)[gpu_blocks:])
 
-    def _grow_running(self) -> list[Request]:
+    def grow_running(self) -> list[Request]:
         """Make sure every running request has a slot for every position it has."""
         for req in list(self.running):
             if req not in self.running:  # preempted below while serving an earlier one

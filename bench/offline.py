@@ -1,0 +1,174 @@
+"""`pdserve-bench offline`: an offline workload through the engine, beside its floor and its peer.
+
+`--prompts` prompts of `--min-len`..`--max-len` tokens (seeded, random ids), `--out-tokens` each, greedy,
+EOS ignored, all added at once and run to the end (Engine.generate), for each engine configuration in
+`--configs` (default: the default config; unchunked; larger chunk budgets), one engine whose scheduler
+is switched between them (the same graphs and weights), and transformers' own continuous batching
+(`generate_batch`, its paged attention) on the same model and prompts: `--rounds` rounds, the arms in a
+shuffled order each round (bench/ab.py's rule: A/B in one run, interleaved).
+
+The floor is measured in the same run (bench/engine_mixed.py): the prompt tokens at the speed of whole
+unchunked prompts of the workload's mean length, plus the decode steps of an ideal schedule at their
+roofline (the weights and the batch's KV bytes at the measured copy speed). Writes JSON with provenance
+to bench/results/offline-<machine>-<date>.json and prints a table.
+
+GPU run (about 3 minutes on an H200):  pdserve-bench offline --model qwen2.5-7b --device cuda:0
+CPU smoke test: tests/test_engine_bench.py (tiny model, a few prompts, no peer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench import engine_decode as dec
+from bench import engine_mixed as mx
+from bench import provenance
+from bench.engine_bench import RESULTS_DIR, hf_twin, kv_bytes_per_token, machine_slug, parse_counts
+
+FLOOR_LIMIT = 1.4  # the default config's wall time / its floor
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default="qwen2.5-7b", help="model name or checkpoint dir (default qwen2.5-7b)")
+    a("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    a("--prompts", type=int, default=128, help="prompts in the workload (default 128)")
+    a("--min-len", default="256", help="shortest prompt, tokens (default 256)")
+    a("--max-len", default="2k", help="longest prompt, tokens (default 2k)")
+    a("--out-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    a("--configs", default="default,unchunked,chunk1024,chunk2048",
+      help="engine configurations: default, unchunked, chunkN (chunk_tokens N) (default: those four)")
+    a("--rounds", type=int, default=1, help="rounds of every arm, shuffled per round (default 1)")
+    a("--peer", action=argparse.BooleanOptionalAction, default=True,
+      help="run transformers' continuous batching on the same prompts (default on)")
+    a("--kv-memory-gb", type=float, default=40.0, help="the engine's KV pool (default 40)")
+    a("--seed", type=int, default=0, help="seeds the prompts and the order (default 0)")
+    a("--out", default=None, help="JSON path (default bench/results/offline-<machine>-<date>.json)")
+
+
+def _scheduler_for(name: str, default_chunk: int) -> tuple[bool, int]:
+    if name == "default":
+        return True, default_chunk
+    if name == "unchunked":
+        return False, default_chunk
+    if name.startswith("chunk") and name[5:].isdigit():
+        return True, int(name[5:])
+    raise ValueError(f"unknown config {name!r}: default, unchunked or chunkN")
+
+
+def hf_peer(twin, prompts: list[list[int]], out: int, device: torch.device) -> dict:
+    """transformers' continuous batching (generate_batch) over the same prompts."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=out, min_new_tokens=out, do_sample=False, eos_token_id=None)
+    dec.sync(device)
+    t = time.perf_counter()
+    results = twin.generate_batch(inputs=prompts, generation_config=cfg)
+    dec.sync(device)
+    wall = time.perf_counter() - t
+    made = sum(len(r.generated_tokens) for r in results.values())
+    return {"wall_s": wall, "gen_tokens": made, "out_tok_s": made / wall}
+
+
+def run(args: argparse.Namespace) -> int:
+    from protocol.config import EngineConfig
+    from workers.engine.engine import Engine
+    from workers.engine.kv_cache import dtype_name
+    from workers.engine.models import load_model
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    prov = provenance.collect([str(device)])
+    t0 = time.monotonic()
+    loaded = load_model(args.model, None, str(device))
+    model = loaded.model
+    dtype = next(model.parameters()).dtype
+    twin = hf_twin(model) if args.peer else None
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    base = EngineConfig()
+    arms = {n: _scheduler_for(n, base.chunk_tokens) for n in names}
+    widest = max(c for _, c in arms.values())
+    engine = Engine(EngineConfig(model=loaded.name, device=str(device), dtype=dtype_name(dtype), prefix_cache=False,
+                                 kv_memory_gb=args.kv_memory_gb,
+                                 mixed_graph_tokens=max(base.mixed_graph_tokens, widest + base.max_num_seqs)),
+                    loaded=loaded)
+    warmup_s = engine.warmup()
+    lo, hi = parse_counts(args.min_len)[0], parse_counts(args.max_len)[0]
+    prompts = mx.offline_prompts(args.prompts, lo, hi, engine.vocab_size, args.seed)
+    lengths = [len(p) for p in prompts]
+    engine.generate(prompts[:4], None)  # compiles and lazy starts outside the timed runs
+
+    runs: dict[str, list[dict]] = {n: [] for n in names + (["transformers"] if args.peer else [])}
+    order = random.Random(args.seed)
+    for rnd in range(args.rounds):
+        arms_now = list(runs)
+        order.shuffle(arms_now)
+        for name in arms_now:
+            print(f"round {rnd + 1}: {name}", flush=True)
+            if name == "transformers":
+                try:
+                    runs[name].append(hf_peer(twin, prompts, args.out_tokens, device))
+                except Exception as e:  # the peer's failure is reported, not ours to hide or to die of
+                    runs[name].append({"error": f"{type(e).__name__}: {e}"})
+                continue
+            engine.scheduler.chunked, engine.scheduler.chunk_tokens = arms[name]
+            runs[name].append(mx.offline_run(engine, prompts, args.out_tokens, device))
+    engine.scheduler.chunked, engine.scheduler.chunk_tokens = True, base.chunk_tokens
+
+    mean_len = round(statistics.mean(lengths))
+    speed = mx.prefill_speed(engine, mean_len, 5, device, args.seed + 1)
+    weights = dec.weight_bytes(model)["read_per_step"]
+    bpt = kv_bytes_per_token(model, dtype)
+    copy = dec.copy_roofline([1 << 32], device, 2, 5)[1 << 32]
+    copy_bps = (1 << 32) / (copy["median"] / 1e3)
+    prefill_floor = speed["s_per_token"] * sum(lengths)
+    decode_floor = mx.decode_floor_s(lengths, args.out_tokens, base.max_num_seqs, weights, bpt, copy_bps)
+    floor = prefill_floor + decode_floor
+
+    def wall(name: str) -> float | None:
+        good = [r["wall_s"] for r in runs.get(name, []) if "wall_s" in r]
+        return statistics.median(good) if good else None
+
+    table = {n: {"wall_s": wall(n), "over_floor": wall(n) / floor if wall(n) else None, "runs": runs[n]} for n in runs}
+    peer = wall("transformers")
+    for n in names:
+        table[n]["over_transformers"] = wall(n) / peer if peer else None
+    default_name = names[0]
+    result = {
+        "benchmark": "offline",
+        "provenance": provenance.finish(prov),
+        "config": {"model": loaded.name, "dtype": str(dtype).removeprefix("torch."), "prompts": args.prompts,
+                   "prompt_tokens": sum(lengths), "min_len": lo, "max_len": hi, "out_tokens": args.out_tokens,
+                   "rounds": args.rounds, "seed": args.seed, "configs": {n: {"chunked": c, "chunk_tokens": t}
+                                                                       for n, (c, t) in arms.items()},
+                   "warmup_s": warmup_s, "run_s": round(time.monotonic() - t0, 1)},
+        "floor": {"s": floor, "prefill_s": prefill_floor, "decode_s": decode_floor, "prefill_speed": speed,
+                  "copy_gbps": copy_bps / 1e9, "weight_bytes_per_step": weights, "kv_bytes_per_token": bpt,
+                  "method": "prompt tokens x s/token of whole unchunked prompts of the mean length, plus the "
+                            "decode steps of batches of max_num_seqs at weights + KV bytes over the copy speed"},
+        "arms": table,
+        "targets": {"default_within_1_4x_floor": {
+            "target": f"the {default_name} config's wall time <= {FLOOR_LIMIT}x its floor",
+            "measured": table[default_name]["over_floor"],
+            "met": None if table[default_name]["over_floor"] is None else table[default_name]["over_floor"] <= FLOOR_LIMIT}},
+    }
+    out = Path(args.out) if args.out else RESULTS_DIR / f"offline-{machine_slug(device)}-{datetime.date.today().isoformat()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"offline: {args.prompts} prompts ({sum(lengths)} tokens) x {args.out_tokens} out; floor {floor:.2f} s "
+          f"(prefill {prefill_floor:.2f} + decode {decode_floor:.2f})")
+    print("| arm | wall s | / floor | / transformers |\n|---|---|---|---|")
+    for n, row in table.items():
+        f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        print(f"| {n} | {f(row['wall_s'])} | {f(row['over_floor'])} | {f(row.get('over_transformers'))} |")
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,122 @@
+"""A step's inputs, built on the host with NumPy: token ids, positions, the pool rows their K/V
+go to, block tables, the rows whose logits are kept.
+
+Per-step host work must not grow with the contexts' length: a request's block list is mirrored
+once in a NumPy row (`block_row`), extended in place as the request gains blocks, so a block
+table of 32 requests at 16k context (32 x 1024 ids) is 32 slice copies, not 32k Python ints
+turned into a tensor every step.
+
+Rows of a step come in the order attention.py expects: decode rows first, then prompt chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from workers.engine.request import Request
+
+
+class _Row:
+    """NumPy copy of one block list (the list object itself is kept to tell when it is replaced)."""
+
+    __slots__ = ("src", "arr", "n")
+
+    def __init__(self, ids: list[int]):
+        self.src = ids
+        self.arr = np.empty(max(16, 2 * len(ids)), dtype=np.int64)
+        self.arr[:len(ids)] = ids
+        self.n = len(ids)
+
+    def extend(self) -> None:
+        ids = self.src
+        if len(ids) > len(self.arr):
+            grown = np.empty(2 * len(ids), dtype=np.int64)
+            grown[:self.n] = self.arr[:self.n]
+            self.arr = grown
+        self.arr[self.n:len(ids)] = ids[self.n:]
+        self.n = len(ids)
+
+
+def block_row(req: Request) -> np.ndarray:
+    """req.block_ids as int64, from its mirror (block lists only grow at the end or are replaced)."""
+    row = req.table_row
+    ids = req.block_ids
+    if row is None or row.src is not ids or row.n > len(ids):
+        row = req.table_row = _Row(ids)
+    elif row.n < len(ids):
+        row.extend()
+    return row.arr[:row.n]
+
+
+def block_table(reqs: list[Request], width: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """[len(reqs), width] int64 block ids, zero padded (width: the longest list)."""
+    rows = [block_row(r) for r in reqs]
+    width = width or max(len(r) for r in rows)
+    if out is None:
+        out = np.zeros((len(reqs), width), dtype=np.int64)
+    else:
+        out[:len(reqs), :width] = 0
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def slots(blocks_at: np.ndarray, positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of K and V for the given positions in a layer viewed as [blocks * 2 * block_size, heads, dim]."""
+    k = blocks_at * (2 * block_size) + positions % block_size
+    return k, k + block_size
+
+
+@dataclass
+class StepInputs:
+    """A step of decodes and prompt chunks, as attention.py's StepState and the forward want it."""
+    ids: np.ndarray  # [T] token ids
+    positions: np.ndarray  # [T]
+    k_slots: np.ndarray  # [T]
+    v_slots: np.ndarray  # [T]
+    keep: np.ndarray  # [K] rows whose logits are returned: requests reaching num_tokens, in work order
+    decodes: list[Request]  # rows [0, len(decodes))
+    ctx_lens: list[int]  # decode rows' keys, their new token included
+    fresh: list[tuple[int, int]] = field(default_factory=list)  # (start, end) rows of chunks from position 0
+    prefix: list[tuple[int, int, int, int]] = field(default_factory=list)  # (seq, first row, tokens, first position)
+    prefix_reqs: list[Request] = field(default_factory=list)
+    last_row: dict[int, int] = field(default_factory=dict)  # id(request) -> its last row
+
+
+def build(work: list[tuple[Request, int]], block_size: int) -> StepInputs:
+    """The inputs of one forward over `work` ((request, n): positions [num_computed, num_computed + n))."""
+    bs = block_size
+    decodes = [r for r, n in work if n == 1 and r.num_computed]
+    chunks = [(r, n) for r, n in work if not (n == 1 and r.num_computed)]
+    nd = len(decodes)
+    total = nd + sum(n for _, n in chunks)
+    ids = np.empty(total, dtype=np.int64)
+    pos = np.empty(total, dtype=np.int64)
+    blocks_at = np.empty(total, dtype=np.int64)
+    last: dict[int, int] = {}
+    for i, r in enumerate(decodes):
+        p = r.num_computed
+        ids[i], pos[i] = r.token_at(p), p
+        blocks_at[i] = block_row(r)[p // bs]
+        last[id(r)] = i
+    inp = StepInputs(ids, pos, blocks_at, blocks_at, np.empty(0, dtype=np.int64), decodes,
+                     [r.num_computed + 1 for r in decodes])
+    row = nd
+    for r, n in chunks:
+        a = r.num_computed
+        ids[row:row + n] = r.tokens(a, a + n)
+        pos[row:row + n] = np.arange(a, a + n)
+        blocks_at[row:row + n] = block_row(r)[pos[row:row + n] // bs]
+        if a == 0:
+            inp.fresh.append((row, row + n))
+        else:
+            inp.prefix.append((len(inp.prefix_reqs), row, n, a))
+            inp.prefix_reqs.append(r)
+        row += n
+        last[id(r)] = row - 1
+    inp.k_slots, inp.v_slots = slots(blocks_at, pos, bs)
+    inp.keep = np.array([last[id(r)] for r, n in work if r.num_computed + n == r.num_tokens], dtype=np.int64)
+    inp.last_row = last
+    return inp
