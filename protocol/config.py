@@ -39,6 +39,9 @@ class EngineConfig:
     # a step carries every running decode plus up to chunk_tokens prompt tokens
     chunked_prefill: bool = flag(True, "prefill whole prompts in steps of their own (running requests wait for them)")
     chunk_tokens: int = flag(512, "prompt tokens per step; each step also carries every running request's next token")
+    # a prompt token at position p counts 1 + p / chunk_attention_tokens against chunk_tokens (scheduler.py);
+    # 0: every token counts 1
+    chunk_attention_tokens: int = 16384
     prefix_cache: bool = flag(True, "recompute every prompt in full (default: reuse the KV of full blocks a "
                               "previous prompt began with)")  # prefix_cache.py; host and disk tiers: kv_tiers/
     host_cache_gb: float = flag(0.0, "host memory (pinned on CUDA) that keeps the KV of finished requests' blocks "
@@ -56,6 +59,9 @@ class EngineConfig:
     compile: bool = flag(True, "CUDA: run decoder layers eagerly (no torch.compile, no fused Q/K/V)")
     fuse_qkv: bool = True  # CUDA: one Q/K/V projection instead of three (fusion.py)
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
+    # steps with prompt tokens, up to this many tokens in all, run piecewise (workers/engine/graphs.py,
+    # MixedGraphs: CUDA graphs between the attention calls); longer ones eagerly; 0: always eagerly
+    mixed_graph_tokens: int = 1024
     # torch's thread count is the process's: the worker CLI sets it before the engine loads
     threads: int | None = flag(None, "CPU threads for torch (default: torch's choice)")
 
