@@ -12,5 +12,6 @@ the worker side (a test holds it to that, tests/test_walls.py).
     flags.py     argparse options derived from a config dataclass, and the config built back from them
     auth.py      the deployment's CURVE keys (every control and KV socket)
     models.py    the model names and where their files and tokenizers live
+    shm.py       the /dev/shm files of KV pools on the CPU: their names, private creation, safe sweep
     cli.py       command-line conventions of pdserve and pdserve-worker (help, --config, logging, exit)
 """

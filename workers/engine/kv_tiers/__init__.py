@@ -10,7 +10,8 @@ One concept per module (each docstring lists its primitives):
     host.py    HostTier: the slot memory and its bookkeeping (LRU, spill to disk, discard, stats)
     copies.py  the copies between GPU blocks and host slots (staging, streams, runs; CUDA)
     load.py    LoadHandle, and the load path that spans the host and disk tiers
-    disk.py    DiskTier: files per batch (model, layout, per-block crc), restart-safe, LRU by file
+    disk.py    DiskTier: files per batch (model, layout, per-block keyed MAC), restart-safe, LRU by file
+    files.py   the disk tier's files kept private and checked: folder, regular files, key, MAC, deadlines
     cost.py    CostModel: reload or recompute (torch-free)
     stats.py   TierStats: the counters each tier reports
 This file imports nothing, so that cost.py and stats.py load without torch.
