@@ -38,7 +38,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.timings import Timings
-from server import schemas as S
+from server import responses, schemas as S
+from server.body import parse_body
 from server.admission import AdmittedStream, workers_pace
 from server.config import RouterConfig
 from server.dispatch import Dispatcher, Done, Job, Token, fan_out
@@ -71,7 +72,7 @@ class Router:
         self.pool = WorkerPool(cfg, self.metrics)
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
         self.planner = Planner(cfg, self.pool, self.dispatcher.admission, self.metrics)
-        self.created = S.now_s()
+        self.created = responses.now_s()
         self._work = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="parse")
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (at most the vocabulary)
         self.bodies = BodyBudget(cfg)
@@ -163,8 +164,8 @@ class Router:
         self.require_key(http)
         cls = S.ChatRequest if kind == "chat" else S.CompletionRequest
         raw = await self.read_body(http)
-        req = await self._off_loop(lambda body: S.parse_body(body, cls), raw, len(raw), LONG_BODY_BYTES)
-        rid = S.new_id(kind)
+        req = await self._off_loop(lambda body: parse_body(body, cls), raw, len(raw), LONG_BODY_BYTES)
+        rid = responses.new_id(kind)
         http.state.request_id = rid  # the response's x-request-id (server/request_id.py)
         job = await self.prepare(kind, req, rid, clock)
         plans = self.planner.plan_all(fan_out(job, req.n))
@@ -198,18 +199,18 @@ class Router:
         if work.cancelled():
             return Response(status_code=499)
         work.result()  # raises the request's APIError, if any
-        return JSONResponse(S.response_body(
-            kind, req.response_id(rid), S.now_s(), self.cfg.served_name, [c.body() for c in choices], len(job.prompt_ids),
-            sum(len(d.token_ids) for d in dones), dones[0].timings))
+        return JSONResponse(responses.response_body(
+            kind, req.response_id(rid), responses.now_s(), self.cfg.served_name, [c.body() for c in choices],
+            len(job.prompt_ids), sum(len(d.token_ids) for d in dones), dones[0].timings))
 
-    def _choices(self, kind: str, req: S.CompletionRequest | S.ChatRequest, job: Job) -> list[S.ChoiceBuilder]:
+    def _choices(self, kind: str, req: S.CompletionRequest | S.ChatRequest, job: Job) -> list[responses.ChoiceBuilder]:
         """One builder per choice: logprobs if asked, the prompt's text first if echoed (completions)."""
         logprobs = job.sampling.logprobs is not None
         echo = None
         if kind != "chat" and req.echo:
             prompt = req.prompt_input()
             echo = prompt if isinstance(prompt, str) else self.encoder.decode(job.prompt_ids)
-        return [S.ChoiceBuilder(kind, i, self._token_text, logprobs, req.return_token_ids, echo, job.prompt_ids)
+        return [responses.ChoiceBuilder(kind, i, self._token_text, logprobs, req.return_token_ids, echo, job.prompt_ids)
                 for i in range(req.n)]
 
     def _token_text(self, token_id: int) -> str:
@@ -220,8 +221,8 @@ class Router:
         return text
 
     async def _sse(self, kind: str, job: Job, plans: list, req: S.CompletionRequest | S.ChatRequest,
-                   choices: list[S.ChoiceBuilder]):
-        rid, created, model = req.response_id(job.request_id), S.now_s(), self.cfg.served_name
+                   choices: list[responses.ChoiceBuilder]):
+        rid, created, model = req.response_id(job.request_id), responses.now_s(), self.cfg.served_name
         # OpenAI's include_usage: every event says "usage": null, and a last one (empty choices) the usage;
         # vLLM's continuous_usage_stats: every event carries the usage so far
         usage_event = req.stream_options is not None and req.stream_options.usage_event()
@@ -239,17 +240,17 @@ class Router:
                     if event.last:  # the Done follows at once: one final event carries both
                         held[i] = (text, [event.token_id])
                     else:
-                        body = S.chunk_body(kind, rid, created, model, c.delta(text, [event.token_id]),
+                        body = responses.chunk_body(kind, rid, created, model, c.delta(text, [event.token_id]),
                                             null_usage=usage_event)
                         if continuous:
-                            body["usage"] = S.usage(len(job.prompt_ids), generated)
+                            body["usage"] = responses.usage(len(job.prompt_ids), generated)
                         yield _event(body)
                     continue
                 text, ids = held.pop(i, ("", []))
-                body = S.chunk_body(kind, rid, created, model, c.delta(text, ids, event.finish_reason),
+                body = responses.chunk_body(kind, rid, created, model, c.delta(text, ids, event.finish_reason),
                                     null_usage=usage_event)
                 if continuous:
-                    body["usage"] = S.usage(len(job.prompt_ids), generated)
+                    body["usage"] = responses.usage(len(job.prompt_ids), generated)
                 completion_tokens += len(event.token_ids)
                 timings = event.timings if i == 0 else timings
                 left -= 1
@@ -258,9 +259,9 @@ class Router:
                     continue
                 if usage_event:
                     yield _event(body)
-                    body = S.usage_chunk_body(kind, rid, created, model)
+                    body = responses.usage_chunk_body(kind, rid, created, model)
                 # the prompt counted once (and its cached tokens: choice 0's)
-                body["usage"] = S.usage(len(job.prompt_ids), completion_tokens, timings.cached_tokens)
+                body["usage"] = responses.usage(len(job.prompt_ids), completion_tokens, timings.cached_tokens)
                 body["timings"] = timings.to_dict()
                 yield _event(body)
         except APIError as e:
@@ -277,7 +278,7 @@ class Router:
     async def tokenize(self, http: Request) -> JSONResponse:
         self.require_key(http)
         raw = await self.read_body(http)
-        req = await self._off_loop(lambda body: S.parse_body(body, S.TokenizeRequest), raw, len(raw), LONG_BODY_BYTES)
+        req = await self._off_loop(lambda body: parse_body(body, S.TokenizeRequest), raw, len(raw), LONG_BODY_BYTES)
         self._check_model(req.model)
         prompt = req.prompt_input()
         context = self.pool.max_model_len()
@@ -290,12 +291,12 @@ class Router:
             ids = await self._off_loop(lambda m: self.encoder.chat(m, req.add_generation_prompt), prompt,
                                        chars + MESSAGE_CHARS * len(prompt))
         strs = self.encoder.token_strs(ids) if req.return_token_strs else None
-        return JSONResponse(S.tokenize_body(ids, context, strs))
+        return JSONResponse(responses.tokenize_body(ids, context, strs))
 
     async def detokenize(self, http: Request) -> JSONResponse:
         self.require_key(http)
         raw = await self.read_body(http)
-        req = await self._off_loop(lambda body: S.parse_body(body, S.DetokenizeRequest), raw, len(raw),
+        req = await self._off_loop(lambda body: parse_body(body, S.DetokenizeRequest), raw, len(raw),
                                    LONG_BODY_BYTES)
         self._check_model(req.model)
         ids = req.check()
@@ -432,13 +433,13 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         router.require_key(request)
-        return S.models_body(cfg.served_name, router.created, router.pool.max_model_len())
+        return responses.models_body(cfg.served_name, router.created, router.pool.max_model_len())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
         router.require_key(request)
         router._check_model(model_id)
-        return S.model_card(cfg.served_name, router.created, router.pool.max_model_len())
+        return responses.model_card(cfg.served_name, router.created, router.pool.max_model_len())
 
     @app.post("/tokenize", openapi_extra=tokenize_body)
     async def tokenize(request: Request):
@@ -454,7 +455,8 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
         return {"version": _version()}
 
     @app.get("/docs", include_in_schema=False)
-    async def docs():  # static text about the API, nothing of this deployment's: no key needed
+    async def docs(request: Request):  # behind the key, as /openapi.json
+        router.require_key(request)
         return HTMLResponse(docs_page("pdserve", _version(), {"/v1/completions": S.CompletionRequest,
                                                               "/v1/chat/completions": S.ChatRequest}))
 

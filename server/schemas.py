@@ -1,17 +1,15 @@
-"""The OpenAI-compatible API's shapes: request bodies (pydantic, strict types) and response bodies.
+"""The OpenAI-compatible API's request bodies (pydantic, strict types); server/body.py parses and checks a
+body before it gets here, server/responses.py shapes the answers.
 
 Request models convert themselves: `.sampling(...)` gives the wire Sampling, `.prompt_input()`
 the text, token ids or chat messages to tokenize. Bad input raises APIError (400) naming the field.
 
-Hostile input is refused before it costs anything: the body parses with NaN/Infinity refused and
-nesting at most MAX_JSON_DEPTH deep; every string (keys too) must be valid Unicode (a lone
-surrogate such as \\ud800 cannot be tokenized or encoded); at most MAX_MESSAGES chat messages;
-every number inside the control protocol's bounds (protocol/sampling.py defines them once, for this
+Every number is inside the control protocol's bounds (protocol/sampling.py defines them once, for this
 API, the wire and the engine: seed 0..2**63-1, temperature 0..2, penalties, top_k and max_tokens below
 2**31, at most 16 stop strings of 4096 characters, 20 top logprobs), so nothing reaches msgpack or
 torch that they would fail on; a temperature under MIN_TEMPERATURE samples greedily.
-pdserve extensions: `policy` (colocated | disaggregated | auto), `top_k`, `ignore_eos`,
-`return_token_ids`; vLLM's `repetition_penalty`, `min_tokens`, `stop_token_ids`. Sampling defaults to
+pdserve's own field: `policy` (colocated | disaggregated | auto); the others are OpenAI's and vLLM's
+(server/fields.py says which, and what each does here). Sampling defaults to
 greedy (temperature 0) unless the request says otherwise. `n` > 1: choice i samples with seed + i
 when a seed is given.
 
@@ -23,164 +21,21 @@ field OpenAI or vLLM defines that pdserve does not implement (server/fields.py, 
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import time
-import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from server.errors import APIError, bad_request
-from server.fields import neutral_values, reason
-from protocol import control as P
+from server.body import show
+from server.errors import bad_request
 from protocol.enums import POLICIES
-from protocol.timings import Timings
-from protocol.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidSampling,
-                               Sampling)
+from protocol.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                               InvalidSampling, Sampling)
 from protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
 
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's legacy bound); chat's top_logprobs: MAX_LOGPROBS
-MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) is 5 levels
-MAX_MESSAGES = 2048  # chat messages per request (OpenAI's own cap)
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
-    try:
-        data = json.loads(raw)  # NaN and Infinity parse; check_tree refuses them, naming the field
-    except RecursionError:  # the C parser nests the stack once per level: refuse, do not crash
-        field = _deep_field(raw)
-        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
-                          + (f" (in `{field}`)" if field else ""), field, "invalid_json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON ({e}); send a JSON object, "
-                          f"e.g. {{\"prompt\": \"Hello\", \"max_tokens\": 16}}", code="invalid_json")
-    if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    check_tree(data)
-    refuse_unsupported(data, model_cls)
-    messages = data.get("messages")
-    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
-        raise bad_request(f"`messages` holds {len(messages)} messages; at most {MAX_MESSAGES} per request",
-                          "messages", "too_many_messages")
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        raise _validation_error(e) from None
-
-
-def refuse_unsupported(data: dict, model_cls: type[BaseModel]) -> None:
-    """Refuse, naming it, a field this endpoint does not implement (server/fields.py); drop it when it
-    holds a neutral value (or null: clients send null for "not set")."""
-    kind = getattr(model_cls, "endpoint", None)
-    table = neutral_values(kind) if kind else {}
-    for name in [k for k in data if k in table and k not in model_cls.model_fields]:
-        value, neutral = data[name], table[name]
-        if value is None or any(_same(value, v) for v in neutral):
-            del data[name]
-            continue
-        hint = f"leave it out or set it to {json.dumps(neutral[0])}" if neutral else "leave it out"
-        why = reason(kind, name)
-        raise bad_request(f"`{name}` is not supported by pdserve{f' ({why})' if why else ''}, got {_show(value)}; "
-                          f"{hint}", name, "unsupported_field")
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    """Equal and of the same JSON type (false is not 0 here: `logprobs: 0` asks for logprobs)."""
-    def kind(v):
-        return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v)
-    return kind(value) == kind(neutral) and value == neutral
-
-
-def check_tree(data: dict) -> None:
-    """Nesting depth, valid Unicode and finite numbers everywhere, without recursion (the depth is what
-    is checked)."""
-    stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at `{_dotted(path)}`)",
-                              _dotted(path[:1]), "invalid_json")
-        if isinstance(value, dict):
-            for k, v in value.items():
-                _check_text(k, path + (k,))
-                if isinstance(v, (dict, list, str, float)):
-                    stack.append((v, path + (k,), depth + 1))
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                if isinstance(v, (dict, list, str, float)):
-                    stack.append((v, path + (i,), depth + 1))
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                where = _dotted(path)
-                raise bad_request(f"`{where}` is {value}, which is not JSON; send a finite number", where,
-                                  "invalid_json")
-        else:
-            _check_text(value, path)
-
-
-def _check_text(text: str, path: tuple) -> None:
-    bad = _SURROGATE.search(text)
-    if bad is not None:
-        where = _dotted(path)
-        raise bad_request(f"`{where}` holds a lone surrogate (\\u{ord(bad.group()):04x} at character {bad.start()}), "
-                          f"which is not valid Unicode text; send UTF-8 text", where, "invalid_text")
-
-
-def _dotted(path: tuple) -> str:
-    """The field's path, printable: a surrogate in a key is shown escaped (the error must encode as UTF-8)."""
-    return ".".join(str(p) for p in path).encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
-
-
-def _deep_field(raw: bytes) -> str | None:
-    """The top-level field whose value nests too deep for the parser, found without parsing (strings are
-    one token each, so this walks only brackets until the depth is passed)."""
-    depth, key, last = 0, None, None
-    for m in _JSON_TOKEN.finditer(raw):
-        t = m.group()
-        if t in (b"[", b"{"):
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                return key
-        elif t in (b"]", b"}"):
-            depth -= 1
-        elif t == b":":
-            if depth == 1 and last is not None:
-                key = last
-        else:
-            last = t[1:-1].decode("utf-8", "replace") if depth == 1 else None
-    return key
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS)))
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "missing":
-        return bad_request(f"`{param}` is required", param=param, code="missing_field")
-    if err["type"] == "extra_forbidden":
-        return bad_request(f"`{param}` is not a field pdserve knows, so it is not supported; leave it out (the "
-                           f"fields each endpoint takes: docs/api.md, or GET /openapi.json)",
-                           param=param, code="unsupported_field")
-    if err["type"] == "value_error":
-        return bad_request(msg, param=param)
-    given = err.get("input")
-    return bad_request(f"`{param}`: {msg[0].lower() + msg[1:]}, got {_show(given)}", param=param, code="invalid_type")
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-before", "literal"}
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class StreamOptions(BaseModel):
@@ -250,7 +105,7 @@ class _Common(BaseModel):
             return v
         if isinstance(v, list) and all(isinstance(s, str) for s in v):
             return v
-        raise ValueError(f"`stop` must be a string or a list of strings, got {_show(v)}")
+        raise ValueError(f"`stop` must be a string or a list of strings, got {show(v)}")
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -269,7 +124,7 @@ class _Common(BaseModel):
             self.top_k = 0
         if self.request_id is not None and not _REQUEST_ID.fullmatch(self.request_id):
             raise bad_request(f"`request_id` must be 1 to 128 characters of A-Z a-z 0-9 . _ : -, got "
-                              f"{_show(self.request_id)}", "request_id")
+                              f"{show(self.request_id)}", "request_id")
         if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
                                                             or self.truncate_prompt_tokens == -1):
             raise bad_request(f"`truncate_prompt_tokens` must be at least 1 (or -1: the context), got "
@@ -305,7 +160,7 @@ class _Common(BaseModel):
         encoder.check_ids(list(self.allowed_token_ids or []), "allowed_token_ids")
         bias = self.logit_bias or {}
         if any(not k.isdigit() for k in bias):
-            raise bad_request(f"`logit_bias` keys must be token ids (digits), got {_show(list(bias))}", "logit_bias")
+            raise bad_request(f"`logit_bias` keys must be token ids (digits), got {show(list(bias))}", "logit_bias")
         encoder.check_ids([int(k) for k in bias], "logit_bias")
         words = []
         for w in self.bad_words or []:  # as written and after a space: the two spellings a word takes in text
@@ -387,7 +242,7 @@ class CompletionRequest(_Common):
         if isinstance(p, list) and all(isinstance(t, (str, list)) for t in p):
             raise bad_request(f"`prompt` holds {len(p)} prompts; pdserve takes one prompt per request "
                               f"(send them as separate requests)", "prompt")
-        raise bad_request(f"`prompt` must be a string or a list of token ids, got {_show(p)}", "prompt",
+        raise bad_request(f"`prompt` must be a string or a list of token ids, got {show(p)}", "prompt",
                           "invalid_type")
 
 
@@ -405,7 +260,7 @@ class ChatMessage(BaseModel):
                                        and isinstance(part.get("text"), str) for part in c):
             return "".join(part["text"] for part in c)
         raise bad_request(f"`messages.{index}.content` must be a string or a list of "
-                          f"{{\"type\": \"text\", \"text\": ...}} parts, got {_show(c)}",
+                          f"{{\"type\": \"text\", \"text\": ...}} parts, got {show(c)}",
                           f"messages.{index}.content", "invalid_type")
 
 
@@ -498,158 +353,3 @@ def openapi_body(model_cls: type[BaseModel]) -> tuple[dict, dict]:
     ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
     body = {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
     return body, {model_cls.__name__: schema, **defs}
-
-
-# ---- responses -----------------------------------------------------------------------------------
-
-
-def new_id(kind: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens is not None:  # OpenAI's field: prompt tokens whose KV was reused, not computed
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
-
-
-def choice_body(kind: str, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
-                token_ids: list[int] | None = None, delta: bool = False, first: bool = False) -> dict:
-    """One choice of a response (delta: of a stream event; first: its first event carries the role)."""
-    if kind == "chat" and delta:
-        choice = {"index": index, "delta": {"role": "assistant", "content": text} if first else {"content": text}}
-    elif kind == "chat":
-        choice = {"index": index, "message": {"role": "assistant", "content": text}}
-    else:
-        choice = {"index": index, "text": text}
-    choice["logprobs"] = logprobs
-    choice["finish_reason"] = finish_reason
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def response_body(kind: str, rid: str, created: int, model: str, choices: list[dict], prompt_tokens: int,
-                  completion_tokens: int, timings: Timings) -> dict:
-    """completion_tokens: of every choice together (the prompt counts once, as OpenAI counts it)."""
-    obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, timings.cached_tokens), "timings": timings.to_dict()}
-
-
-def chunk_body(kind: str, rid: str, created: int, model: str, choice: dict, null_usage: bool = False) -> dict:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if null_usage:  # stream_options.include_usage: the usage comes in its own last event
-        body["usage"] = None
-    return body
-
-
-class LogprobsBuilder:
-    """One choice's `logprobs`, as OpenAI shapes them, built token by token (a stream's events each take
-    the part since the last one): chat `{"content": [{token, logprob, bytes, top_logprobs}]}`;
-    completions (legacy) `{tokens, token_logprobs, top_logprobs, text_offset}`, where a prompt's first
-    token (echo) has null logprobs and each top_logprobs dict holds the chosen token too (as vLLM's).
-    `text_of(id)`: a token's text."""
-
-    def __init__(self, kind: str, text_of):
-        self.kind, self.text_of = kind, text_of
-        self.offset = 0  # completions: characters of the choice's text so far
-        self.parts: list = []
-
-    def add(self, token_id: int, lp: P.TokenLogprobs | None) -> None:
-        text = self.text_of(token_id)
-        if self.kind == "chat":
-            self.parts.append({**self._entry(text, lp.logprob),
-                               "top_logprobs": [self._entry(self.text_of(i), v)
-                                                for i, v in zip(lp.top_ids, lp.top_logprobs)]})
-        else:
-            top = None
-            if lp is not None:
-                top = {self.text_of(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
-                top.setdefault(text, lp.logprob)
-            self.parts.append((text, None if lp is None else lp.logprob, top, self.offset))
-            self.offset += len(text)
-
-    def take(self) -> dict | None:
-        """What was added since the last take, shaped; None if nothing."""
-        parts, self.parts = self.parts, []
-        if not parts:
-            return None
-        if self.kind == "chat":
-            return {"content": parts}
-        return {"tokens": [p[0] for p in parts], "token_logprobs": [p[1] for p in parts],
-                "top_logprobs": [p[2] for p in parts], "text_offset": [p[3] for p in parts]}
-
-    @staticmethod
-    def _entry(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-
-class ChoiceBuilder:
-    """One choice of a response, from its tokens as they come: the whole choice (`body`) or a stream
-    event's part (`delta`). `echo`: the prompt's text, put before the completion; with logprobs the
-    prompt's tokens come first in them (the first one's logprob null: nothing predicts it)."""
-
-    def __init__(self, kind: str, index: int, text_of, logprobs: bool, with_ids: bool,
-                 echo: str | None = None, prompt_ids: list[int] | None = None):
-        self.kind, self.index, self.with_ids = kind, index, with_ids
-        self.lp = LogprobsBuilder(kind, text_of) if logprobs else None
-        self.echo, self.prompt_ids = echo, prompt_ids
-        self.text: list[str] = []
-        self.token_ids: list[int] = []  # generated (the prompt's are not counted)
-        self.first = True
-        self.finish_reason: str | None = None
-
-    def add(self, token_id: int, text: str, logprobs: P.TokenLogprobs | None,
-            prompt_logprobs: list[P.TokenLogprobs] | None) -> str:
-        """The text this token brings (the echoed prompt first, with token 1)."""
-        lead = ""
-        if not self.token_ids and self.echo is not None:
-            lead = self.echo
-            if self.lp is not None:
-                known = prompt_logprobs or []  # one per prompt token after the first
-                for i, t in enumerate(self.prompt_ids):
-                    self.lp.add(t, known[i - 1] if 0 < i <= len(known) else None)
-        self.token_ids.append(token_id)
-        if self.lp is not None:
-            self.lp.add(token_id, logprobs)
-        self.text.append(lead + text)
-        return lead + text
-
-    def body(self) -> dict:
-        return choice_body(self.kind, self.index, "".join(self.text), self.finish_reason,
-                           self.lp.take() if self.lp else None, self.token_ids if self.with_ids else None)
-
-    def delta(self, text: str, token_ids: list[int], finish_reason: str | None = None) -> dict:
-        first, self.first = self.first, False
-        return choice_body(self.kind, self.index, text, finish_reason, self.lp.take() if self.lp else None,
-                           token_ids if self.with_ids else None, delta=True, first=first)
-
-
-def usage_chunk_body(kind: str, rid: str, created: int, model: str) -> dict:
-    """include_usage's last event before [DONE]: no choices; the caller adds `usage` (and `timings`)."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
-
-
-def model_card(model: str, created: int, max_model_len: int | None) -> dict:
-    card = {"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
-    if max_model_len is not None:
-        card["max_model_len"] = max_model_len  # vLLM's extension: the context, in tokens
-    return card
-
-
-def models_body(model: str, created: int, max_model_len: int | None = None) -> dict:
-    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
-
-
-def tokenize_body(ids: list[int], max_model_len: int | None, token_strs: list[str] | None) -> dict:
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
-
-
-def now_s() -> int:
-    return int(time.time())

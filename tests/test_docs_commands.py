@@ -82,7 +82,10 @@ def parse_ours(words: list[str], tmp: Path) -> None:
         parser.parse_args(args[1:] if args[:1] == ["router"] else args)
     elif name == "pdserve-worker":
         from workers import cli
-        (cli.generate_parser().parse_args(args[1:]) if args[:1] == ["generate"] else cli.serve_parser().parse_args(args))
+        if args[:1] == ["generate"]:
+            cli.generate_parser().parse_args(args[1:])
+        else:
+            cli.serve_parser().parse_args(args)
     elif name == "pdserve-client":
         from client import cli
         cli.build_parser().parse_args(args)
@@ -177,3 +180,20 @@ def test_the_readme_is_short_and_links_every_page():
     assert len(text.splitlines()) < 200
     for page in (ROOT / "docs").glob("*.md"):
         assert f"](docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
+
+
+def test_every_table_in_the_docs_and_results_is_well_formed():
+    """A table whose delimiter row has fewer cells than its header renders as raw text."""
+    files = [*PAGES, *sorted((ROOT / "bench" / "results").rglob("*.md"))]
+    bad = []
+    for path in files:
+        rows: list[list[str]] = []
+        for line in path.read_text().splitlines() + [""]:
+            if line.startswith("|"):
+                rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))])
+                continue
+            if rows and (len(rows) < 2 or any(len(r) != len(rows[0]) for r in rows)
+                         or not all(re.fullmatch(r":?-+:?", c) for c in rows[1])):
+                bad.append(f"{path.relative_to(ROOT)}: the table headed {' | '.join(rows[0])[:80]!r}")
+            rows = []
+    assert not bad, "\n".join(bad)

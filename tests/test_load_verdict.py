@@ -19,7 +19,8 @@ def block(arm: str, rate: float, fraction: float, ttft: float, saturated: bool =
     split = dict(SPLIT[arm], ttft=sum(SPLIT[arm].values()), server_ttft=None, first_step=8.0)
     b = {"arm": arm, "policy": arm, "phase": phase, "load_label": f"rate {rate:g}/s", "load_kind": "request rate",
          "request_rate": rate, "completed": 20, "failed": 0, "duration": 10.0, "request_throughput": rate * 0.9,
-         "output_throughput": 100.0, "median_ttft_ms": ttft, "p50_ttft_ms": ttft, "p99_ttft_ms": ttft * 2, "p90_ttft_ms": ttft * 1.5,
+         "output_throughput": 100.0, "median_ttft_ms": ttft, "p50_ttft_ms": ttft, "p99_ttft_ms": ttft * 2,
+         "p90_ttft_ms": ttft * 1.5,
          "median_tpot_ms": 9.0, "p99_tpot_ms": 12.0, "median_itl_ms": 9.0, "p99_itl_ms": 30.0,
          "median_e2el_ms": 900.0, "p99_e2el_ms": 2000.0, "request_goodput": rate * fraction,
          "goodput_fraction": fraction, "goodput_target": 0.9, "meets_goodput_target": fraction >= 0.9,
@@ -50,7 +51,8 @@ def verdict(text: str) -> list[str]:
 def test_the_verdict_says_which_arm_won_where_by_how_much_and_why():
     blocks = [block("colocated", 4, 0.40, 13400.0), block("disaggregated", 4, 0.95, 1700.0),
               block("colocated", 1, 0.95, 900.0), block("disaggregated", 1, 1.0, 600.0)]
-    arms = [{"label": "colocated", "policy": "colocated", "server": {"command": "pdserve"}, "capacity": capacity(1.5, 2)},
+    arms = [{"label": "colocated", "policy": "colocated", "server": {"command": "pdserve"},
+             "capacity": capacity(1.5, 2)},
             {"label": "disaggregated", "policy": "disaggregated", "server": {"command": "pdserve"},
              "capacity": capacity(16, 32)}]
     lines = verdict(markdown(run(blocks, arms)))

@@ -102,7 +102,8 @@ def test_the_table_walked_against_a_live_server(tiny_pdserve, kind):
         r = _send(tiny_pdserve, kind, {f.name: f.probe})
         err = r.json().get("error", {}) if r.status_code == 400 else {}
         if err.get("param") != f.name or "not supported" not in err.get("message", ""):
-            wrong.append(f"{f.name}={f.probe!r}: {f.kind}, expected a 400 naming it, got {r.status_code} {r.text[:200]}")
+            wrong.append(f"{f.name}={f.probe!r}: {f.kind}, expected a 400 naming it, got {r.status_code} "
+                         f"{r.text[:200]}")
     assert not wrong, "the table and the server disagree:\n" + "\n".join(wrong)
 
 
