@@ -80,6 +80,10 @@ def test_a_bad_model_is_one_line_before_any_worker_starts(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(lines) == 1 and words in lines[0], r.stderr
         assert "Traceback" not in r.stderr and "starting" not in r.stderr
+    assert cli.keygen([str(tmp_path / "keys")]) == 0
+    r = run_pdserve("router", "--keys", str(tmp_path / "keys" / "router"), "--model", "llama-3-8b", "--port", "0")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "llama-3-8b" in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
 def test_served_model_name_default_max_tokens_docs_and_the_client(tmp_path):
