@@ -213,3 +213,13 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(tiny_pdserve):
     r = tiny_pdserve.post("/v1/chat/completions", {**body, "stream_options": {"include_usage": False,
                                                                               "continuous_usage_stats": True}})
     assert r.status_code == 400 and "include_usage" in r.json()["error"]["message"]
+
+
+def test_the_new_sampling_fields_give_the_same_tokens_on_both_policies(tiny_pdserve):
+    [paris] = tiny_pdserve.post("/tokenize", {"prompt": " Paris", "add_special_tokens": False}).json()["tokens"]
+    cases = [{"temperature": 1.0, "seed": 3, "min_p": 0.05}, {"allowed_token_ids": [500, 501, 502], "seed": 1,
+                                                             "temperature": 1.0},
+             {"logit_bias": {str(paris): 100}, "bad_words": ["Paris"]}, {"logit_bias": {"777": 5.0}}]
+    for fields in cases:
+        both = [ids_of(complete(tiny_pdserve, policy=p, **fields)) for p in ("colocated", "disaggregated")]
+        assert both[0] == both[1], (fields, both)
