@@ -37,9 +37,6 @@ from server.errors import APIError
 log = logging.getLogger("pdserve.router")
 
 FD_RESERVE = 256  # descriptors kept for everything but HTTP connections: worker sockets, files, pipes
-ACCEPT_BURST = 64  # connections asyncio accepts in one go (the listen backlog) before any is seen; 4x this
-# is kept free too: the connections closed to make room close a loop turn or two later (measured: 1100
-# silent connections under a 1024-descriptor limit peak at 703 open, no accept fails)
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this (uvicorn's default)
 JSON_TYPES = ("application/json",)
 
@@ -186,18 +183,27 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def accept_burst(fd_limit: int) -> int:
+    """The listen backlog, which is also how many connections asyncio accepts in one go before any of
+    them is seen: 64 under a 1024-descriptor limit, 512 from 8192 up."""
+    return max(16, min(512, fd_limit // 16))
+
+
 def connection_cap(wanted: int, fd_limit: int) -> int:
-    return max(8, min(wanted, fd_limit - FD_RESERVE - 4 * ACCEPT_BURST))
+    """4 bursts stay free besides FD_RESERVE: the connections closed to make room close a loop turn or
+    two later (measured: 1100 silent connections under a 1024 limit peak at 700-830 descriptors, none refused)."""
+    return max(8, min(wanted, fd_limit - FD_RESERVE - 4 * accept_burst(fd_limit)))
 
 
 def connection_options(cfg) -> dict:
     """uvicorn.Config's keyword arguments for the guarded HTTP/1.1 protocol."""
-    cap = connection_cap(cfg.max_connections, raise_fd_limit())
+    fd_limit = raise_fd_limit()
+    cap = connection_cap(cfg.max_connections, fd_limit)
     if cap < cfg.max_connections:
         log.warning("--max-connections %d is over what the open-file limit allows; capped at %d",
                     cfg.max_connections, cap)
     return {"http": guarded_protocol(cap, cfg.header_timeout_s), "timeout_keep_alive": KEEP_ALIVE_S,
-            "backlog": ACCEPT_BURST}
+            "backlog": accept_burst(fd_limit)}
 
 
 def guarded_protocol(cap: int, header_timeout_s: float):
