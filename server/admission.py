@@ -146,6 +146,18 @@ class Admission:
             return not self.tickets
 
 
+class Tickets:
+    """The admission tickets of one response's sequences (n > 1), released together."""
+
+    def __init__(self, tickets: list[Ticket]):
+        self.tickets = tickets
+        self.request_id = tickets[0].request_id.rsplit("-", 1)[0] if len(tickets) > 1 else tickets[0].request_id
+
+    def release(self) -> None:
+        for t in self.tickets:
+            t.release()
+
+
 class SendTimeout(Exception):
     """The client stopped reading: a response chunk could not be sent within the send timeout."""
 
@@ -155,7 +167,7 @@ class AdmittedStream(StreamingResponse):
     even if its body generator never started (the client left first), and gives up on a client that
     has not taken a chunk for send_timeout_s (its connection is closed)."""
 
-    def __init__(self, content, ticket: Ticket, send_timeout_s: float, **kw):
+    def __init__(self, content, ticket: Ticket | Tickets, send_timeout_s: float, **kw):
         super().__init__(content, **kw)
         self.ticket = ticket
         self.send_timeout_s = send_timeout_s

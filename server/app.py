@@ -40,12 +40,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from protocol.timings import Timings
 from server import responses, schemas as S
 from server.body import parse_body
-from server.admission import AdmittedStream, workers_pace
+from server.admission import AdmittedStream, Tickets, workers_pace
 from server.config import RouterConfig
 from server.dispatch import Dispatcher, Done, Job, Token, fan_out
 from server.docs_page import page as docs_page
 from server.errors import APIError, bad_request, unknown_model
-from server.guard import BodyBudget, ClientGone, FrontDoor
+from server.guard import BodyBudget, install_front_door
 from server.metrics import CONTENT_TYPE, Metrics
 from server.pool import WorkerPool
 from server.request_id import RequestIdHeader
@@ -169,7 +169,7 @@ class Router:
         http.state.request_id = rid  # the response's x-request-id (server/request_id.py)
         job = await self.prepare(kind, req, rid, clock)
         plans = self.planner.plan_all(fan_out(job, req.n))
-        tickets = _Tickets([p.ticket for p in plans])
+        tickets = Tickets([p.ticket for p in plans])
         choices = self._choices(kind, req, job)
         if req.stream:
             return AdmittedStream(self._sse(kind, job, plans, req, choices), tickets, self.cfg.send_timeout_s,
@@ -345,18 +345,6 @@ class Router:
         return JSONResponse(body, status_code=200 if ok else 503)
 
 
-class _Tickets:
-    """The admission tickets of one response's sequences (n > 1), released together."""
-
-    def __init__(self, tickets: list):
-        self.tickets = tickets
-        self.request_id = tickets[0].request_id.rsplit("-", 1)[0] if len(tickets) > 1 else tickets[0].request_id
-
-    def release(self) -> None:
-        for t in self.tickets:
-            t.release()
-
-
 def _version() -> str:
     try:
         return importlib.metadata.version("pdserve")
@@ -391,7 +379,7 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
     app.add_middleware(RequestIdHeader)
-    app.add_middleware(FrontDoor, cfg=cfg)  # outermost: Host, content type and framing before anything else
+    install_front_door(app, cfg)  # outermost: Host, content type and framing before anything else
     completion_body, completion_schemas = S.openapi_body(S.CompletionRequest)
     chat_body, chat_schemas = S.openapi_body(S.ChatRequest)
     tokenize_body, tokenize_schemas = S.openapi_body(S.TokenizeRequest)
@@ -402,11 +390,6 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, e: APIError):
         return e.response()
-
-    @app.exception_handler(ClientGone)
-    async def _client_gone(request: Request, _e: ClientGone):
-        log.info("%s %s: the client disconnected before its request was read whole", request.method, request.url.path)
-        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):

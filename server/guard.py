@@ -2,6 +2,8 @@
 connection may hold. Nothing on the socket is trusted: not the Host a browser was tricked into
 sending, not a body that never ends, not a connection that never speaks.
 
+    install_front_door(app, cfg)   FrontDoor below as the app's outermost middleware, and a client that
+                                   leaves mid-upload (ClientGone) answered with one info line
     FrontDoor(app, cfg)            ASGI middleware, outermost: refuses before any route runs
         Content-Length and Transfer-Encoding together    400, connection closed (RFC 9112 6.3)
         a Host name not allowed, without an API key      400 (DNS rebinding: a web page's own name
@@ -28,7 +30,7 @@ import logging
 import resource
 import time
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect, Request
 
 from server.admission import Refused
@@ -53,6 +55,16 @@ class Closing(APIError):
 
 
 # ---- the ASGI middleware -------------------------------------------------------------------------
+
+
+def install_front_door(app, cfg) -> None:
+    app.add_middleware(FrontDoor, cfg=cfg)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, _e: ClientGone):
+        log.info("%s %s: the client disconnected before its request was read whole", request.method, request.url.path)
+        return Response(status_code=499)
+
 
 
 class FrontDoor:
