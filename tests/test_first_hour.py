@@ -10,6 +10,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +111,7 @@ def test_served_model_name_default_max_tokens_docs_and_the_client(tmp_path):
                               "--max-tokens", "2", "--ignore-eos"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 0 and "completion_tokens=2" in run.stdout, run.stdout + run.stderr
+    assert not Path(srv.log.name).exists(), "a passing test left its pdserve log behind"
 
 
 @pytest.mark.parametrize("make", [cli.pdserve_parser, cli.router_parser, client_cli.build_parser],
