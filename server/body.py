@@ -40,6 +40,8 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     check_tree(data)
     refuse_unsupported(data, model_cls)
+    for name in [k for k, v in data.items() if v is None and k in model_cls.model_fields]:
+        del data[name]  # null is "not set" (what many clients send): the field's default
     messages = data.get("messages")
     if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
         raise bad_request(f"`messages` holds {len(messages)} messages; at most {MAX_MESSAGES} per request",
