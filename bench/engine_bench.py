@@ -21,7 +21,9 @@ In one run (qwen2.5-7b on one H200 by default; every list is a flag):
                prefill and decode measurements run on the chunked engine (prefill_only does not chunk,
                adopted requests only decode)
 
-Clocks: host perf_counter with torch.cuda.synchronize() around every timed call. The KV pool is
+Clocks: host perf_counter; decode steps and the chunked scenario's steps are the intervals between
+successive Engine.step() returns (a step returns once its tokens are on the host); everything else
+has torch.cuda.synchronize() around each timed call. The KV pool is
 sized from the points asked; points that do not fit the GPU (free memory minus --reserve-gb) are
 skipped and listed. Targets (each reported met or missed with its figures): every decode point
 within 2.0x its roofline; batch 1 at 1k <= 5.5 ms; batch 32 at 16k <= 25 ms; prefill within 3%

@@ -88,9 +88,25 @@ def decode_step(engine, reqs: list[Request], device: torch.device) -> float:
 
 def decode_point(engine, contexts: list[int], device: torch.device, warmup: int, repeats: int, seed: int,
                  tag: str) -> dict:
-    reqs = adopt_batch(engine, contexts, tag, max_tokens=warmup + repeats + 2, seed=seed)
+    """Decode steps of one batch, each timed as the interval between successive Engine.step() returns on
+    the host clock (a step returns once its tokens are on the host: the pace a client sees; with
+    overlapped steps a call launches the next step before it reads the last one's tokens back, so the
+    first call returns nothing and is not timed)."""
+    reqs = adopt_batch(engine, contexts, tag, max_tokens=warmup + repeats + 4, seed=seed)
+    want = {r.request_id for r in reqs}
+    times: list[float] = []
     try:
-        times = [decode_step(engine, reqs, device) for _ in range(warmup + repeats)]
+        sync(device)
+        prev = time.perf_counter()
+        while len(times) < warmup + repeats:
+            outs = engine.step()
+            now = time.perf_counter()
+            got = {o.request_id for o in outs}
+            if got != want and (got or times):
+                raise RuntimeError(f"a decode step of a batch of {len(reqs)} returned outputs for {len(got)} requests")
+            if got:
+                times.append((now - prev) * 1e3)
+            prev = now
     finally:
         for r in reqs:
             engine.abort(r.request_id)
@@ -171,20 +187,24 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
     token_times: dict[str, list[float]] = {r.request_id: [] for r in reqs}
     steps: list[dict] = []
 
-    def step(phase: str) -> None:
-        ms, outs = timed_step(engine, device)
+    last = [time.perf_counter()]
+
+    def step(phase: str) -> None:  # timed from the previous step's return: the pace the host sees
+        outs = engine.step()
         now = time.perf_counter()
+        ms, last[0] = (now - last[0]) * 1e3, now
         for o in outs:
             if o.request_id in token_times:
                 token_times[o.request_id].append(now)
         steps.append({"phase": phase, "ms": ms, "decodes": sum(o.request_id in token_times for o in outs)})
 
     try:
+        last[0] = time.perf_counter()
         for _ in range(steady_steps):
             step("steady")
         arrival = time.perf_counter()
         engine.add_request(long)
-        while not long.output_ids:
+        while not (long.output_ids and long.output_ids[0] >= 0):  # its first token on the host (not one in flight)
             if len(steps) >= steady_steps + bound:
                 raise RuntimeError(f"{tag}: the {prompt}-token prompt took more than {bound} steps to prefill")
             step("prefill")

@@ -62,6 +62,9 @@ class EngineConfig:
     # steps with prompt tokens, up to this many tokens in all, run piecewise (workers/engine/graphs.py,
     # MixedGraphs: CUDA graphs between the attention calls); longer ones eagerly; 0: always eagerly
     mixed_graph_tokens: int = 1024
+    # the host schedules and launches step N+1 while step N runs, reading N's tokens back a step late
+    # (workers/engine/overlap.py); None: on CUDA
+    overlap: bool | None = None
     # torch's thread count is the process's: the worker CLI sets it before the engine loads
     threads: int | None = flag(None, "CPU threads for torch (default: torch's choice)")
 

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from workers.engine import attention
+from workers.engine import attention, overlap
 from workers.engine.block_pool import OutOfBlocks, blocks_for
 from protocol.config import EngineConfig
 from workers.engine.config import check_device, kv_budget_bytes, torch_dtype
@@ -109,6 +109,11 @@ class Engine:
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # every request on this worker, until it finishes
+        # overlapped steps (overlap.py): on CUDA by default; never with the KV tiers (their copies run
+        # on streams of their own, beside blocks a step in flight may still write)
+        self.overlap = (config.overlap if config.overlap is not None else self.device.type == "cuda") \
+            and self.tiers is None
+        self._inflight: overlap.Inflight | None = None
 
     def _layout(self, config: EngineConfig) -> KVLayout:
         cfg = self.model.config
@@ -216,12 +221,65 @@ class Engine:
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[StepOutput]:
+        """One step; with overlap (overlap.py) a step of plain requests is launched and the outputs
+        returned are those of the step before it, read back while this one runs."""
         work = self.scheduler.schedule()
-        if not work:
-            return []
+        old = self._inflight
+        if work and self.overlap and all(self.sampler.plain(r) for r, _ in work):
+            try:
+                self._inflight = self._launch(work, old)
+            except Exception as e:
+                self._inflight = None
+                outs = self._settle(old) if old is not None else []
+                return outs + self._fail_step([(r, n) for r, n in work if not r.finished], e)
+            return self._settle(old) if old is not None else []
+        outs: list[StepOutput] = []
+        if old is not None:  # read the step in flight back first: this one needs its tokens on the host
+            self._inflight = None
+            outs = self._settle(old)
+            work = [(r, n) for r, n in work if not r.finished]
+        return outs + (self._step_now(work) if work else [])
+
+    def _launch(self, work: list[tuple[Request, int]], old: overlap.Inflight | None) -> overlap.Inflight:
+        start = stamp_start(work)
+        logits = self.runner.run(work, feed=overlap.feed(work, old))
+        done = [r for r, _ in work if r.num_computed == r.num_tokens]
+        tokens, host, ok, event = overlap.greedy_async(logits) if done else (logits, logits, logits, None)
+        for r in done:
+            r.output_ids.append(overlap.PENDING)
+        return overlap.Inflight(work, done, tokens, host, ok, event, start)
+
+    def _settle(self, step: overlap.Inflight) -> list[StepOutput]:
+        """The outputs of a launched step: its tokens read back (waiting for them if need be), each
+        recorded as a synchronous step records it; then the blocks it held back go free."""
+        tokens, ok = step.wait() if step.done else ([], [])
+        end = time.monotonic()
+        outs = []
+        for r, tok, fine in zip(step.done, tokens, ok):
+            if r.finished:  # aborted or failed since: nothing more to say
+                continue
+            if r.prefill_end is None and r.status is Status.PREFILLING:
+                r.prefill_end = end
+            elif r.first_step_start == step.start:
+                r.first_step_end = end
+            later = overlap.pop_pending(r) - 1  # the step after this one's token, already launched
+            token = tok if fine else SamplingError(f"request {r.request_id}: its logits are not finite (NaN or "
+                                                   f"inf) at generated token {len(r.output_ids)}; no token can be chosen")
+            outs.append(self._emit(r, token, None))
+            if not r.finished:
+                r.output_ids.extend([overlap.PENDING] * later)
+        for r, _ in step.work:
+            if not r.finished:
+                self._name_blocks(r)
+        for blocks in step.deferred:  # the step is over: nothing writes into them any more
+            self.blocks.free(blocks)
+        step.deferred.clear()
+        return outs
+
+    def _step_now(self, work: list[tuple[Request, int]]) -> list[StepOutput]:
         start = stamp_start(work)
         try:
             logits = self.runner.run(work)  # [len(done), vocab] float32; advances each num_computed
@@ -385,6 +443,7 @@ class Engine:
             self._finish(req, "error", error)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        overlap.pop_pending(req)  # a token of a step in flight that it will not get
         req.finish(reason, error)
         self._forget(req)
 
@@ -405,7 +464,10 @@ class Engine:
             self.tiers.poll(req, wait=True)  # no reload may still land in blocks that go back
             self.tiers.offload(req)
         self.scheduler.remove(req)
-        self.blocks.free(req.block_ids)
+        if self._inflight is not None and id(req) in self._inflight.members:
+            self._inflight.deferred.append(req.block_ids)  # that step may still write into them
+        else:
+            self.blocks.free(req.block_ids)
         req.block_ids = []
         if self.requests.get(req.request_id) is req:
             del self.requests[req.request_id]
@@ -508,7 +570,10 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Let go of what outlives a dropped engine: the tiers' threads and files in flight."""
+        """Let go of what outlives a dropped engine: a step in flight, the tiers' threads and files in flight."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._settle(step)
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = self.scheduler.tiers = None

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from workers.engine import attention
+from workers.engine import attention, step_inputs
 from workers.engine.request import Request
 
 
@@ -65,7 +65,7 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"{n} is beyond the largest graph bucket {buckets[-1]}")
 
-    def decode(self, reqs: list[Request]) -> torch.Tensor:
+    def decode(self, reqs: list[Request], feed=None) -> torch.Tensor:
         n = len(reqs)
         key = (self._bucket(n, self.batch_buckets), self._bucket(max(len(r.block_ids) for r in reqs), self.block_buckets))
         batch, blocks = key
@@ -75,6 +75,7 @@ class DecodeGraphs:
         used = 5 * nb + batch * width  # the rows of the table this step reads
         self.packed[:used].copy_(self.host[:used], non_blocking=True)
         self.copied.record()
+        step_inputs.apply_feed(self.ids, feed)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(batch, blocks)
@@ -154,7 +155,7 @@ class MixedGraphs:
     def fits(self, tokens: int, keep: int) -> bool:
         return tokens <= self.max_tokens and keep <= self.max_keep
 
-    def run(self, inp) -> torch.Tensor:
+    def run(self, inp, feed=None) -> torch.Tensor:
         """The forward of a step (attention.STEP set by the runner, but its slots) -> [K, vocab] logits."""
         t, kept = len(inp.ids), len(inp.keep)
         bucket = DecodeGraphs._bucket(t, self.buckets)
@@ -168,10 +169,11 @@ class MixedGraphs:
         self.packed.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        step_inputs.apply_feed(self.cut.ids, feed)
         dev = self.runner.device
         step = attention.STEP
-        step.k_slots = torch.from_numpy(inp.k_slots).to(dev, non_blocking=True)
-        step.v_slots = torch.from_numpy(inp.v_slots).to(dev, non_blocking=True)
+        step.k_slots = step_inputs.to_device(inp.k_slots, dev)
+        step.v_slots = step_inputs.to_device(inp.v_slots, dev)
         segments = self._segments(bucket)
         cut = self.cut
         segments[0]()

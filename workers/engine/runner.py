@@ -90,7 +90,8 @@ class ModelRunner:
                 log.info("%s is not a Llama-style decoder: steps with prompt tokens run eagerly", type(model).__name__)
 
     @torch.inference_mode()
-    def run(self, work: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    def run(self, work: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None,
+            feed=None) -> torch.Tensor:
         """One forward over `work`: (request, n) computes positions [num_computed, num_computed + n)
         of that request, whose blocks must already cover them. Returns [K, vocab] float32 logits
         of the last position of every request that reaches its num_tokens, in `work` order, and
@@ -99,21 +100,22 @@ class ModelRunner:
         Which forward (the dispatch, in one place): decodes only -> the decode graphs; decodes and
         prompt chunks of at most `mixed.max_tokens` tokens -> the piecewise graphs; anything else
         (a long prompt, prompt logprobs asked) -> eagerly. On the CPU only the last two, with the
-        piecewise path run without graphs."""
+        piecewise path run without graphs. `feed` (overlap.feed): decode rows whose input token is
+        still on the device, copied into their input on the device."""
         asks = any(prompt_positions(r, n) for r, n in work)
         if (self.graphs is not None and on_layer is None and not asks
                 and all(n == 1 and r.num_computed for r, n in work)):
-            logits = self.graphs.decode([r for r, _ in work])
+            logits = self.graphs.decode([r for r, _ in work], feed)
         else:
             inp = step_inputs.build(work, self.block_size)
             if self.mixed is not None and not asks and self.mixed.fits(len(inp.ids), len(inp.keep)):
                 self._set_step(inp, on_layer)
                 try:
-                    logits = self.mixed.run(inp)
+                    logits = self.mixed.run(inp, feed)
                 finally:
                     self._clear_step()
             else:
-                logits = self._run_eager(work, inp, on_layer)
+                logits = self._run_eager(work, inp, on_layer, feed)
         for r, n in work:
             r.num_computed += n
         return logits
@@ -131,16 +133,16 @@ class ModelRunner:
         step.fresh, step.prefix, step.on_layer = inp.fresh, inp.prefix, on_layer
         step.num_decode = len(inp.decodes)
         if inp.decodes:
-            step.table = torch.from_numpy(step_inputs.block_table(inp.decodes)).to(dev, non_blocking=True)
-            step.ctx_lens = torch.from_numpy(np.asarray(inp.ctx_lens, dtype=np.int64)).to(dev, non_blocking=True)
+            step.table = step_inputs.to_device(step_inputs.block_table(inp.decodes), dev)
+            step.ctx_lens = step_inputs.to_device(np.asarray(inp.ctx_lens, dtype=np.int64), dev)
             step.max_ctx = max(inp.ctx_lens)
         if inp.prefix_reqs:
-            step.prefix_table = torch.from_numpy(step_inputs.block_table(inp.prefix_reqs)).to(dev, non_blocking=True)
+            step.prefix_table = step_inputs.to_device(step_inputs.block_table(inp.prefix_reqs), dev)
             if self.prefix_kernel:
                 from workers.engine.paged_kernel import prefill_tiles
 
                 g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
-                step.prefix_tiles = torch.tensor(prefill_tiles(inp.prefix, g), dtype=torch.int32, device=dev)
+                step.prefix_tiles = step_inputs.to_device(np.asarray(prefill_tiles(inp.prefix, g), dtype=np.int32), dev)
 
     @staticmethod
     def _clear_step() -> None:
@@ -149,12 +151,12 @@ class ModelRunner:
         step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
         step.on_layer = None
 
-    def _run_eager(self, work: list[tuple[Request, int]], inp: step_inputs.StepInputs, on_layer) -> torch.Tensor:
+    def _run_eager(self, work: list[tuple[Request, int]], inp: step_inputs.StepInputs, on_layer, feed) -> torch.Tensor:
         dev = self.device
         self._set_step(inp, on_layer)
         step = attention.STEP
-        step.k_slots = torch.from_numpy(inp.k_slots).to(dev)
-        step.v_slots = torch.from_numpy(inp.v_slots).to(dev)
+        step.k_slots = step_inputs.to_device(inp.k_slots, dev)
+        step.v_slots = step_inputs.to_device(inp.v_slots, dev)
         asks = []  # (request, rows of this step whose logits predict its prompt tokens, top k)
         for r, n in work:
             wanted = prompt_positions(r, n)
@@ -162,8 +164,10 @@ class ModelRunner:
                 first_row = inp.last_row[id(r)] - n + 1  # the row of position num_computed
                 asks.append((r, [first_row + p - r.num_computed for p in wanted], r.params.prompt_logprobs))
         try:
-            return self.forward(torch.from_numpy(inp.ids).to(dev), torch.from_numpy(inp.positions).to(dev),
-                                torch.from_numpy(inp.keep).to(dev), asks)
+            ids = step_inputs.to_device(inp.ids, dev)
+            step_inputs.apply_feed(ids, feed)
+            return self.forward(ids, step_inputs.to_device(inp.positions, dev), step_inputs.to_device(inp.keep, dev),
+                                asks)
         finally:
             self._clear_step()
 

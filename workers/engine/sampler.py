@@ -74,6 +74,13 @@ class Sampler:
 
     # ---- processing: min_tokens, penalties ----------------------------------------------------------
 
+    def plain(self, r: Request) -> bool:
+        """The top token, with nothing applied to the logits and nothing reported beside the token:
+        it can be chosen on the device and read back a step later (overlap.py)."""
+        p = r.params
+        return (p.greedy and not self._needs_processing(r) and p.logprobs is None and p.prompt_logprobs is None
+                and not r.return_logits)
+
     def _needs_processing(self, r: Request) -> bool:
         return r.params.penalized or r.params.masked or len(r.output_ids) < r.params.min_tokens
 

@@ -89,14 +89,15 @@ class Scheduler:
                 self._last_was_prefill = True
                 return batch
         self._last_was_prefill = False
-        return [(r, 1) for r in self.grow_running() if r.num_tokens - r.num_computed == 1 and not self._loading(r)]
+        return [(r, 1) for r in self.grow_running()
+                if r.num_tokens - r.num_computed == 1 and not full(r) and not self._loading(r)]
 
     def _loading(self, req: Request) -> bool:
         return self.tiers is not None and self.tiers.loading(req)
 
     def _schedule_chunked(self) -> list[tuple[Request, int]]:
         running = [r for r in self.grow_running() if not self._loading(r)]
-        work = [(r, 1) for r in running if r.num_tokens - r.num_computed == 1]
+        work = [(r, 1) for r in running if r.num_tokens - r.num_computed == 1 and not full(r)]
         budget = float(self.chunk_tokens)
         for r in running:
             left = r.num_tokens - r.num_computed
@@ -206,3 +207,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+
+def full(req: Request) -> bool:
+    """It has all its max_tokens (the last one may still be on the device: overlap.py), so it finishes
+    once that is read back; a step more would compute a token nobody gets."""
+    return len(req.output_ids) >= req.params.max_tokens

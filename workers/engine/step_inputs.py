@@ -14,8 +14,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from workers.engine.request import Request
+
+
+def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A NumPy array on the device, through pinned memory on CUDA: a copy from pageable memory would
+    wait for the stream's work first, and the engine launches a step while the previous one runs.
+    (PyTorch's pinned allocator keeps the staging block until the copy has completed.)"""
+    t = torch.from_numpy(arr)
+    if device.type != "cuda":
+        return t.to(device)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device, non_blocking=True)
+
+
+def apply_feed(ids: torch.Tensor, feed) -> None:
+    """Write the device-side tokens of `feed` ((rows, src, tokens): overlap.feed) into a step's input ids."""
+    if feed is None:
+        return
+    rows, src, tokens = feed
+    dev = ids.device
+    ids.index_copy_(0, to_device(np.asarray(rows, dtype=np.int64), dev),
+                    tokens.index_select(0, to_device(np.asarray(src, dtype=np.int64), dev)))
 
 
 class _Row:
