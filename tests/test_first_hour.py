@@ -67,12 +67,20 @@ def test_pdserve_takes_every_worker_flag(tmp_path):
     (["tiny"], "--model tiny"),
     (["--port", "eighty"], "invalid int value"),
 ])
-def test_a_bad_flag_is_one_line_that_says_what_to_type(argv, words):
-    r = run_pdserve(*argv)
-    assert r.returncode == 2 and r.stdout == ""
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pdserve: ") and words in lines[0], r.stderr
+def test_a_bad_flag_is_one_line_that_says_what_to_type(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.pdserve_parser().parse_args(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdserve: ") and words in lines[0], err
     assert "--help" in lines[0]
+
+
+def test_the_command_itself_says_one_line():
+    r = run_pdserve("--gpu-memory-utilization", "0.9")
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--kv-memory-gb" in r.stderr
 
 
 def test_a_bad_model_is_one_line_before_any_worker_starts(tmp_path):
