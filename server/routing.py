@@ -53,12 +53,13 @@ import msgspec
 
 from protocol import control as P
 from protocol.enums import Policy, Role
-from protocol.timings import Failover, Migration
+from protocol.timings import Failover
 from server.admission import Admission, Ticket, unavailable
 from server.config import RouterConfig
 from server.dispatch import PREFILL_REPORT_GRACE_S, Dispatcher, Done, Job, Token, TokenStream
 from server.errors import APIError, timed_out
 from server.metrics import Metrics
+from server.migration import migrating
 from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
 from server.timeline import timings
 
@@ -268,51 +269,6 @@ class DisaggregatedPlan:
 
 
 Plan = Union[ColocatedPlan, DisaggregatedPlan]
-
-
-async def migrating(plan: Plan, d: Dispatcher, events: AsyncIterator[Token | Done]) -> AsyncIterator[Token | Done]:
-    """`events` (the plan's run); with --migrate, when the worker generating it is lost after token 1,
-    the rest comes from the plan's `migrate` continuation (again and again, while workers are left)."""
-    job, sent, moves = plan.job, [], []
-    current, tickets = plan, []
-    try:
-        while True:
-            try:
-                async for event in events:
-                    if isinstance(event, Token):
-                        sent.append(event.token_id)
-                    elif moves:  # the Done of a continuation: the whole request's
-                        event = Done(event.finish_reason, replace(
-                            event.timings, prompt_tokens=len(job.prompt_ids), completion_tokens=len(sent),
-                            migrations=list(moves)), list(sent))
-                    yield event
-                return
-            except APIError as e:
-                if plan.migrate is None or not sent or e.code != "worker_lost":
-                    raise
-                lost = current.worker.id
-                nxt = plan.migrate(current, continued(job, sent, len(moves) + 1))
-                if nxt is None:
-                    raise
-                log.warning("request %s: worker %s was lost after %d tokens (%s); it continues on %s",
-                            job.request_id, lost, len(sent), e.message, nxt.route)
-                moves.append(Migration(lost, nxt.route, len(sent), e.message))
-                tickets.append(nxt.ticket)
-                current, events = nxt, nxt._run(d)
-    finally:
-        for t in tickets:
-            t.release()
-
-
-def continued(job: Job, sent: list[int], move: int) -> Job:
-    """The request from its (move)th continuation on: its own id (the first try's aborts cannot reach
-    it), the tokens the client has appended to the prompt, their count off the token limits, the
-    same clock (TTFT and the inter-token gaps go on counting)."""
-    s = job.sampling
-    sampling = msgspec.structs.replace(s, max_tokens=s.max_tokens - len(sent), prompt_logprobs=None,
-                                       min_tokens=max(0, s.min_tokens - len(sent)))
-    return replace(job, request_id=f"{job.request_id}-m{move}", prompt_ids=job.prompt_ids + sent,
-                   sampling=sampling, clock=job.clock)
 PLANS: dict[Policy, type] = {Policy.COLOCATED: ColocatedPlan, Policy.DISAGGREGATED: DisaggregatedPlan}
 
 

@@ -1,6 +1,6 @@
 """--migrate: a request whose generating worker is lost after token 1 continues on another worker.
 
-On its own (server/routing.py's migrating(), scripted runs): the continuation's job (prompt + the
+On its own (server/migration.py, scripted runs): the continuation's job (prompt + the
 tokens so far, the limits less those, its own id, the same clock), the stream without a gap, one Done
 for the whole request with `timings.migrations`, the continuation's admission released. Live: a
 pdserve with --migrate, the decode worker of a streaming disaggregated request SIGKILLed mid-
@@ -20,7 +20,7 @@ from protocol.enums import Policy
 from protocol.timings import Timings
 from server.dispatch import Done, Job, Token
 from server.errors import worker_failed
-from server.routing import continued, migrating
+from server.migration import continued, migrating
 from test_routing import Ticket
 from test_server_harness import TINY, Pdserve
 
