@@ -110,7 +110,15 @@ def decode_point(engine, contexts: list[int], device: torch.device, warmup: int,
     finally:
         for r in reqs:
             engine.abort(r.request_id)
+        settle(engine)
     return ab.summary(times[warmup:])
+
+
+def settle(engine) -> None:
+    """Step until nothing is left, a step in flight included (its aborted requests' blocks come back
+    when it is read back)."""
+    while engine.has_work():
+        engine.step()
 
 
 def weight_bytes(model) -> dict:
@@ -215,6 +223,7 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
         for r in reqs:
             engine.abort(r.request_id)
         engine.abort(long.request_id)
+        settle(engine)
     steady, during = [], []
     for times in token_times.values():
         for a, b in zip(times, times[1:]):
