@@ -85,8 +85,8 @@ class Pdserve:
         self._pids = self.worker_pids()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.stop(keep_log=exc_type is not None)  # a failing test keeps its log to look into
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -140,10 +140,13 @@ class Pdserve:
 
     # ---- ending -------------------------------------------------------------------------------------
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM pdserve; assert it and every worker it started exit."""
-        if self.proc is None or self.proc.poll() is not None:
+    def stop(self, timeout: float = 30.0, keep_log: bool = False) -> None:
+        """SIGTERM pdserve; assert it and every worker it started exit. The log goes unless `keep_log` or
+        an assertion here fails."""
+        if self.proc is None or self.proc.poll() is not None:  # the test stopped it (and checked how) itself
             self._close()
+            if not keep_log:
+                Path(self.log.name).unlink(missing_ok=True)
             return
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -157,7 +160,8 @@ class Pdserve:
         leaked = [p for pid in self._pids.values() for p in Path("/dev/shm").glob(f"pdserve-kv-{pid}-*")]
         assert not leaked, f"KV pools left in shared memory: {leaked}"
         self._close()
-        Path(self.log.name).unlink()  # kept only when something went wrong
+        if not keep_log:
+            Path(self.log.name).unlink()
 
     def kill(self, keep_log: bool = False) -> None:
         """SIGKILL pdserve and (as a safety net for the test run) its workers, by pid; its log goes unless
