@@ -227,7 +227,7 @@ def test_the_new_sampling_fields_give_the_same_tokens_on_both_policies(tiny_pdse
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 def test_null_is_not_set_for_every_field(tiny_pdserve, kind):
-    nulls = {f.name: None for f in rows(kind) if f.name not in ("messages", "prompt")}
-    r = tiny_pdserve.post(PATHS[kind], {**BASES[kind], **nulls})
+    nulls = {f.name: None for f in rows(kind) if f.name not in ("messages", "prompt", "max_tokens")}
+    r = tiny_pdserve.post(PATHS[kind], {**BASES[kind], **nulls})  # max_tokens 2: null would mean up to 512
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] <= (16 if kind == "completions" else 512)  # the defaults
+    assert r.json()["usage"]["completion_tokens"] <= 2
