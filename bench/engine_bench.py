@@ -84,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk-steady-steps", type=int, default=16, help="chunked scenario: steps before the arrival (default 16)")
     a("--mixed-step", default="32,1k,5k,512",
       help="decodes,context,prefix,chunk of the mixed-step point (wall vs GPU-busy time); '' skips it")
+    a("--profile", default=None, metavar="DIR",
+      help="also profile six prefill steps of the chunked scenario (chunking on) into DIR: tables and a trace")
     a("--kv-memory-gb", type=float, default=None, help="cap the decode points' KV pool (GiB); default: sized from them")
     a("--reserve-gb", type=float, default=20.0,
       help="CUDA: memory left free beside the pool for activations, graphs, transformers' cache (default 20)")
@@ -316,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
         dec.chunked_scenario(engine, device, tag=f"rehearsal-{on}", **chunk)  # untimed: shapes, graphs, compiles
         chunked["on" if on else "off"] = {"chunked_prefill": on, "chunk_tokens": chunk_tokens if on else None,
                                           **chunk, **dec.chunked_scenario(engine, device, tag=f"chunk-{on}", **chunk)}
+        if on and args.profile:  # a third run, profiled, whose times are not the ones reported
+            log(f"chunked scenario profiled into {args.profile}")
+            dec.chunked_scenario(engine, device, tag="profiled", profile=args.profile, **chunk)
     del engine
     free(device)
     log("roofline copies (end)")

@@ -184,9 +184,11 @@ def chunked_steps_bound(prompt: int, chunk_tokens: int) -> int:
 
 
 def chunked_scenario(engine, device: torch.device, decodes: int, context: int, prompt: int, steady_steps: int,
-                     after_steps: int, seed: int, max_prefill_steps: int, tag: str) -> dict:
+                     after_steps: int, seed: int, max_prefill_steps: int, tag: str, profile: str | None = None) -> dict:
     """`decodes` requests decoding at `context`, then a `prompt`-token request arrives. Token times are
-    the host clock at each step's return (tokens are on the host then)."""
+    the host clock at each step's return (tokens are on the host then). `profile`: a folder where
+    torch.profiler's tables and trace of prefill steps 8-13 go (those steps' times are then the
+    profiler's, not the figures to quote)."""
     bound = max_prefill_steps
     reqs = adopt_batch(engine, [context] * decodes, f"{tag}-bg", steady_steps + bound + after_steps + 4, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -215,7 +217,10 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
         while not (long.output_ids and long.output_ids[0] >= 0):  # its first token on the host (not one in flight)
             if len(steps) >= steady_steps + bound:
                 raise RuntimeError(f"{tag}: the {prompt}-token prompt took more than {bound} steps to prefill")
-            step("prefill")
+            if profile and sum(x["phase"] == "prefill" for x in steps) == 8:
+                profiled(engine, device, lambda: [step("prefill") for _ in range(6)], profile)
+            else:
+                step("prefill")
         first_token = time.perf_counter()
         for _ in range(after_steps):
             step("after")
@@ -246,3 +251,23 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
         "ttft_ms": (first_token - arrival) * 1e3,
         "steps": steps,
     }
+
+
+def profiled(engine, device: torch.device, fn, folder: str) -> None:
+    """Run fn under torch.profiler (CPU and CUDA); write tables by self host time and by device time,
+    and a chrome trace, into folder."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    table = prof.key_averages()
+    (out / "by-self-cpu.txt").write_text(table.table(sort_by="self_cpu_time_total", row_limit=50))
+    if device.type == "cuda":
+        (out / "by-device.txt").write_text(table.table(sort_by="self_cuda_time_total", row_limit=50))
+    prof.export_chrome_trace(str(out / "trace.json"))

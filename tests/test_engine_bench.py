@@ -159,3 +159,14 @@ def test_offline_bench_cpu_smoke(tmp_path):
     assert floor["s"] == floor["prefill_s"] + floor["decode_s"] and floor["prefill_s"] > 0 and floor["decode_s"] > 0
     assert result["targets"]["default_within_1_4x_floor"]["met"] is (arms["default"]["over_floor"] <= 1.4)
     assert result["provenance"]["commit"]
+
+
+def test_profiled_writes_its_tables_and_trace(tmp_path):
+    import torch
+
+    from bench.engine_decode import profiled
+
+    profiled(None, torch.device("cpu"), lambda: torch.ones(64).cumsum(0), str(tmp_path / "prof"))
+    assert "aten::cumsum" in (tmp_path / "prof" / "by-self-cpu.txt").read_text()
+    assert json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]
+    assert not (tmp_path / "prof" / "by-device.txt").exists()  # no device on the CPU
