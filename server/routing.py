@@ -22,7 +22,7 @@ DisaggregatedPlan(job, prefill, decode, fallback).run(dispatcher):
   with a fallback (--failover), a failure before token 1 runs the request once more on the plan the
   fallback makes then: another pair without D, else a colocated worker.
 
-Either plan, with --migrate: when the worker generating a request (D, or the colocated W) is lost
+Either plan, with --migrate (server/migration.py): when the worker generating a request (D, or W) is lost
 after token 1, the request continues on the plan `migrate` makes then (the same policy on other
 workers, else the other policy), as a new request of its own id: the prompt and the tokens the client
 has as its prompt, max_tokens (and min_tokens) less those, no prompt logprobs. Its tokens follow on

@@ -19,14 +19,18 @@ import random
 import time
 
 import pytest
+import torch
 
 from protocol import control as P
 from protocol.config import EngineConfig, TransferConfig
 from protocol.enums import TRANSPORTS
 from role_shell import Shell, pump, tokens_of
 from workers.engine.engine import Engine
+from workers.engine.kv_cache import KVCache, KVLayout
 from workers.engine.request import SamplingParams
 from workers.transfer import fake
+from workers.transfer.errors import TransferError
+from workers.transfer.registry import make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -117,6 +121,8 @@ def run_round(c: Cluster, rng: random.Random, i: int, reference) -> tuple[int, i
     if how == "abort":
         c.d.role.handle(P.Abort(a, "the router gave up"))
     c.pump(lambda: a in c.failed or c.status(a) != "receiving", timeout_s=5)
+    settle = time.monotonic() + 0.3  # the receiver's report reaches the role: A's blocks go back, or stay fenced
+    c.pump(lambda: c.status(a) is None or time.monotonic() > settle)
     log.append(f"{a} {how}: {c.status(a)}, blocks {ra.block_ids}")
     rb = c.reserve(b, pb)
     c.prefill(b, pb, rb)
@@ -193,3 +199,50 @@ def test_unfenced_reuse_under_the_same_chaos_corrupts(transport, colocated):
     print(f"\n{transport} unfenced: {got['compared']} compared, {got['mismatches']} mismatches, integrity "
           f"failures {got['integrity']}")
     assert got["mismatches"] + got["integrity"] > 0, "\n".join(got["log"])
+
+
+# ---- the integrity check on its own ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_checksum_passes_exact_kv_and_refuses_blocks_that_differ(transport):
+    """Exact KV passes; KV whose source changed after it was copied (a source block reused before the
+    transfer finished) is refused before the request could run, and counted."""
+    layout = KVLayout(4, 2, 8, "float32", 16, 32)
+    dst, src = KVCache(layout, "cpu", shared=True), KVCache(layout, "cpu")
+    cfg = TransferConfig(transport=transport, mode="layer", deadline_s=5.0, checksum=True)
+    recv, send = make_receiver(dst, cfg), make_sender(src, cfg)
+    try:
+        src.pool.copy_(torch.randn(src.pool.shape))
+        for rid, corrupt in (("exact", False), ("changed", True)):
+            recv.expect(rid, [4, 5, 6], deadline_s=5)
+            t = send.open(rid, recv.address, [1, 2, 3], [4, 5, 6], 40)
+            t.accepted.wait(5)
+            for layer in range(layout.num_layers):  # moved as each layer is done
+                t.layer_done(layer)
+            if corrupt:  # after the copies are on their way, before the done notice is stamped
+                time.sleep(0.2)
+                src.pool[:, 2] += 1.0
+            try:
+                t.finish(first_token=1, deadline_s=5)
+            except TransferError:
+                assert corrupt
+            arrival = next(a for a in wait_all(recv) if a.request_id == rid)
+            assert arrival.ok is not corrupt, arrival
+            if corrupt:
+                assert "integrity check" in arrival.error and "block 5" in arrival.error
+            else:
+                assert torch.equal(dst.pool[:, [4, 5, 6]], src.pool[:, [1, 2, 3]])
+        assert recv.figures()[2] == 1
+    finally:
+        send.close(), recv.close(), dst.close()
+
+
+def wait_all(recv, timeout_s: float = 5.0) -> list:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = recv.poll()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError("no arrival")

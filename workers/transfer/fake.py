@@ -91,7 +91,8 @@ class HeldWrites:
     def release(self) -> None:  # the test's thread
         self.released = True
         for layers in self.held_layers:
-            super()._move(layers)
+            super()._move(layers)  # ipc copies now; nixl and zmq queue them for the I/O thread
+        self.sender._submit(lambda: None).result(RELEASE_TIMEOUT_S)  # after the queueing, in order
         end = time.monotonic() + RELEASE_TIMEOUT_S
         while (self.queue or self._in_flight) and time.monotonic() < end:  # the I/O thread posts them
             time.sleep(0.002)

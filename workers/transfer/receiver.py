@@ -102,19 +102,38 @@ class Expected:
 MAX_SENDERS = 1024  # sender processes remembered for the fence (the oldest forgotten: no death check)
 
 
+def process_start(pid: int) -> str | None:
+    """A process's start time (clock ticks after boot, /proc/<pid>/stat field 22): with its pid it names
+    one process, in any pid namespace of the host; None if there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # from field 3 on (the name may hold spaces)
+    return fields[19] if len(fields) > 19 else None
+
+
 class SenderProcess:
-    """The process behind a sender, as its Hello names it ("host:pid"); on this host, a pidfd taken at
-    the handshake confirms its death without mistaking a later process that reused the pid. The name
-    comes over the authenticated channel: a worker of this deployment."""
+    """The process behind a sender, as its Hello names it ("host:pid:start", sender.py); a pidfd taken at
+    the handshake confirms its death without mistaking a later process that reused the pid. Only when
+    this host's process of that pid started at that very tick: a sender in another pid namespace (a
+    container sharing /dev/shm) names a pid that is not its own here, and gets no pidfd (then only its
+    Abort or Done is a fence). The name comes over the authenticated channel: a worker of this deployment."""
 
     def __init__(self, name: str, host: str):
         self.pidfd: int | None = None
-        peer_host, _, pid = name.rpartition(":")
-        if peer_host == host and pid.isdigit():
-            try:
-                self.pidfd = os.pidfd_open(int(pid))
-            except (OSError, AttributeError):  # gone already, or no pidfd here (not Linux >= 5.3)
-                self.pidfd = None
+        peer_host, pid, start = (name.split(":") + ["", "", ""])[:3]
+        if peer_host != host or not pid.isdigit() or not start or process_start(int(pid)) != start:
+            return
+        try:
+            pidfd = os.pidfd_open(int(pid))
+        except (OSError, AttributeError):  # gone already, or no pidfd here (not Linux >= 5.3)
+            return
+        if process_start(int(pid)) == start:  # still that process once the pidfd holds it
+            self.pidfd = pidfd
+        else:
+            os.close(pidfd)
 
     def gone(self) -> bool:
         if self.pidfd is None:

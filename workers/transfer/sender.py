@@ -74,6 +74,7 @@ from workers.transfer.base import KVSender, PeerState, State, Transfer, Transfer
 from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
 from workers.transfer.errors import LayoutMismatch, TransferError, layout_mismatch
 from workers.transfer.integrity import block_checksums
+from workers.transfer.receiver import process_start
 from workers.transfer.plan import Plan, make_plan
 
 log = logging.getLogger("pdserve.transfer")
@@ -109,7 +110,8 @@ class ChannelSender(Endpoint, KVSender):
         Endpoint.__init__(self, f"kv-sender-{self.transport}", cfg.keys)
         self.layout = kv.layout
         self.host = socket.gethostname()
-        self.sender_name = f"{self.host}:{os.getpid()}"
+        # host:pid:start: the receiver's fence confirms this process's death by it (receiver.SenderProcess)
+        self.sender_name = f"{self.host}:{os.getpid()}:{process_start(os.getpid()) or ''}"
         self._peers: dict[str, Peer] = {}  # I/O thread
         self._known: dict[str, Peer] = {}  # caller side: peers past their handshake
         self._pending: dict[str, Future] = {}  # caller side: handshakes under way -> Future[Peer]
