@@ -135,9 +135,10 @@ class CacheFigures(msgspec.Struct, frozen=True):
     def as_stats(self) -> dict:
         """The shape server/metrics.py's observe_kv_tiers() takes."""
         tiers = {name: msgspec.structs.asdict(t) for name, t in (("host", self.host), ("disk", self.disk)) if t}
-        hits = {"gpu": self.gpu_hit_tokens, "host": self.host_hit_tokens, "disk": self.disk_hit_tokens}
+        # "device": the worker's own KV pool, on a GPU or the CPU (timings.reused_tokens names it so too)
+        hits = {"device": self.gpu_hit_tokens, "host": self.host_hit_tokens, "disk": self.disk_hit_tokens}
         return {"prefix_cache_queries": self.queried_tokens,
-                "prefix_cache_hits": {k: v for k, v in hits.items() if k == "gpu" or k in tiers},
+                "prefix_cache_hits": {k: v for k, v in hits.items() if k == "device" or k in tiers},
                 "tiers": tiers}
 
 

@@ -244,14 +244,14 @@ class Metrics:
 
             {"prefix_cache_queries": 12000,            # prompt tokens looked up, cumulative since the
                                                        #   worker process started
-             "prefix_cache_hits": {"gpu": 8000,        # of those, tokens found, by the tier they were
+             "prefix_cache_hits": {"device": 8000,        # of those, tokens found, by the tier they were
                                    "cpu": 1500},       #   found in; cumulative
              "tiers": {"cpu": {"usage_bytes": 3 << 30,     # held now
                                "capacity_bytes": 8 << 30,  # can hold
                                "offload_bytes": 5 << 30,   # written into this tier, cumulative
                                "reload_bytes": 1 << 30}}}  # read back from it, cumulative
 
-        Counts and bytes are ints >= 0; tier names are short words the worker picks ("gpu", "cpu",
+        Counts and bytes are ints >= 0; tier names are short words the worker picks ("device", "cpu",
         "disk", ...), the same in both places. Cumulative figures are what a heartbeat can carry
         without loss (a dropped heartbeat loses nothing); this function turns them into counter
         increments against the last value it saw from that worker; a smaller figure (the worker

@@ -131,7 +131,7 @@ def test_n_choices_reuse_the_prompt_kv_of_the_first(srv):
 
     def hits() -> dict:
         text = srv.get("/metrics").text
-        return {m[0]: float(m[1]) for m in re.findall(r'^pdserve_prefix_cache_hits_total\{role="(\w+)",tier="gpu"'
+        return {m[0]: float(m[1]) for m in re.findall(r'^pdserve_prefix_cache_hits_total\{role="(\w+)",tier="device"'
                                                       r',worker="[^"]+"\} (\S+)$', text, re.M)}
     prompt = [(17 * i + 3) % 300 + 5 for i in range(40)]  # a prompt no other test sends
     for policy, roles in (("colocated", ("colocated",)), ("disaggregated", ("prefill", "decode"))):
