@@ -30,8 +30,13 @@ exact column must then read NO (tests/test_bench_honesty.py).
 Writes JSON (with provenance: commit, versions, GPU clocks and power at start and end) and markdown
 to bench/results/transfer-<machine>-<date>.{json,md} and prints the markdown.
 
+Methods beside the transports (bench/transfer_pools.py): zmq-curve (every KV byte through CURVE, the
+bench's own keys in both processes) and <transport>-fragmented (both pools scattered first).
+
 GPU (the lead runs it):  pdserve-bench transfer                    (qwen2.5-7b, cuda, 1k 4k 16k 32k)
                          pdserve-bench transfer --decode-device cuda:1
+                         pdserve-bench transfer --lengths 32k --modes bulk,layer --no-seed-method \\
+                             --transports zmq,zmq-curve,ipc,nixl,ipc-fragmented,nixl-fragmented
 CPU smoke test:          pdserve-bench transfer --model tiny --device cpu --lengths 64,256 --repeats 2 \\
                              --transports ipc,zmq,nixl
 """
@@ -388,7 +393,10 @@ def markdown(result: dict) -> str:
         + (f", {bw['to_decode_gbps']:.1f} GB/s prefill -> decode device" if "to_decode_gbps" in bw else "")
         + f"; the longest request's blocks inside one pool ({bw['paged_run']['bytes'] / 2**20:.1f} MiB): "
           f"{bw['paged_run']['strided_gbps']:.1f} GB/s as one strided copy_, "
-          f"{bw['paged_run']['per_layer_gbps']:.1f} GB/s as one copy_ per layer; every other block of them "
+          f"{bw['paged_run']['per_layer_gbps']:.1f} GB/s as one copy_ per layer"
+          + (f", {bw['paged_run']['memcpy2d_gbps']:.1f} GB/s as one 2D memcpy" if bw['paged_run'].get('memcpy2d_gbps')
+             else "")
+          + "; every other block of them "
           f"{bw['paged_run']['scattered_gather_gbps']:.1f} GB/s gathered and scattered by index",
         f"{c['repeats']} rounds per transport after {c['warmup']} warm-up, each running plain prefill and "
         f"{' and '.join(c['modes'])} once in a shuffled order; a new seeded prompt per run; medians; extra = that mode's prefill minus "

@@ -8,8 +8,8 @@
                  seeded order until `need` blocks are free: what a request gets then is many short runs,
                  paired across two independently scattered pools into shorter ones still
     paged_copy(pool, blocks, device)   the longest request's blocks copied inside one pool, all layers: one
-                 strided copy_, one copy_ per layer (ipc's contiguous pattern), and the same blocks
-                 scattered (every other block) moved as ipc moves scattered runs (gather-scatter by index)
+                 strided copy_, one copy_ per layer, one 2D memcpy (ipc's large bulk pattern, GPU), and the
+                 same blocks scattered (every other block) moved as ipc moves scattered runs (by index)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from bench.engine_bench import sync
 from protocol import auth
 from protocol.enums import TRANSPORTS
+from workers.transfer.ipc import CUDA_MEMCPY_DEVICE_TO_DEVICE, cuda_memcpy2d
 
 VARIANTS = ("", "curve", "fragmented")
 
@@ -90,14 +91,29 @@ def paged_copy(pool: torch.Tensor, nb: int, device: torch.device) -> dict:
     out = {"blocks": nb, "bytes": nbytes}
     for name, fn in (("strided", lambda: dst.copy_(src)), ("per_layer", per_layer)):
         out[f"{name}_gbps"] = nbytes / _timed(fn, device) / 1e9
+    memcpy2d = cuda_memcpy2d() if pool.is_cuda else None
+    out["memcpy2d_gbps"] = None  # ipc's large bulk copies: one 2D memcpy for all layers (GPU only)
+    if memcpy2d is not None:
+        pitch, width = pool.stride(0) * pool.element_size(), nbytes // pool.shape[0]
+        stream = torch.cuda.current_stream(pool.device).cuda_stream
+
+        def copy_2d():
+            if memcpy2d(dst.data_ptr(), pitch, src.data_ptr(), pitch, width, pool.shape[0],
+                        CUDA_MEMCPY_DEVICE_TO_DEVICE, stream) != 0:
+                raise RuntimeError("cudaMemcpy2DAsync failed")
+
+        try:
+            out["memcpy2d_gbps"] = nbytes / _timed(copy_2d, device) / 1e9
+        except RuntimeError:
+            pass
     half = nb // 2  # every other block of the first nb, into every other block of the next nb
     flat = pool.view(pool.shape[0], pool.shape[1], -1)
     src_idx = torch.arange(0, 2 * half, 2, device=pool.device)
     dst_idx = src_idx + nb
     scattered = pool.shape[0] * half * flat.shape[-1] * flat.element_size()
 
-    def gather_scatter():
-        flat[:, dst_idx] = flat[:, src_idx]
+    def gather_scatter():  # as ipc does it (workers/transfer/ipc.py, IpcTransfer._copies)
+        flat.index_copy_(1, dst_idx, flat.index_select(1, src_idx))
 
     out["scattered_blocks"] = half
     out["scattered_gather_gbps"] = scattered / _timed(gather_scatter, device) / 1e9
