@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(240)
 
 DECODE_BLOCKS = 12  # small: a block that goes back is the next reservation's
 PROMPT_TOKENS = 40  # 3 blocks of 16
-ROUNDS = 3
+ROUNDS = 2
 SAMPLING = P.Sampling(max_tokens=6, ignore_eos=True)
 
 
