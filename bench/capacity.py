@@ -3,6 +3,8 @@
     meets_target(fraction, target)         DistServe's goodput test: >= target (0.9) of the requests met every SLO
     search_capacity(probe, start, ...)     double the rate until a probe fails, then bisect between the best
                                            pass and the first fail; a bounded number of probes
+    probe_requests(rate, seconds, minimum) how many requests a probe sends: >= `seconds` of arrivals, >= minimum
+    probe_passes(block, target, queue)     a probe's verdict: the SLO target met and (queue) its queue not growing
     capacity_and_sweep(measure, ...)       the search, then the sweep at capacity x each factor, through one
                                            measure(rate, phase, factor) callable
     saturation(records, duration, rate)    did the server keep up: achieved vs offered rate, lateness growth
@@ -25,6 +27,21 @@ from bench.metrics import RequestRecord
 # A run is past saturation when either holds (both are reported, with these limits, in every block):
 THROUGHPUT_RATIO_MIN = 0.8  # achieved / offered rate (slopes of answer and send times)
 LATENESS_GROWTH_MAX = 1.5  # median lateness of the last third of the sends / that of the first third
+# A queue is growing when lateness (answer time - scheduled send) rises against the send time faster than this
+# many seconds per second (least-squares slope over the run): a server that serves mu < rate gives rate / mu - 1.
+LATENESS_SLOPE_MAX = 0.05
+PROBE_JUDGES = ("goodput+queue", "goodput")  # a probe passes on its SLO target and a steady queue, or the target alone
+
+
+def probe_requests(rate: float, seconds: float, minimum: int) -> int:
+    """Requests a probe at `rate` sends: enough for `seconds` of arrivals, and at least `minimum`."""
+    return max(int(minimum), math.ceil(rate * seconds) if math.isfinite(rate) else 0)
+
+
+def probe_passes(block: dict, target: float, queue: bool = True) -> bool:
+    """The goodput target met, and (queue) no growing queue by bench/capacity.saturation's queue signals."""
+    return meets_target(block["goodput_fraction"], target) and \
+        not (queue and (block.get("saturation") or {}).get("queue_growing"))
 
 
 def meets_target(goodput_fraction: float | None, target: float) -> bool:
@@ -35,6 +52,9 @@ def meets_target(goodput_fraction: float | None, target: float) -> bool:
 class Probe:
     rate: float  # offered requests/s
     passed: bool
+    requests: int | None = None  # sent by the probe
+    arrivals_s: float | None = None  # first to last scheduled send
+    duration_s: float | None = None  # the run, first send to last answer
 
 
 @dataclass
@@ -56,16 +76,19 @@ class Capacity:
 
     def to_dict(self) -> dict:
         return {"capacity_rate": self.rate, "first_failing_rate": self.first_fail, "converged": self.converged,
+                "bracket": [self.rate, self.first_fail],
                 "precision": self.precision, "goodput_target": self.target, "out_of_time": self.out_of_time,
                 "probes": [asdict(p) for p in self.probes]}
 
 
 async def search_capacity(probe: Callable[[float], Awaitable[bool]], start_rate: float, *, max_probes: int = 8,
                           precision: float = 0.1, target: float = 0.9,
-                          out_of_time: Callable[[], bool] = lambda: False) -> Capacity:
+                          out_of_time: Callable[[], bool] = lambda: False,
+                          fits: Callable[[float], bool] = lambda rate: True) -> Capacity:
     """Doubling from start_rate while probes pass (halving while they fail), then bisection of
     [best pass, first fail] until it is within `precision` (relative), max_probes ran, or
-    out_of_time() says so before a probe (the first probe always runs)."""
+    out_of_time() (or not fits(rate): the next probe would not end within the budget) says so before a
+    probe (the first probe always runs)."""
     if start_rate <= 0 or not math.isfinite(start_rate):
         raise ValueError(f"the search starts at a finite rate > 0, got {start_rate}")
     if max_probes < 1 or precision <= 0:
@@ -73,7 +96,7 @@ async def search_capacity(probe: Callable[[float], Awaitable[bool]], start_rate:
     cap = Capacity(None, None, precision, target)
     rate = start_rate
     while len(cap.probes) < max_probes:
-        if cap.probes and out_of_time():
+        if cap.probes and (out_of_time() or not fits(rate)):
             cap.out_of_time = True
             break
         passed = await probe(rate)
@@ -115,10 +138,14 @@ def saturation(records: list[RequestRecord], duration_s: float, rate: float | No
                        A slope, not count / duration: a short run's last answer would weigh too much.
     lateness_growth    lateness = answer time - scheduled send. Median over the last third of the sends
                        / over the first third: ~1 while the queue is stable, growing with it.
+    lateness_slope     least-squares slope of lateness against the scheduled send (s per s): ~0 while the
+                       queue is stable, rate / mu - 1 when the server serves mu < rate. With throughput_ratio,
+                       the `queue_growing` verdict a capacity probe fails on (lateness_growth, a ratio, is
+                       large on a short run whose first requests met an empty server: reported, not judged).
     """
-    out = {"throughput_ratio": None, "lateness_growth": None, "offered_rate_realized": None,
+    out = {"throughput_ratio": None, "lateness_growth": None, "lateness_slope": None, "offered_rate_realized": None,
            "throughput_ratio_min": THROUGHPUT_RATIO_MIN, "lateness_growth_max": LATENESS_GROWTH_MAX,
-           "saturated": None, "reasons": []}
+           "lateness_slope_max": LATENESS_SLOPE_MAX, "saturated": None, "queue_growing": None, "reasons": []}
     sent = sorted(records, key=lambda r: r.scheduled_s)
     ok = [r for r in sent if r.success and r.e2e_s is not None]
     if rate is None or not math.isfinite(rate) or len(ok) < MIN_JUDGED:
@@ -135,9 +162,17 @@ def saturation(records: list[RequestRecord], duration_s: float, rate: float | No
     last = [lateness[r.index] for r in sent[-third:] if r.index in lateness]
     if first and last and _median(first) > 0:
         out["lateness_growth"] = _median(last) / _median(first)
+    late = [r for r in sent if r.index in lateness]
+    if len({r.scheduled_s for r in late}) > 1:
+        out["lateness_slope"] = float(np.polyfit([r.scheduled_s for r in late], [lateness[r.index] for r in late],
+                                                 1)[0])
+    growing = []
     if out["throughput_ratio"] is not None and out["throughput_ratio"] < THROUGHPUT_RATIO_MIN:
-        out["reasons"].append(f"achieved {out['throughput_ratio']:.2f} of the offered rate "
-                              f"(< {THROUGHPUT_RATIO_MIN})")
+        growing.append(f"achieved {out['throughput_ratio']:.2f} of the offered rate (< {THROUGHPUT_RATIO_MIN})")
+    if out["lateness_slope"] is not None and out["lateness_slope"] > LATENESS_SLOPE_MAX:
+        growing.append(f"lateness rose {out['lateness_slope']:.3f} s per s of arrivals (> {LATENESS_SLOPE_MAX})")
+    out["queue_growing"] = bool(growing)
+    out["reasons"] += growing
     if out["lateness_growth"] is not None and out["lateness_growth"] > LATENESS_GROWTH_MAX:
         out["reasons"].append(f"lateness grew {out['lateness_growth']:.2f}x over the run (> {LATENESS_GROWTH_MAX})")
     out["saturated"] = bool(out["reasons"])
@@ -211,22 +246,28 @@ def warmup_not_steady(warmup: dict | None) -> str | None:
 
 async def capacity_and_sweep(measure: Callable[[float, str, float | None], Awaitable[dict]], *, start_rate: float,
                              max_probes: int, precision: float, target: float, factors: list[float],
-                             out_of_time: Callable[[], bool] = lambda: False) -> tuple[Capacity, list[dict]]:
+                             out_of_time: Callable[[], bool] = lambda: False,
+                             fits: Callable[[float], bool] = lambda rate: True,
+                             queue: bool = False) -> tuple[Capacity, list[dict]]:
     """`measure(rate, phase, factor)` runs one open-loop point and returns its result block (with
-    `goodput_fraction`). Probes first, then the sweep at capacity x each factor (none when every probe
-    failed); no run starts once out_of_time()."""
+    `goodput_fraction`, `saturation`, `duration`). A probe passes by probe_passes(block, target, queue).
+    Probes first, then the sweep at capacity x each factor (none when every probe failed); no run starts
+    once out_of_time() or when not fits(its rate). Each probe records its requests, arrival window and
+    duration (the block's `arrival_window_s`, when measure sets it)."""
     blocks: list[dict] = []
 
     async def probe(rate: float) -> bool:
         block = await measure(rate, "probe", None)
         blocks.append(block)
-        return meets_target(block["goodput_fraction"], target)
+        return probe_passes(block, target, queue)
 
     cap = await search_capacity(probe, start_rate, max_probes=max_probes, precision=precision, target=target,
-                                out_of_time=out_of_time)
+                                out_of_time=out_of_time, fits=fits)
+    for p, b in zip(cap.probes, blocks):
+        p.requests, p.arrivals_s, p.duration_s = b.get("num_prompts"), b.get("arrival_window_s"), b.get("duration")
     if cap.rate is not None:
         for factor in sorted({f for f in factors if f > 0}):
-            if out_of_time():
+            if out_of_time() or not fits(cap.rate * factor):
                 cap.out_of_time = True
                 break
             blocks.append(await measure(cap.rate * factor, "sweep", factor))

@@ -14,8 +14,10 @@ request i goes with policy i mod n through one schedule, the offered rate is the
 policies time-share the server (labelled as such everywhere).
 
 --capacity-search finds each arm's capacity: the highest Poisson rate at which >= --goodput-target
-(0.9) of the requests meet the --goodput SLOs (DistServe's goodput), doubling then bisecting within
---search-max-probes, then sweeps capacity x --sweep-factors. Every open-loop run is judged for
+(0.9) of the requests meet the --goodput SLOs (DistServe's goodput) and the queue does not grow,
+doubling then bisecting within --search-max-probes, then sweeps capacity x --sweep-factors. Each of
+those runs sends --probe-seconds (60) of arrivals or --probe-min-requests, whichever is more, so a
+queue has time to build; a probe that would not end within --arm-budget does not start. Every open-loop run is judged for
 saturation (bench/capacity.py). Before an arm's first run, warm-up batches go until two in a row
 agree on median TTFT (--warmup-tolerance, at most --warmup-max-batches). A run that still carries
 start-up effects (the arm's first after an unsteady warm-up, or a first quarter much slower than the
@@ -35,6 +37,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench.capacity import PROBE_JUDGES
 from bench.load_arms import CACHE_MODES, Arm, ArmError, with_cache_modes
 from bench.load_vllm import CHAT, COMPLETIONS, add_refused, dataset_name, resolve
 from bench.load_session import LoadPoint, Session, run_interleaved, run_separate
@@ -143,6 +146,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--search-precision", type=float, default=0.1,
                     help="stop when first failing rate / best passing rate - 1 is at most this")
     lo.add_argument("--goodput-target", type=float, default=0.9, help="share of requests that must meet the SLOs")
+    lo.add_argument("--probe-seconds", type=float, default=60.0,
+                    help="a capacity-search run (probe or sweep) sends at least this many seconds of arrivals "
+                         "(rate x seconds requests), so a queue can build and the probe can fail")
+    lo.add_argument("--probe-min-requests", type=int, default=None,
+                    help="and at least this many requests (default --num-prompts)")
+    lo.add_argument("--probe-judge", choices=PROBE_JUDGES, default=PROBE_JUDGES[0],
+                    help="a probe passes when >= --goodput-target met the SLOs and (goodput+queue, the default) its "
+                         "queue did not grow over the window (lateness slope, bench/capacity.py)")
     lo.add_argument("--sweep-factors", type=_floats, default=[0.5, 1.0, 1.5], help="sweep rates = capacity x these")
     lo.add_argument("--arm-budget", type=float, default=math.inf,
                     help="seconds of search and sweep per arm; no further run starts past it (default: no limit)")
@@ -205,6 +216,8 @@ def load_points(args) -> list[LoadPoint]:
                              "interleaved")
         if not 0 < args.goodput_target <= 1 or args.search_start_rate <= 0 or args.search_precision <= 0:
             raise ValueError("need 0 < --goodput-target <= 1, --search-start-rate > 0, --search-precision > 0")
+        if args.probe_seconds < 0 or (args.probe_min_requests is not None and args.probe_min_requests < 1):
+            raise ValueError("need --probe-seconds >= 0 and --probe-min-requests >= 1")
         return []
     if args.dataset == "mooncake":
         if args.request_rate is not None or args.request_rates or args.concurrency:
@@ -263,7 +276,11 @@ def workload_text(args) -> str:
         text = f"{args.dataset} {args.dataset_path}"
     interleaved = args.policy_runs == "interleaved"
     text += f" over {args.endpoint}"
-    text += f", {args.num_prompts} prompts per run" + (" per policy" if interleaved and not args.no_pair else "")
+    if args.capacity_search:
+        text += (f", each search run >= {args.probe_seconds:g} s of arrivals and >= "
+                 f"{args.probe_min_requests or args.num_prompts} prompts")
+    else:
+        text += f", {args.num_prompts} prompts per run" + (" per policy" if interleaved and not args.no_pair else "")
     text += f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""
     text += ", ignore_eos" if not args.no_ignore_eos else ""
     return text + f", tokens {'by ' + args.tokenizer if args.tokenizer else 'approximated'}"

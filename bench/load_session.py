@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.capacity import capacity_and_sweep, early_slowdown, meets_target, saturation, warmup_not_steady
+from bench.capacity import (capacity_and_sweep, early_slowdown, meets_target, probe_passes, probe_requests,
+                            saturation, warmup_not_steady)
 from bench.load_arms import Arm, ArmError, ArmServer, default_server_command
 from bench.load_multiturn import conversations, run_conversations, warmup_samples
 from bench.load_runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
@@ -65,17 +66,19 @@ def make_conversations(args, builder, text_seed: int):
                          seed=args.seed, text_seed=text_seed)
 
 
-def make_samples(args, builder, copies: int, text_seed: int):
+def make_samples(args, builder, copies: int, text_seed: int, n: int | None = None):
+    """n prompts (default --num-prompts): a capacity probe sends as many as its window needs."""
+    n = args.num_prompts if n is None else n
     if args.dataset == "multiturn":  # what warm-up sends: single prompts as long as each turn's
         return warmup_samples(make_conversations(args, builder, text_seed), builder, text_seed)
     if args.dataset == "synthetic":
-        return synthetic_samples(args.num_prompts, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
+        return synthetic_samples(n, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
                                  builder, seed=args.seed, text_seed=text_seed, long_fraction=args.long_fraction,
                                  long_input_len=LengthDist.parse(args.long_input_len), copies=copies)
     if args.dataset_path is None:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "sharegpt":
-        return sharegpt_samples(args.dataset_path, args.num_prompts, builder, seed=args.seed,
+        return sharegpt_samples(args.dataset_path, n, builder, seed=args.seed,
                                 output_len=args.sharegpt_output_len, max_len=args.max_model_len, copies=copies)
     return mooncake_samples(args.dataset_path, builder, n=args.num_prompts, block_size=args.trace_block_size,
                             speedup=args.trace_speedup, seed=text_seed)
@@ -172,9 +175,14 @@ class Session:
             self.measured.add(label)
             mark_cold(block, warmup_not_steady(self.warmups.get(label)))
 
-    def samples(self, copies: int = 1):
+    def samples(self, copies: int = 1, n: int | None = None):
         self.runs += 1
-        return make_samples(self.args, self.builder, copies, text_seed=self.args.seed + 1000 * self.runs)
+        return make_samples(self.args, self.builder, copies, text_seed=self.args.seed + 1000 * self.runs, n=n)
+
+    def probe_size(self, rate: float) -> int:
+        """Requests of a capacity-search run at `rate`: --probe-seconds of arrivals, >= --probe-min-requests."""
+        a = self.args
+        return probe_requests(rate, a.probe_seconds, a.probe_min_requests or a.num_prompts)
 
     def conversations(self):
         self.runs += 1
@@ -232,16 +240,29 @@ class Session:
         if point.conversations:
             records, duration = await self.converse(client, arm.policy, point, f"{arm.label} {point.label}")
         else:
-            planned = plan(self.samples(), [arm.policy] if arm.policy else None, point, self.args)
+            searched = phase in ("probe", "sweep") and point.kind == "rate"
+            samples = self.samples(n=self.probe_size(point.value) if searched else None)
+            planned = plan(samples, [arm.policy] if arm.policy else None, point, self.args)
             records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}")
         block = result_block(records, duration, point, self.args, self.slos, self.percentiles, arm=arm.label,
                              policy=arm.policy, policy_runs="separate", phase=phase, factor=factor)
+        if not point.conversations and point.kind == "rate":
+            sends = [p.send_at_s for p in planned if p.send_at_s is not None]
+            block["arrival_window_s"] = max(sends) - min(sends) if sends else None
+            if searched:
+                block["probe_seconds"] = self.args.probe_seconds
+                block["probe_min_requests"] = self.args.probe_min_requests or self.args.num_prompts
         self.first_run_cold(arm.label, block)
         sat = block["saturation"] or {}
         verdict = "" if block["meets_goodput_target"] is None else \
             f", goodput {block['goodput_fraction']:.2f} ({'pass' if block['meets_goodput_target'] else 'fail'})"
+        if phase == "probe" and block["meets_goodput_target"] is not None:
+            block["probe_passed"] = probe_passes(block, self.args.goodput_target,
+                                                 self.args.probe_judge == "goodput+queue")
+            verdict += f", probe {'passed' if block['probe_passed'] else 'failed'} ({self.args.probe_judge})"
+        window = f" ({block['arrival_window_s']:.1f} s of arrivals)" if block.get("arrival_window_s") else ""
         print(f"{arm.label} {phase} {point.label}: {block['completed']}/{block['num_prompts']} done in "
-              f"{duration:.1f} s{verdict}{', SATURATED' if sat.get('saturated') else ''}"
+              f"{duration:.1f} s{window}{verdict}{', SATURATED' if sat.get('saturated') else ''}"
               f"{', COLD: ' + block['cold_reason'] if block['cold'] else ''}", file=sys.stderr)
         return block
 
@@ -314,8 +335,12 @@ async def _run_arm(session: Session, arm, points) -> tuple[dict, list[dict]]:
             cap, mine = await capacity_and_sweep(
                 lambda rate, phase, factor: session.measure(client, arm, LoadPoint("rate", rate), phase, factor),
                 start_rate=a.search_start_rate, max_probes=a.search_max_probes, precision=a.search_precision,
-                target=a.goodput_target, factors=a.sweep_factors, out_of_time=lambda: time.monotonic() > deadline)
+                target=a.goodput_target, factors=a.sweep_factors, out_of_time=lambda: time.monotonic() > deadline,
+                fits=lambda rate: time.monotonic() + session.probe_size(rate) / rate <= deadline,
+                queue=a.probe_judge == "goodput+queue")
             info["capacity"] = cap.to_dict()
+            info["capacity"].update(probe_judge=a.probe_judge, probe_seconds=a.probe_seconds,
+                                    probe_min_requests=a.probe_min_requests or a.num_prompts)
             info["capacity"]["rests_on_cold"] = rests_on_cold(cap, mine)
             found = "below the lowest probe" if cap.rate is None else \
                 f"{cap.rate:.4g} req/s" + (f" (first fail {cap.first_fail:.4g})" if cap.first_fail else

@@ -92,11 +92,13 @@ def test_saturation_marks_a_growing_queue_and_not_a_stable_one():
     assert sat["throughput_ratio"] == pytest.approx(1.0, abs=0.05)
     assert sat["lateness_growth"] == pytest.approx(1.0, abs=0.15)
     assert sat["offered_rate_realized"] == pytest.approx(10.0)
+    assert sat["lateness_slope"] == pytest.approx(0.0, abs=0.01) and sat["queue_growing"] is False
     # a server of 5 req/s: the i-th answer at 0.3 + i / 5
     queued = _records(sends, lambda i, s: 0.3 + i / 5.0)
     sat = saturation(queued, max(r.start_s + r.e2e_s for r in queued), 10.0)
-    assert sat["saturated"] is True and len(sat["reasons"]) == 2
+    assert sat["saturated"] is True and len(sat["reasons"]) == 3
     assert sat["throughput_ratio"] == pytest.approx(0.5, abs=0.05)
+    assert sat["lateness_slope"] == pytest.approx(10 / 5 - 1, abs=0.05) and sat["queue_growing"] is True
     assert sat["lateness_growth"] > 3
     # too few requests, or closed loop: not judged (None, with the reason)
     assert saturation(stable[:6], 1.0, 10.0)["saturated"] is None
@@ -120,7 +122,8 @@ def test_capacity_search_finds_the_fake_servers_limit(tmp_path):
              "--prefill-ms-per-request 50"
     rc = load.main(["--arm", "colo=colocated:", "--server-command", server, "--capacity-search",
                     "--search-start-rate", "8", "--search-precision", "0.15", "--search-max-probes", "7",
-                    "--sweep-factors", "0.5,1.5", "--num-prompts", "24", "--input-len", "20", "--output-len", "2",
+                    "--sweep-factors", "0.5,1.5", "--num-prompts", "24", "--probe-seconds", "1", "--input-len", "20",
+                    "--output-len", "2",
                     "--burstiness", "50", "--goodput", "ttft:150", "--warmup-batch", "2",
                     "--out", str(out), "--no-progress"])
     assert rc == 0
