@@ -1,0 +1,214 @@
+"""`pdserve-bench plan`: how to split N GPUs (colocated, or xP:yD) for a workload and its SLOs, predicted
+from a worker's measured profile.
+
+    pdserve-bench plan --profile bench/results/engine-nvidia-h200-2026-12-01-4acfb30.json --gpus 2 \\
+        --input-len uniform:1024:8192 --output-len 64 --goodput ttft:2000 tpot:25
+    pdserve-bench plan --measure tiny --device cpu --gpus 2 ...   # runs `pdserve-bench engine` first
+    pdserve-bench plan --profile engine.json --trace mooncake.jsonl ...   # a trace's prompt and reply lengths
+
+The profile: prefill time by prompt length and decode step time by batch x context, from `pdserve-bench
+engine`'s JSON (bench/plan_sim.py fits it). For every split of --gpus workers (colocated chunked and
+unchunked, and each xP:yD with x + y = N), a discrete-event simulation (bench/plan_sim.py) runs the
+workload at Poisson rates and the capacity search of the load bench (bench/capacity.py) finds the highest
+rate at which >= --goodput-target of the requests meet the SLOs and the queue does not grow: the split's
+predicted goodput (DistServe's, per GPU too). The split with the highest wins; within the search's
+precision of it, the colocated one (fewer moving parts). A prediction is a model: compare it with a
+measured `pdserve-bench load --capacity-search` before trusting it (docs/benchmarks.md says how).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
+from bench.metrics import RequestRecord, meets_slos, parse_slos
+from bench.plan_sim import Profile, Req, Split, simulate
+from bench.workload import LengthDist, long_count
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("profile (one of)")
+    src.add_argument("--profile", default=None, help="a `pdserve-bench engine` JSON")
+    src.add_argument("--measure", default=None, metavar="MODEL",
+                     help="measure this model's profile first with `pdserve-bench engine` (--device, small grid)")
+    src.add_argument("--device", default="cpu", help="--measure: the device")
+    w = p.add_argument_group("workload")
+    w.add_argument("--input-len", default="1024", help="N, fixed:N, uniform:LO:HI or normal:MEAN:STD tokens")
+    w.add_argument("--output-len", default="128")
+    w.add_argument("--long-fraction", type=float, default=0.0, help="share of prompts from --long-input-len")
+    w.add_argument("--long-input-len", default="uniform:8192:16384")
+    w.add_argument("--trace", default=None, help="a Mooncake JSONL trace: its input/output lengths, cycled "
+                                                 "(arrivals are Poisson at the searched rate)")
+    w.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("deployment")
+    d.add_argument("--gpus", type=int, default=2, help="workers to split (one GPU each)")
+    d.add_argument("--chunk", type=int, default=512, help="colocated chunked prefill: prompt tokens per step")
+    d.add_argument("--max-batch", type=int, default=256, help="decoding rows a worker holds")
+    d.add_argument("--link-gbps", type=float, default=100.0, help="GB/s of the KV link between P and D")
+    d.add_argument("--transfer-fixed-ms", type=float, default=0.5, help="fixed cost of one KV move")
+    s = p.add_argument_group("search")
+    s.add_argument("--goodput", nargs="+", required=True, metavar="METRIC:MS", help="SLOs, e.g. ttft:2000 tpot:25")
+    s.add_argument("--goodput-target", type=float, default=0.9)
+    s.add_argument("--probe-seconds", type=float, default=60.0, help="simulated seconds of arrivals per probe")
+    s.add_argument("--probe-min-requests", type=int, default=200)
+    s.add_argument("--search-precision", type=float, default=0.03)
+    s.add_argument("--search-max-probes", type=int, default=16)
+    s.add_argument("--out", default=None, help="write the plan as JSON here")
+
+
+class Workload:
+    """Prompt and reply lengths: seeded draws from the distributions, or a trace's, cycled."""
+
+    def __init__(self, args):
+        self.seed = args.seed
+        self.trace = None
+        if args.trace:
+            rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
+            if not rows:
+                raise ValueError(f"{args.trace}: the trace has no requests")
+            self.trace = [(int(r["input_length"]), max(1, int(r["output_length"]))) for r in rows]
+            self.text = f"Mooncake trace {args.trace} ({len(rows)} requests' lengths, cycled)"
+        else:
+            self.dists = [LengthDist.parse(x) for x in (args.input_len, args.output_len, args.long_input_len)]
+            self.long_fraction = args.long_fraction
+            self.text = f"input {args.input_len}, output {args.output_len}" + \
+                (f", {args.long_fraction:.0%} long with input {args.long_input_len}" if args.long_fraction else "")
+
+    def lengths(self, n: int) -> list[tuple[int, int]]:
+        if self.trace is not None:
+            return [self.trace[i % len(self.trace)] for i in range(n)]
+        inp, out, long_inp = self.dists
+        rng = random.Random(self.seed)
+        long_at = set(rng.sample(range(n), long_count(n, self.long_fraction)))
+        return [((long_inp if i in long_at else inp).sample(rng), out.sample(rng)) for i in range(n)]
+
+
+def requests_at(workload: Workload, rate: float, n: int, seed: int) -> list[Req]:
+    """n Poisson arrivals, scaled so that they come at `rate` on the whole (a seeded draw of a few hundred gaps
+    is several percent off its mean, which would move every predicted capacity by as much)."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    if n > 1:
+        times *= (n - 1) / rate / times[-1]
+    return [Req(i, float(t), p, o) for i, (t, (p, o)) in enumerate(zip(times, workload.lengths(n)))]
+
+
+def judge(done: list[Req], rate: float, slos: dict[str, float], target: float) -> dict:
+    """The simulated run as a load-bench block: goodput fraction and the saturation signals."""
+    records = [RequestRecord(r.index, None, r.prompt, r.output, output_len=r.output, scheduled_s=r.arrival,
+                             start_s=r.arrival, ttft_s=r.first_token - r.arrival, e2e_s=r.finish - r.arrival,
+                             success=True) for r in done]
+    met = sum(meets_slos(r, slos) for r in records)
+    block = {"request_rate": rate, "num_prompts": len(records), "goodput_fraction": met / len(records),
+             "saturation": saturation(records, max(r.finish for r in done), rate),
+             "arrival_window_s": done[-1].arrival, "duration": max(r.finish for r in done)}
+    for name, values in (("ttft", [r.ttft_s for r in records]), ("tpot", [r.tpot_s for r in records
+                                                                          if r.tpot_s is not None])):
+        if values:
+            block[f"p50_{name}_ms"], block[f"p90_{name}_ms"] = (float(np.percentile(values, q)) * 1e3
+                                                                for q in (50, 90))
+    block["probe_passed"] = probe_passes(block, target)
+    return block
+
+
+def predict(split: Split, profile: Profile, workload: Workload, slos: dict[str, float], *, target: float = 0.9,
+            probe_seconds: float = 60.0, min_requests: int = 200, precision: float = 0.03, max_probes: int = 16,
+            seed: int = 0) -> tuple[Capacity, list[dict]]:
+    """The split's capacity: the load bench's search over simulated probes."""
+    probes: list[dict] = []
+    mean_in = float(np.mean([p for p, _ in workload.lengths(64)]))
+    start = max(0.01, split.gpus * 1e3 / max(profile.prefill(0, round(mean_in)), 1e-3) / 4)
+
+    async def probe(rate: float) -> bool:
+        n = probe_requests(rate, probe_seconds, min_requests)
+        block = judge(simulate(split, profile, requests_at(workload, rate, n, seed)), rate, slos, target)
+        probes.append(block)
+        return block["probe_passed"]
+
+    cap = asyncio.run(search_capacity(probe, start, max_probes=max_probes, precision=precision, target=target))
+    for p, b in zip(cap.probes, probes):
+        p.requests, p.arrivals_s, p.duration_s = b["num_prompts"], b["arrival_window_s"], b["duration"]
+    return cap, probes
+
+
+def splits_for(gpus: int, args) -> list[Split]:
+    common = {"max_batch": args.max_batch, "link_gbps": args.link_gbps, "transfer_fixed_ms": args.transfer_fixed_ms}
+    out = [Split(0, gpus, chunk=args.chunk, **common), Split(0, gpus, chunk=0, **common)]
+    return out + [Split(x, gpus - x, **common) for x in range(1, gpus)]
+
+
+def plan(profile: Profile, workload: Workload, args) -> dict:
+    slos = parse_slos(args.goodput)
+    arms = []
+    for split in splits_for(args.gpus, args):
+        cap, probes = predict(split, profile, workload, slos, target=args.goodput_target,
+                              probe_seconds=args.probe_seconds, min_requests=args.probe_min_requests,
+                              precision=args.search_precision, max_probes=args.search_max_probes, seed=args.seed)
+        at = next((b for b in probes if b["request_rate"] == cap.rate), {})
+        arms.append({"split": split.label, "prefill_workers": split.prefill, "decode_workers": split.decode,
+                     "colocated": split.prefill == 0, "chunk": split.chunk if split.prefill == 0 else None,
+                     "predicted_capacity_rate": cap.rate, "per_gpu": None if cap.rate is None else cap.rate / split.gpus,
+                     "at_capacity": {k: at.get(k) for k in ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")}, **cap.to_dict()})
+    best = recommend(arms, args.search_precision)
+    return {"benchmark": "plan", "gpus": args.gpus, "workload": workload.text, "slos_ms": slos,
+            "goodput_target": args.goodput_target, "profile": profile.to_dict(),
+            "model": "bench/plan_sim.py (a simulation from the profile, not a measurement)",
+            "arms": arms, "recommended": best}
+
+
+def recommend(arms: list[dict], precision: float) -> str | None:
+    """The highest predicted capacity; a colocated split within `precision` of it wins (fewer moving parts)."""
+    scored = [a for a in arms if a["predicted_capacity_rate"] is not None]
+    if not scored:
+        return None
+    top = max(a["predicted_capacity_rate"] for a in scored)
+    near = [a for a in scored if a["predicted_capacity_rate"] >= top / (1 + precision)]
+    colocated = [a for a in near if a["colocated"]]
+    pick = max(colocated or near, key=lambda a: a["predicted_capacity_rate"])
+    return pick["split"]
+
+
+def measure_profile(model: str, device: str) -> Profile:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "engine.json"
+        cmd = [sys.executable, "-m", "bench.cli", "engine", "--model", model, "--device", device, "--out", str(out)]
+        print("measuring the profile: " + " ".join(cmd), file=sys.stderr)
+        subprocess.run(cmd, check=True)
+        return Profile.from_engine_json(json.loads(out.read_text()), source=f"measured: {model} on {device}")
+
+
+def run(args) -> int:
+    try:
+        if (args.profile is None) == (args.measure is None):
+            raise ValueError("give the profile: --profile ENGINE.json or --measure MODEL")
+        if args.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+        workload = Workload(args)
+        parse_slos(args.goodput)
+        profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile) \
+            if args.profile else measure_profile(args.measure, args.device)
+    except (ValueError, OSError, KeyError, subprocess.CalledProcessError) as e:
+        print(f"pdserve-bench plan: {e}", file=sys.stderr)
+        return 2
+    result = plan(profile, workload, args)
+    print(f"{args.gpus} GPU(s), {workload.text}, SLOs {result['slos_ms']} (>= {args.goodput_target:.0%})")
+    print(f"{'split':<28} {'predicted req/s':>16} {'per GPU':>9}  bracket")
+    for a in result["arms"]:
+        rate = "< lowest probe" if a["capacity_rate"] is None else f"{a['capacity_rate']:.3g}"
+        per = "-" if a["per_gpu"] is None else f"{a['per_gpu']:.3g}"
+        print(f"{a['split']:<28} {rate:>16} {per:>9}  {a['bracket']}")
+    print(f"recommended: {result['recommended']} (a prediction of bench/plan_sim.py: validate it with "
+          "pdserve-bench load --capacity-search)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0

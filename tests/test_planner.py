@@ -1,0 +1,128 @@
+"""The P:D planner (bench/planner.py, bench/plan_sim.py): the simulation's arithmetic on cases worked by hand,
+the profile fit against a measured engine JSON, and the recommendation on synthetic profiles where
+colocated must win (prefill-bound, loose TPOT) and where xP:yD must (a tight TPOT that colocated prefill
+chunks break)."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from bench import cli
+from bench.metrics import parse_slos
+from bench.plan_sim import Profile, Req, Split, simulate
+from bench.planner import Workload, plan, predict
+
+ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench/results/engine-nvidia-h200-2026-12-01-4acfb30.json"
+
+
+def _profile(prefill_ms_at_1024: float, alpha: float, beta: float, gamma: float = 0.0, kv: int = 0) -> Profile:
+    """Prefill linear in tokens; decode step alpha + beta x batch + gamma x context tokens, exactly."""
+    decode = [(b, c, alpha + beta * b + gamma * b * c) for b in (1, 8, 32) for c in (128, 1024)]
+    return Profile.from_points({1024: prefill_ms_at_1024, 4096: 4 * prefill_ms_at_1024}, decode, kv)
+
+
+def _args(**kw):
+    base = dict(input_len="1024", output_len="16", long_fraction=0.0, long_input_len="4096", trace=None, seed=0,
+                gpus=2, chunk=512, max_batch=256, link_gbps=100.0, transfer_fixed_ms=0.5, goodput=["ttft:1000"],
+                goodput_target=0.9, probe_seconds=20.0, probe_min_requests=100, search_precision=0.05,
+                search_max_probes=14)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_the_simulation_adds_up_by_hand():
+    prof = _profile(20.0, alpha=5.0, beta=1.0)  # 1024-token prompt: 20 ms; a decode step of b rows: 5 + b ms
+    assert prof.prefill(0, 1024) == pytest.approx(20.0) and prof.prefill(1024, 2048) == pytest.approx(20.0)
+    assert prof.decode(4, 999) == pytest.approx(9.0)
+    # one colocated worker, unchunked, one request of 1024 tokens and 5 out: first token after the prefill,
+    # then 4 decode steps of one row (6 ms each)
+    [r] = simulate(Split(0, 1, chunk=0), prof, [Req(0, 0.0, 1024, 5)])
+    assert r.first_token == pytest.approx(0.020) and r.finish == pytest.approx(0.020 + 4 * 0.006)
+    # chunked by 256: four steps of 5 ms, the same first token
+    [r] = simulate(Split(0, 1, chunk=256), prof, [Req(0, 0.0, 1024, 5)])
+    assert r.first_token == pytest.approx(0.020)
+    # two requests at once on one unchunked worker: the second waits for the first's prefill step and shares
+    # the next step with its decode row (6 + 20 ms), then both decode together (5 + 2 ms a step)
+    a, b = simulate(Split(0, 1, chunk=0), prof, [Req(0, 0.0, 1024, 3), Req(1, 0.0, 1024, 3)])
+    assert a.first_token == pytest.approx(0.020) and b.first_token == pytest.approx(0.020 + 0.026)
+    assert a.finish == pytest.approx(0.046 + 0.007) and b.finish == pytest.approx(0.053 + 0.006)
+    # 1P:1D: prefill 20 ms, KV move 1024 x 1000 B at 1 GB/s = 1.024 ms + 0.5 fixed, then 4 steps of 6 ms
+    kv = _profile(20.0, alpha=5.0, beta=1.0, kv=1000)
+    [r] = simulate(Split(1, 1, link_gbps=1.0, transfer_fixed_ms=0.5), kv, [Req(0, 0.0, 1024, 5)])
+    assert r.first_token == pytest.approx(0.020 + 0.001524) and r.finish == pytest.approx(r.first_token + 0.024)
+
+
+def test_the_profile_fits_a_measured_engine_json():
+    data = json.loads(ENGINE_JSON.read_text())
+    prof = Profile.from_engine_json(data, source=ENGINE_JSON.name)
+    assert prof.kv_bytes_per_token == data["config"]["kv_bytes_per_token"]
+    for p in data["prefill"]:  # measured points are reproduced exactly
+        assert prof.prefill(0, p["tokens"]) == pytest.approx(p["ours_ms"]["median"])
+    for d in data["decode"]:  # the three-term fit holds every measured step within 15%
+        if d.get("kind", "uniform") == "uniform":
+            measured = d["ours_ms"]["median"]
+            assert prof.decode(d["batch"], d["batch"] * d["context"]) == pytest.approx(measured, rel=0.15)
+    with pytest.raises(ValueError, match="engine profile"):
+        Profile.from_engine_json({"prefill": []})
+
+
+def test_prefill_bound_work_with_loose_slos_stays_colocated():
+    """4096-token prompts (100 ms of prefill), 4 tokens out, TPOT loose: prefill is the work. Two colocated
+    workers both prefill (~20 req/s); 1P:1D has one prefill worker (~10 req/s)."""
+    prof = _profile(25.0, alpha=5.0, beta=0.01)
+    args = _args(input_len="4096", output_len="4", goodput=["ttft:2000", "tpot:200"])
+    result = plan(prof, Workload(args), args)
+    arms = {a["split"]: a for a in result["arms"]}
+    assert set(arms) == {"colocated x2 chunk 512", "colocated x2 unchunked", "1P:1D"}
+    colo, pd = arms["colocated x2 chunk 512"], arms["1P:1D"]
+    assert colo["converged"] and pd["converged"]
+    assert 16 <= colo["predicted_capacity_rate"] <= 21 and 8 <= pd["predicted_capacity_rate"] <= 10.6
+    assert result["recommended"].startswith("colocated")
+
+
+def test_a_tight_tpot_that_prefill_chunks_break_picks_disaggregation():
+    """Decode steps of ~10 ms, a 13 ms TPOT: any prefill chunk in a colocated step (12.5 ms for 512 tokens)
+    doubles that step, so colocated workers hold the SLO only at a few req/s; a prefill worker (50 ms a
+    prompt, 20 req/s) feeding a decode-only one does not touch its steps."""
+    prof = _profile(25.0, alpha=10.0, beta=0.02)
+    args = _args(input_len="2048", output_len="64", goodput=["ttft:1000", "tpot:13"])
+    result = plan(prof, Workload(args), args)
+    arms = {a["split"]: a for a in result["arms"]}
+    colo = max(arms["colocated x2 chunk 512"]["predicted_capacity_rate"] or 0,
+               arms["colocated x2 unchunked"]["predicted_capacity_rate"] or 0)
+    pd = arms["1P:1D"]["predicted_capacity_rate"]
+    assert result["recommended"] == "1P:1D" and pd >= 2 * colo and 14 <= pd <= 20.5
+    # with 4 GPUs prefill is the 1P:3D split's bottleneck (20 req/s); 2P:2D or 3P:1D does better
+    four = plan(prof, Workload(args), _args(**{**vars(args), "gpus": 4}))
+    assert four["recommended"] in ("2P:2D", "3P:1D")
+    by = {a["split"]: a["predicted_capacity_rate"] for a in four["arms"]}
+    assert by["1P:3D"] <= 20.5 < by[four["recommended"]]
+
+
+def test_a_probe_is_judged_on_its_queue():
+    """Past capacity with SLOs a short window still meets, the queue's growth fails the probe."""
+    prof = _profile(25.0, alpha=5.0, beta=0.01)
+    args = _args(input_len="1024", output_len="2")
+    slos = parse_slos(["ttft:100000"])  # no SLO binds: only the queue can fail a probe
+    cap, probes = predict(Split(0, 1, chunk=0), prof, Workload(args), slos, probe_seconds=20, min_requests=50,
+                          precision=0.05, max_probes=14)
+    assert 1000 / 30.1 / 1.1 <= cap.rate <= 1000 / 30.1 * 1.06  # 25 ms prefill + 5.01 ms decode per request
+    failed = [b for b in probes if not b["probe_passed"]]
+    assert failed and all(b["goodput_fraction"] >= 0.9 and b["saturation"]["queue_growing"] for b in failed)
+
+
+def test_the_command_writes_its_plan(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 1024 + 512 * (i % 3),
+                                         "output_length": 16, "hash_ids": []}) + "\n" for i in range(30)))
+    out = tmp_path / "plan.json"
+    rc = cli.main(["plan", "--profile", str(ENGINE_JSON), "--gpus", "2", "--trace", str(trace), "--goodput",
+                   "ttft:1000", "tpot:25", "--probe-seconds", "10", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["recommended"] in {a["split"] for a in result["arms"]} and "Mooncake" in result["workload"]
+    assert all(p["requests"] >= 200 for a in result["arms"] for p in a["probes"])
+    assert "recommended:" in capsys.readouterr().out
+    assert cli.main(["plan", "--goodput", "ttft:10"]) == 2
+    assert "--profile" in capsys.readouterr().err
