@@ -143,11 +143,13 @@ class MixedGraphs:
         self.cut = Cut(runner.model, self.max_tokens, max_keep, dev, compile=compile)
         self.use_graphs = use_graphs
         n, k = self.max_tokens, max_keep
-        # ids, positions [n] and kept rows [k] in one buffer: one host-to-device copy a step
-        self.host = torch.zeros(2 * n + k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        # ids, positions [n], kept rows [k], K and V slots [n] in one buffer: one host-to-device copy a step
+        self.host = torch.zeros(4 * n + k, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.packed = torch.zeros_like(self.host, device=dev)
         self.host_np = self.host.numpy()
-        self.cut.ids, self.cut.pos, self.cut.keep = self.packed[:n], self.packed[n:2 * n], self.packed[2 * n:]
+        self.cut.ids, self.cut.pos = self.packed[:n], self.packed[n:2 * n]
+        self.cut.keep = self.packed[2 * n:2 * n + k]
+        self.k_slots, self.v_slots = self.packed[2 * n + k:3 * n + k], self.packed[3 * n + k:]
         self.copied = torch.cuda.Event() if use_graphs else None
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.mempool = None
@@ -165,15 +167,15 @@ class MixedGraphs:
         h = self.host_np
         h[:t], h[t:bucket] = inp.ids, 0
         h[n:n + t], h[n + t:n + bucket] = inp.positions, 0
-        h[2 * n:2 * n + kept], h[2 * n + kept:] = inp.keep, 0
+        h[2 * n:2 * n + kept], h[2 * n + kept:2 * n + self.max_keep] = inp.keep, 0
+        s = 2 * n + self.max_keep
+        h[s:s + t], h[s + n:s + n + t] = inp.k_slots, inp.v_slots
         self.packed.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         step_inputs.apply_feed(self.cut.ids, feed)
-        dev = self.runner.device
         step = attention.STEP
-        step.k_slots = step_inputs.to_device(inp.k_slots, dev)
-        step.v_slots = step_inputs.to_device(inp.v_slots, dev)
+        step.k_slots, step.v_slots = self.k_slots[:t], self.v_slots[:t]
         segments = self._segments(bucket)
         cut = self.cut
         segments[0]()
