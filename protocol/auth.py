@@ -27,6 +27,7 @@ out), and no state is kept per unknown peer.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
@@ -87,6 +88,12 @@ class WorkerKeys:
 
     def kv_gate(self) -> dict[bytes, str]:
         return {self.worker.public: "worker"}
+
+    def disk_key(self) -> bytes:
+        """The deployment's key for the disk tier's entries (workers/engine/kv_tiers): derived from the
+        workers' secret, so every worker of a deployment reads what the others wrote and nobody without
+        the deployment's keys can write an entry they accept."""
+        return hashlib.blake2b(self.worker.secret, digest_size=32, person=b"pdserve-disk-kv").digest()
 
 
 def new_deployment() -> tuple[RouterKeys, WorkerKeys]:

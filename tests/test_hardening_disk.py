@@ -192,3 +192,36 @@ def test_a_load_over_a_hung_disk_ends_and_the_request_recomputes(tmp_path, monke
     assert time.monotonic() - start < 3.0
     assert handle.wait(1) and handle.error is not None and handle.loaded == 0
     assert torch.isnan(kv.pool[:, 8:12]).all()
+
+
+def test_entries_are_keyed_by_the_deployment_not_by_the_folder(tmp_path):
+    """With the deployment's key (WorkerKeys.disk_key, what a worker passes its engine), entries written
+    by this deployment are served after a restart, and none written under another deployment's key is,
+    even with the folder's own key file in place; the key never lands in the folder."""
+    from protocol.auth import new_deployment
+    from protocol.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    _, ours = new_deployment()
+    _, other = new_deployment()
+    assert ours.disk_key() != other.disk_key() and len(ours.disk_key()) == 32
+    tier = DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny", key=ours.disk_key())
+    tier.put(entries(3))
+    assert tier.flush(10)
+    tier.close()
+    again = DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny", key=ours.disk_key())
+    errors, bufs = read_back(again)
+    assert all(e is None for e in errors) and [bytes(b) for b in bufs] == [bytes(m) for _, m in entries(3)]
+    again.close()
+    stranger = DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny", key=other.disk_key())
+    errors, bufs = read_back(stranger)
+    assert all(e is not None for e in errors) and all(b == b"\xee" * ENTRY for b in bufs)
+    stranger.close()
+    assert all(ours.disk_key() not in p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
+    # the engine hands the key it was given to its disk tier
+    e = Engine(EngineConfig(model="tiny", num_blocks=32, host_cache_gb=0.01, disk_cache_dir=str(tmp_path / "e")),
+               disk_key=ours.disk_key())
+    try:
+        assert e.tiers.host.disk._key == ours.disk_key()
+    finally:
+        e.close()

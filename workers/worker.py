@@ -199,7 +199,7 @@ class Worker:
         if engine is None:
             from workers.engine.engine import Engine
 
-            engine = Engine(cfg.engine)
+            engine = Engine(cfg.engine, disk_key=cfg.keys.disk_key() if cfg.keys is not None else None)
             if cfg.role != "prefill":  # take the decode graphs before the first request (CUDA only)
                 spent = engine.warmup()
                 if spent:

@@ -74,7 +74,9 @@ class PrefillResult:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded=None):
+    def __init__(self, config: EngineConfig, loaded=None, disk_key: bytes | None = None):
+        """disk_key: the deployment's key for the disk tier's entries (WorkerKeys.disk_key); None: the
+        tier folder's own key."""
         check_device(config)
         self.config = config
         if loaded is None:
@@ -104,7 +106,7 @@ class Engine:
                                   fuse_qkv=config.fuse_qkv and self.device.type == "cuda",
                                   mixed_tokens=max(config.mixed_graph_tokens, config.chunk_tokens + config.max_num_seqs)
                                   if config.mixed_graph_tokens else 0)
-        self.tiers = self._tiers(config)
+        self.tiers = self._tiers(config, disk_key)
         self.scheduler.tiers = self.tiers
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.vocab_size = self.model.config.vocab_size
@@ -127,7 +129,7 @@ class Engine:
         # the pool holds one block more than requests may use: the scratch block
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)
 
-    def _tiers(self, config: EngineConfig):
+    def _tiers(self, config: EngineConfig, disk_key: bytes | None):
         """The host tier (and disk below it) for blocks the prefix cache keeps, if asked for."""
         if not (config.prefix_cache and config.host_cache_gb):
             return None
@@ -137,7 +139,8 @@ class Engine:
 
         disk = None
         if config.disk_cache_dir:
-            disk = DiskTier(config.disk_cache_dir, int(config.disk_cache_gb * 2**30), self.layout, self.model_name)
+            disk = DiskTier(config.disk_cache_dir, int(config.disk_cache_gb * 2**30), self.layout, self.model_name,
+                            key=disk_key)
         host = HostTier(self.layout, int(config.host_cache_gb * 2**30), self.device, pinned=True, disk=disk)
         log.info("KV tiers: host %.1f GiB (%d blocks)%s", config.host_cache_gb, host.num_slots,
                  f", disk {config.disk_cache_gb:.1f} GiB in {config.disk_cache_dir}" if disk else "")
