@@ -6,6 +6,7 @@
     pdserve-bench offline   an offline workload beside its floor and transformers' batching (bench/offline.py)
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/attention_bench.py)
     pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/multihost.py)
+    pdserve-bench atlas     prompt profiles x SLO pairs x rates, which arm wins each cell (bench/atlas.py)
     pdserve-bench plan      colocated or xP:yD for N GPUs, predicted from an engine profile (bench/planner.py)
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`.
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "offline": ("bench.offline", "an offline workload through the engine beside its floor and transformers' batching"),
     "attention": ("bench.attention_bench", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
     "multihost": ("bench.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
+    "atlas": ("bench.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
     "plan": ("bench.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
     "offload": ("bench.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }

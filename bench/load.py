@@ -139,6 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="closed loop: requests in flight (a list sweeps; multiturn: conversations in flight)")
     lo.add_argument("--max-concurrency", type=int, default=None,
                     help="open loop: at most this many requests in flight, later sends wait (as vLLM)")
+    lo.add_argument("--run-seconds", type=float, default=0.0,
+                    help="a given rate point sends at least this many seconds of arrivals (rate x seconds "
+                         "requests, and at least --num-prompts); 0: --num-prompts alone")
     lo.add_argument("--capacity-search", action="store_true",
                     help="find each arm's capacity under --goodput, then sweep around it (instead of given rates)")
     lo.add_argument("--search-start-rate", type=float, default=1.0, help="req/s of the first probe")
@@ -224,6 +227,8 @@ def load_points(args) -> list[LoadPoint]:
             raise ValueError("a Mooncake trace is replayed at its own timestamps: leave out --request-rate(s) and "
                              "--concurrency (use --trace-speedup to replay it faster)")
         return [LoadPoint("trace", args.trace_speedup)]
+    if args.run_seconds < 0:
+        raise ValueError(f"--run-seconds must be >= 0, got {args.run_seconds}")
     if args.concurrency and (args.request_rate is not None or args.request_rates):
         raise ValueError("choose open loop (--request-rate/--request-rates) or closed loop (--concurrency), not both")
     if args.concurrency:
@@ -281,6 +286,8 @@ def workload_text(args) -> str:
                  f"{args.probe_min_requests or args.num_prompts} prompts")
     else:
         text += f", {args.num_prompts} prompts per run" + (" per policy" if interleaved and not args.no_pair else "")
+        if args.run_seconds:
+            text += f", each rate point >= {args.run_seconds:g} s of arrivals"
     text += f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""
     text += ", ignore_eos" if not args.no_ignore_eos else ""
     return text + f", tokens {'by ' + args.tokenizer if args.tokenizer else 'approximated'}"

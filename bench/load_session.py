@@ -241,7 +241,10 @@ class Session:
             records, duration = await self.converse(client, arm.policy, point, f"{arm.label} {point.label}")
         else:
             searched = phase in ("probe", "sweep") and point.kind == "rate"
-            samples = self.samples(n=self.probe_size(point.value) if searched else None)
+            timed = point.kind == "rate" and math.isfinite(point.value) and self.args.run_seconds
+            samples = self.samples(n=self.probe_size(point.value) if searched else
+                                   probe_requests(point.value, self.args.run_seconds, self.args.num_prompts) if timed
+                                   else None)
             planned = plan(samples, [arm.policy] if arm.policy else None, point, self.args)
             records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}")
         block = result_block(records, duration, point, self.args, self.slos, self.percentiles, arm=arm.label,

@@ -1,0 +1,277 @@
+"""`pdserve-bench atlas`: where disaggregation wins and where it loses, measured on one grid.
+
+    pdserve-bench atlas --devices cuda:0 --server-args '--model qwen2.5-7b --devices cuda:0 --kv-memory-gb 16' \\
+        --tokenizer qwen2.5-7b --rates 'short=2,4,8,12,16,24;long=0.5,1,2,3,4;mixed=1,2,4,6,8,12'
+
+The grid: prompt profiles (short, long, mixed) x SLO pairs (tight: TPOT 25 ms, loose: TPOT 100 ms; TTFT
+2 s in both) x offered rates, for each arm on equal hardware: each arm its own fresh server, one after the
+other (`pdserve-bench load --arm`), on the same seeded prompt lengths and arrival schedule. One GPU
+(--devices cuda:0): a colocated worker alone vs a prefill and a decode worker sharing the GPU; two
+(--devices cuda:0,cuda:1): two colocated workers vs prefill on one, decode on the other. --arm replaces
+those (any server: the fake one in the tests).
+
+Each (profile, arm) runs every rate of its grid once, each run >= --run-seconds (60) of Poisson arrivals
+(at least --min-requests), judged for a growing queue (bench/capacity.py). An SLO pair changes only the
+verdict, not the run, so every pair is judged on the same requests: a rate passes when >= --goodput-target
+of its requests met both SLOs and its queue did not grow. An arm's capacity in a cell is the highest grid
+rate below which every rate passed (its bracket: that rate and the first failing one); the cell's winner
+is the arm with the higher capacity, "tie" when equal, "neither" when no arm passed the lowest rate.
+
+Writes atlas.json (the cells, every capacity and bracket, the runs' folders, provenance) and atlas.png (the
+map: one square per cell, coloured by its winner, each arm's capacity written in it) into --out, and each
+profile's load run (results.json, summary.md, server logs) into --out/<profile>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from bench.capacity import probe_passes
+
+PROFILES = {  # name -> the load bench's workload flags
+    "short": ["--input-len", "uniform:128:512"],
+    "long": ["--input-len", "uniform:4096:8192"],
+    "mixed": ["--input-len", "uniform:256:1024", "--long-fraction", "0.25", "--long-input-len", "uniform:4096:8192"],
+}
+SLO_PAIRS = {"tight": {"ttft": 2000.0, "tpot": 25.0}, "loose": {"ttft": 2000.0, "tpot": 100.0}}
+DEFAULT_RATES = "short=2,4,8,12,16,24,32;long=0.5,1,2,3,4,6;mixed=1,2,4,6,8,12,16"
+
+
+def _slo(text: str) -> tuple[str, dict[str, float]]:
+    name, eq, spec = text.partition("=")
+    try:
+        pairs = dict(item.split(":") for item in spec.split(","))
+        return name.strip(), {k.strip(): float(v) for k, v in pairs.items()}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"an SLO pair is NAME=ttft:MS,tpot:MS, got {text!r}") from e
+
+
+def parse_rates(text: str, profiles: list[str]) -> dict[str, list[float]]:
+    """'1,2,4' for every profile, or 'short=2,4;long=0.5,1' per profile (each listed profile needs one)."""
+    def floats(s: str) -> list[float]:
+        values = sorted(float(x) for x in s.split(",") if x.strip())
+        if not values or any(v <= 0 for v in values):
+            raise ValueError(f"rates must be > 0, got {s!r}")
+        return values
+    if "=" not in text:
+        return {p: floats(text) for p in profiles}
+    per = {k.strip(): floats(v) for k, _, v in (part.partition("=") for part in text.split(";") if part.strip())}
+    missing = [p for p in profiles if p not in per]
+    if missing:
+        raise ValueError(f"--rates has no rates for profile(s) {missing}")
+    return {p: per[p] for p in profiles}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", default="cuda:0", help="one device (colocated alone vs P and D sharing it) or two "
+                                                       "(two colocated vs 1P1D); ignored with --arm")
+    p.add_argument("--arm", action="append", default=None, metavar="LABEL=POLICY:FLAGS",
+                   help="the arms instead (as pdserve-bench load --arm)")
+    p.add_argument("--server-args", default="", help="flags for every arm's server, e.g. '--model qwen2.5-7b ...'")
+    p.add_argument("--server-command", default=None, help="what starts a server (default: pdserve)")
+    p.add_argument("--server-timeout", type=float, default=900.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--profiles", default="short,long,mixed", help=f"of {', '.join(PROFILES)} (or --profile's)")
+    p.add_argument("--profile", action="append", default=None, metavar="NAME=LOAD_FLAGS",
+                   help="define or redefine a profile by its load-bench workload flags, e.g. "
+                        "\"long=--input-len uniform:1024:2048\" (a small model's context is shorter)")
+    p.add_argument("--output-len", default="64")
+    p.add_argument("--slo", type=_slo, action="append", default=None, metavar="NAME=ttft:MS,tpot:MS",
+                   help="an SLO pair (repeat; default tight=ttft:2000,tpot:25 and loose=ttft:2000,tpot:100)")
+    p.add_argument("--rates", default=DEFAULT_RATES, help="req/s: '1,2,4' or per profile 'short=2,4;long=1,2'")
+    p.add_argument("--run-seconds", type=float, default=60.0, help="seconds of arrivals per run, at least")
+    p.add_argument("--min-requests", type=int, default=24, help="requests per run, at least")
+    p.add_argument("--goodput-target", type=float, default=0.9)
+    p.add_argument("--tokenizer", default=None, help="count prompt tokens exactly (the model's name)")
+    p.add_argument("--warmup-batch", type=int, default=4)
+    p.add_argument("--warmup-max-batches", type=int, default=4)
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default bench/results/atlas-<date>/)")
+    p.add_argument("--no-plot", action="store_true")
+
+
+def default_arms(devices: str) -> list[str]:
+    n = len([d for d in devices.split(",") if d.strip()])
+    if n not in (1, 2):
+        raise ValueError(f"--devices lists one device or two, got {devices!r}")
+    colocated = f"--prefill-workers 0 --decode-workers 0 --colocated-workers {n}"
+    return [f"colocated=colocated:{colocated}", "disaggregated=disaggregated:--no-colocated --prefill-workers 1 "
+            "--decode-workers 1"]
+
+
+def profiles_of(args) -> dict[str, list[str]]:
+    out = dict(PROFILES)
+    for spec in args.profile or []:
+        name, eq, flags = spec.partition("=")
+        if not eq or not name.strip() or not flags.strip():
+            raise ValueError(f"a profile is NAME=LOAD_FLAGS, got {spec!r}")
+        out[name.strip()] = shlex.split(flags)
+    return out
+
+
+def load_argv(args, flags: list[str], rates: list[float], arms: list[str], out: Path) -> list[str]:
+    argv = [x for arm in arms for x in ("--arm", arm)]
+    argv += ["--server-args", args.server_args, "--server-timeout", str(args.server_timeout),
+             "--request-timeout", str(args.request_timeout), *flags, "--output-len", args.output_len,
+             "--request-rates", ",".join(f"{r:g}" for r in rates), "--run-seconds", str(args.run_seconds),
+             "--num-prompts", str(args.min_requests), "--burstiness", str(args.burstiness), "--seed", str(args.seed),
+             "--warmup-batch", str(args.warmup_batch), "--warmup-max-batches", str(args.warmup_max_batches),
+             "--out", str(out), "--no-progress", "--no-plots"]
+    if args.server_command:
+        argv += ["--server-command", args.server_command]
+    if args.tokenizer:
+        argv += ["--tokenizer", args.tokenizer]
+    return argv
+
+
+def _meets(request: dict, slos: dict[str, float]) -> bool:
+    if not request.get("success"):
+        return False
+    values = {"ttft": request.get("ttft_s"), "tpot": request.get("tpot_s") or 0.0, "e2el": request.get("e2e_s")}
+    return all(values[m] is not None and values[m] * 1e3 <= limit for m, limit in slos.items())
+
+
+def judge_run(block: dict, slos: dict[str, float], target: float) -> dict:
+    """One measured rate under one SLO pair: the share that met both, the queue, the verdict."""
+    requests = block.get("requests") or []
+    fraction = sum(_meets(r, slos) for r in requests) / len(requests) if requests else None
+    verdict = probe_passes({"goodput_fraction": fraction, "saturation": block.get("saturation")}, target)
+    return {"rate": block["request_rate"], "goodput_fraction": fraction, "passed": verdict,
+            "queue_growing": (block.get("saturation") or {}).get("queue_growing"),
+            "requests": len(requests), "arrival_window_s": block.get("arrival_window_s")}
+
+
+def capacity_on_grid(judged: list[dict]) -> dict:
+    """The highest rate below which every rate of the grid passed; its bracket; whether the grid ran out."""
+    judged = sorted(judged, key=lambda j: j["rate"])
+    rate, first_fail = None, None
+    for j in judged:
+        if not j["passed"]:
+            first_fail = j["rate"]
+            break
+        rate = j["rate"]
+    return {"capacity_rate": rate, "first_failing_rate": first_fail, "bracket": [rate, first_fail],
+            "at_least": first_fail is None and rate is not None, "runs": judged}
+
+
+def winner(capacities: dict[str, dict]) -> str:
+    rated = {arm: c["capacity_rate"] or 0.0 for arm, c in capacities.items()}
+    top = max(rated.values(), default=0.0)
+    if top == 0.0:
+        return "neither"
+    best = [arm for arm, r in rated.items() if r == top]
+    return best[0] if len(best) == 1 else "tie"
+
+
+def cells_of(runs: dict[str, dict], slos: dict[str, dict], target: float) -> list[dict]:
+    """runs: profile -> its load results.json. One cell per (profile, SLO pair)."""
+    cells = []
+    for profile, run in runs.items():
+        arms = [a["label"] for a in run["arms"]]
+        for name, pair in slos.items():
+            caps = {}
+            for arm in arms:
+                blocks = [b for b in run["results"] if b["arm"] == arm and b["phase"] == "point"]
+                caps[arm] = capacity_on_grid([judge_run(b, pair, target) for b in blocks])
+            cells.append({"profile": profile, "slo": name, "slos_ms": pair, "winner": winner(caps),
+                          "capacities": caps})
+    return cells
+
+
+def _cap_text(c: dict) -> str:
+    if c["capacity_rate"] is None:
+        return f"< {c['runs'][0]['rate']:g}" if c["runs"] else "no runs"
+    return ("≥ " if c["at_least"] else "") + f"{c['capacity_rate']:g}"
+
+
+def plot_map(atlas: dict, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    profiles = list(dict.fromkeys(c["profile"] for c in atlas["cells"]))
+    slo_names = list(dict.fromkeys(c["slo"] for c in atlas["cells"]))
+    arms = atlas["arms"]
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]
+    colors = {arm: palette[i % len(palette)] for i, arm in enumerate(arms)} | {"tie": "#BBBBBB",
+                                                                               "neither": "#FFFFFF"}
+    fig, ax = plt.subplots(figsize=(2.8 + 2.6 * len(slo_names), 1.2 + 1.5 * len(profiles)))
+    for c in atlas["cells"]:
+        x, y = slo_names.index(c["slo"]), len(profiles) - 1 - profiles.index(c["profile"])
+        ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=colors[c["winner"]], edgecolor="black", alpha=0.85))
+        lines = [c["winner"]] + [f"{arm}: {_cap_text(c['capacities'][arm])}" for arm in arms]
+        ax.text(x + 0.5, y + 0.5, "\n".join(lines), ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, len(slo_names))
+    ax.set_ylim(0, len(profiles))
+    ax.set_xticks([i + 0.5 for i in range(len(slo_names))])
+    ax.set_xticklabels([f"{n}\n" + ", ".join(f"{k} {v:g} ms" for k, v in atlas["slos"][n].items())
+                        for n in slo_names], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(profiles))])
+    ax.set_yticklabels(profiles[::-1])
+    ax.set_title(f"which arm meets the SLOs (>= {atlas['goodput_target']:.0%}, queue steady) at the higher rate\n"
+                 f"capacity in req/s on the rate grid; {atlas.get('hardware') or ''}", fontsize=9)
+    ax.legend(handles=[Patch(facecolor=colors[k], edgecolor="black", label=k) for k in [*arms, "tie", "neither"]],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(args) -> int:
+    from bench import load
+    from bench.load_report import environment, write_json
+
+    try:
+        defined = profiles_of(args)
+        profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
+        unknown = [p for p in profiles if p not in defined]
+        if unknown or not profiles:
+            raise ValueError(f"unknown profile(s) {unknown}; choose from {', '.join(defined)} or define one "
+                             "with --profile NAME=LOAD_FLAGS")
+        rates = parse_rates(args.rates, profiles)
+        arms = args.arm or default_arms(args.devices)
+        slos = dict(args.slo) if args.slo else SLO_PAIRS
+        if args.run_seconds < 0 or args.min_requests < 1 or not 0 < args.goodput_target <= 1:
+            raise ValueError("need --run-seconds >= 0, --min-requests >= 1, 0 < --goodput-target <= 1")
+    except ValueError as e:
+        print(f"pdserve-bench atlas: {e}", file=sys.stderr)
+        return 2
+    env = environment()
+    out = Path(args.out) if args.out else Path("bench") / "results" / f"atlas-{env['date']}"
+    out.mkdir(parents=True, exist_ok=True)
+    runs, codes = {}, {}
+    for profile in profiles:
+        argv = load_argv(args, defined[profile], rates[profile], arms, out / profile)
+        print(f"atlas: {profile}: pdserve-bench load {shlex.join(argv)}", file=sys.stderr)
+        codes[profile] = load.main(argv)
+        results = out / profile / "results.json"
+        if results.is_file():
+            runs[profile] = json.loads(results.read_text())
+    if not runs:
+        print("pdserve-bench atlas: no profile produced results (see the load runs' errors above)", file=sys.stderr)
+        return 1
+    labels = list(dict.fromkeys(a["label"] for r in runs.values() for a in r["arms"]))
+    atlas = {"benchmark": "atlas", "environment": env, "command": shlex.join(["pdserve-bench", "atlas",
+                                                                               *sys.argv[2:]]),
+             "hardware": args.devices if not args.arm else "arms as given",
+             "arms": labels, "arm_specs": arms, "server_args": args.server_args, "slos": slos,
+             "goodput_target": args.goodput_target, "run_seconds": args.run_seconds,
+             "min_requests": args.min_requests, "rates": rates,
+             "profiles": {p: shlex.join(defined[p]) + f" --output-len {args.output_len}" for p in profiles},
+             "runs": {p: f"{p}/results.json" for p in runs}, "load_exit_codes": codes,
+             "cells": cells_of(runs, slos, args.goodput_target)}
+    if not args.no_plot:
+        atlas["plot"] = plot_map(atlas, out / "atlas.png").name
+    write_json(out / "atlas.json", atlas)
+    for c in atlas["cells"]:
+        caps = ", ".join(f"{arm} {_cap_text(cap)}" for arm, cap in c["capacities"].items())
+        print(f"{c['profile']:>6} x {c['slo']:<6} winner {c['winner']:<14} ({caps} req/s)")
+    print(f"atlas in {out}/", file=sys.stderr)
+    return 0 if all(code == 0 for code in codes.values()) else 1

@@ -1,0 +1,60 @@
+"""The crossover atlas (bench/atlas.py) end to end on fake servers whose trade is known: arm "colo" prefills
+fast (20 ms + 0.02 ms a word: ~47 req/s at 50-word prompts, ~25 at 1000) but decodes at 20 ms a token, arm
+"disagg" prefills at less than half the speed (50 ms + 0.05: ~19 and ~10 req/s) and decodes at 2 ms. A tight
+TPOT (12 ms) only disagg meets; under a loose one (80 ms) colo's faster prefill serves the higher rate.
+Near-periodic arrivals (burstiness 50): a seeded Poisson draw of 15 requests can come ~30% slower than its rate."""
+
+import json
+import sys
+
+from bench import cli
+from bench.atlas import capacity_on_grid, parse_rates, winner
+
+FAKE = f"{sys.executable} -m bench.load_fake_server --port 0"
+
+
+def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):
+    out = tmp_path / "atlas"
+    rc = cli.main(["atlas", "--server-command", FAKE,
+                   "--arm", "colo=colocated:--itl-ms 20 --prefill-ms-per-request 20 --prefill-ms-per-token 0.02",
+                   "--arm", "disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 50 --prefill-ms-per-token 0.05 "
+                            "--transfer-ms-per-token 0",
+                   "--profile", "short=--input-len 50", "--profile", "long=--input-len 1000", "--profiles", "short,long",
+                   "--rates", "short=12,30;long=6,15", "--output-len", "3",
+                   "--slo", "tight=ttft:1000,tpot:12", "--slo", "loose=ttft:1000,tpot:80",
+                   "--run-seconds", "1", "--min-requests", "12", "--burstiness", "50", "--warmup-batch", "0", "--out", str(out)])
+    assert rc == 0
+    atlas = json.loads((out / "atlas.json").read_text())
+    assert atlas["arms"] == ["colo", "disagg"] and (out / "short" / "results.json").is_file()
+    assert (out / "atlas.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cells = {(c["profile"], c["slo"]): c for c in atlas["cells"]}
+    assert set(cells) == {("short", "tight"), ("short", "loose"), ("long", "tight"), ("long", "loose")}
+    for profile in ("short", "long"):
+        tight, loose = cells[(profile, "tight")], cells[(profile, "loose")]
+        assert tight["winner"] == "disagg" and tight["capacities"]["colo"]["capacity_rate"] is None
+        assert loose["winner"] == "colo", loose
+    # every grid rate below capacity passes, the one past it fails on its growing queue
+    for profile, low, high in (("short", 12, 30), ("long", 6, 15)):
+        caps = cells[(profile, "loose")]["capacities"]
+        assert caps["colo"]["capacity_rate"] == high and caps["colo"]["at_least"]
+        assert caps["disagg"]["bracket"] == [low, high]
+        failing = next(r for r in caps["disagg"]["runs"] if r["rate"] == high)
+        assert failing["queue_growing"] and not failing["passed"]
+        assert cells[(profile, "tight")]["capacities"]["disagg"]["capacity_rate"] == low
+        for run in caps["disagg"]["runs"]:  # every run >= 1 s of arrivals, or 12 requests
+            assert run["requests"] == max(12, -(-run["rate"] // 1))
+    assert atlas["profiles"]["long"] == "--input-len 1000 --output-len 3"
+
+
+def test_grid_capacity_and_winner():
+    runs = [{"rate": r, "passed": p} for r, p in ((1, True), (2, True), (4, False), (8, True))]
+    cap = capacity_on_grid(runs)
+    assert cap["capacity_rate"] == 2 and cap["bracket"] == [2, 4] and not cap["at_least"]
+    assert capacity_on_grid([{"rate": 1, "passed": False}])["capacity_rate"] is None
+    assert capacity_on_grid([{"rate": 1, "passed": True}])["at_least"]
+    assert winner({"a": {"capacity_rate": 2}, "b": {"capacity_rate": 4}}) == "b"
+    assert winner({"a": {"capacity_rate": 2}, "b": {"capacity_rate": 2}}) == "tie"
+    assert winner({"a": {"capacity_rate": None}, "b": {"capacity_rate": None}}) == "neither"
+    assert parse_rates("1,4,2", ["short"]) == {"short": [1, 2, 4]}
+    assert parse_rates("short=1;long=2,3", ["long"]) == {"long": [2, 3]}
+    assert cli.main(["atlas", "--profiles", "huge"]) == 2
