@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--link-gbps", type=float, default=100.0, help="GB/s of the KV link between P and D")
     d.add_argument("--transfer-fixed-ms", type=float, default=0.5, help="fixed cost of one KV move")
     s = p.add_argument_group("search")
-    s.add_argument("--goodput", nargs="+", required=True, metavar="METRIC:MS", help="SLOs, e.g. ttft:2000 tpot:25")
+    s.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="the SLOs (required), e.g. ttft:2000 tpot:25")
     s.add_argument("--goodput-target", type=float, default=0.9)
     s.add_argument("--probe-seconds", type=float, default=60.0, help="simulated seconds of arrivals per probe")
     s.add_argument("--probe-min-requests", type=int, default=200)
@@ -192,6 +193,8 @@ def run(args) -> int:
             raise ValueError("give the profile: --profile ENGINE.json or --measure MODEL")
         if args.gpus < 1:
             raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+        if not args.goodput:
+            raise ValueError("give the SLOs the split must meet: --goodput ttft:MS tpot:MS")
         workload = Workload(args)
         parse_slos(args.goodput)
         profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile) \
