@@ -16,7 +16,9 @@ The model, stated so it can be checked against a measured run:
   - a prefill worker runs one prompt at a time; the KV moves in kv_bytes / link bandwidth (plus a fixed
     cost), the first token arrives with it; the decode worker adopts the request at its next step;
   - a new request goes to the worker with the least queued work (prompt tokens waiting, or rows running);
-  - a worker holds at most max_batch decoding rows; more wait.
+  - a worker holds at most max_batch decoding rows; more wait;
+  - shared (1P:1D on one GPU): the GPU is shared evenly while both workers run a step (processor sharing:
+    each step's work advances at half speed then), as two processes time-slicing one GPU.
 Torch-free.
 """
 
@@ -93,13 +95,20 @@ class Split:
     max_batch: int = 256
     link_gbps: float = 100.0  # GB/s between a prefill and a decode worker
     transfer_fixed_ms: float = 0.5
+    shared: bool = False  # 1P:1D on one GPU: the two workers time-slice it
+
+    def __post_init__(self):
+        if self.decode < 1 or self.prefill < 0 or (self.shared and (self.prefill, self.decode) != (1, 1)):
+            raise ValueError(f"a split needs >= 1 decode (or colocated) worker; shared is 1P:1D only: {self}")
 
     @property
     def gpus(self) -> int:
-        return self.prefill + self.decode
+        return 1 if self.shared else self.prefill + self.decode
 
     @property
     def label(self) -> str:
+        if self.shared:
+            return "1P:1D sharing 1 GPU"
         if self.prefill == 0:
             return f"colocated x{self.decode}" + (" unchunked" if self.chunk == 0 else f" chunk {self.chunk}")
         return f"{self.prefill}P:{self.decode}D"
@@ -122,8 +131,12 @@ class _Worker:
     role: str  # "colocated" | "prefill" | "decode"
     waiting: deque = field(default_factory=deque)  # prompts to prefill, or (decode) requests to adopt
     running: list = field(default_factory=list)  # decoding rows
+    gpu: int = 0
     busy: bool = False
     step: tuple = ()  # what the step in flight does: (decoding rows, [(req, end token)])
+    left_ms: float = 0.0  # the step's work left at full speed, as of `since`
+    since: float = 0.0
+    version: int = 0  # a step-end event of an older version is stale (the GPU's share changed)
 
     def load(self) -> int:
         if self.role == "decode":
@@ -141,13 +154,28 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
         heapq.heappush(events, (t, seq[0], kind, payload))
 
     if split.prefill == 0:
-        front = [_Worker("colocated") for _ in range(split.decode)]
+        front = [_Worker("colocated", gpu=i) for i in range(split.decode)]
         back = front
     else:
-        front = [_Worker("prefill") for _ in range(split.prefill)]
-        back = [_Worker("decode") for _ in range(split.decode)]
+        front = [_Worker("prefill", gpu=i) for i in range(split.prefill)]
+        back = [_Worker("decode", gpu=0 if split.shared else split.prefill + i) for i in range(split.decode)]
+    on_gpu: dict[int, list[_Worker]] = {}
+    for w in {id(w): w for w in front + back}.values():
+        on_gpu.setdefault(w.gpu, []).append(w)
     for r in requests:
         push(r.arrival, "arrive", r)
+
+    def reshare(gpu: int, now: float, change) -> None:
+        """Advance the GPU's running steps to `now` at the old share, apply `change`, reschedule their ends."""
+        running = [w for w in on_gpu[gpu] if w.busy]
+        for w in running:
+            w.left_ms -= (now - w.since) * 1e3 / len(running)
+            w.since = now
+        change()
+        running = [w for w in on_gpu[gpu] if w.busy]
+        for w in running:
+            w.version += 1
+            push(now + max(0.0, w.left_ms) * len(running) / 1e3, "step", (w, w.version))
 
     def start(w: _Worker, now: float) -> None:
         if w.busy:
@@ -173,12 +201,16 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
                 budget -= end - r.done_prefill
         if not rows and not chunks:
             return
-        w.busy, w.step = True, (rows, chunks)
-        push(now + ms / 1e3, "step", w)
+        def begin():
+            w.busy, w.step, w.left_ms, w.since = True, (rows, chunks), ms, now
+        reshare(w.gpu, now, begin)
 
     def step_done(w: _Worker, now: float) -> None:
         rows, chunks = w.step
-        w.busy, w.step = False, ()
+
+        def end():
+            w.busy, w.step = False, ()
+        reshare(w.gpu, now, end)
         for r in rows:
             r.generated += 1
             if r.generated >= r.output:
@@ -208,7 +240,9 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             w.waiting.append(payload)
             start(w, now)
         elif kind == "step":
-            step_done(payload, now)
+            w, version = payload
+            if version == w.version:
+                step_done(w, now)
         else:  # "kv": the first token with it; the decode worker takes it at its next step
             r = payload
             r.first_token = now

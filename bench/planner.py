@@ -8,7 +8,7 @@ from a worker's measured profile.
 
 The profile: prefill time by prompt length and decode step time by batch x context, from `pdserve-bench
 engine`'s JSON (bench/plan_sim.py fits it). For every split of --gpus workers (colocated chunked and
-unchunked, and each xP:yD with x + y = N), a discrete-event simulation (bench/plan_sim.py) runs the
+unchunked, and each xP:yD with x + y = N; on one GPU, 1P:1D sharing it), a discrete-event simulation (bench/plan_sim.py) runs the
 workload at Poisson rates and the capacity search of the load bench (bench/capacity.py) finds the highest
 rate at which >= --goodput-target of the requests meet the SLOs and the queue does not grow: the split's
 predicted goodput (DistServe's, per GPU too). The split with the highest wins; within the search's
@@ -144,6 +144,8 @@ def predict(split: Split, profile: Profile, workload: Workload, slos: dict[str, 
 def splits_for(gpus: int, args) -> list[Split]:
     common = {"max_batch": args.max_batch, "link_gbps": args.link_gbps, "transfer_fixed_ms": args.transfer_fixed_ms}
     out = [Split(0, gpus, chunk=args.chunk, **common), Split(0, gpus, chunk=0, **common)]
+    if gpus == 1:  # the one-GPU disaggregated arm: a prefill and a decode worker time-slicing it
+        return out + [Split(1, 1, shared=True, **common)]
     return out + [Split(x, gpus - x, **common) for x in range(1, gpus)]
 
 

@@ -53,6 +53,21 @@ def test_the_simulation_adds_up_by_hand():
     assert r.first_token == pytest.approx(0.020 + 0.001524) and r.finish == pytest.approx(r.first_token + 0.024)
 
 
+def test_two_workers_sharing_one_gpu_each_run_at_half_speed():
+    """1P:1D on one GPU, the KV move free: while both run a step each advances at half speed."""
+    prof = _profile(20.0, alpha=5.0, beta=1.0)
+    split = Split(1, 1, shared=True, transfer_fixed_ms=0.0)
+    assert split.gpus == 1 and split.label == "1P:1D sharing 1 GPU"
+    a, b = simulate(split, prof, [Req(0, 0.0, 1024, 3), Req(1, 0.0, 1024, 3)])
+    # P: a's prefill alone 0-20 ms. Then D's step for a (6 ms of work) beside b's prefill (20): both at half
+    # speed, D's step ends at 32 ms and its next at 44 (a's third token: done); b's prefill has 20 - 12 = 8
+    # ms left at 44, alone: 52 ms; then D's two steps for b alone: 64 ms
+    assert a.first_token == pytest.approx(0.020) and a.finish == pytest.approx(0.044)
+    assert b.first_token == pytest.approx(0.052) and b.finish == pytest.approx(0.064)
+    with pytest.raises(ValueError):
+        Split(2, 1, shared=True)
+
+
 def test_the_profile_fits_a_measured_engine_json():
     data = json.loads(ENGINE_JSON.read_text())
     prof = Profile.from_engine_json(data, source=ENGINE_JSON.name)
