@@ -130,6 +130,8 @@ def test_every_command_in_the_docs_is_checked(tmp_path):
             for words in pieces(line):
                 seen += 1
                 cmd = [w for w in words if not (re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w) or w == "sudo")]
+                if cmd[0].startswith(".venv/bin/") and cmd[0].removeprefix(".venv/bin/") in OURS:
+                    cmd = [cmd[0].removeprefix(".venv/bin/"), *cmd[1:]]  # ours, run from the venv
                 name = cmd[0]
                 if name == "curl":
                     continue  # run against a live server below
@@ -197,3 +199,12 @@ def test_every_table_in_the_docs_and_results_is_well_formed():
                 bad.append(f"{path.relative_to(ROOT)}: the table headed {' | '.join(rows[0])[:80]!r}")
             rows = []
     assert not bad, "\n".join(bad)
+
+
+def test_the_readme_begins_with_setup_and_serve_then_setup_and_test():
+    """The README's first two commands: set up and run pdserve's embedded default; set up and run the
+    tests, exactly as .ci/run does."""
+    first = bash_commands(ROOT / "README.md")[:2]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert first[0].split("#")[0].strip() == "./scripts/setup.sh && .venv/bin/pdserve"
+    assert first[1].split("#")[0].strip() == ci[-1].strip() == "./scripts/setup.sh && .venv/bin/python -m pytest -q"
