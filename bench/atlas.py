@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default bench/results/atlas-<date>/)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--from", dest="from_dirs", action="append", default=None, metavar="DIR",
+                   help="measure nothing: build the atlas from earlier atlas --out folders (repeat; e.g. one "
+                        "per arm, each run on its own; a profile's runs must share their workload and seed)")
 
 
 def default_arms(devices: str) -> list[str]:
@@ -224,7 +227,49 @@ def plot_map(atlas: dict, path: Path) -> Path:
     return path
 
 
+def merge_runs(dirs: list[str]) -> dict[str, dict]:
+    """profile -> one results.json-like dict holding every arm found for it under DIR/<profile>/."""
+    merged: dict[str, dict] = {}
+    for d in dirs:
+        found = sorted(Path(d).glob("*/results.json"))
+        if not found:
+            raise ValueError(f"{d}: no <profile>/results.json under it (an atlas --out folder)")
+        for path in found:
+            run, profile = json.loads(path.read_text()), path.parent.name
+            if profile not in merged:
+                merged[profile] = {**run, "arms": list(run["arms"]), "results": list(run["results"])}
+                continue
+            into = merged[profile]
+            mine, theirs = (into["workload"], into["args"].get("seed")), (run["workload"], run["args"].get("seed"))
+            if mine != theirs:
+                raise ValueError(f"{path}: profile {profile} was run with another workload or seed ({theirs} vs "
+                                 f"{mine}): its arms are not comparable")
+            clash = {a["label"] for a in run["arms"]} & {a["label"] for a in into["arms"]}
+            if clash:
+                raise ValueError(f"{path}: arm(s) {sorted(clash)} of profile {profile} appear twice")
+            into["arms"] += run["arms"]
+            into["results"] += run["results"]
+    return merged
+
+
 def run(args) -> int:
+    from bench.load_report import environment, write_json
+
+    if args.from_dirs:
+        try:
+            runs = merge_runs(args.from_dirs)
+        except (ValueError, OSError, KeyError) as e:
+            print(f"pdserve-bench atlas: {e}", file=sys.stderr)
+            return 2
+        profiles = {p: r["workload"] for p, r in runs.items()}
+        rates = {p: sorted({b["request_rate"] for b in r["results"] if b["phase"] == "point"}) for p, r in runs.items()}
+        return _write(args, runs, {}, profiles, rates, [a["server"]["command"] if "server" in a else a["label"]
+                                                         for r in runs.values() for a in r["arms"]],
+                      environment(), write_json)
+    return _measure(args)
+
+
+def _measure(args) -> int:
     from bench import load
     from bench.load_report import environment, write_json
 
@@ -257,16 +302,27 @@ def run(args) -> int:
     if not runs:
         print("pdserve-bench atlas: no profile produced results (see the load runs' errors above)", file=sys.stderr)
         return 1
+    described = {p: shlex.join(defined[p]) + f" --output-len {args.output_len}" for p in profiles}
+    return _write(args, runs, codes, described, rates, arms, env, write_json)
+
+
+def _write(args, runs, codes, profiles, rates, arms, env, write_json) -> int:
+    out = Path(args.out) if args.out else Path("bench") / "results" / f"atlas-{env['date']}"
+    out.mkdir(parents=True, exist_ok=True)
+    slos = dict(args.slo) if args.slo else SLO_PAIRS
     labels = list(dict.fromkeys(a["label"] for r in runs.values() for a in r["arms"]))
     atlas = {"benchmark": "atlas", "environment": env, "command": shlex.join(["pdserve-bench", "atlas",
                                                                                *sys.argv[2:]]),
-             "hardware": args.devices if not args.arm else "arms as given",
+             "hardware": "as each arm's server command says" if args.from_dirs or args.arm else args.devices,
              "arms": labels, "arm_specs": arms, "server_args": args.server_args, "slos": slos,
-             "goodput_target": args.goodput_target, "run_seconds": args.run_seconds,
-             "min_requests": args.min_requests, "rates": rates,
-             "profiles": {p: shlex.join(defined[p]) + f" --output-len {args.output_len}" for p in profiles},
-             "runs": {p: f"{p}/results.json" for p in runs}, "load_exit_codes": codes,
-             "cells": cells_of(runs, slos, args.goodput_target)}
+             "goodput_target": args.goodput_target,
+             "run_seconds": None if args.from_dirs else args.run_seconds,
+             "min_requests": None if args.from_dirs else args.min_requests, "rates": rates, "profiles": profiles,
+             "runs": {p: f"{p}/results.json" for p in runs} if not args.from_dirs else
+             {p: "merged from " + ", ".join(args.from_dirs) for p in runs},
+             "shortest_run_arrivals_s": {p: min((b.get("arrival_window_s") or 0.0 for b in r["results"]
+                                                 if b["phase"] == "point"), default=None) for p, r in runs.items()},
+             "load_exit_codes": codes, "cells": cells_of(runs, slos, args.goodput_target)}
     if not args.no_plot:
         atlas["plot"] = plot_map(atlas, out / "atlas.png").name
     write_json(out / "atlas.json", atlas)

@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--probe-min-requests", type=int, default=200)
     s.add_argument("--search-precision", type=float, default=0.03)
     s.add_argument("--search-max-probes", type=int, default=16)
+    s.add_argument("--measured", action="append", default=None, metavar="SPLIT=RESULTS.json:ARM",
+                   help="a measured capacity to set beside a split's prediction: the capacity search of ARM in "
+                        "a `pdserve-bench load --capacity-search` results.json, e.g. "
+                        "'colocated x1 chunk 512=load/results.json:colocated' (repeat)")
     s.add_argument("--out", default=None, help="write the plan as JSON here")
 
 
@@ -180,6 +184,33 @@ def recommend(arms: list[dict], precision: float) -> str | None:
     return pick["split"]
 
 
+def compare(arms: list[dict], specs: list[str]) -> list[dict]:
+    """Each --measured spec: the split's predicted capacity beside the arm's measured one, and the error
+    (predicted / measured - 1). A split label not in the plan, or an arm without a capacity, is an error."""
+    out = []
+    for spec in specs:
+        split, eq, rest = spec.partition("=")
+        path, colon, arm = rest.rpartition(":")
+        if not (eq and colon and split and path and arm):
+            raise ValueError(f"--measured is SPLIT=RESULTS.json:ARM, got {spec!r}")
+        planned = next((a for a in arms if a["split"] == split), None)
+        if planned is None:
+            raise ValueError(f"--measured: no split {split!r} in this plan (its splits: "
+                             f"{', '.join(a['split'] for a in arms)})")
+        run = json.loads(Path(path).read_text())
+        info = next((a for a in run.get("arms") or [] if a.get("label") == arm), None)
+        if info is None or not info.get("capacity"):
+            raise ValueError(f"--measured: {path} has no capacity search for arm {arm!r}")
+        cap = info["capacity"]
+        predicted, measured = planned["predicted_capacity_rate"], cap["capacity_rate"]
+        out.append({"split": split, "results": path, "arm": arm, "predicted_capacity_rate": predicted,
+                    "measured_capacity_rate": measured, "measured_bracket": cap.get("bracket"),
+                    "measured_probe_seconds": cap.get("probe_seconds"),
+                    "error": None if not predicted or not measured else predicted / measured - 1,
+                    "measured_command": run.get("command"), "measured_workload": run.get("workload")})
+    return out
+
+
 def measure_profile(model: str, device: str) -> Profile:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
@@ -205,12 +236,21 @@ def run(args) -> int:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
     result = plan(profile, workload, args)
+    try:
+        result["validation"] = compare(result["arms"], args.measured or [])
+    except (ValueError, OSError) as e:
+        print(f"pdserve-bench plan: {e}", file=sys.stderr)
+        return 2
     print(f"{args.gpus} GPU(s), {workload.text}, SLOs {result['slos_ms']} (>= {args.goodput_target:.0%})")
     print(f"{'split':<28} {'predicted req/s':>16} {'per GPU':>9}  bracket")
     for a in result["arms"]:
         rate = "< lowest probe" if a["capacity_rate"] is None else f"{a['capacity_rate']:.3g}"
         per = "-" if a["per_gpu"] is None else f"{a['per_gpu']:.3g}"
         print(f"{a['split']:<28} {rate:>16} {per:>9}  {a['bracket']}")
+    for v in result["validation"]:
+        err = "-" if v["error"] is None else f"{v['error']:+.0%}"
+        print(f"validated: {v['split']}: predicted {v['predicted_capacity_rate'] or 0:.3g}, measured "
+              f"{v['measured_capacity_rate']} req/s (bracket {v['measured_bracket']}), error {err}")
     print(f"recommended: {result['recommended']} (a prediction of bench/plan_sim.py: validate it with "
           "pdserve-bench load --capacity-search)")
     if args.out:

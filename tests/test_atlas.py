@@ -44,6 +44,15 @@ def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):
         for run in caps["disagg"]["runs"]:  # every run >= 1 s of arrivals, or 12 requests
             assert run["requests"] == max(12, -(-run["rate"] // 1))
     assert atlas["profiles"]["long"] == "--input-len 1000 --output-len 3"
+    assert atlas["shortest_run_arrivals_s"]["short"] >= 0.8  # 12 requests at 12/s: 11 gaps
+
+    # the same runs judged again under other SLOs, nothing measured: one arm per folder merges the same way
+    again = tmp_path / "again"
+    assert cli.main(["atlas", "--from", str(out), "--slo", "any=ttft:100000,tpot:100000", "--out", str(again)]) == 0
+    merged = json.loads((again / "atlas.json").read_text())
+    assert [c["winner"] for c in merged["cells"]] == ["colo", "colo"]  # the faster prefill, once TPOT is free
+    assert merged["rates"] == {"short": [12, 30], "long": [6, 15]} and merged["run_seconds"] is None
+    assert cli.main(["atlas", "--from", str(out), "--from", str(out), "--out", str(again)]) == 2  # arms twice
 
 
 def test_grid_capacity_and_winner():

@@ -12,7 +12,7 @@ import pytest
 from bench import cli
 from bench.metrics import parse_slos
 from bench.plan_sim import Profile, Req, Split, simulate
-from bench.planner import Workload, plan, predict
+from bench.planner import Workload, compare, plan, predict
 
 ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench/results/engine-nvidia-h200-2026-12-01-4acfb30.json"
 
@@ -141,3 +141,16 @@ def test_the_command_writes_its_plan(tmp_path, capsys):
     assert "recommended:" in capsys.readouterr().out
     assert cli.main(["plan", "--goodput", "ttft:10"]) == 2
     assert "--profile" in capsys.readouterr().err
+
+
+def test_a_prediction_beside_a_measured_capacity(tmp_path):
+    run = tmp_path / "results.json"
+    run.write_text(json.dumps({"command": "pdserve-bench load ...", "workload": "w", "arms": [
+        {"label": "colo", "capacity": {"capacity_rate": 8.0, "bracket": [8.0, 9.0], "probe_seconds": 60.0}},
+        {"label": "broken", "error": "did not start"}]}))
+    arms = [{"split": "colocated x1 chunk 512", "predicted_capacity_rate": 10.0}]
+    [v] = compare(arms, [f"colocated x1 chunk 512={run}:colo"])
+    assert v["error"] == pytest.approx(0.25) and v["measured_bracket"] == [8.0, 9.0]
+    for bad in (f"1P:1D={run}:colo", f"colocated x1 chunk 512={run}:broken", "colocated x1 chunk 512"):
+        with pytest.raises(ValueError):
+            compare(arms, [bad])

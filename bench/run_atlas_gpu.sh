@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The crossover atlas on GPUs, one (profile, arm) piece per call so that each call stays under ten
+# minutes, then one call that merges the pieces into atlas.json and atlas.png (pdserve-bench atlas --from).
+# Every run lasts >= RUN_SECONDS (60) of Poisson arrivals; every arm gets its own fresh pdserve, the same
+# seeded prompt lengths and arrival schedule; the SLO pairs (tight: TPOT 25 ms, loose: 100 ms; TTFT 2 s)
+# are judged on the same runs.
+#
+#   PROFILE=short ARM=colocated bench/run_atlas_gpu.sh      # one piece: ~30 s start + rates x ~65 s
+#   PROFILE=short ARM=disaggregated bench/run_atlas_gpu.sh
+#   ... (long, mixed)
+#   MERGE=1 bench/run_atlas_gpu.sh                          # atlas.json + atlas.png from every piece in OUT
+#   OUT=$OUT/atlas PROFILE=long ARM=colocated bench/run_atlas_gpu.sh   # on the device machine
+#
+# one GPU (DEVICES=cuda:0, the default): colocated = one colocated worker alone; disaggregated = a
+# prefill and a decode worker sharing the GPU. Two (DEVICES=cuda:0,cuda:1): two colocated workers;
+# prefill on one, decode on the other. ARM=colocated-unchunked: the colocated arm with
+# --no-chunked-prefill. Knobs: MODEL (qwen2.5-7b), DEVICES, KV_GB (16), OUTPUT_LEN (64), RUN_SECONDS (60),
+# MIN_REQUESTS (24), RATES (per profile below: three rates around the planner's prediction for the
+# engine profile of 4acfb30; widen them when a cell's bracket says the grid ran out), TRANSPORT (ipc),
+# SERVER_EXTRA, PYTHON, OUT (bench/results/atlas-gpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; fi
+PYTHON=${PYTHON:-python3}
+
+MODEL=${MODEL:-qwen2.5-7b}
+DEVICES=${DEVICES:-cuda:0}
+KV_GB=${KV_GB:-16}
+TRANSPORT=${TRANSPORT:-ipc}
+OUTPUT_LEN=${OUTPUT_LEN:-64}
+RUN_SECONDS=${RUN_SECONDS:-60}
+MIN_REQUESTS=${MIN_REQUESTS:-24}
+SERVER_EXTRA=${SERVER_EXTRA:-}
+OUT=${OUT:-bench/results/atlas-gpu}
+
+if [ "${MERGE:-0}" = 1 ]; then
+  FROM=()
+  for d in "$OUT"/pieces/*/; do FROM+=(--from "$d"); done
+  if [ ${#FROM[@]} -eq 0 ]; then echo "no pieces under $OUT/pieces: run PROFILE=... ARM=... first"; exit 2; fi
+  exec "$PYTHON" -m bench.cli atlas "${FROM[@]}" --out "$OUT"
+fi
+
+PROFILE=${PROFILE:?set PROFILE (short, long or mixed) and ARM (colocated, disaggregated, colocated-unchunked)}
+ARM=${ARM:?set ARM (colocated, disaggregated or colocated-unchunked)}
+case $PROFILE in
+  short) RATES=${RATES:-8,16,24} ;;
+  long) RATES=${RATES:-1,2,3} ;;
+  mixed) RATES=${RATES:-3,6,9} ;;
+  *) echo "PROFILE is short, long or mixed, got '$PROFILE'"; exit 2 ;;
+esac
+IFS=, read -r -a DEVICE_LIST <<< "$DEVICES"
+COLOCATED="--prefill-workers 0 --decode-workers 0 --colocated-workers ${#DEVICE_LIST[@]}"
+case $ARM in
+  colocated) SPEC="colocated=colocated:$COLOCATED" ;;
+  colocated-unchunked) SPEC="colocated-unchunked=colocated:$COLOCATED --worker-arg=--no-chunked-prefill" ;;
+  disaggregated) SPEC="disaggregated=disaggregated:--no-colocated --prefill-workers 1 --decode-workers 1" ;;
+  *) echo "ARM is colocated, colocated-unchunked or disaggregated, got '$ARM'"; exit 2 ;;
+esac
+
+"$PYTHON" -m bench.cli atlas --arm "$SPEC" --profiles "$PROFILE" --rates "$RATES" \
+  --server-args "--model $MODEL --devices $DEVICES --transport $TRANSPORT --kv-memory-gb $KV_GB $SERVER_EXTRA" \
+  --tokenizer "$MODEL" --output-len "$OUTPUT_LEN" --run-seconds "$RUN_SECONDS" --min-requests "$MIN_REQUESTS" \
+  --out "$OUT/pieces/$ARM"
+echo "piece in $OUT/pieces/$ARM/$PROFILE; MERGE=1 $0 builds the atlas"
