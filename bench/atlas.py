@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -306,6 +307,16 @@ def _measure(args) -> int:
     return _write(args, runs, codes, described, rates, arms, env, write_json)
 
 
+def hardware(runs: dict[str, dict], env: dict) -> str:
+    """The devices the arms' servers were given (--devices in their commands) and the GPUs seen."""
+    devices = sorted({m.group(1) for r in runs.values() for a in r["arms"]
+                      for m in [re.search(r"--devices (\S+)", (a.get("server") or {}).get("command", ""))] if m})
+    gpus = (env.get("machine") or {}).get("gpus")
+    gpus = gpus if isinstance(gpus, str) and "not found" not in gpus.lower() else None
+    text = f"server devices {', '.join(devices)}" if devices else "devices as the arms' servers chose"
+    return text + (f" ({gpus.splitlines()[0].split(',')[0]})" if gpus else "")
+
+
 def _write(args, runs, codes, profiles, rates, arms, env, write_json) -> int:
     out = Path(args.out) if args.out else Path("bench") / "results" / f"atlas-{env['date']}"
     out.mkdir(parents=True, exist_ok=True)
@@ -313,7 +324,7 @@ def _write(args, runs, codes, profiles, rates, arms, env, write_json) -> int:
     labels = list(dict.fromkeys(a["label"] for r in runs.values() for a in r["arms"]))
     atlas = {"benchmark": "atlas", "environment": env, "command": shlex.join(["pdserve-bench", "atlas",
                                                                                *sys.argv[2:]]),
-             "hardware": "as each arm's server command says" if args.from_dirs or args.arm else args.devices,
+             "hardware": hardware(runs, env),
              "arms": labels, "arm_specs": arms, "server_args": args.server_args, "slos": slos,
              "goodput_target": args.goodput_target,
              "run_seconds": None if args.from_dirs else args.run_seconds,

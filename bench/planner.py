@@ -235,7 +235,8 @@ def run(args) -> int:
     except (ValueError, OSError, KeyError, subprocess.CalledProcessError) as e:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
-    result = plan(profile, workload, args)
+    from bench.provenance import collect
+    result = {"provenance": collect([]), **plan(profile, workload, args)}
     try:
         result["validation"] = compare(result["arms"], args.measured or [])
     except (ValueError, OSError) as e:

@@ -15,8 +15,10 @@
 # prefill and a decode worker sharing the GPU. Two (DEVICES=cuda:0,cuda:1): two colocated workers;
 # prefill on one, decode on the other. ARM=colocated-unchunked: the colocated arm with
 # --no-chunked-prefill. Knobs: MODEL (qwen2.5-7b), DEVICES, KV_GB (16), OUTPUT_LEN (64), RUN_SECONDS (60),
-# MIN_REQUESTS (24), RATES (per profile below: three rates around the planner's prediction for the
-# engine profile of 4acfb30; widen them when a cell's bracket says the grid ran out), TRANSPORT (ipc),
+# MIN_REQUESTS (24), RATES (per profile below: three rates at and below the planner's one-GPU predictions
+# from the engine profile of 4acfb30, which were short 66-79, long 3.0-5.1, mixed 8.1-15 req/s; a
+# prediction missed a CPU measurement by +187%, so the grid reaches below; move it when a cell's bracket
+# says the grid ran out), TRANSPORT (ipc),
 # SERVER_EXTRA, PYTHON, OUT (bench/results/atlas-gpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,9 +45,9 @@ fi
 PROFILE=${PROFILE:?set PROFILE (short, long or mixed) and ARM (colocated, disaggregated, colocated-unchunked)}
 ARM=${ARM:?set ARM (colocated, disaggregated or colocated-unchunked)}
 case $PROFILE in
-  short) RATES=${RATES:-8,16,24} ;;
-  long) RATES=${RATES:-1,2,3} ;;
-  mixed) RATES=${RATES:-3,6,9} ;;
+  short) RATES=${RATES:-12,24,48} ;;
+  long) RATES=${RATES:-1.5,3,4.5} ;;
+  mixed) RATES=${RATES:-4,8,12} ;;
   *) echo "PROFILE is short, long or mixed, got '$PROFILE'"; exit 2 ;;
 esac
 IFS=, read -r -a DEVICE_LIST <<< "$DEVICES"
