@@ -74,7 +74,7 @@ from workers.transfer.base import KVSender, PeerState, State, Transfer, Transfer
 from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
 from workers.transfer.errors import LayoutMismatch, TransferError, layout_mismatch
 from workers.transfer.integrity import block_checksums
-from workers.transfer.receiver import process_start
+from workers.transfer.fence import process_start
 from workers.transfer.plan import Plan, make_plan
 
 log = logging.getLogger("pdserve.transfer")
