@@ -17,8 +17,9 @@ of its requests met both SLOs and its queue did not grow. An arm's capacity in a
 rate below which every rate passed (its bracket: that rate and the first failing one); the cell's winner
 is the arm with the higher capacity, "tie" when equal, "neither" when no arm passed the lowest rate.
 
-Writes atlas.json (the cells, every capacity and bracket, the runs' folders, provenance) and atlas.png (the
-map: one square per cell, coloured by its winner, each arm's capacity written in it) into --out, and each
+Writes atlas.json (the cells, every capacity and bracket, the runs' folders, provenance), atlas.md (the same
+as a table) and atlas.png (the map: one square per cell, coloured by its winner, each arm's capacity written
+in it) into --out, and each
 profile's load run (results.json, summary.md, server logs) into --out/<profile>/.
 """
 
@@ -193,6 +194,27 @@ def _cap_text(c: dict) -> str:
     return ("≥ " if c["at_least"] else "") + f"{c['capacity_rate']:g}"
 
 
+def markdown(atlas: dict) -> str:
+    """The cells as a table: each arm's capacity and bracket, the winner; where the grid ran out, said so."""
+    arms = atlas["arms"]
+    lines = [f"# Crossover atlas ({atlas['hardware']})", "",
+             f"Capacity: the highest grid rate up to which every run met the SLOs (>= {atlas['goodput_target']:.0%} "
+             "of requests) with a steady queue; [that rate, the first failing one]. '>=': no grid rate failed; "
+             "'<': the lowest failed.", "",
+             "| profile | SLOs | winner | " + " | ".join(f"{a} (req/s)" for a in arms) + " |",
+             "|---|---|---|" + "---|" * len(arms)]
+    for c in atlas["cells"]:
+        slos = ", ".join(f"{k} {v:g} ms" for k, v in c["slos_ms"].items())
+        caps = [c["capacities"].get(a) for a in arms]
+        cols = ["-" if cap is None else f"{_cap_text(cap)} [" + ", ".join("-" if r is None else f"{r:g}"
+                                                                          for r in cap["bracket"]) + "]"
+                for cap in caps]
+        lines.append(f"| {c['profile']} | {c['slo']}: {slos} | {c['winner']} | " + " | ".join(cols) + " |")
+    lines += ["", "Workloads: " + "; ".join(f"{p}: {w}" for p, w in atlas["profiles"].items()),
+              f"Command: `{atlas['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
 def plot_map(atlas: dict, path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -337,6 +359,7 @@ def _write(args, runs, codes, profiles, rates, arms, env, write_json) -> int:
     if not args.no_plot:
         atlas["plot"] = plot_map(atlas, out / "atlas.png").name
     write_json(out / "atlas.json", atlas)
+    (out / "atlas.md").write_text(markdown(atlas))
     for c in atlas["cells"]:
         caps = ", ".join(f"{arm} {_cap_text(cap)}" for arm, cap in c["capacities"].items())
         print(f"{c['profile']:>6} x {c['slo']:<6} winner {c['winner']:<14} ({caps} req/s)")

@@ -44,6 +44,8 @@ def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):
         for run in caps["disagg"]["runs"]:  # every run >= 1 s of arrivals, or 12 requests
             assert run["requests"] == max(12, -(-run["rate"] // 1))
     assert atlas["profiles"]["long"] == "--input-len 1000 --output-len 3"
+    md = (out / "atlas.md").read_text()
+    assert "| short | tight: ttft 1000 ms, tpot 12 ms | disagg | < 12 [-, 12] | 12 [12, 30] |" in md
     assert atlas["shortest_run_arrivals_s"]["short"] >= 0.8  # 12 requests at 12/s: 11 gaps
 
     # the same runs judged again under other SLOs, nothing measured: one arm per folder merges the same way
