@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--measure", default=None, metavar="MODEL",
                      help="measure this model's profile first with `pdserve-bench engine` (--device, small grid)")
     src.add_argument("--device", default="cpu", help="--measure: the device")
+    src.add_argument("--measure-args", default="", help="--measure: more `pdserve-bench engine` flags, e.g. "
+                                                        "'--lengths 256,1k --batches 1,8 --contexts 512,1k'")
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", default="1024", help="N, fixed:N, uniform:LO:HI or normal:MEAN:STD tokens")
     w.add_argument("--output-len", default="128")
@@ -211,12 +214,16 @@ def compare(arms: list[dict], specs: list[str]) -> list[dict]:
     return out
 
 
-def measure_profile(model: str, device: str) -> Profile:
+def measure_profile(model: str, device: str, extra: str = "") -> Profile:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
-        cmd = [sys.executable, "-m", "bench.cli", "engine", "--model", model, "--device", device, "--out", str(out)]
+        cmd = [sys.executable, "-m", "bench.cli", "engine", "--model", model, "--device", device, "--out", str(out),
+               *shlex.split(extra)]
         print("measuring the profile: " + " ".join(cmd), file=sys.stderr)
-        subprocess.run(cmd, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        print(done.stdout, file=sys.stderr)  # the engine's tables: the plan's stdout stays the plan
+        if done.returncode != 0:
+            raise ValueError(f"measuring the profile failed ({done.returncode}): {done.stderr.strip()[-500:]}")
         return Profile.from_engine_json(json.loads(out.read_text()), source=f"measured: {model} on {device}")
 
 
@@ -231,8 +238,8 @@ def run(args) -> int:
         workload = Workload(args)
         parse_slos(args.goodput)
         profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile) \
-            if args.profile else measure_profile(args.measure, args.device)
-    except (ValueError, OSError, KeyError, subprocess.CalledProcessError) as e:
+            if args.profile else measure_profile(args.measure, args.device, args.measure_args)
+    except (ValueError, OSError, KeyError) as e:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
     from bench.provenance import collect

@@ -154,3 +154,17 @@ def test_a_prediction_beside_a_measured_capacity(tmp_path):
     for bad in (f"1P:1D={run}:colo", f"colocated x1 chunk 512={run}:broken", "colocated x1 chunk 512"):
         with pytest.raises(ValueError):
             compare(arms, [bad])
+
+
+def test_the_planner_measures_a_profile_itself(tmp_path, capsys):
+    """--measure runs `pdserve-bench engine` on the tiny model first (a small grid) and plans from it."""
+    out = tmp_path / "plan.json"
+    rc = cli.main(["plan", "--measure", "tiny", "--device", "cpu", "--measure-args",
+                   "--lengths 64,256 --pairs 1 --batches 1,4 --contexts 128,256 --mixed-batch 0 --chunk-decodes 0 "
+                   "--mixed-step '' --repeats 2 --warmup 1", "--gpus", "2", "--input-len", "uniform:64:256",
+                   "--output-len", "8", "--goodput", "ttft:1000", "tpot:100", "--probe-seconds", "5", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["profile"]["source"] == "measured: tiny on cpu"
+    assert sorted(result["profile"]["prefill_points"]) == ["256", "64"]
+    assert result["recommended"] in {a["split"] for a in result["arms"]}
