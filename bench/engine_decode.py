@@ -121,6 +121,20 @@ def settle(engine) -> None:
         engine.step()
 
 
+def timed_runs(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """ms of each of `repeats` calls of fn after `warmup` untimed ones, the device synchronised around each."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        runs.append((time.perf_counter() - start) * 1e3)
+    return runs
+
+
 def weight_bytes(model) -> dict:
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors listed once
     emb = model.get_input_embeddings().weight
@@ -149,16 +163,7 @@ def copy_roofline(sizes: list[int], device: torch.device, warmup: int, repeats: 
                 for c in chunks:
                     dst[:c].copy_(src[:c])
 
-            for _ in range(warmup):
-                copy()
-            runs = []
-            for _ in range(repeats):
-                sync(device)
-                start = time.perf_counter()
-                copy()
-                sync(device)
-                runs.append((time.perf_counter() - start) * 1e3)
-            s = ab.summary(runs)
+            s = ab.summary(timed_runs(copy, device, warmup, repeats))
             out[n] = {**s, "gbps": n / (s["median"] / 1e3) / 1e9, "chunks": len(chunks)}
     finally:
         del src, dst

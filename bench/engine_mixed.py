@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench import ab
-from bench.engine_decode import adopt_batch, sync
+from bench.engine_decode import adopt_batch, sync, timed_runs
 from workers.engine.request import Request, SamplingParams
 
 
@@ -60,15 +60,7 @@ def mixed_step_point(engine, device: torch.device, decodes: int, context: int, p
 
     try:
         long.num_computed = prefix
-        for _ in range(3):
-            step()
-        walls = []
-        for _ in range(repeats):
-            sync(device)
-            t = time.perf_counter()
-            step()
-            sync(device)
-            walls.append((time.perf_counter() - t) * 1e3)
+        walls = timed_runs(step, device, 3, repeats)
         busy = None
         if device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
