@@ -57,3 +57,29 @@ def test_probe_flags_are_checked(capsys):
     assert load.main(["--capacity-search", "--goodput", "ttft:10", "--probe-seconds", "-1"]) == 2
     assert "--probe-seconds" in capsys.readouterr().err
     assert load.main(["--capacity-search", "--goodput", "ttft:10", "--probe-min-requests", "0"]) == 2
+
+
+def test_a_probe_that_would_not_end_within_the_budget_does_not_start():
+    """probe_requests sizes each probe; fits(rate) (the arm's budget left against the probe's window) stops the
+    search before a probe that would overrun it; the first probe always runs."""
+    import asyncio
+
+    from bench.capacity import probe_passes, probe_requests, search_capacity
+
+    assert probe_requests(0.5, 60, 24) == 30 and probe_requests(0.1, 60, 24) == 24 and probe_requests(8, 0, 24) == 24
+    budget_s, seen = 200.0, []
+
+    async def probe(rate: float) -> bool:
+        seen.append(rate)
+        return rate < 100
+
+    def window(rate: float) -> float:
+        return probe_requests(rate, 60, 24) / rate
+
+    cap = asyncio.run(search_capacity(probe, 1.0, max_probes=10,
+                                      fits=lambda rate: sum(map(window, seen)) + window(rate) <= budget_s))
+    assert seen == [1.0, 2.0, 4.0] and cap.out_of_time and cap.first_fail is None  # a fourth would end at 240 s
+    sat = {"queue_growing": True}
+    assert not probe_passes({"goodput_fraction": 1.0, "saturation": sat}, 0.9)
+    assert probe_passes({"goodput_fraction": 1.0, "saturation": sat}, 0.9, queue=False)
+    assert not probe_passes({"goodput_fraction": 0.8, "saturation": None}, 0.9, queue=False)
