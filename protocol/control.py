@@ -8,6 +8,7 @@ Sockets (ZMQ, each side binds the one socket it receives on):
 Worker -> router
     Register      on start, and again whenever the router says it does not know us (RegisterAck ok=False)
     Heartbeat     every interval: free KV blocks, queue depth; the router drops a worker after 3 misses
+    KVEvents      block names its KV tiers gained and lost (bounded; after a heartbeat, when any changed)
     Goodbye       clean exit: the router stops routing to it at once
     Reserved      decode: blocks reserved for a request, and the KV receiver address to send them to
     PrefillDone   prefill: first token (its logprobs and the prompt's, when asked), prefill and transfer
@@ -41,10 +42,11 @@ protocol/auth.py: only the router's key reaches a worker's control socket.)
 from __future__ import annotations
 
 import math
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
+from protocol.blocks import NAME_BYTES
 from protocol.enums import FailureKind, Mode, Role, Transport
 from protocol.sampling import LOGPROB_FLOOR, MAX_LOGPROBS, Sampling
 # PROTOCOL_VERSION, ProtocolError and encode: the control side reads them through this module
@@ -57,6 +59,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+BlockName = Annotated[bytes, msgspec.Meta(min_length=NAME_BYTES, max_length=NAME_BYTES)]
+KVTier = Literal["gpu", "host", "disk"]  # "gpu": the worker's own KV pool (on a GPU or the CPU)
+MAX_KV_NAMES = 4096  # block names in one KVEvents (64 KiB of names): more wait for the next one
 
 
 Logprob = Annotated[float, msgspec.Meta(ge=LOGPROB_FLOOR, le=0.0)]
@@ -110,6 +115,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     transport: Transport | None = None  # prefill and decode
     mode: Mode | None = None
     kv_address: Address | None = None  # decode: where senders reach its KV receiver
+    block_root: BlockName | None = None  # the parent name of its first blocks (protocol/blocks.py)
 
 
 class TierFigures(msgspec.Struct, frozen=True):
@@ -159,6 +165,36 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     sent_at: float  # time.time()
     cache: CacheFigures | None = None  # its prefix cache and KV tiers
     faults: FaultFigures | None = None  # decode workers: fences and integrity checks
+    costs: KVCosts | None = None  # what prices a request here (KV-aware routing)
+
+
+class KVCosts(msgspec.Struct, frozen=True):
+    """What a worker measured that prices a request there (server/kv_route.py): its prefill speed, each
+    tier's reload bandwidth, the KV bytes per token, and the prompt tokens waiting to be prefilled."""
+
+    bytes_per_token: Count = 0
+    prefill_ms_per_token: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] | None = None  # None: none measured yet
+    host_gbps: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] | None = None
+    disk_gbps: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] | None = None
+    queued_tokens: Count = 0
+
+
+class TierNames(msgspec.Struct, frozen=True, array_like=True):
+    tier: KVTier
+    names: Annotated[list[BlockName], msgspec.Meta(max_length=MAX_KV_NAMES)]
+
+
+class KVEvents(msgspec.Struct, tag="kv_events", frozen=True):
+    """Block names a worker's tiers gained and lost since its last KVEvents (server/kv_index.py keeps
+    them). `seq` counts from 0 per incarnation: a gap means some were lost (the router forgets this
+    worker's names: misses, never wrong answers); `reset`: forget what it reported before, a full
+    report follows (the first of an incarnation, and a periodic resync)."""
+
+    worker_id: Id
+    seq: Count
+    reset: bool = False
+    stored: Annotated[list[TierNames], msgspec.Meta(max_length=3)] = []
+    removed: Annotated[list[TierNames], msgspec.Meta(max_length=3)] = []
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
@@ -256,7 +292,7 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     reason: Text
 
 
-ToRouter = Union[Register, Heartbeat, Goodbye, Reserved, PrefillDone, Tokens, RequestFailed]
+ToRouter = Union[Register, Heartbeat, KVEvents, Goodbye, Reserved, PrefillDone, Tokens, RequestFailed]
 ToWorker = Union[RegisterAck, Generate, Reserve, Prefill, Connect, Abort]
 
 

@@ -58,6 +58,21 @@ class Migration:
 
 
 @dataclass(frozen=True)
+class Route:
+    """Why the request went where it did: the worker the router chose, the cached prompt tokens it
+    expected there per tier (from the workers' reports), and the TTFT it predicted from their measured
+    costs (compare with ttft_ms). `rule`: "kv" (priced by cached prefix) or "least-loaded"."""
+
+    worker: str = ""  # colocated: the worker; disaggregated: "prefill/decode"
+    rule: str = ""
+    expected_device_tokens: int = 0  # in the worker's own KV pool (its GPU, or the CPU)
+    expected_host_tokens: int = 0
+    expected_disk_tokens: int = 0
+    predicted_ttft_ms: float | None = None  # None: the workers had measured nothing yet
+    auto: str = ""  # policy "auto": why this policy (the inputs of the decision)
+
+
+@dataclass(frozen=True)
 class Timings:
     policy: str | None = None  # "colocated" | "disaggregated"
     queue_ms: float | None = None  # parse + route + inbox + prefill_queue: arrival -> prefill start
@@ -84,6 +99,7 @@ class Timings:
     kv_skipped_tokens: int | None = None  # disaggregated: held by the decode worker already, not transferred
     failover: Failover | None = None  # set when the request ran a second time (--failover)
     migrations: list[Migration] | None = None  # set when it moved while running (--migrate), in order
+    route: Route | None = None  # where the router sent it and what it expected there
     extra: dict = field(default_factory=dict)  # the client: fields this version does not know
 
     def to_dict(self) -> dict:

@@ -42,6 +42,9 @@ class RouterConfig:
     register: str = flag("tcp://127.0.0.1:7100", "ZMQ endpoint workers register at (port 0: any free port)")
     policy: str = flag("auto", "default routing policy (a request's \"policy\" field overrides it)", choices=POLICIES)
     auto_threshold: int = flag(256, "auto policy: prompts shorter than this many tokens stay colocated")
+    routing: str = flag("kv", "worker choice: kv (the lowest predicted TTFT from the prefix each worker holds and "
+                        "its measured costs; least loaded until workers report) or least-loaded",
+                        choices=("kv", "least-loaded"))
     # told to workers at registration
     heartbeat_interval_s: float = flag(1.0, "seconds between worker heartbeats", name="--heartbeat-interval")
     heartbeat_misses: int = flag(3, "missed heartbeats before a worker is dropped")

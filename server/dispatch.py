@@ -53,6 +53,7 @@ class Job:
     sampling: P.Sampling
     policy: str | None  # as the request asked (None: the router's --policy); its plan resolves it
     clock: Clock = field(default_factory=Clock.start)
+    auto: str | None = None  # policy auto: why its plan took the policy it did (timings.route.auto)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,11 @@ class Metrics:
         self.control_dropped = Counter("pdserve_control_dropped", "Frames on the register socket that were "
                                        "dropped or refused, by reason (junk, stranger, rate-limited, id held, ...)",
                                        ["reason"], registry=r)
+        self.routed = Counter("pdserve_routed", "Worker choices, by rule (kv: priced by cached prefix; "
+                              "least-loaded)", ["rule"], registry=r)
+        self.auto_decisions = Counter("pdserve_auto_decisions", "Policy auto: the policy each request got, and "
+                                      "why (small_prefill, queue, disaggregate, threshold, only_servable)",
+                                      ["policy", "reason"], registry=r)
         self._kv_tiers(r)
         self._faults(r)
         self._per_worker = (self.queue_depth, self.running, self.free_blocks, self.kv_blocks, self.fenced_waits,

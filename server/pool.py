@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from server.config import RouterConfig
 from server.metrics import Metrics
+from server.kv_index import KVIndex
 from server.register import RegisterReader
 from protocol import auth
 from protocol import control as P
@@ -69,6 +70,15 @@ class WorkerState:
     queue_depth: int = 0
     running: int = 0
     inflight: set[str] = field(default_factory=set)  # request ids routed here and not finished
+    costs: P.KVCosts | None = None  # what prices a request here (its last heartbeat)
+    # request id -> prompt tokens routed here expected to be computed, until its first token (KV routing)
+    pending: dict[str, int] = field(default_factory=dict)
+    chosen: int = 0  # times the KV-aware choice picked it (its ties go round)
+    kv_names: int = 0  # block names the router's index holds for it (its reports)
+
+    @property
+    def block_root(self) -> bytes | None:
+        return self.info.block_root
 
     @property
     def id(self) -> str:
@@ -90,6 +100,7 @@ class WorkerState:
                "transport": i.transport, "mode": i.mode, "max_model_len": i.max_model_len,
                "block_size": i.block_size, "num_blocks": i.num_blocks, "free_blocks": self.free_blocks,
                "queue_depth": self.queue_depth, "running": self.running, "in_flight": len(self.inflight),
+               "kv_blocks_indexed": self.kv_names,
                "last_heartbeat_s": round(time.monotonic() - self.last_seen, 3)}
         if private:
             out.update(address=i.address, kv_address=i.kv_address, pid=i.pid)
@@ -104,6 +115,7 @@ class WorkerPool:
         self.workers: dict[str, WorkerState] = {}
         self.known: dict[str, str] = {}  # incarnation -> worker id of every live worker (the reader reads it)
         self.inboxes: dict[str, asyncio.Queue] = {}
+        self.kv = KVIndex()  # block name -> which worker holds it, in which tier (their KVEvents)
         self.address: str | None = None  # the bound registration endpoint
         self.changed = asyncio.Event()  # set on every registration or drop (for waiters)
         self.throttle = auth.Throttle(log)
@@ -162,6 +174,7 @@ class WorkerPool:
         self.inboxes.pop(request_id, None)
         for w in self.workers.values():
             w.inflight.discard(request_id)
+            w.pending.pop(request_id, None)
 
     def attach(self, request_id: str, worker: WorkerState) -> None:
         if worker.id not in self.workers:
@@ -220,12 +233,16 @@ class WorkerPool:
         w.last_seen = max(w.last_seen, landed)
         if isinstance(msg, P.Heartbeat):
             w.free_blocks, w.queue_depth, w.running = msg.free_blocks, msg.queue_depth, msg.running
+            w.costs = msg.costs
             self.metrics.worker_seen(w.id, w.role, msg.queue_depth, msg.running, msg.free_blocks, w.info.num_blocks)
             if msg.cache is not None:
                 self.metrics.observe_kv_tiers(w.id, w.role, msg.cache.as_stats())
             if msg.faults is not None:
                 f = msg.faults
                 self.metrics.observe_faults(w.id, w.role, f.fenced_waits, f.fenced_blocks, f.integrity_failures)
+        elif isinstance(msg, P.KVEvents):
+            self.kv.apply(w.id, msg)
+            w.kv_names = self.kv.names_of(w.id)
         elif isinstance(msg, P.Goodbye):
             self._drop(w, f"it exited ({msg.reason})", logging.INFO)  # it said so: a crash is in its own log
         elif isinstance(msg, P.Tokens):
@@ -237,6 +254,7 @@ class WorkerPool:
     def _deliver(self, w: WorkerState, request_id: str, msg, landed: float) -> None:
         q = self.inboxes.get(request_id)
         if q is not None and request_id in w.inflight:
+            w.pending.pop(request_id, None)  # its prefill is over (or failed): no longer ahead of others
             q.put_nowait((msg, landed))
         elif q is not None:  # a worker writing to a request that is not routed to it
             self.metrics.control_dropped.labels("not_routed").inc()
@@ -278,6 +296,7 @@ class WorkerPool:
             elif len(self._ever) < 16 * MAX_WORKERS:  # ids, not processes; bounded all the same
                 self._ever.add(reg.worker_id)
             w = WorkerState(reg, inc, self._connect(reg.address), landed, reg.free_blocks)
+            self.kv.forget(reg.worker_id)  # a new incarnation: what an earlier one held is gone
             self.workers[reg.worker_id] = w
             self.known[inc] = reg.worker_id
             for rid in self._orphans.pop((reg.worker_id, inc), ()):
@@ -351,6 +370,7 @@ class WorkerPool:
             return
         del self.workers[w.id]
         self.known.pop(w.incarnation, None)
+        self.kv.forget(w.id)
         w.sock.close()
         log.log(level, "worker %s (%s) dropped: %s", w.id, w.role, reason)
         self.metrics.workers.labels(w.role).set(len(self.alive(w.role)))

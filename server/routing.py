@@ -2,14 +2,19 @@
 is made. A plan's type is its policy; nothing downstream asks which policy it was.
 
     Planner(cfg, pool, admission, metrics)
-      .resolve(requested, prompt_tokens)   the policy: the request's, else cfg.policy; `auto`: colocated
-                                           below cfg.auto_threshold prompt tokens, else disaggregated (the
-                                           other one when only it is servable now)
+      .decide(requested, prompt_ids)       (policy, why): the request's, else cfg.policy; `auto`: from the
+                                           workers' reports and measured costs (see decide), else colocated
+                                           below cfg.auto_threshold prompt tokens; the other policy when only
+                                           it is servable now. resolve(requested, prompt_tokens): the policy
       .servable(policy), .servable_now()   live workers can serve it now (/health)
       .plan(job), .plan_all(jobs)          admitted (429/503 with Retry-After at once) and on its workers
 
-Worker choice: the least loaded (`load`), a decode worker with free blocks for the prompt first; a
-prefill worker pairs only with a decode worker it can send KV to (its transport and mode).
+Worker choice (--routing): `kv` (the default, once workers report their block names): the lowest
+predicted TTFT, priced in milliseconds from the prefix each worker holds and its measured costs, under
+a load rule (server/kv_route.py); a disaggregated request's decode worker is the one holding most of its
+prompt (not re-sent), its prefill worker priced the same way. `least-loaded` (`load`), a decode worker
+with free blocks for the prompt first. A prefill worker pairs only with a decode worker it can send KV
+to (its transport and mode). The choice and what it expected go into timings.route.
 
 ColocatedPlan(job, worker).run(dispatcher):
     Generate -> worker W ............ Tokens ... (last one: finished + W's timeline)
@@ -53,11 +58,12 @@ import msgspec
 
 from protocol import control as P
 from protocol.enums import Policy, Role
-from protocol.timings import Failover
+from protocol.timings import Failover, Route
 from server.admission import Admission, Ticket, unavailable
 from server.config import RouterConfig
 from server.dispatch import PREFILL_REPORT_GRACE_S, Dispatcher, Done, Job, Token, TokenStream
 from server.errors import APIError, timed_out
+from server.kv_route import Estimate, auto_policy, choose, not_overloaded, reporting
 from server.metrics import Metrics
 from server.migration import migrating
 from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
@@ -95,6 +101,7 @@ class ColocatedPlan:
     job: Job
     worker: WorkerState
     ticket: Ticket | None = None  # its admission; released when the request ends
+    estimate: Estimate | None = None  # what the KV-aware choice expected (None: least loaded)
 
     @property
     def lead(self) -> WorkerState:
@@ -126,10 +133,10 @@ class ColocatedPlan:
                     yield stream.add(msg, landed)
                     finished = msg.finished
                     if finished:
-                        yield stream.done(msg, timings(
+                        yield stream.done(msg, explained(self, timings(
                             policy=self.policy, clock=job.clock, prompt_tokens=len(job.prompt_ids),
                             completion_tokens=stream.count, worker=w.id, prefilled_by=msg.timeline,
-                            decoded_by=msg.timeline))
+                            decoded_by=msg.timeline)))
                 else:
                     d.raise_for(msg, job)
         finally:
@@ -152,6 +159,7 @@ class DisaggregatedPlan:
     ticket: Ticket | None = None
     fallback: Callable[[DisaggregatedPlan], Plan | None] | None = None
     migrate: Callable[[Plan, str], Plan | None] | None = None  # --migrate (see the top)
+    estimate: Estimate | None = None  # the prefill worker's, by the KV-aware choice (None: least loaded)
 
     @property
     def lead(self) -> WorkerState:
@@ -257,11 +265,11 @@ class DisaggregatedPlan:
                     d.raise_for(msg, job)
             for out, at in with_first_logprobs(held or [], report):
                 yield stream.add(out, at)
-            yield stream.done(stream.last, timings(
+            yield stream.done(stream.last, explained(self, timings(
                 policy=self.policy, clock=job.clock, prompt_tokens=len(job.prompt_ids),
                 completion_tokens=stream.count, worker=dec.id, prefilled_by=report.timeline,
                 decoded_by=stream.last.timeline, prefill=report, prefill_worker=pre.id,
-                transport=pre.info.transport, mode=pre.info.mode, kv_skipped_tokens=reserved.cached_tokens))
+                transport=pre.info.transport, mode=pre.info.mode, kv_skipped_tokens=reserved.cached_tokens)))
         finally:
             if not finished:
                 d.abort(rid, pre, dec)
@@ -270,6 +278,18 @@ class DisaggregatedPlan:
 
 Plan = Union[ColocatedPlan, DisaggregatedPlan]
 PLANS: dict[Policy, type] = {Policy.COLOCATED: ColocatedPlan, Policy.DISAGGREGATED: DisaggregatedPlan}
+
+
+def explained(plan: Plan, t):
+    """The request's timings with its route: where it went and what the choice expected there."""
+    e = plan.estimate
+    if e is None:
+        return replace(t, route=Route(worker=plan.route, rule="least-loaded", auto=plan.job.auto or ""))
+    c = e.cached
+    return replace(t, route=Route(worker=plan.route, rule="kv", expected_device_tokens=c.get("gpu", 0),
+                                  expected_host_tokens=c.get("host", 0), expected_disk_tokens=c.get("disk", 0),
+                                  predicted_ttft_ms=round(e.ttft_ms, 3) if e.measured else None,
+                                  auto=plan.job.auto or ""))
 
 
 def needs_prefill_report(s: P.Sampling) -> bool:
@@ -295,13 +315,31 @@ class Planner:
         self.cfg, self.pool, self.admission, self.metrics = cfg, pool, admission, metrics
 
     def resolve(self, requested: str | None, prompt_tokens: int) -> Policy:
+        return self.decide(requested, list(range(prompt_tokens)))[0]
+
+    def decide(self, requested: str | None, prompt_ids: list[int]) -> tuple[Policy, str | None]:
+        """(policy, why: policy auto only). Auto, when the workers report: from the measured costs
+        (server/kv_route.py auto_policy); without reports: the prompt's length against --auto-threshold.
+        Counted in pdserve_auto_decisions; the why goes into timings.route.auto."""
         policy = Policy(requested or self.cfg.policy)
         if policy is not Policy.AUTO:
-            return policy
-        preferred, other = Policy.COLOCATED, Policy.DISAGGREGATED
-        if prompt_tokens >= self.cfg.auto_threshold:
-            preferred, other = other, preferred
-        return other if not self.servable(preferred) and self.servable(other) else preferred
+            return policy, None
+        co, dis = self.servable(Policy.COLOCATED), self.servable(Policy.DISAGGREGATED)
+        if co != dis:
+            policy = Policy.COLOCATED if co else Policy.DISAGGREGATED
+            return self._decided(policy, "only_servable", f"only {policy} is servable now")
+        colocated, prefills = self.pool.alive(Role.COLOCATED), self.pool.alive(Role.PREFILL)
+        kv = self.cfg.routing == "kv" and co and reporting(colocated + prefills, self.pool.kv)
+        if not kv:
+            policy = Policy.COLOCATED if len(prompt_ids) < self.cfg.auto_threshold else Policy.DISAGGREGATED
+            return self._decided(policy, "threshold", f"{len(prompt_ids)} prompt tokens against "
+                                 f"--auto-threshold {self.cfg.auto_threshold}")
+        policy, reason, why = auto_policy(colocated, prefills, self.pool.kv, prompt_ids, self.cfg.auto_threshold)
+        return self._decided(policy, reason, why)
+
+    def _decided(self, policy: Policy, reason: str, why: str) -> tuple[Policy, str]:
+        self.metrics.auto_decisions.labels(policy, reason).inc()
+        return policy, f"{policy}: {why}"
 
     def servable(self, policy: Policy) -> bool:
         if policy == Policy.COLOCATED:
@@ -313,7 +351,9 @@ class Planner:
 
     def plan(self, job: Job) -> Plan:
         """Admit the job (429/503 with Retry-After at once if it cannot be) and choose its workers."""
-        policy = self.resolve(job.policy, len(job.prompt_ids))
+        policy, why = self.decide(job.policy, job.prompt_ids)
+        if why is not None:
+            job = replace(job, auto=why)
         ticket = self.admission.admit(job.request_id, PLANS[policy].roles, len(job.prompt_ids))
         try:
             plan = self._choose(policy, job, fallback=self._fallback if self.cfg.failover else None)
@@ -325,6 +365,7 @@ class Planner:
             ticket.release()
             raise
         plan.ticket = ticket
+        self.metrics.routed.labels("least-loaded" if plan.estimate is None else "kv").inc()
         if self.cfg.migrate:
             plan.migrate = self._migration
         return plan
@@ -348,9 +389,21 @@ class Planner:
         """The plan of `policy` for `job` on the workers the choice rule picks now, leaving out the
         decode worker `without`; raises NoWorker."""
         if policy == Policy.COLOCATED:
-            return ColocatedPlan(job, least_loaded(self._alive(Role.COLOCATED)))
-        prefill, decode = self._pair(len(job.prompt_ids), without)
-        return DisaggregatedPlan(job, prefill, decode, fallback=fallback)
+            workers = self._alive(Role.COLOCATED)
+            est = self._kv_choice(workers, job)
+            return ColocatedPlan(job, est.worker if est else least_loaded(workers), estimate=est)
+        prefill, decode, est = self._pair(job, without)
+        return DisaggregatedPlan(job, prefill, decode, fallback=fallback, estimate=est)
+
+    def _kv_choice(self, workers: list[WorkerState], job: Job) -> Estimate | None:
+        """The KV-aware choice among `workers` (None: --routing least-loaded, or none reports yet); the
+        tokens it expects to compute there count as ahead of the next request until its first token."""
+        if self.cfg.routing != "kv" or not reporting(workers, self.pool.kv):
+            return None
+        est = choose(workers, self.pool.kv, job.prompt_ids)
+        est.worker.pending[job.request_id] = est.uncached_tokens
+        est.worker.chosen += 1
+        return est
 
     def _fallback(self, failed: DisaggregatedPlan) -> Plan | None:
         """Where a disaggregated request that failed before its first token runs once more: another pair
@@ -390,9 +443,11 @@ class Planner:
             return nxt
         return None
 
-    def _pair(self, prompt_tokens: int, without: str | None = None) -> tuple[WorkerState, WorkerState]:
-        """(prefill, decode): of the decode workers some prefill worker can send KV to, the least loaded
-        with free blocks for the prompt (any, if none has them); then its least-loaded prefill worker."""
+    def _pair(self, job: Job, without: str | None = None) -> tuple[WorkerState, WorkerState, Estimate | None]:
+        """(prefill, decode, estimate): of the decode workers some prefill worker can send KV to and with
+        free blocks for the prompt (any, if none has them), the one that holds most of the prompt (kv;
+        within the load rule) else the least loaded; then its prefill worker by the same choice."""
+        prompt_tokens = len(job.prompt_ids)
         decodes = [d for d in self._alive(Role.DECODE) if d.id != without]
         paired = [d for d in decodes if self._prefills_for(d)]
         if not paired:
@@ -401,7 +456,13 @@ class Planner:
                            f"start prefill workers with the same --transport and --mode")
         need = P.blocks_for(prompt_tokens, min(d.info.block_size for d in paired))
         decode = least_loaded(paired, need)
-        return least_loaded(self._prefills_for(decode)), decode
+        if self.cfg.routing == "kv" and reporting(paired, self.pool.kv):
+            roomy = not_overloaded([d for d in paired if d.free_blocks >= need] or paired)
+            decode = max(roomy, key=lambda d: (choose([d], self.pool.kv, job.prompt_ids).cached.get("gpu", 0),
+                                              -load(d)[0], d.free_blocks))
+        prefills = self._prefills_for(decode)
+        est = self._kv_choice(prefills, job)
+        return (est.worker if est else least_loaded(prefills)), decode, est
 
     def _prefills_for(self, d: WorkerState) -> list[WorkerState]:
         return [p for p in self.pool.alive(Role.PREFILL) if p.can_send_kv_to(d)]

@@ -14,6 +14,7 @@ from protocol.enums import Policy, Role
 from protocol.timings import Timings
 from server.admission import Admission, Refused, unavailable
 from server.config import RouterConfig
+from server.kv_index import KVIndex
 from server.dispatch import Done, Job
 from server.errors import APIError, worker_failed
 from server.metrics import Metrics
@@ -41,6 +42,7 @@ class Pool:
 
     def __init__(self, *workers: WorkerState):
         self.workers = {w.id: w for w in workers}
+        self.kv = KVIndex()  # no worker reports its blocks here: the choice is the least loaded
 
     def alive(self, role: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.role == role]

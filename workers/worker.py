@@ -51,6 +51,7 @@ import zmq
 from protocol import auth
 from protocol import control as P
 from protocol.config import WorkerConfig
+from workers.roles.kv_report import KVReport
 from workers.status_log import StatsLine, startup_line
 from workers.warmup import warm_up
 
@@ -209,6 +210,7 @@ class Worker:
             log.info("%s", startup_line(cfg.worker_id, cfg.role, engine))
         self.engine = engine
         self.stats = StatsLine(cfg.worker_id, cfg.stats_interval_s)
+        self.kv_report = KVReport(engine, cfg.worker_id) if hasattr(engine, "prefix_root") else None
         self.ctx = zmq.Context()
         self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host, cfg.keys, self.throttle)
         self.address = self.inbox.address
@@ -232,14 +234,15 @@ class Worker:
             num_blocks=eng.blocks.num_blocks, free_blocks=eng.blocks.num_free, device=str(eng.device),
             dtype=eng.layout.dtype, pid=os.getpid(),
             transport=transfer.transport if transfer else None, mode=transfer.mode if transfer else None,
-            kv_address=self.role.kv_address,
+            kv_address=self.role.kv_address, block_root=getattr(eng, "prefix_root", None),
         )
 
     def heartbeat(self) -> P.Heartbeat:
         return P.Heartbeat(worker_id=self.worker_id, address=self.address,
                            free_blocks=self.engine.blocks.num_free, queue_depth=self.role.queue_depth(),
                            running=self.role.running(), sent_at=time.time(), cache=self.cache_figures(),
-                           faults=self.role.faults())
+                           faults=self.role.faults(),
+                           costs=self.kv_report.costs() if self.kv_report is not None else None)
 
     def cache_figures(self) -> P.CacheFigures | None:
         try:  # read from the heartbeat thread: figures a step is updating may be one step old
@@ -330,6 +333,8 @@ class Worker:
             if not self.registered.is_set():
                 log.info("%s: registered with the router (heartbeat every %.2fs)", self.worker_id,
                          ack.heartbeat_interval_s)
+                if self.kv_report is not None:  # a router that (re)learns us learns all our names
+                    self.kv_report.resync()
             self.registered.set()
         elif ack.retry:  # the router restarted and forgot us, or our id is still held: register again
             self.throttle("retry", logging.WARNING, "%s: router asks to register again (%s)", self.worker_id,
@@ -343,7 +348,13 @@ class Worker:
         link = RouterLink(self.ctx, self.cfg.router, self.incarnation, self.cfg.keys, watch=True)
         try:
             while not self._stop.is_set():
-                link.send(self.heartbeat() if self.registered.is_set() else self.registration())
+                if self.registered.is_set():
+                    link.send(self.heartbeat())
+                    events = self.kv_report.events() if self.kv_report is not None else None
+                    if events is not None:  # the names its tiers gained and lost (the router's index)
+                        link.send(events)
+                else:
+                    link.send(self.registration())
                 if self._wait_watching(link, self.heartbeat_interval_s):
                     return
             link.send(P.Goodbye(self.worker_id, self._stop_reason))

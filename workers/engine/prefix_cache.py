@@ -1,7 +1,8 @@
 """Prefix cache: full KV blocks named by their tokens, kept after a request ends, shared by the next.
 
 Integers and bytes only, no torch (STYLE: bookkeeping testable alone). A full block is named by a
-hash chained over its tokens and its parent block's name, so two prompts that begin alike have the
+hash chained over its tokens and its parent block's name (protocol/blocks.py: the router computes
+the same names to route by them), so two prompts that begin alike have the
 same leading names and one lookup finds how much of a prompt's KV already sits in the pool:
 
     name(block i) = H(name(block i-1) + tokens of block i)      name(block -1) = root (model + layout)
@@ -24,28 +25,11 @@ missing head makes the rest unreachable). With `enabled=False` nothing is named:
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from typing import Callable, Sequence
 
+from protocol.blocks import extend_names, root_name  # noqa: F401  (the one naming; the router's too)
 from workers.engine.block_pool import BlockPool, OutOfBlocks
-
-
-def root_name(*identity: str) -> bytes:
-    """The parent name of every first block: what makes KV comparable (model, layout, dtype)."""
-    return hashlib.blake2b("\0".join(identity).encode(), digest_size=16).digest()
-
-
-def extend_names(names: list[bytes], tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """Append the names of the full blocks in `tokens`, which continue the sequence right after the
-    len(names) blocks already named (a trailing partial block is left out); returns `names`."""
-    parent = names[-1] if names else root
-    for i in range(len(tokens) // block_size):
-        block = tokens[i * block_size:(i + 1) * block_size]
-        parent = hashlib.blake2b(parent + array("q", block).tobytes(), digest_size=16).digest()
-        names.append(parent)
-    return names
 
 
 def names_upto(req, num_blocks: int, block_size: int, root: bytes) -> list[bytes]:
@@ -179,3 +163,8 @@ class PrefixCache:
 
     def name_of(self, block: int) -> bytes | None:
         return self._name_of.get(block)
+
+    def held_names(self) -> list[bytes]:
+        """Every name the pool holds now (what the worker reports to the router); may raise RuntimeError
+        when read from another thread while a step changes it (the caller tries again later)."""
+        return list(self._block_of)

@@ -105,10 +105,18 @@ class Role:
                 continue
             if r.token1_sent is None:
                 r.token1_sent = sent
+                self.observe_prefill(r)
             tokens.append(P.TokenOut(r.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason,
                                      timeline(r) if o.finished else None, o.logprobs, o.prompt_logprobs))
         if tokens:
             self.worker.send(P.Tokens(self.worker_id, tokens))
+
+
+    def observe_prefill(self, r: Request) -> None:
+        """Token 1 exists: the request's prefill speed goes into what prices the next one (KV routing)."""
+        report = getattr(self.worker, "kv_report", None)
+        if report is not None:
+            report.observe(r)
 
 
 def now() -> float:

@@ -202,6 +202,7 @@ class PrefillRole(Role):
     def _done(self, req: Request, first_token: int, stats: TransferStats) -> None:
         rid = req.request_id
         self.engine.release(rid)
+        self.observe_prefill(req)
         self.worker.send(P.PrefillDone(
             worker_id=self.worker_id, request_id=rid, first_token=first_token, timeline=timeline(req),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,

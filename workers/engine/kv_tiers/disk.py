@@ -369,6 +369,11 @@ class DiskTier:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
+    def names(self) -> list[bytes]:
+        """The names this tier holds now (the router's index)."""
+        with self._lock:
+            return list(self._where)
+
     def stats(self) -> TierStats:
         with self._lock:
             s = TierStats(**asdict(self._stats))

@@ -277,6 +277,11 @@ class HostTier(HostCopies, HostLoads):
             if self.disk is not None:
                 self.disk.discard(hashes)
 
+    def names(self) -> list[bytes]:
+        """The names this tier can serve now (those on their way to disk too); the router's index."""
+        with self._lock:
+            return list(self._entries) + list(self._leaving)
+
     def stats(self) -> dict[str, TierStats]:
         with self._lock:
             s = TierStats(**asdict(self._stats))

@@ -1,0 +1,140 @@
+"""KV-aware worker choice: each candidate priced by the TTFT it would give a request, in milliseconds,
+from what the workers report (their block names, server/kv_index.py; their measured costs, KVCosts).
+
+    price(worker, tiers, prompt_tokens, ms_per_token) -> Estimate
+        queue     tokens ahead of it there x its prefill ms per token: the prompt tokens waiting on the
+                  worker (its last heartbeat) or, if more, those the router sent it that have no first
+                  token yet (exact, immediate)
+        compute   the prompt tokens it does not hold x its prefill ms per token
+        reload    the tokens it holds below its KV pool x KV bytes per token / that tier's measured GB/s
+                  (a tier slower than recomputing is not used, as the engine decides: those are computed)
+        load      one block's prefill time per request in flight there (the decode steps a colocated
+                  worker's prefill shares)
+    choose(workers, ...) -> Estimate    the cheapest, among the workers not overloaded (see below)
+
+The load rule: a worker is a candidate only while its requests in flight are at most twice the least
+loaded worker's plus two, so one hot prefix cannot pile every request on the worker that holds it: past
+that, the request goes where it is recomputed. Prices within 10% (plus one block's compute) of the
+cheapest are a tie: it goes to the less loaded worker, then to the one chosen less often.
+
+A worker that has not measured its prefill speed yet is priced at the others' (their median); when
+none has, tokens count as 1 ms each: the choice then follows cached tokens and queues alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from protocol.blocks import block_names
+from protocol.enums import Policy
+from server.kv_index import KVIndex
+
+UNMEASURED_MS_PER_TOKEN = 1.0
+OVERLOAD_FACTOR, OVERLOAD_SLACK = 2, 2  # the load rule above
+TIE = 0.1  # prices within 10% (and one block's compute) of the cheapest are a tie
+
+
+@dataclass
+class Estimate:
+    worker: object  # a WorkerState
+    ttft_ms: float
+    cached: dict[str, int] = field(default_factory=dict)  # tier -> prompt tokens expected from there
+    uncached_tokens: int = 0
+    measured: bool = True  # False: priced with another worker's (or no) prefill speed
+    ms_per_token: float = UNMEASURED_MS_PER_TOKEN  # the prefill speed it was priced at
+
+
+def in_flight(w) -> int:
+    """Requests on the worker: those this router sent it (exact, now), or what its last heartbeat counted."""
+    return max(len(w.inflight), w.queue_depth + w.running)
+
+
+def ms_per_token(workers) -> float | None:
+    """The median prefill speed the workers measured (None: none has)."""
+    seen = [w.costs.prefill_ms_per_token for w in workers
+            if w.costs is not None and w.costs.prefill_ms_per_token is not None]
+    return statistics.median(seen) if seen else None
+
+
+def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) -> Estimate:
+    c = w.costs
+    own = c.prefill_ms_per_token if c is not None else None
+    per_token = own if own is not None else (fallback_ms if fallback_ms is not None else UNMEASURED_MS_PER_TOKEN)
+    bs = w.info.block_size
+    # the engine computes at least the last prompt token: a whole-prompt hit still prefills one
+    usable = min(len(tiers), max(0, prompt_tokens - 1) // bs)
+    gpu = next((i for i, t in enumerate(tiers[:usable]) if t != "gpu"), usable)
+    cached = {"gpu": gpu * bs}
+    reload_ms = 0.0
+    for tier in ("host", "disk"):  # below the pool: the leading run after the GPU hit, tier by tier
+        n = 0
+        while gpu + n < usable and tiers[gpu + n] == tier:
+            n += 1
+        if not n:
+            continue
+        gbps = getattr(c, f"{tier}_gbps", None) if c is not None else None
+        cost = None if gbps is None or not c.bytes_per_token else n * bs * c.bytes_per_token / (gbps * 1e6)
+        if cost is not None and cost >= n * bs * per_token:
+            break  # slower than recomputing: the engine computes these and everything after them
+        reload_ms += cost or 0.0
+        cached[tier] = n * bs
+        gpu += n
+    uncached = prompt_tokens - sum(cached.values())
+    ahead = max(c.queued_tokens if c is not None else 0, sum(w.pending.values()))
+    load_ms = in_flight(w) * bs * per_token
+    ttft = (ahead + uncached) * per_token + reload_ms + load_ms
+    return Estimate(w, ttft, {t: n for t, n in cached.items() if n}, uncached, own is not None, per_token)
+
+
+def not_overloaded(workers: list) -> list:
+    least = min(in_flight(w) for w in workers)
+    return [w for w in workers if in_flight(w) <= OVERLOAD_FACTOR * least + OVERLOAD_SLACK]
+
+
+def choose(workers: list, index: KVIndex, prompt_ids: list[int]) -> Estimate:
+    """The cheapest of `workers` (not empty) for this prompt, by the load rule and price() above; prices
+    within TIE of the cheapest are a tie (noise in measured speeds must not send every cold prompt to
+    one worker), which goes to the less loaded, then to the one chosen less often."""
+    candidates = not_overloaded(workers)
+    fallback = ms_per_token(workers)
+    names: dict[tuple[bytes, int], list[bytes]] = {}  # per naming (root, block size): once per request
+    estimates = []
+    for w in candidates:
+        key = (w.block_root, w.info.block_size)
+        if w.block_root is None:
+            tiers = []
+        else:
+            if key not in names:
+                names[key] = block_names(prompt_ids, w.info.block_size, w.block_root)
+            tiers = index.held(w.id, names[key])
+        estimates.append(price(w, tiers, len(prompt_ids), fallback))
+    cheapest = min(e.ttft_ms for e in estimates)
+    tied = [e for e in estimates
+            if e.ttft_ms <= cheapest * (1 + TIE) + e.worker.info.block_size * e.ms_per_token]
+    return min(tied, key=lambda e: (in_flight(e.worker), e.worker.chosen, e.ttft_ms))
+
+
+def reporting(workers: list, index: KVIndex) -> bool:
+    """KV-aware choice applies once some worker reports its block names (else: least loaded)."""
+    return any(index.reporting(w.id) for w in workers)
+
+
+def auto_policy(colocated: list, prefills: list, index: KVIndex, prompt_ids: list[int],
+                threshold: int) -> tuple[Policy, str, str]:
+    """Policy auto from measured costs: (policy, reason, why). Colocated when the prefix the best colocated
+    worker holds leaves fewer than `threshold` tokens to compute (a small prefill: reason small_prefill),
+    or when the best prefill worker's predicted TTFT exceeds the colocated one's by more than the stall
+    its prefill would cause the decodes running there (its uncached tokens x ms per token, when any run:
+    reason queue); disaggregated otherwise (reason disaggregate)."""
+    c = choose(colocated, index, prompt_ids)
+    if c.uncached_tokens < threshold:
+        return (Policy.COLOCATED, "small_prefill",
+                f"{c.worker.id} holds all but {c.uncached_tokens} tokens (< --auto-threshold {threshold})")
+    p = choose(prefills, index, prompt_ids)
+    stall = c.uncached_tokens * c.ms_per_token if c.worker.running else 0.0
+    why = (f"predicted TTFT colocated {c.ttft_ms:.1f} ms ({c.worker.id}), disaggregated {p.ttft_ms:.1f} ms "
+           f"({p.worker.id}), decode stall {stall:.1f} ms")
+    if p.ttft_ms - c.ttft_ms > stall:
+        return Policy.COLOCATED, "queue", why
+    return Policy.DISAGGREGATED, "disaggregate", why

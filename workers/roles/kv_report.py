@@ -1,0 +1,109 @@
+"""What a worker tells the router about its KV: the block names each tier holds (as KVEvents, the
+difference since the last report) and what prices a request here (KVCosts, in every heartbeat).
+
+    KVReport(engine, worker_id)
+      .events() -> KVEvents | None     the heartbeat thread, after each heartbeat: names gained and lost
+                                       since the last report (at most MAX_KV_NAMES; the rest next time)
+      .costs() -> KVCosts              prefill ms per token (measured), tiers' GB/s, queued prompt tokens
+      .observe(request)                the main thread, at a request's first token: its prefill speed
+
+A report is a difference between two snapshots of the tiers' name sets, not a log of every store and
+eviction: nothing is kept per event, a burst costs one message, and a lost message only leaves the
+router's index stale (misses). The first report of an incarnation, and one every RESYNC_EVERY, is a
+`reset`: the router forgets this worker's names and takes the full set again, so a stale index heals.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from protocol import control as P
+
+RESYNC_EVERY = 600  # reports between full ones (a stale index heals within this many heartbeats)
+ALPHA = 0.2  # weight of each new prefill observation (an EWMA, as the tiers' cost model)
+
+
+class KVReport:
+    def __init__(self, engine, worker_id: str):
+        self.engine = engine
+        self.worker_id = worker_id
+        self.seq = 0
+        self._sent: dict[str, set[bytes]] = {"gpu": set(), "host": set(), "disk": set()}
+        self._reset = True
+        self._ms_per_token: float | None = None
+        self._lock = threading.Lock()
+
+    def resync(self) -> None:
+        """The next report is a full one (a router that did not know this worker)."""
+        self._reset = True
+
+    # ---- names ----------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, set[bytes]] | None:
+        """Each tier's names now; None when a step changed the pool under us (the next report has them)."""
+        eng = self.engine
+        try:
+            out = {"gpu": set(eng.blocks.held_names()) if eng.blocks.enabled else set()}
+        except RuntimeError:
+            return None
+        tiers = getattr(eng, "tiers", None)
+        if tiers is not None:
+            out["host"] = set(tiers.host.names())
+            if tiers.host.disk is not None:
+                out["disk"] = set(tiers.host.disk.names())
+        return out
+
+    def events(self) -> P.KVEvents | None:
+        now = self.snapshot()
+        if now is None:
+            return None
+        reset = self._reset or (self.seq > 0 and self.seq % RESYNC_EVERY == 0)
+        if reset:
+            self._sent = {t: set() for t in self._sent}
+        room = P.MAX_KV_NAMES
+        stored, removed = [], []
+        for tier, sent in self._sent.items():
+            held = now.get(tier, set())
+            gone = list(sent - held)[:room]
+            room -= len(gone)
+            new = list(held - sent)[:room]
+            room -= len(new)
+            sent.difference_update(gone)
+            sent.update(new)
+            if gone:
+                removed.append(P.TierNames(tier, gone))
+            if new:
+                stored.append(P.TierNames(tier, new))
+        if not (stored or removed or reset):
+            return None
+        msg = P.KVEvents(self.worker_id, self.seq, reset, stored, removed)
+        self.seq += 1
+        self._reset = False
+        return msg
+
+    # ---- costs ----------------------------------------------------------------------------------
+
+    def observe(self, req) -> None:
+        """A request's prefill is over: its computed tokens over its prefill time."""
+        if req.prefill_start is None or req.prefill_end is None:
+            return
+        tokens = len(req.prompt_ids) - req.cached_tokens
+        seconds = req.prefill_end - req.prefill_start
+        if tokens <= 0 or seconds <= 0:
+            return
+        ms = seconds * 1e3 / tokens
+        with self._lock:
+            old = self._ms_per_token
+            self._ms_per_token = ms if old is None else (1 - ALPHA) * old + ALPHA * ms
+
+    def costs(self) -> P.KVCosts:
+        eng = self.engine
+        tiers = getattr(eng, "tiers", None)
+        host = tiers.host.cost.bandwidth_gbps("host") if tiers is not None else None
+        disk = tiers.host.cost.bandwidth_gbps("disk") if tiers is not None else None
+        try:
+            queued = sum(len(r.prompt_ids) - r.num_computed for r in list(eng.scheduler.waiting))
+        except RuntimeError:  # the deque changed under us
+            queued = 0
+        return P.KVCosts(bytes_per_token=eng.layout.bytes_per_token, prefill_ms_per_token=self._ms_per_token,
+                         host_gbps=host, disk_gbps=disk, queued_tokens=max(0, queued))
