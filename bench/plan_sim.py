@@ -61,11 +61,12 @@ class Profile:
         if not prefill or not decode:
             raise ValueError("a profile needs prefill points and decode points")
         tokens = sorted(prefill)
+        # a noisy measurement can make a longer prompt look cheaper: the cumulative cost never falls, so no
+        # segment of a prompt costs less than nothing
+        ms = np.maximum.accumulate([float(prefill[t]) for t in tokens])
         rows = np.array([[1.0, b, b * c] for b, c, _ in decode])
-        ms = np.array([t for _, _, t in decode])
-        coef, *_ = np.linalg.lstsq(rows, ms, rcond=None)
-        return cls(tokens, [float(prefill[t]) for t in tokens], tuple(float(c) for c in coef), kv_bytes_per_token,
-                   source)
+        coef, *_ = np.linalg.lstsq(rows, np.array([t for _, _, t in decode]), rcond=None)
+        return cls(tokens, [float(m) for m in ms], tuple(float(c) for c in coef), kv_bytes_per_token, source)
 
     @classmethod
     def from_engine_json(cls, data: dict, source: str = "") -> "Profile":
