@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from protocol.blocks import block_names
 from protocol.enums import Policy
+from protocol.timings import Route
 from server.kv_index import KVIndex
 
 UNMEASURED_MS_PER_TOKEN = 1.0
@@ -43,6 +44,7 @@ class Estimate:
     uncached_tokens: int = 0
     measured: bool = True  # False: priced with another worker's (or no) prefill speed
     ms_per_token: float = UNMEASURED_MS_PER_TOKEN  # the prefill speed it was priced at
+    queue_ms: float = 0.0  # of ttft_ms: the tokens ahead of it there
 
 
 def in_flight(w) -> int:
@@ -84,7 +86,8 @@ def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) ->
     ahead = max(c.queued_tokens if c is not None else 0, sum(w.pending.values()))
     load_ms = in_flight(w) * bs * per_token
     ttft = (ahead + uncached) * per_token + reload_ms + load_ms
-    return Estimate(w, ttft, {t: n for t, n in cached.items() if n}, uncached, own is not None, per_token)
+    return Estimate(w, ttft, {t: n for t, n in cached.items() if n}, uncached, own is not None, per_token,
+                    ahead * per_token)
 
 
 def not_overloaded(workers: list) -> list:
@@ -124,17 +127,28 @@ def auto_policy(colocated: list, prefills: list, index: KVIndex, prompt_ids: lis
                 threshold: int) -> tuple[Policy, str, str]:
     """Policy auto from measured costs: (policy, reason, why). Colocated when the prefix the best colocated
     worker holds leaves fewer than `threshold` tokens to compute (a small prefill: reason small_prefill),
-    or when the best prefill worker's predicted TTFT exceeds the colocated one's by more than the stall
-    its prefill would cause the decodes running there (its uncached tokens x ms per token, when any run:
-    reason queue); disaggregated otherwise (reason disaggregate)."""
+    or when the queue ahead on the best prefill worker costs more than the one on the colocated worker
+    plus the decode interference disaggregating saves (the colocated prefill's own compute, which the
+    decodes there wait through: reason queue); disaggregated otherwise (reason disaggregate)."""
     c = choose(colocated, index, prompt_ids)
     if c.uncached_tokens < threshold:
         return (Policy.COLOCATED, "small_prefill",
                 f"{c.worker.id} holds all but {c.uncached_tokens} tokens (< --auto-threshold {threshold})")
     p = choose(prefills, index, prompt_ids)
-    stall = c.uncached_tokens * c.ms_per_token if c.worker.running else 0.0
-    why = (f"predicted TTFT colocated {c.ttft_ms:.1f} ms ({c.worker.id}), disaggregated {p.ttft_ms:.1f} ms "
-           f"({p.worker.id}), decode stall {stall:.1f} ms")
-    if p.ttft_ms - c.ttft_ms > stall:
+    saved = c.uncached_tokens * c.ms_per_token
+    why = (f"queue ahead: prefill {p.queue_ms:.1f} ms ({p.worker.id}), colocated {c.queue_ms:.1f} ms "
+           f"({c.worker.id}); interference saved {saved:.1f} ms; predicted TTFT {p.ttft_ms:.1f} ms "
+           f"disaggregated, {c.ttft_ms:.1f} ms colocated")
+    if p.queue_ms > c.queue_ms + saved:
         return Policy.COLOCATED, "queue", why
     return Policy.DISAGGREGATED, "disaggregate", why
+
+
+def route_taken(worker: str, e: Estimate | None, auto: str | None) -> Route:
+    """timings.route: the workers chosen, and what the KV-aware choice expected there (None: least loaded)."""
+    if e is None:
+        return Route(worker=worker, rule="least-loaded", auto=auto or "")
+    c = e.cached
+    return Route(worker=worker, rule="kv", expected_device_tokens=c.get("gpu", 0),
+                 expected_host_tokens=c.get("host", 0), expected_disk_tokens=c.get("disk", 0),
+                 predicted_ttft_ms=round(e.ttft_ms, 3) if e.measured else None, auto=auto or "")

@@ -58,12 +58,12 @@ import msgspec
 
 from protocol import control as P
 from protocol.enums import Policy, Role
-from protocol.timings import Failover, Route
+from protocol.timings import Failover
 from server.admission import Admission, Ticket, unavailable
 from server.config import RouterConfig
 from server.dispatch import PREFILL_REPORT_GRACE_S, Dispatcher, Done, Job, Token, TokenStream
 from server.errors import APIError, timed_out
-from server.kv_route import Estimate, auto_policy, choose, not_overloaded, reporting
+from server.kv_route import Estimate, auto_policy, choose, not_overloaded, reporting, route_taken
 from server.metrics import Metrics
 from server.migration import migrating
 from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
@@ -282,14 +282,7 @@ PLANS: dict[Policy, type] = {Policy.COLOCATED: ColocatedPlan, Policy.DISAGGREGAT
 
 def explained(plan: Plan, t):
     """The request's timings with its route: where it went and what the choice expected there."""
-    e = plan.estimate
-    if e is None:
-        return replace(t, route=Route(worker=plan.route, rule="least-loaded", auto=plan.job.auto or ""))
-    c = e.cached
-    return replace(t, route=Route(worker=plan.route, rule="kv", expected_device_tokens=c.get("gpu", 0),
-                                  expected_host_tokens=c.get("host", 0), expected_disk_tokens=c.get("disk", 0),
-                                  predicted_ttft_ms=round(e.ttft_ms, 3) if e.measured else None,
-                                  auto=plan.job.auto or ""))
+    return replace(t, route=route_taken(plan.route, plan.estimate, plan.job.auto))
 
 
 def needs_prefill_report(s: P.Sampling) -> bool:

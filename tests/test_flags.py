@@ -39,7 +39,8 @@ ROUTER_FLAGS = {
     "--access-log", "--api-key", "--api-key-file", "--auto-threshold", "--config", "--drain-timeout",
     "--expect-workers", "--failover", "--heartbeat-interval", "--heartbeat-misses", "--help", "--host",
     "--kv-deadline", "--log-level", "--max-body-mb", "--max-inflight-requests", "--max-inflight-tokens", "--migrate",
-    "--model", "--parent-pid", "--policy", "--port", "--public-metrics", "--register", "--retry-after", "--token-timeout",
+    "--model", "--parent-pid", "--policy", "--port", "--public-metrics", "--register", "--retry-after", "--routing",
+    "--token-timeout",
     "--tokenizer", "--version"}
 PDSERVE_WORKER_FLAGS = {
     "--block-size", "--colocated-workers", "--decode-workers", "--device", "--devices", "--dtype", "--kv-memory-gb",

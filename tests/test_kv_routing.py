@@ -167,3 +167,32 @@ def test_multiturn_history_served_from_cache_against_least_loaded():
     assert all(r["rule"] == "kv" and r["worker"] == t["worker"] for r, t in zip(routes, later))
     assert sum(r["expected_device_tokens"] for r in routes) >= 0.9 * sum(t["cached_tokens"] for t in later)
     assert 'pdserve_routed_total{rule="kv"}' in metrics
+
+
+def test_auto_decides_from_cached_prefix_and_queues():
+    costs = P.KVCosts(bytes_per_token=1000, prefill_ms_per_token=1.0)
+    co = colocated("co", costs)
+    pre = WorkerState(P.Register(P.PROTOCOL_VERSION, "pre", Role.PREFILL, "tcp://127.0.0.1:2", "tiny", 4096, BS, 1000,
+                                 1000, "cpu", "float32", 1, "ipc", "bulk", block_root=ROOT), "inc-pre", None, 0.0, 1000)
+    dec = WorkerState(P.Register(P.PROTOCOL_VERSION, "dec", Role.DECODE, "tcp://127.0.0.1:3", "tiny", 4096, BS, 1000,
+                                 1000, "cpu", "float32", 1, "ipc", "bulk", "tcp://127.0.0.1:4", block_root=ROOT),
+                      "inc-dec", None, 0.0, 1000)
+    pre.costs = dec.costs = costs
+    pool = Pool(co, pre, dec)
+    for w in (co, pre, dec):
+        pool.kv.apply(w.id, events(w.id, 0, reset=True))
+    cfg = RouterConfig(model="tiny", auto_threshold=64)
+    metrics = Metrics("tiny")
+    planner = Planner(cfg, pool, Admission(cfg, pool, metrics), metrics)
+    cold, warm = list(range(2000, 2300)), list(range(3000, 3300))
+    pool.kv.apply("co", events("co", 1, [("gpu", block_names(warm, BS, ROOT))]))
+    plan = planner.plan(Job("warm", warm, P.Sampling(max_tokens=1), "auto"))  # 12 tokens left: small
+    assert plan.policy == "colocated" and plan.job.auto.startswith("colocated: co holds all but 12 tokens")
+    plan = planner.plan(Job("cold", cold, P.Sampling(max_tokens=1), "auto"))  # 300 to compute, no queues
+    assert plan.policy == "disaggregated" and plan.job.auto.startswith("disaggregated: queue ahead")
+    pre.costs = P.KVCosts(bytes_per_token=1000, prefill_ms_per_token=1.0, queued_tokens=5000)  # P is swamped
+    plan = planner.plan(Job("busy", cold[1:] + [7], P.Sampling(max_tokens=1), "auto"))
+    assert plan.policy == "colocated" and "prefill 5000.0 ms" in plan.job.auto
+    got = {(s.labels["policy"], s.labels["reason"]): s.value for m in metrics.auto_decisions.collect()
+           for s in m.samples if s.name.endswith("_total")}
+    assert got == {("colocated", "small_prefill"): 1, ("disaggregated", "disaggregate"): 1, ("colocated", "queue"): 1}

@@ -41,6 +41,8 @@ WAVES, WAVE = 4, 6  # 24 requests: 12 per policy, 6 of each kind; six at a time
 
 async def one(c: AsyncClient, i: int) -> tuple[str, Timings]:
     policy, prompt, served = KINDS[i % len(KINDS)]
+    if policy == "auto" and prompt == LONG:  # a prompt no worker holds: auto prices a long prefill
+        prompt = f"{i} {LONG}"
     # every kind streamed and not, with 1 token (token 1 is also the last) and more
     options = {"max_tokens": 1 + (i // 2) % 4, "ignore_eos": True}
     if (i // len(KINDS)) % 2:
