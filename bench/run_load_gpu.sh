@@ -41,7 +41,7 @@
 # one run (~15 s: the first turns' prefills, THINK, the second turns); about 6 minutes in all.
 #
 # Knobs (environment): DEVICES, MODEL, NUM_PROMPTS (per run), SHORT_LEN, LONG_LEN, LONG_FRACTION,
-# OUTPUT_LEN, GOODPUT (SLOs), START_RATE, MAX_PROBES, PRECISION, SWEEP_FACTORS, ARM_BUDGET, WARMUP_BATCH,
+# OUTPUT_LEN, GOODPUT (SLOs), START_RATE, MAX_PROBES, PRECISION, SWEEP_FACTORS, ARM_BUDGET, PROBE_SECONDS, WARMUP_BATCH,
 # WARMUP_MAX, TRANSPORT (ipc|nixl|zmq), MODE (bulk|layer), KV_GB (KV pool per worker, GiB),
 # SERVER_EXTRA (more pdserve flags for both arms), UNCHUNKED=1 (a third arm: the colocated worker
 # with --no-chunked-prefill), PYTHON, OUT. Time: each arm's server start (~30 s
@@ -76,7 +76,8 @@ START_RATE=${START_RATE:-1}
 MAX_PROBES=${MAX_PROBES:-6}
 PRECISION=${PRECISION:-0.2}
 SWEEP_FACTORS=${SWEEP_FACTORS:-0.5,1.5}
-ARM_BUDGET=${ARM_BUDGET:-120}
+ARM_BUDGET=${ARM_BUDGET:-480}  # 60 s probes (PROBE_SECONDS): a search of 5-6 probes and a sweep point
+PROBE_SECONDS=${PROBE_SECONDS:-60}
 WARMUP_BATCH=${WARMUP_BATCH:-4}
 WARMUP_MAX=${WARMUP_MAX:-4}
 SERVER_EXTRA=${SERVER_EXTRA:-}
@@ -88,7 +89,7 @@ THINK=${THINK:-4}
 HOST_GB=${HOST_GB:-8}
 CACHE_MODES=${CACHE_MODES:-cache-off,gpu,gpu+host}
 if [ "${SMOKE:-0}" = 1 ]; then
-  NUM_PROMPTS=12; MAX_PROBES=2; SWEEP_FACTORS=0.5; WARMUP_MAX=3
+  NUM_PROMPTS=12; MAX_PROBES=2; SWEEP_FACTORS=0.5; WARMUP_MAX=3; PROBE_SECONDS=5
   CONVERSATIONS=2; FIRST_LEN=2000; THINK=1
 fi
 OUT=${OUT:-bench/results/load-gpu-$(date +%Y%m%d-%H%M%S)}
@@ -135,6 +136,7 @@ fi
   --server-args "$COMMON" --server-timeout 900 \
   --capacity-search --goodput $GOODPUT --search-start-rate "$START_RATE" --search-max-probes "$MAX_PROBES" \
   --search-precision "$PRECISION" --sweep-factors "$SWEEP_FACTORS" --arm-budget "$ARM_BUDGET" \
+  --probe-seconds "$PROBE_SECONDS" \
   --num-prompts "$NUM_PROMPTS" --input-len "$SHORT_LEN" --long-fraction "$LONG_FRACTION" \
   --long-input-len "$LONG_LEN" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" \
   --warmup-batch "$WARMUP_BATCH" --warmup-max-batches "$WARMUP_MAX" --request-timeout 600 \
