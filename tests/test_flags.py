@@ -40,12 +40,15 @@ ROUTER_FLAGS = {
     "--expect-workers", "--failover", "--heartbeat-interval", "--heartbeat-misses", "--help", "--host",
     "--kv-deadline", "--log-level", "--max-body-mb", "--max-inflight-requests", "--max-inflight-tokens", "--migrate",
     "--model", "--parent-pid", "--policy", "--port", "--public-metrics", "--register", "--retry-after", "--routing",
-    "--token-timeout",
+    "--token-timeout", "--default-max-tokens", "--default-chat-max-tokens", "--served-model-name",
     "--tokenizer", "--version"}
-PDSERVE_WORKER_FLAGS = {
-    "--block-size", "--colocated-workers", "--decode-workers", "--device", "--devices", "--dtype", "--kv-memory-gb",
-    "--max-model-len", "--max-num-seqs", "--mode", "--no-colocated", "--no-restart", "--no-warmup", "--num-blocks",
-    "--prefill-workers", "--startup-timeout", "--stats-interval", "--threads", "--transport", "--worker-arg"}
+# pdserve's own worker flags; beside them it takes every flag of pdserve-worker but those that name one
+# worker's identity, endpoints or files (the launcher sets those for each worker)
+PDSERVE_OWN_WORKER_FLAGS = {"--colocated-workers", "--decode-workers", "--devices", "--no-colocated", "--no-restart",
+                            "--prefill-workers", "--startup-timeout", "--worker-arg"}
+PER_WORKER_FLAGS = {"--advertise-host", "--control", "--keys", "--kv-host", "--kv-port", "--role", "--router",
+                    "--run-dir", "--worker-config", "--worker-id"}
+PDSERVE_WORKER_FLAGS = PDSERVE_OWN_WORKER_FLAGS | (WORKER_FLAGS - PER_WORKER_FLAGS)
 
 
 def flags(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -85,12 +88,16 @@ def test_only_the_flags_of_no_config_are_written_by_hand():
 def test_the_flags_pdserve_offers_its_workers_are_the_workers_own():
     worker, pdserve = flags(W.serve_parser()), flags(S.pdserve_parser())
     shared = set(worker) & set(pdserve) - {"--config", "--help", "--version", "--log-level", "--parent-pid", "--model"}
-    assert shared == {"--block-size", "--device", "--dtype", "--kv-memory-gb", "--max-model-len", "--max-num-seqs",
-                      "--mode", "--no-warmup", "--num-blocks", "--stats-interval", "--threads", "--transport"}
-    for name in shared - {"--device"}:  # --device: one for every worker, default: dealt from --devices
+    assert shared == set(worker) - PER_WORKER_FLAGS - {"--config", "--help", "--version", "--log-level",
+                                                       "--parent-pid", "--model"}
+    assert {"--chunk-tokens", "--host-cache-gb", "--no-prefix-cache", "--disk-cache-dir"} <= shared  # the README's
+    # --device: one for every worker, default dealt from --devices; --threads: default the cores shared among them
+    for name in shared - {"--device", "--threads"}:
         w, p = worker[name], pdserve[name]
         assert (w.help, w.default, w.choices, w.type, w.dest) == (p.help, p.default, p.choices, p.type, p.dest), name
     assert pdserve["--device"].default is None and worker["--device"].default == "cpu"
+    assert pdserve["--threads"].default is worker["--threads"].default is None  # None: each picks its own share
+    assert pdserve["--threads"].type is worker["--threads"].type and "shared among the workers" in pdserve["--threads"].help
     assert worker["--model"].help == pdserve["--model"].help  # one text for the router's and the engine's model
 
 
