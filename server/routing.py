@@ -451,7 +451,7 @@ class Planner:
         decode = least_loaded(paired, need)
         if self.cfg.routing == "kv" and reporting(paired, self.pool.kv):
             roomy = not_overloaded([d for d in paired if d.free_blocks >= need] or paired)
-            decode = max(roomy, key=lambda d: (choose([d], self.pool.kv, job.prompt_ids).cached.get("gpu", 0),
+            decode = max(roomy, key=lambda d: (sum(choose([d], self.pool.kv, job.prompt_ids).cached.values()),
                                               -load(d)[0], d.free_blocks))
         prefills = self._prefills_for(decode)
         est = self._kv_choice(prefills, job)

@@ -196,3 +196,22 @@ def test_auto_decides_from_cached_prefix_and_queues():
     got = {(s.labels["policy"], s.labels["reason"]): s.value for m in metrics.auto_decisions.collect()
            for s in m.samples if s.name.endswith("_total")}
     assert got == {("colocated", "small_prefill"): 1, ("disaggregated", "disaggregate"): 1, ("colocated", "queue"): 1}
+
+
+def test_a_decode_reservation_reloads_its_prefix_from_host_memory():
+    """Deliver 4: a decode worker's reserve takes a prefix held only in its host tier (reloaded), so the
+    prefill worker skips sending it; every block comes back."""
+    from test_prefix_tiers import engine, evict_everything, prompt
+    from workers.engine.request import Request, SamplingParams
+
+    eng = engine()
+    p = prompt(7, 70)
+    eng.generate([p], SamplingParams(max_tokens=2, ignore_eos=True))
+    evict_everything(eng, p)
+    req = Request("reserved", p + [3], SamplingParams(max_tokens=2))
+    eng.admit(req)
+    blocks = eng.reserve(req.request_id, len(req.prompt_ids))
+    assert blocks is not None and req.cached_tokens == 64 and req.tier_tokens == {"host": 64}
+    eng.abort(req.request_id)
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests
+    eng.close()

@@ -385,11 +385,16 @@ class Engine:
         need = blocks_for(num_tokens, self.layout.block_size) - len(hit)
         if req.status is Status.WAITING and not self.blocks.can_allocate(need, hit):
             return None
+        whole = req.prompt_ids and num_tokens == len(req.prompt_ids)
+        lower = self.scheduler.lower_prefix(req, len(hit)) if whole else []
         req.reserve()
         self.scheduler.take_blocks(req, hit, need)
-        req.cached_tokens = len(hit) * self.layout.block_size
+        req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
         if req.prompt_ids:
             self.blocks.count(len(req.prompt_ids), req.cached_tokens)
+        if lower:  # held in host memory (or on disk) and cheaper to reload than to receive: reloaded now
+            self.scheduler.start_reload(req, lower)
+            self.tiers.poll(req, wait=True)  # cached_tokens grows by what landed; the sender skips it
         self.requests[request_id] = req
         return list(req.block_ids)
 
