@@ -21,6 +21,8 @@
 #   SMOKE=1 bench/run_load_gpu.sh                # 12 prompts, 2 probes, one sweep point: checks the setup
 #   OUT=$OUT/load bench/run_load_gpu.sh          # on the device machine (after source .whl/prelude.sh)
 #   MULTITURN=1 bench/run_load_gpu.sh            # the multi-turn cache comparison below (~6 minutes)
+#   MULTITURN=1 ROUTING=1 KV_GB=8 CONVERSATIONS=8 TURNS=3 FIRST_LEN=8000 bench/run_load_gpu.sh
+#                                                # KV-aware vs least-loaded routing (below)
 #
 # MULTITURN=1: instead of the capacity search, each policy under three KV cache modes, a fresh server each
 # (6 arms: colocated:cache-off, colocated:gpu, colocated:gpu+host, the same for disaggregated; --cache-arms
@@ -37,6 +39,9 @@
 # HOST_GB (8; the 5 conversations need ~5 GB), CACHE_MODES (cache-off,gpu,gpu+host; gpu+host+disk with
 # DISK_DIR and DISK_GB). Admission: --max-inflight-tokens is raised so the small pool queues the burst of
 # first turns instead of refusing it. SMOKE=1: 2 conversations of a 2000-token first message.
+# ROUTING=1 (with MULTITURN=1): two arms of two colocated workers sharing DEVICES' first device, one
+# routed --routing kv, one --routing least-loaded, under ROUTING_CACHE_MODES (default gpu): turn 2's TTFT
+# p50 and cached share of each, in summary.md's per-turn table.
 # Time: 6 fresh servers (~30 s each to build the model), each warm-up (2 prompts of ~16k, 2-4 batches) and
 # one run (~15 s: the first turns' prefills, THINK, the second turns); about 6 minutes in all.
 #
@@ -115,6 +120,12 @@ gpu_state() {  # clocks, power and memory, for the record (no GPU: says so)
 }
 gpu_state "$OUT/gpu-start.txt"
 
+if [ "$MULTITURN" = 1 ] && [ "${ROUTING:-0}" = 1 ]; then  # KV-aware vs least-loaded, two colocated workers
+  TWO="--prefill-workers 0 --decode-workers 0 --colocated-workers 2"
+  ARMS=(--arm "kv=colocated:$TWO --routing kv" --arm "least-loaded=colocated:$TWO --routing least-loaded")
+  CACHE_MODES=${ROUTING_CACHE_MODES:-gpu}
+  COMMON="--model $MODEL --devices ${DEVICE_LIST[0]} --transport $TRANSPORT --mode $MODE --kv-memory-gb $KV_GB $SERVER_EXTRA"
+fi
 if [ "$MULTITURN" = 1 ]; then
   CACHE_FLAGS=(--cache-arms "$CACHE_MODES" --cache-host-gb "$HOST_GB")
   if [ -n "${DISK_DIR:-}" ]; then CACHE_FLAGS+=(--cache-disk-dir "$DISK_DIR" --cache-disk-gb "${DISK_GB:-32}"); fi

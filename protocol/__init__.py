@@ -8,6 +8,7 @@ the worker side (a test holds it to that, tests/test_walls.py).
     sampling.py  sampling parameters and their bounds, defined once (HTTP API, wire, engine)
     phases.py    the phases of a request's time to first token
     timings.py   a request's `timings` object, one typed struct from the router to the client
+    blocks.py    KV block names (a hash chained over tokens): the engine's prefix cache and the router's index
     config.py    the engine, transfer and worker configs; each field carries its command-line flag
     flags.py     argparse options derived from a config dataclass, and the config built back from them
     auth.py      the deployment's CURVE keys (every control and KV socket)

@@ -2,6 +2,7 @@
 
     KVIndex(max_entries)
       .apply(worker_id, KVEvents)       a worker's report (protocol/control.py): names its tiers gained, lost
+      .expect(worker_id, names)         the router sent it a prompt of these names: its pool will hold them
       .forget(worker_id)                it restarted, was dropped, or a report was lost: its names go
       .held(worker_id, names) -> tiers  of a prompt's block names, the leading run that worker holds, each
                                         one's best tier ("gpu" before "host" before "disk")
@@ -68,17 +69,28 @@ class KVIndex:
                 else:
                     self._drop(name, holders, worker_id)
         for group in ev.stored:
-            bit = BIT[group.tier]
-            for name in group.names:
-                holders = self._where.get(name)
-                if holders is None:
-                    holders = self._where[name] = {}
-                else:
-                    self._where.move_to_end(name)
-                if worker_id not in holders:
-                    self.entries += 1
-                    self._count[worker_id] = self._count.get(worker_id, 0) + 1
-                holders[worker_id] = holders.get(worker_id, 0) | bit
+            self._add(worker_id, group.tier, group.names)
+
+    def expect(self, worker_id: str, names: list[bytes]) -> None:
+        """The router sent a prompt of these block names to this worker: once prefilled, its pool holds
+        them, before the worker's next report says so (a conversation's next turn may come first). If
+        the request fails, or they are evicted unreported, the entries are stale: misses, until the
+        worker's next full report."""
+        if self.reporting(worker_id):
+            self._add(worker_id, "gpu", names)
+
+    def _add(self, worker_id: str, tier: str, names) -> None:
+        bit = BIT[tier]
+        for name in names:
+            holders = self._where.get(name)
+            if holders is None:
+                holders = self._where[name] = {}
+            else:
+                self._where.move_to_end(name)
+            if worker_id not in holders:
+                self.entries += 1
+                self._count[worker_id] = self._count.get(worker_id, 0) + 1
+            holders[worker_id] = holders.get(worker_id, 0) | bit
         while self.entries > self.max_entries:
             name, holders = next(iter(self._where.items()))
             for w in list(holders):

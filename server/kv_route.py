@@ -45,6 +45,7 @@ class Estimate:
     measured: bool = True  # False: priced with another worker's (or no) prefill speed
     ms_per_token: float = UNMEASURED_MS_PER_TOKEN  # the prefill speed it was priced at
     queue_ms: float = 0.0  # of ttft_ms: the tokens ahead of it there
+    names: list[bytes] = field(default_factory=list)  # the prompt's full blocks, as this worker names them
 
 
 def in_flight(w) -> int:
@@ -112,6 +113,7 @@ def choose(workers: list, index: KVIndex, prompt_ids: list[int]) -> Estimate:
                 names[key] = block_names(prompt_ids, w.info.block_size, w.block_root)
             tiers = index.held(w.id, names[key])
         estimates.append(price(w, tiers, len(prompt_ids), fallback))
+        estimates[-1].names = names.get(key, [])
     cheapest = min(e.ttft_ms for e in estimates)
     tied = [e for e in estimates
             if e.ttft_ms <= cheapest * (1 + TIE) + e.worker.info.block_size * e.ms_per_token]

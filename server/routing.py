@@ -395,6 +395,7 @@ class Planner:
             return None
         est = choose(workers, self.pool.kv, job.prompt_ids)
         est.worker.pending[job.request_id] = est.uncached_tokens
+        self.pool.kv.expect(est.worker.id, est.names)  # its next turn may come before its report does
         est.worker.chosen += 1
         return est
 
@@ -450,9 +451,11 @@ class Planner:
         need = P.blocks_for(prompt_tokens, min(d.info.block_size for d in paired))
         decode = least_loaded(paired, need)
         if self.cfg.routing == "kv" and reporting(paired, self.pool.kv):
-            roomy = not_overloaded([d for d in paired if d.free_blocks >= need] or paired)
-            decode = max(roomy, key=lambda d: (sum(choose([d], self.pool.kv, job.prompt_ids).cached.values()),
-                                              -load(d)[0], d.free_blocks))
+            held = {d.id: choose([d], self.pool.kv, job.prompt_ids)
+                    for d in not_overloaded([d for d in paired if d.free_blocks >= need] or paired)}
+            decode = max((self.pool.workers[i] for i in held), key=lambda d: (
+                sum(held[d.id].cached.values()), -load(d)[0], d.free_blocks))
+            self.pool.kv.expect(decode.id, held[decode.id].names)  # it will hold the prompt's KV
         prefills = self._prefills_for(decode)
         est = self._kv_choice(prefills, job)
         return (est.worker if est else least_loaded(prefills)), decode, est

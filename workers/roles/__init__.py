@@ -1,4 +1,5 @@
-"""The three worker roles; each module opens with the life cycle of a request on it."""
+"""The three worker roles; each module opens with the life cycle of a request on it. kv_report.py: what
+every role's worker tells the router about its KV (block names per tier, measured costs)."""
 
 from __future__ import annotations
 
