@@ -174,6 +174,7 @@ class KVCosts(msgspec.Struct, frozen=True):
 
     bytes_per_token: Count = 0
     prefill_ms_per_token: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] | None = None  # None: none measured yet
+    prefill_ms_fixed: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # what any prefill costs besides
     host_gbps: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] | None = None
     disk_gbps: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] | None = None
     queued_tokens: Count = 0

@@ -61,14 +61,16 @@ class Migration:
 class Route:
     """Why the request went where it did: the worker the router chose, the cached prompt tokens it
     expected there per tier (from the workers' reports), and the TTFT it predicted from their measured
-    costs (compare with ttft_ms). `rule`: "kv" (priced by cached prefix) or "least-loaded"."""
+    costs. `rule`: "kv" (priced by cached prefix) or "least-loaded"."""
 
     worker: str = ""  # colocated: the worker; disaggregated: "prefill/decode"
     rule: str = ""
     expected_device_tokens: int = 0  # in the worker's own KV pool (its GPU, or the CPU)
     expected_host_tokens: int = 0
     expected_disk_tokens: int = 0
-    predicted_ttft_ms: float | None = None  # None: the workers had measured nothing yet
+    # the worker's part as priced (queue ahead, prefill, reload, load): compare with the prefill_queue and
+    # prefill phases; None: the worker had measured nothing yet
+    predicted_ttft_ms: float | None = None
     auto: str = ""  # policy "auto": why this policy (the inputs of the decision)
 
 

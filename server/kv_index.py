@@ -42,6 +42,12 @@ class KVIndex:
         self.entries = 0
         self.lost_reports = 0  # gaps seen (each forgot a worker's names)
 
+    def register(self, worker_id: str) -> None:
+        """A new incarnation registered, one that names its blocks: it holds nothing yet (what it does, a
+        disk tier's files, its first report says), and it counts as reporting from now on."""
+        self.forget(worker_id)
+        self._seq[worker_id] = -1
+
     def reporting(self, worker_id: str) -> bool:
         """Has this worker reported its names (since it registered)?"""
         return worker_id in self._seq

@@ -5,7 +5,8 @@ from what the workers report (their block names, server/kv_index.py; their measu
         queue     tokens ahead of it there x its prefill ms per token: the prompt tokens waiting on the
                   worker (its last heartbeat) or, if more, those the router sent it that have no first
                   token yet (exact, immediate)
-        compute   the prompt tokens it does not hold x its prefill ms per token
+        compute   its fixed ms per prefill + the prompt tokens it does not hold x its ms per token (a line
+                  the worker fits through its recent prefills)
         reload    the tokens it holds below its KV pool x KV bytes per token / that tier's measured GB/s
                   (a tier slower than recomputing is not used, as the engine decides: those are computed)
         load      one block's prefill time per request in flight there (the decode steps a colocated
@@ -49,8 +50,9 @@ class Estimate:
 
 
 def in_flight(w) -> int:
-    """Requests on the worker: those this router sent it (exact, now), or what its last heartbeat counted."""
-    return max(len(w.inflight), w.queue_depth + w.running)
+    """Requests this router has on the worker (exact, now: a heartbeat's counts are up to an interval old,
+    and a finished conversation turn still counted there would push its next turn off its prefix)."""
+    return len(w.inflight)
 
 
 def ms_per_token(workers) -> float | None:
@@ -86,7 +88,8 @@ def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) ->
     uncached = prompt_tokens - sum(cached.values())
     ahead = max(c.queued_tokens if c is not None else 0, sum(w.pending.values()))
     load_ms = in_flight(w) * bs * per_token
-    ttft = (ahead + uncached) * per_token + reload_ms + load_ms
+    fixed = c.prefill_ms_fixed if c is not None and own is not None else 0.0
+    ttft = fixed + (ahead + uncached) * per_token + reload_ms + load_ms
     return Estimate(w, ttft, {t: n for t, n in cached.items() if n}, uncached, own is not None, per_token,
                     ahead * per_token)
 
@@ -125,13 +128,21 @@ def reporting(workers: list, index: KVIndex) -> bool:
     return any(index.reporting(w.id) for w in workers)
 
 
-def auto_policy(colocated: list, prefills: list, index: KVIndex, prompt_ids: list[int],
-                threshold: int) -> tuple[Policy, str, str]:
-    """Policy auto from measured costs: (policy, reason, why). Colocated when the prefix the best colocated
-    worker holds leaves fewer than `threshold` tokens to compute (a small prefill: reason small_prefill),
-    or when the queue ahead on the best prefill worker costs more than the one on the colocated worker
-    plus the decode interference disaggregating saves (the colocated prefill's own compute, which the
-    decodes there wait through: reason queue); disaggregated otherwise (reason disaggregate)."""
+def auto_policy(co: bool, dis: bool, colocated: list, prefills: list, index: KVIndex, prompt_ids: list[int],
+                threshold: int, kv: bool = True) -> tuple[Policy, str, str]:
+    """Policy auto: (policy, reason, why). The one servable now, if only one is (only_servable). Without
+    reports (or `kv` off): colocated below `threshold` prompt tokens (threshold). From measured costs:
+    colocated when the prefix the best colocated worker holds leaves fewer than `threshold` tokens to
+    compute (a small prefill: small_prefill), or when the queue ahead on the best prefill worker costs
+    more than the one on the colocated worker plus the decode interference disaggregating saves (the
+    colocated prefill's own compute, which the decodes there wait through: queue); disaggregated
+    otherwise (disaggregate)."""
+    if co != dis:
+        policy = Policy.COLOCATED if co else Policy.DISAGGREGATED
+        return policy, "only_servable", f"only {policy} is servable now"
+    if not (kv and co and reporting(colocated + prefills, index)):
+        policy = Policy.COLOCATED if len(prompt_ids) < threshold else Policy.DISAGGREGATED
+        return policy, "threshold", f"{len(prompt_ids)} prompt tokens against --auto-threshold {threshold}"
     c = choose(colocated, index, prompt_ids)
     if c.uncached_tokens < threshold:
         return (Policy.COLOCATED, "small_prefill",

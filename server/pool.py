@@ -297,6 +297,8 @@ class WorkerPool:
                 self._ever.add(reg.worker_id)
             w = WorkerState(reg, inc, self._connect(reg.address), landed, reg.free_blocks)
             self.kv.forget(reg.worker_id)  # a new incarnation: what an earlier one held is gone
+            if reg.block_root is not None:
+                self.kv.register(reg.worker_id)
             self.workers[reg.worker_id] = w
             self.known[inc] = reg.worker_id
             for rid in self._orphans.pop((reg.worker_id, inc), ()):

@@ -215,3 +215,21 @@ def test_a_decode_reservation_reloads_its_prefix_from_host_memory():
     eng.abort(req.request_id)
     assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests
     eng.close()
+
+
+def test_a_worker_fits_its_prefill_time_as_a_line():
+    from types import SimpleNamespace
+
+    from workers.roles.kv_report import KVReport
+
+    report = KVReport(engine=None, worker_id="w")
+    assert report.prefill_model() == (None, 0.0)
+
+    def prefill(tokens: int, cached: int, ms: float):
+        report.observe(SimpleNamespace(prompt_ids=[1] * (tokens + cached), cached_tokens=cached,
+                                       prefill_start=100.0, prefill_end=100.0 + ms / 1e3))
+    prefill(300, 0, 10 + 0.1 * 300)
+    assert report.prefill_model() == pytest.approx((40 / 300, 0.0))  # one size: time over tokens
+    for tokens in (36, 300, 52, 20):  # a turn's new tokens after a cached history, and first turns
+        prefill(tokens, 320, 10 + 0.1 * tokens)
+    assert report.prefill_model() == pytest.approx((0.1, 10.0))

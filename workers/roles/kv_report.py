@@ -20,7 +20,7 @@ import threading
 from protocol import control as P
 
 RESYNC_EVERY = 600  # reports between full ones (a stale index heals within this many heartbeats)
-ALPHA = 0.2  # weight of each new prefill observation (an EWMA, as the tiers' cost model)
+DECAY = 0.95  # prefill observations: each older one weighs this much less (a fit over the last ~20)
 
 
 class KVReport:
@@ -30,7 +30,7 @@ class KVReport:
         self.seq = 0
         self._sent: dict[str, set[bytes]] = {"gpu": set(), "host": set(), "disk": set()}
         self._reset = True
-        self._ms_per_token: float | None = None
+        self._fit = [0.0] * 5  # decayed sums over prefills: n, tokens, ms, tokens^2, tokens x ms
         self._lock = threading.Lock()
 
     def resync(self) -> None:
@@ -91,10 +91,24 @@ class KVReport:
         seconds = req.prefill_end - req.prefill_start
         if tokens <= 0 or seconds <= 0:
             return
-        ms = seconds * 1e3 / tokens
+        ms = seconds * 1e3
         with self._lock:
-            old = self._ms_per_token
-            self._ms_per_token = ms if old is None else (1 - ALPHA) * old + ALPHA * ms
+            self._fit = [DECAY * s + x for s, x in zip(self._fit, (1.0, tokens, ms, tokens * tokens, tokens * ms))]
+
+    def prefill_model(self) -> tuple[float | None, float]:
+        """(ms per token, fixed ms per prefill): a least-squares line through the recent prefills (time
+        against computed tokens); while their sizes barely differ, time over tokens and no fixed part."""
+        with self._lock:
+            n, t, m, tt, tm = self._fit
+        if n == 0 or t <= 0:
+            return None, 0.0
+        spread = n * tt - t * t
+        if spread > 1e-6 * n * tt:
+            slope = (n * tm - t * m) / spread
+            fixed = (m - slope * t) / n
+            if slope > 0 and fixed >= 0:
+                return slope, fixed
+        return m / t, 0.0
 
     def costs(self) -> P.KVCosts:
         eng = self.engine
@@ -105,5 +119,6 @@ class KVReport:
             queued = sum(len(r.prompt_ids) - r.num_computed for r in list(eng.scheduler.waiting))
         except RuntimeError:  # the deque changed under us
             queued = 0
-        return P.KVCosts(bytes_per_token=eng.layout.bytes_per_token, prefill_ms_per_token=self._ms_per_token,
-                         host_gbps=host, disk_gbps=disk, queued_tokens=max(0, queued))
+        per_token, fixed = self.prefill_model()
+        return P.KVCosts(bytes_per_token=eng.layout.bytes_per_token, prefill_ms_per_token=per_token,
+                         prefill_ms_fixed=fixed, host_gbps=host, disk_gbps=disk, queued_tokens=max(0, queued))
