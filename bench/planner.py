@@ -23,7 +23,7 @@ import asyncio
 import json
 import random
 import shlex
-import subprocess
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -217,13 +217,17 @@ def compare(arms: list[dict], specs: list[str]) -> list[dict]:
 def measure_profile(model: str, device: str, extra: str = "") -> Profile:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
-        cmd = [sys.executable, "-m", "bench.cli", "engine", "--model", model, "--device", device, "--out", str(out),
-               *shlex.split(extra)]
-        print("measuring the profile: " + " ".join(cmd), file=sys.stderr)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        print(done.stdout, file=sys.stderr)  # the engine's tables: the plan's stdout stays the plan
-        if done.returncode != 0:
-            raise ValueError(f"measuring the profile failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        argv = ["engine", "--model", model, "--device", device, "--out", str(out), *shlex.split(extra)]
+        print("measuring the profile: pdserve-bench " + " ".join(argv), file=sys.stderr)
+        from bench import cli
+
+        with contextlib.redirect_stdout(sys.stderr):  # the engine's tables: the plan's stdout stays the plan
+            try:
+                rc = cli.main(argv)
+            except SystemExit as e:  # a flag the engine bench refused
+                rc = e.code
+        if rc != 0:
+            raise ValueError(f"measuring the profile failed (pdserve-bench engine exited {rc})")
         return Profile.from_engine_json(json.loads(out.read_text()), source=f"measured: {model} on {device}")
 
 
