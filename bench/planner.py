@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shlex
-import contextlib
 import sys
 import tempfile
 from pathlib import Path
