@@ -14,9 +14,10 @@ from what the workers report (their block names, server/kv_index.py; their measu
     choose(workers, ...) -> Estimate    the cheapest, among the workers not overloaded (see below)
 
 The load rule: a worker is a candidate only while its requests in flight are at most twice the least
-loaded worker's plus two, so one hot prefix cannot pile every request on the worker that holds it: past
-that, the request goes where it is recomputed. Prices within 10% (plus one block's compute) of the
-cheapest are a tie: it goes to the less loaded worker, then to the one chosen less often.
+loaded worker's plus four, so one hot prefix cannot pile every request on the worker that holds it: past
+that, the request goes where it is recomputed. Prices within 10% of the cheapest's variable part (all
+but the fixed ms any prefill costs) plus one block's compute are a tie: it goes to the worker chosen less
+often (round robin among equals), then to the less loaded.
 
 A worker that has not measured its prefill speed yet is priced at the others' (their median); when
 none has, tokens count as 1 ms each: the choice then follows cached tokens and queues alone.
@@ -33,8 +34,8 @@ from protocol.timings import Route
 from server.kv_index import KVIndex
 
 UNMEASURED_MS_PER_TOKEN = 1.0
-OVERLOAD_FACTOR, OVERLOAD_SLACK = 2, 2  # the load rule above
-TIE = 0.1  # prices within 10% (and one block's compute) of the cheapest are a tie
+OVERLOAD_FACTOR, OVERLOAD_SLACK = 2, 4  # the load rule above
+TIE = 0.1  # prices within 10% of the cheapest's variable part (and one block's compute) are a tie
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Estimate:
     measured: bool = True  # False: priced with another worker's (or no) prefill speed
     ms_per_token: float = UNMEASURED_MS_PER_TOKEN  # the prefill speed it was priced at
     queue_ms: float = 0.0  # of ttft_ms: the tokens ahead of it there
+    fixed_ms: float = 0.0  # of ttft_ms: what any prefill costs there (the same wherever it goes)
     names: list[bytes] = field(default_factory=list)  # the prompt's full blocks, as this worker names them
 
 
@@ -91,7 +93,7 @@ def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) ->
     fixed = c.prefill_ms_fixed if c is not None and own is not None else 0.0
     ttft = fixed + (ahead + uncached) * per_token + reload_ms + load_ms
     return Estimate(w, ttft, {t: n for t, n in cached.items() if n}, uncached, own is not None, per_token,
-                    ahead * per_token)
+                    ahead * per_token, fixed)
 
 
 def not_overloaded(workers: list) -> list:
@@ -102,7 +104,7 @@ def not_overloaded(workers: list) -> list:
 def choose(workers: list, index: KVIndex, prompt_ids: list[int]) -> Estimate:
     """The cheapest of `workers` (not empty) for this prompt, by the load rule and price() above; prices
     within TIE of the cheapest are a tie (noise in measured speeds must not send every cold prompt to
-    one worker), which goes to the less loaded, then to the one chosen less often."""
+    one worker), which goes to the one chosen less often, then to the less loaded."""
     candidates = not_overloaded(workers)
     fallback = ms_per_token(workers)
     names: dict[tuple[bytes, int], list[bytes]] = {}  # per naming (root, block size): once per request
@@ -117,10 +119,10 @@ def choose(workers: list, index: KVIndex, prompt_ids: list[int]) -> Estimate:
             tiers = index.held(w.id, names[key])
         estimates.append(price(w, tiers, len(prompt_ids), fallback))
         estimates[-1].names = names.get(key, [])
-    cheapest = min(e.ttft_ms for e in estimates)
-    tied = [e for e in estimates
-            if e.ttft_ms <= cheapest * (1 + TIE) + e.worker.info.block_size * e.ms_per_token]
-    return min(tied, key=lambda e: (in_flight(e.worker), e.worker.chosen, e.ttft_ms))
+    low = min(estimates, key=lambda e: e.ttft_ms)
+    band = TIE * (low.ttft_ms - low.fixed_ms)  # noise scales with the work that differs, not the fixed part
+    tied = [e for e in estimates if e.ttft_ms <= low.ttft_ms + band + e.worker.info.block_size * e.ms_per_token]
+    return min(tied, key=lambda e: (e.worker.chosen, in_flight(e.worker), e.ttft_ms))
 
 
 def reporting(workers: list, index: KVIndex) -> bool:

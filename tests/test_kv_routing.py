@@ -161,7 +161,7 @@ def test_multiturn_history_served_from_cache_against_least_loaded():
     misses = [(t["worker"], t["prompt_tokens"], t["cached_tokens"], t["route"]) for t in later
               if t["cached_tokens"] < t["prompt_tokens"] - 2 * NEW]
     assert kv_share >= 0.9, (kv_share, ll_share, misses)
-    assert kv_share > ll_share
+    assert kv_share >= ll_share  # least-loaded lands on the holder by chance only (about half the time)
     assert len(served) == 2  # both workers serve conversations
     routes = [t["route"] for t in later]
     assert all(r["rule"] == "kv" and r["worker"] == t["worker"] for r, t in zip(routes, later))
@@ -233,3 +233,22 @@ def test_a_worker_fits_its_prefill_time_as_a_line():
     for tokens in (36, 300, 52, 20):  # a turn's new tokens after a cached history, and first turns
         prefill(tokens, 320, 10 + 0.1 * tokens)
     assert report.prefill_model() == pytest.approx((0.1, 10.0))
+
+
+def test_a_hot_prefix_spreads_past_the_load_rule():
+    costs = P.KVCosts(bytes_per_token=1000, prefill_ms_per_token=1.0)
+    a, b = colocated("a", costs), colocated("b", costs)
+    pool = Pool(a, b)
+    hot = list(range(5000, 5400))
+    pool.kv.apply("a", events("a", 0, [("gpu", block_names(hot, BS, ROOT))], reset=True))
+    pool.kv.apply("b", events("b", 0, reset=True))
+    cfg = RouterConfig(model="tiny")
+    metrics = Metrics("tiny")
+    planner = Planner(cfg, pool, Admission(cfg, pool, metrics), metrics)
+    went = []
+    for i in range(8):  # none finishes: each stays in flight where it went
+        plan = planner.plan(Job(f"r{i}", hot + [i], P.Sampling(max_tokens=1), "colocated"))
+        plan.worker.inflight.add(f"r{i}")
+        went.append(plan.worker.id)
+    # a takes the hot prefix while its requests in flight are at most twice b's plus four; past that, b
+    assert went == ["a"] * 5 + ["b"] + ["a"] * 2, went
