@@ -2,9 +2,10 @@
 from what the workers report (their block names, server/kv_index.py; their measured costs, KVCosts).
 
     price(worker, tiers, prompt_tokens, ms_per_token) -> Estimate
-        queue     tokens ahead of it there x its prefill ms per token: the prompt tokens waiting on the
-                  worker (its last heartbeat) or, if more, those the router sent it that have no first
-                  token yet (exact, immediate)
+        queue     tokens ahead of it there x its prefill ms per token: the prompt tokens the router sent
+                  it (less what it expected cached) that have no first token yet: exact and immediate,
+                  where the queue a heartbeat reports (KVCosts.queued_tokens, in /health) is up to an
+                  interval old and would count a finished burst against the next request
         compute   its fixed ms per prefill + the prompt tokens it does not hold x its ms per token (a line
                   the worker fits through its recent prefills)
         reload    the tokens it holds below its KV pool x KV bytes per token / that tier's measured GB/s
@@ -88,7 +89,7 @@ def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) ->
         cached[tier] = n * bs
         gpu += n
     uncached = prompt_tokens - sum(cached.values())
-    ahead = max(c.queued_tokens if c is not None else 0, sum(w.pending.values()))
+    ahead = sum(w.pending.values())
     load_ms = in_flight(w) * bs * per_token
     fixed = c.prefill_ms_fixed if c is not None and own is not None else 0.0
     ttft = fixed + (ahead + uncached) * per_token + reload_ms + load_ms

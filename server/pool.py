@@ -101,6 +101,7 @@ class WorkerState:
                "block_size": i.block_size, "num_blocks": i.num_blocks, "free_blocks": self.free_blocks,
                "queue_depth": self.queue_depth, "running": self.running, "in_flight": len(self.inflight),
                "kv_blocks_indexed": self.kv_names,
+               "queued_tokens": self.costs.queued_tokens if self.costs is not None else None,
                "last_heartbeat_s": round(time.monotonic() - self.last_seen, 3)}
         if private:
             out.update(address=i.address, kv_address=i.kv_address, pid=i.pid)

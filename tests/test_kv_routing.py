@@ -190,9 +190,9 @@ def test_auto_decides_from_cached_prefix_and_queues():
     assert plan.policy == "colocated" and plan.job.auto.startswith("colocated: co holds all but 12 tokens")
     plan = planner.plan(Job("cold", cold, P.Sampling(max_tokens=1), "auto"))  # 300 to compute, no queues
     assert plan.policy == "disaggregated" and plan.job.auto.startswith("disaggregated: queue ahead")
-    pre.costs = P.KVCosts(bytes_per_token=1000, prefill_ms_per_token=1.0, queued_tokens=5000)  # P is swamped
+    pre.pending["earlier"] = 5000  # P has 5000 prompt tokens to compute first
     plan = planner.plan(Job("busy", cold[1:] + [7], P.Sampling(max_tokens=1), "auto"))
-    assert plan.policy == "colocated" and "prefill 5000.0 ms" in plan.job.auto
+    assert plan.policy == "colocated" and "prefill 5300.0 ms (pre)" in plan.job.auto  # and the cold one's 300
     got = {(s.labels["policy"], s.labels["reason"]): s.value for m in metrics.auto_decisions.collect()
            for s in m.samples if s.name.endswith("_total")}
     assert got == {("colocated", "small_prefill"): 1, ("disaggregated", "disaggregate"): 1, ("colocated", "queue"): 1}

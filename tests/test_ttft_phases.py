@@ -36,7 +36,9 @@ NOT_ON_PATH = {"colocated": {"transfer_exposed", "decode_pickup"}, "disaggregate
 # (requested policy, prompt, the policy it must be served with)
 KINDS = [("colocated", LONG, "colocated"), ("disaggregated", SHORT, "disaggregated"),
          ("auto", SHORT, "colocated"), ("auto", LONG, "disaggregated")]
-WAVES, WAVE = 4, 6  # 24 requests: 12 per policy, 6 of each kind; six at a time
+# one of each kind at a time: auto prices a long prompt against the queues, and a wave of two long
+# ones could find the first one queued on the prefill worker and run the second colocated
+WAVES, WAVE = 6, 4  # 24 requests: 12 per policy, 6 of each kind; four at a time
 
 
 async def one(c: AsyncClient, i: int) -> tuple[str, Timings]:
