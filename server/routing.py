@@ -317,17 +317,10 @@ class Planner:
         policy = Policy(requested or self.cfg.policy)
         if policy is not Policy.AUTO:
             return policy, None
-        co, dis = self.servable(Policy.COLOCATED), self.servable(Policy.DISAGGREGATED)
-        if co != dis:
-            policy = Policy.COLOCATED if co else Policy.DISAGGREGATED
-            return self._decided(policy, "only_servable", f"only {policy} is servable now")
         colocated, prefills = self.pool.alive(Role.COLOCATED), self.pool.alive(Role.PREFILL)
-        kv = self.cfg.routing == "kv" and co and reporting(colocated + prefills, self.pool.kv)
-        if not kv:
-            policy = Policy.COLOCATED if len(prompt_ids) < self.cfg.auto_threshold else Policy.DISAGGREGATED
-            return self._decided(policy, "threshold", f"{len(prompt_ids)} prompt tokens against "
-                                 f"--auto-threshold {self.cfg.auto_threshold}")
-        policy, reason, why = auto_policy(colocated, prefills, self.pool.kv, prompt_ids, self.cfg.auto_threshold)
+        policy, reason, why = auto_policy(self.servable(Policy.COLOCATED), self.servable(Policy.DISAGGREGATED),
+                                          colocated, prefills, self.pool.kv, prompt_ids, self.cfg.auto_threshold,
+                                          self.cfg.routing == "kv")
         return self._decided(policy, reason, why)
 
     def _decided(self, policy: Policy, reason: str, why: str) -> tuple[Policy, str]:
