@@ -10,7 +10,6 @@ beats recomputing elsewhere, and elsewhere when it does not (bandwidth forced in
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
