@@ -13,6 +13,7 @@ from client import cli
 from client.wire import SSEDecoder, StreamState, error_from_response
 
 FULL_TIMINGS = {
+    "route": None,  # (the router's routing explanation: none in this frame)
     "policy": "disaggregated", "queue_ms": 1.5, "prefill_ms": 20.0, "transfer_ms": 3.0,
     "transfer_exposed_ms": 0.5, "first_decode_step_ms": 4.0, "ttft_ms": 22.0, "e2e_ms": 80.0,
     "decode_tokens_per_s": 120.0, "kv_bytes": 1048576, "transport": "ipc", "mode": "layer",

@@ -117,7 +117,8 @@ def test_an_unsteady_warmup_makes_the_first_run_cold_and_the_capacity_says_it_re
     cold, by the warm-up rule; the sweep run after it is not."""
     run = _run(tmp_path, FakeConfig(**SERVER, cold_requests=1, cold_ms=300.0),
                ["--capacity-search", "--search-start-rate", "20", "--search-max-probes", "1", "--sweep-factors", "1",
-                "--goodput", "ttft:2000", "--warmup-batch", "1", "--warmup-max-batches", "2"])
+                "--goodput", "ttft:2000", "--warmup-batch", "1", "--warmup-max-batches", "2",
+                "--probe-seconds", "0"])  # 40-prompt runs: what is judged here is the warm-up, not the probe length
     (arm,) = run["arms"]
     assert arm["warmup"]["steady"] is False and arm["warmup"]["batches"] == 2
     probe, sweep = run["results"]
