@@ -45,7 +45,7 @@ from workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_
 from workers.engine.prefix_cache import PrefixCache, names_upto, root_name
 from workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
 from workers.engine.runner import ModelRunner
-from workers.engine.sampler import Sampler, SamplingError
+from workers.engine.sampler import Sampler, SamplingError, not_finite
 from protocol.control import TokenLogprobs
 from workers.engine.scheduler import Scheduler
 
@@ -269,8 +269,7 @@ class Engine:
             elif r.first_step_start == step.start:
                 r.first_step_end = end
             later = overlap.pop_pending(r) - 1  # the step after this one's token, already launched
-            token = tok if fine else SamplingError(f"request {r.request_id}: its logits are not finite (NaN or "
-                                                   f"inf) at generated token {len(r.output_ids)}; no token can be chosen")
+            token = tok if fine else not_finite(r)
             outs.append(self._emit(r, token, None))
             if not r.finished:
                 r.output_ids.extend([overlap.PENDING] * later)

@@ -62,8 +62,7 @@ class Sampler:
             if i in failed:
                 out[i] = failed[i]
             elif out[i] < 0:
-                out[i] = SamplingError(f"request {r.request_id}: its logits are not finite (NaN or inf) at "
-                                       f"generated token {len(r.output_ids)}; no token can be chosen")
+                out[i] = not_finite(r)
             elif not r.params.greedy:
                 try:
                     out[i] = self._draw(logits[i], r)
@@ -245,3 +244,9 @@ def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[Tok
     vals = torch.cat([chosen[:, None], top_lp], dim=1).clamp(LOGPROB_FLOOR, 0.0).nan_to_num(nan=LOGPROB_FLOOR).tolist()
     ids = top_ids.long().tolist()
     return [TokenLogprobs(v[0], i, v[1:]) for v, i in zip(vals, ids)]
+
+
+def not_finite(r: Request) -> SamplingError:
+    """The error of a request whose logits hold NaN or inf: no token can be chosen."""
+    return SamplingError(f"request {r.request_id}: its logits are not finite (NaN or inf) at "
+                         f"generated token {len(r.output_ids)}; no token can be chosen")
