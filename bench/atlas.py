@@ -32,7 +32,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.capacity import probe_passes
+from pdserve.bench.capacity import probe_passes
 
 PROFILES = {  # name -> the load bench's workload flags
     "short": ["--input-len", "uniform:128:512"],
@@ -276,7 +276,7 @@ def merge_runs(dirs: list[str]) -> dict[str, dict]:
 
 
 def run(args) -> int:
-    from bench.load_report import environment, write_json
+    from pdserve.bench.load_report import environment, write_json
 
     if args.from_dirs:
         try:
@@ -293,8 +293,8 @@ def run(args) -> int:
 
 
 def _measure(args) -> int:
-    from bench import load
-    from bench.load_report import environment, write_json
+    from pdserve.bench import load
+    from pdserve.bench.load_report import environment, write_json
 
     try:
         defined = profiles_of(args)

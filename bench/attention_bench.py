@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench import ab, provenance
+from pdserve.bench import ab, provenance
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGET_TBPS = 3.0
@@ -95,7 +95,7 @@ def scattered_pools(n_pools: int, batch: int, ctx: int, kvh: int, d: int, bs: in
 
 
 def kernel_timings(args, dev) -> dict:
-    from workers.engine import attention, paged_kernel as pk
+    from pdserve.workers.engine import attention, paged_kernel as pk
 
     B, CTX, H, KVH, D, BS = args.batch, args.context, args.heads, args.kv_heads, args.head_dim, args.block_size
     dtype = torch.bfloat16
@@ -186,7 +186,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def kernel_check(args, dev, seed: int = 0) -> dict:
     """Kernels vs the float32 reference on random bf16 inputs, NaN past every length."""
-    from workers.engine import attention, paged_kernel as pk
+    from pdserve.workers.engine import attention, paged_kernel as pk
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     H, KVH, D, BS = args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -237,10 +237,10 @@ def engine_check(args) -> list[dict]:
     proves little; the forced run says whether each disagreement is a tie within the measured
     rounding (`ok`: every disagreement has a margin below the largest logit difference, and that
     difference is under 0.5)."""
-    from protocol.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.engine.models import load_model
-    from workers.engine.request import Request, SamplingParams
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
+    from pdserve.workers.engine.models import load_model
+    from pdserve.workers.engine.request import Request, SamplingParams
 
     loaded = load_model("qwen2.5-7b", torch.bfloat16, args.device)
     engines = {backend: Engine(EngineConfig(model="qwen2.5-7b", device=args.device, kv_memory_gb=8,

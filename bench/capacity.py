@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from bench.metrics import RequestRecord
+from pdserve.bench.metrics import RequestRecord
 
 # A run is past saturation when either holds (both are reported, with these limits, in every block):
 THROUGHPUT_RATIO_MIN = 0.8  # achieved / offered rate (slopes of answer and send times)

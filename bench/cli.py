@@ -19,15 +19,15 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "load": ("bench.load", "load generator: colocated vs disaggregated latency under the same load"),
-    "transfer": ("bench.transfer", "KV transfer table: prefill, transfer and first decode step per length"),
-    "engine": ("bench.engine_bench", "engine prefill and decode step times against transformers"),
-    "offline": ("bench.offline", "an offline workload through the engine beside its floor and transformers' batching"),
-    "attention": ("bench.attention_bench", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
-    "multihost": ("bench.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
-    "atlas": ("bench.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
-    "plan": ("bench.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
-    "offload": ("bench.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
+    "load": ("pdserve.bench.load", "load generator: colocated vs disaggregated latency under the same load"),
+    "transfer": ("pdserve.bench.transfer", "KV transfer table: prefill, transfer and first decode step per length"),
+    "engine": ("pdserve.bench.engine_bench", "engine prefill and decode step times against transformers"),
+    "offline": ("pdserve.bench.offline", "an offline workload through the engine beside its floor and transformers' batching"),
+    "attention": ("pdserve.bench.attention_bench", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
+    "multihost": ("pdserve.bench.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
+    "atlas": ("pdserve.bench.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
+    "plan": ("pdserve.bench.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
+    "offload": ("pdserve.bench.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
 
 

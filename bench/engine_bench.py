@@ -52,10 +52,10 @@ from typing import Callable
 
 import torch
 
-from bench import ab, provenance
-from bench import engine_decode as dec
-from bench import engine_mixed as mx
-from bench.engine_report import markdown, targets
+from pdserve.bench import ab, provenance
+from pdserve.bench import engine_decode as dec
+from pdserve.bench import engine_mixed as mx
+from pdserve.bench.engine_report import markdown, targets
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
@@ -198,9 +198,9 @@ def decode_points(args, batches: list[int], contexts: list[int]) -> list[dict]:
 
 
 def make_engine(loaded, device: torch.device, dtype: torch.dtype, **fields):
-    from protocol.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.engine.kv_cache import dtype_name
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
+    from pdserve.workers.engine.kv_cache import dtype_name
 
     engine = Engine(EngineConfig(model=loaded.name, device=str(device), dtype=dtype_name(dtype),
                                  block_size=BLOCK_SIZE, prefix_cache=False, **fields), loaded=loaded)
@@ -209,8 +209,8 @@ def make_engine(loaded, device: torch.device, dtype: torch.dtype, **fields):
 
 
 def run(args: argparse.Namespace) -> int:
-    from protocol.config import EngineConfig
-    from workers.engine.models import load_model
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.models import load_model
 
     lengths, batches, contexts = parse_counts(args.lengths), parse_counts(args.batches), parse_counts(args.contexts)
     hf_ctx = 0 if args.hf_decode_context.strip() == "0" else parse_counts(args.hf_decode_context)[0]
@@ -374,7 +374,7 @@ def beside_roofline(p: dict, start: dict, end: dict) -> dict:
 
 
 def prefill_ab(engine, twin, n: int, vocab: int, device: torch.device, args) -> dict:
-    from workers.engine.request import Request, SamplingParams
+    from pdserve.workers.engine.request import Request, SamplingParams
 
     log(f"prefill {n} tokens: transformers and ours interleaved x {args.pairs}")
     prompts: dict[int, tuple[torch.Tensor, list[int]]] = {}
@@ -432,7 +432,7 @@ def hf_decode_ab(engine, twin, batch: int, context: int, vocab: int, device: tor
             "ours_ms": ab.summary(got.results["ours"]), "paired": paired, "ratio": paired["ratio"]["median"]}
 
 
-if __name__ == "__main__":  # `python -m bench.engine_bench ...`, the same as `pdserve-bench engine ...`
+if __name__ == "__main__":  # `python -m pdserve.bench.engine_bench ...`, the same as `pdserve-bench engine ...`
     _parser = argparse.ArgumentParser(prog="pdserve-bench engine", description=__doc__.splitlines()[0])
     add_arguments(_parser)
     sys.exit(run(_parser.parse_args()))

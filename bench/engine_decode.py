@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from bench import ab
-from workers.engine.request import Request, SamplingParams
+from pdserve.bench import ab
+from pdserve.workers.engine.request import Request, SamplingParams
 
 
 def sync(device: torch.device) -> None:

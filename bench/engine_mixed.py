@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from bench import ab
-from bench.engine_decode import adopt_batch, sync, timed_runs
-from workers.engine.request import Request, SamplingParams
+from pdserve.bench import ab
+from pdserve.bench.engine_decode import adopt_batch, sync, timed_runs
+from pdserve.workers.engine.request import Request, SamplingParams
 
 
 def gpu_busy_ms(prof) -> float | None:

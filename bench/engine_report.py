@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from bench import provenance
+from pdserve.bench import provenance
 
 ROOFLINE_LIMIT = 1.5  # ours / roofline, every decode point
 B1_1K_MS = 4.7

@@ -37,10 +37,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.capacity import PROBE_JUDGES
-from bench.load_arms import CACHE_MODES, Arm, ArmError, with_cache_modes
-from bench.load_vllm import CHAT, COMPLETIONS, add_refused, dataset_name, resolve
-from bench.load_session import LoadPoint, Session, run_interleaved, run_separate
+from pdserve.bench.capacity import PROBE_JUDGES
+from pdserve.bench.load_arms import CACHE_MODES, Arm, ArmError, with_cache_modes
+from pdserve.bench.load_vllm import CHAT, COMPLETIONS, add_refused, dataset_name, resolve
+from pdserve.bench.load_session import LoadPoint, Session, run_interleaved, run_separate
 
 DATASETS = ("synthetic", "sharegpt", "mooncake", "multiturn")
 POLICY_RUNS = ("separate", "interleaved")
@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--cache-disk-gb", type=float, default=None, help="--cache-arms: disk tier size of the +disk mode")
     t.add_argument("--server-args", default="", help="flags for every arm's server, e.g. '--model qwen2.5-7b'")
     t.add_argument("--server-command", default=None,
-                   help="what starts an arm's server (default: this python -m server.cli --port 0 --parent-pid PID)")
+                   help="what starts an arm's server (default: this python -m pdserve.server.cli --port 0 --parent-pid PID)")
     t.add_argument("--server-timeout", type=float, default=900.0, help="seconds for an arm's server to be ready")
     t.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
 
@@ -264,7 +264,7 @@ def arms_of(args):
 
 
 def workload_text(args) -> str:
-    from bench.workload import long_count
+    from pdserve.bench.workload import long_count
     if args.dataset == "multiturn":
         think = f", {args.think_time:g} s think time" if args.think_time else ""
         return (f"multiturn: {args.conversations} conversations x {args.turns} turns, first message {args.input_len}, "
@@ -313,7 +313,7 @@ def _jsonable(value):
 
 def _command_line() -> str:
     prog = Path(sys.argv[0])
-    modules = {"load.py": "bench.load", "cli.py": "bench.cli"}
+    modules = {"load.py": "pdserve.bench.load", "cli.py": "pdserve.bench.cli"}
     head = ["python", "-m", modules[prog.name]] if prog.name in modules else [prog.name]
     return shlex.join(head + redacted(sys.argv[1:]))
 
@@ -333,9 +333,9 @@ def redacted(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from bench.load_report import environment, markdown, write_json
-    from bench.metrics import parse_slos
-    from bench.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count
+    from pdserve.bench.load_report import environment, markdown, write_json
+    from pdserve.bench.metrics import parse_slos
+    from pdserve.bench.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count
 
     try:
         resolve(args)
@@ -357,8 +357,8 @@ def run(args) -> int:
     session = Session(args, builder, slos, percentiles, out)
     runner = run_interleaved if args.policy_runs == "interleaved" else run_separate
 
-    from bench.load_runner import WarmupFailed
-    from client import ClientError
+    from pdserve.bench.load_runner import WarmupFailed
+    from pdserve.client import ClientError
     try:
         arm_infos, blocks = asyncio.run(runner(session, arms, points))
     except (ClientError, WarmupFailed, WorkloadError, ArmError) as e:
@@ -389,11 +389,11 @@ def run(args) -> int:
         "results": blocks,
     }
     if not args.no_plots:
-        from bench.plots import plot_all
+        from pdserve.bench.plots import plot_all
         run_record["plots"] = [p.name for p in plot_all(blocks, out)]
     write_json(out / "results.json", run_record)
     if args.save_result:
-        from bench.load_vllm import save_results
+        from pdserve.bench.load_vllm import save_results
         run_record["vllm_results"] = [str(p) for p in save_results(run_record, args)]
         write_json(out / "results.json", run_record)
     summary = markdown(run_record, percentiles)
@@ -408,7 +408,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.load ...`, the same as `pdserve-bench load ...`."""
+    """`python -m pdserve.bench.load ...`, the same as `pdserve-bench load ...`."""
     parser = argparse.ArgumentParser(prog="pdserve-bench load", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -13,7 +13,7 @@
                                             the devices free; SIGKILL after 60 s)
 
 The server is a subprocess whose stdout and stderr go to the log file; `pdserve` and
-`python -m bench.load_fake_server` both print "... ready: http://host:port" once they serve.
+`python -m pdserve.bench.load_fake_server` both print "... ready: http://host:port" once they serve.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def with_cache_modes(arms: list[Arm], modes: list[str], *, host_gb: float | None
 
 def default_server_command() -> list[str]:
     """pdserve on any free port, stopping itself if this process dies."""
-    return [sys.executable, "-m", "server.cli", "--port", "0", "--parent-pid", str(os.getpid())]
+    return [sys.executable, "-m", "pdserve.server.cli", "--port", "0", "--parent-pid", str(os.getpid())]
 
 
 class ArmServer:

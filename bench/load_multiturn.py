@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from bench.load_runner import Planned, SendOptions, send_one
-from bench.metrics import RequestRecord
-from bench.workload import LengthDist, PromptBuilder, Sample, WorkloadError, arrival_times
+from pdserve.bench.load_runner import Planned, SendOptions, send_one
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workload import LengthDist, PromptBuilder, Sample, WorkloadError, arrival_times
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ import socket
 import subprocess
 from pathlib import Path
 
-from bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
-from bench.load_verdict import verdict_lines
-from bench.metrics import SERVER_PHASES, pct_name
+from pdserve.bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
+from pdserve.bench.load_verdict import verdict_lines
+from pdserve.bench.metrics import SERVER_PHASES, pct_name
 
 PACKAGES = ("pdserve", "httpx", "numpy", "torch", "transformers", "fastapi", "uvicorn", "nixl")
 
@@ -61,7 +61,7 @@ def environment() -> dict:
 def _git() -> dict:
     """The commit measured, as the other benches record it (bench/provenance.py: PDSERVE_COMMIT on a
     copied tree, else git). run_load_gpu.sh records the GPUs' clocks and power beside the JSON."""
-    from bench import provenance
+    from pdserve.bench import provenance
 
     state = provenance.git_state()
     return {"git_commit": state["commit"], "git_dirty": state["dirty"]}

@@ -23,10 +23,10 @@ from typing import Callable
 
 import numpy as np
 
-from bench.capacity import is_steady
-from bench.metrics import RequestRecord
-from bench.workload import Sample
-from client import AsyncClient, ClientError
+from pdserve.bench.capacity import is_steady
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workload import Sample
+from pdserve.client import AsyncClient, ClientError
 
 
 @dataclass(frozen=True)

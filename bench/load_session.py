@@ -22,16 +22,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.capacity import (capacity_and_sweep, early_slowdown, meets_target, probe_passes, probe_requests,
-                            saturation, warmup_not_steady)
-from bench.load_arms import Arm, ArmError, ArmServer, default_server_command
-from bench.load_multiturn import conversations, run_conversations, warmup_samples
-from bench.load_runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
-                               warmup_until_steady)
-from bench.metrics import summarize
-from bench.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
-                            synthetic_samples)
-from client import ClientError
+from pdserve.bench.capacity import (capacity_and_sweep, early_slowdown, meets_target, probe_passes, probe_requests,
+                                    saturation, warmup_not_steady)
+from pdserve.bench.load_arms import Arm, ArmError, ArmServer, default_server_command
+from pdserve.bench.load_multiturn import conversations, run_conversations, warmup_samples
+from pdserve.bench.load_runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
+                                       warmup_until_steady)
+from pdserve.bench.metrics import summarize
+from pdserve.bench.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
+                                    synthetic_samples)
+from pdserve.client import ClientError
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,7 @@ class Session:
 
 async def _arm_client(session: Session, arm, stack):
     """A client for the arm's server, starting the server first when the arm has its own."""
-    from client import AsyncClient
+    from pdserve.client import AsyncClient
     a = session.args
     info = {"label": arm.label, "policy": arm.policy}
     url = a.base_url

@@ -163,7 +163,7 @@ def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
     rest of its TTFT in `unattributed`. The parts sum to `ttft` (the client's mean). The first decode
     step makes token 2, after the first token: beside the split (`first_step`), not in it. All None
     without timings."""
-    from protocol.phases import FIELD, NAMES, UNATTRIBUTED
+    from pdserve.protocol.phases import FIELD, NAMES, UNATTRIBUTED
 
     rows = [r for r in records if r.success and r.timings and r.ttft_s is not None]
     keys = (*NAMES, "client", "first_step", "ttft", "server_ttft")

@@ -48,10 +48,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import provenance
-from bench.engine_bench import parse_counts
-from bench.transfer import Child, log, measure_length, one_run
-from bench.transfer_check import run_seed
+from pdserve.bench import provenance
+from pdserve.bench.engine_bench import parse_counts
+from pdserve.bench.transfer import Child, log, measure_length, one_run
+from pdserve.bench.transfer_check import run_seed
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def role(net, host: str, name: str, args, max_len: int, extra: list[str]) -> Child:
     env = ["env", "CUDA_VISIBLE_DEVICES=", *UCX_TCP]
-    argv = [*env, sys.executable, "-m", "bench.transfer_roles", name, "--model", args.model, "--device", "cpu",
+    argv = [*env, sys.executable, "-m", "pdserve.bench.transfer_roles", name, "--model", args.model, "--device", "cpu",
             "--decode-device", "cpu", "--max-len", str(max_len), "--tokens", str(args.tokens),
             "--transports", args.transports, "--deadline-s", str(args.deadline_s), *extra]
     return Child(name, net.argv(host, argv))

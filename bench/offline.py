@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_decode as dec
-from bench import engine_mixed as mx
-from bench import provenance
-from bench.engine_bench import RESULTS_DIR, hf_twin, kv_bytes_per_token, machine_slug, parse_counts
+from pdserve.bench import engine_decode as dec
+from pdserve.bench import engine_mixed as mx
+from pdserve.bench import provenance
+from pdserve.bench.engine_bench import RESULTS_DIR, hf_twin, kv_bytes_per_token, machine_slug, parse_counts
 
 FLOOR_LIMIT = 1.4  # the default config's wall time / its floor
 
@@ -79,10 +79,10 @@ def hf_peer(twin, prompts: list[list[int]], out: int, device: torch.device) -> d
 
 
 def run(args: argparse.Namespace) -> int:
-    from protocol.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.engine.kv_cache import dtype_name
-    from workers.engine.models import load_model
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
+    from pdserve.workers.engine.kv_cache import dtype_name
+    from pdserve.workers.engine.models import load_model
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:

@@ -51,11 +51,11 @@ from pathlib import Path
 
 import torch
 
-from bench import ab, provenance
-from bench.engine_bench import machine_slug, parse_counts
-from bench.engine_decode import sync
-from bench.transfer_check import poison, prompt_ids, run_seed, scrub
-from workers.engine.block_pool import blocks_for, paired_runs, runs
+from pdserve.bench import ab, provenance
+from pdserve.bench.engine_bench import machine_slug, parse_counts
+from pdserve.bench.engine_decode import sync
+from pdserve.bench.transfer_check import poison, prompt_ids, run_seed, scrub
+from pdserve.workers.engine.block_pool import blocks_for, paired_runs, runs
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ARMS = ("recompute", "plain-pinned", "gpu", "pinned", "pageable", "disk")
@@ -113,10 +113,10 @@ class Bench:
     """The engine, the tiers (sized for the longest length) and one round's arms."""
 
     def __init__(self, args, lengths: list[int], out: Path):
-        from protocol.config import EngineConfig
-        from workers.engine.engine import Engine
-        from workers.engine.kv_tiers.disk import DiskTier
-        from workers.engine.kv_tiers.host import HostTier
+        from pdserve.settings.worker import EngineConfig
+        from pdserve.workers.engine.engine import Engine
+        from pdserve.workers.engine.kv_tiers.disk import DiskTier
+        from pdserve.workers.engine.kv_tiers.host import HostTier
 
         self.args = args
         self.device = torch.device(args.device)
@@ -170,7 +170,7 @@ class Bench:
 
     def reference(self, prompt: list[int]) -> dict:
         """The colocated run: greedy tokens and every step's logits, never offloaded."""
-        from workers.engine.request import Request, SamplingParams
+        from pdserve.workers.engine.request import Request, SamplingParams
 
         req = Request(f"ref-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
                       return_logits=True)
@@ -183,7 +183,7 @@ class Bench:
         return {"tokens": list(req.output_ids), "logits": logits}
 
     def round(self, n: int, r: int, rng: random.Random) -> dict:
-        from workers.engine.request import Request, SamplingParams
+        from pdserve.workers.engine.request import Request, SamplingParams
 
         seed = run_seed(self.args.seed, n, r)
         prompt = prompt_ids(self.engine.vocab_size, n, seed)
@@ -208,7 +208,7 @@ class Bench:
         return out
 
     def arm_recompute(self, ctx) -> dict:
-        from workers.engine.request import Request, SamplingParams
+        from pdserve.workers.engine.request import Request, SamplingParams
 
         req = Request(f"recompute-{ctx['n']}-{ctx['r']}", ctx["prompt"], SamplingParams(max_tokens=1, ignore_eos=True))
         ms, result = timed(lambda: self.engine.prefill_only(req), self.device)
@@ -326,7 +326,7 @@ class Bench:
 
     def reload_and_check(self, ctx, make_reload) -> dict:
         """Reserve blocks, poison them, reload into them (timed), adopt, decode, compare."""
-        from workers.engine.request import Request, SamplingParams
+        from pdserve.workers.engine.request import Request, SamplingParams
 
         rid = f"reload-{ctx['n']}-{ctx['r']}-{time.monotonic_ns()}"
         dst = self.engine.reserve(rid, ctx["n"])

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
-from bench.metrics import RequestRecord, meets_slos, parse_slos
-from bench.plan_sim import Profile, Req, Split, simulate
-from bench.workload import LengthDist, long_count
+from pdserve.bench.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
+from pdserve.bench.metrics import RequestRecord, meets_slos, parse_slos
+from pdserve.bench.plan_sim import Profile, Req, Split, simulate
+from pdserve.bench.workload import LengthDist, long_count
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -219,7 +219,7 @@ def measure_profile(model: str, device: str, extra: str = "") -> Profile:
         out = Path(tmp) / "engine.json"
         argv = ["engine", "--model", model, "--device", device, "--out", str(out), *shlex.split(extra)]
         print("measuring the profile: pdserve-bench " + " ".join(argv), file=sys.stderr)
-        from bench import cli
+        from pdserve.bench import cli
 
         with contextlib.redirect_stdout(sys.stderr):  # the engine's tables: the plan's stdout stays the plan
             try:
@@ -246,7 +246,7 @@ def run(args) -> int:
     except (ValueError, OSError, KeyError) as e:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
-    from bench.provenance import collect
+    from pdserve.bench.provenance import collect
     result = {"provenance": collect([]), **plan(profile, workload, args)}
     try:
         result["validation"] = compare(result["arms"], args.measured or [])

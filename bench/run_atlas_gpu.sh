@@ -39,7 +39,7 @@ if [ "${MERGE:-0}" = 1 ]; then
   FROM=()
   for d in "$OUT"/pieces/*/; do FROM+=(--from "$d"); done
   if [ ${#FROM[@]} -eq 0 ]; then echo "no pieces under $OUT/pieces: run PROFILE=... ARM=... first"; exit 2; fi
-  exec "$PYTHON" -m bench.cli atlas "${FROM[@]}" --out "$OUT"
+  exec "$PYTHON" -m pdserve.bench.cli atlas "${FROM[@]}" --out "$OUT"
 fi
 
 PROFILE=${PROFILE:?set PROFILE (short, long or mixed) and ARM (colocated, disaggregated, colocated-unchunked)}
@@ -59,7 +59,7 @@ case $ARM in
   *) echo "ARM is colocated, colocated-unchunked or disaggregated, got '$ARM'"; exit 2 ;;
 esac
 
-"$PYTHON" -m bench.cli atlas --arm "$SPEC" --profiles "$PROFILE" --rates "$RATES" \
+"$PYTHON" -m pdserve.bench.cli atlas --arm "$SPEC" --profiles "$PROFILE" --rates "$RATES" \
   --server-args "--model $MODEL --devices $DEVICES --transport $TRANSPORT --kv-memory-gb $KV_GB $SERVER_EXTRA" \
   --tokenizer "$MODEL" --output-len "$OUTPUT_LEN" --run-seconds "$RUN_SECONDS" --min-requests "$MIN_REQUESTS" \
   --out "$OUT/pieces/$ARM"

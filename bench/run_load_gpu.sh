@@ -129,7 +129,7 @@ fi
 if [ "$MULTITURN" = 1 ]; then
   CACHE_FLAGS=(--cache-arms "$CACHE_MODES" --cache-host-gb "$HOST_GB")
   if [ -n "${DISK_DIR:-}" ]; then CACHE_FLAGS+=(--cache-disk-dir "$DISK_DIR" --cache-disk-gb "${DISK_GB:-32}"); fi
-  "$PYTHON" -m bench.cli load \
+  "$PYTHON" -m pdserve.bench.cli load \
     "${ARMS[@]}" "${CACHE_FLAGS[@]}" \
     --server-args "$COMMON --max-inflight-tokens 10000000" --server-timeout 900 \
     --dataset multiturn --conversations "$CONVERSATIONS" --turns "$TURNS" --input-len "$FIRST_LEN" \
@@ -142,7 +142,7 @@ if [ "$MULTITURN" = 1 ]; then
 fi
 
 # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
-"$PYTHON" -m bench.cli load \
+"$PYTHON" -m pdserve.bench.cli load \
   "${ARMS[@]}" \
   --server-args "$COMMON" --server-timeout 900 \
   --capacity-search --goodput $GOODPUT --search-start-rate "$START_RATE" --search-max-probes "$MAX_PROBES" \

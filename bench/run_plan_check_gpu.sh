@@ -45,7 +45,7 @@ if [ "${COMPARE:-0}" = 1 ]; then
   done
   if [ ${#MEASURED[@]} -eq 0 ]; then echo "no measured arm under $OUT: run ARM=... first"; exit 2; fi
   # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
-  exec "$PYTHON" -m bench.cli plan --profile "$PROFILE_JSON" --gpus 1 "${WORKLOAD[@]}" --goodput $GOODPUT \
+  exec "$PYTHON" -m pdserve.bench.cli plan --profile "$PROFILE_JSON" --gpus 1 "${WORKLOAD[@]}" --goodput $GOODPUT \
     --probe-seconds "$PROBE_SECONDS" "${MEASURED[@]}" --out "$OUT/plan.json"
 fi
 
@@ -58,7 +58,7 @@ case $ARM in
   *) echo "ARM is colocated, colocated-unchunked or disaggregated, got '$ARM'"; exit 2 ;;
 esac
 # shellcheck disable=SC2086
-"$PYTHON" -m bench.cli load --arm "$SPEC" --server-args "--model $MODEL --devices $DEVICES --kv-memory-gb $KV_GB" \
+"$PYTHON" -m pdserve.bench.cli load --arm "$SPEC" --server-args "--model $MODEL --devices $DEVICES --kv-memory-gb $KV_GB" \
   --capacity-search --goodput $GOODPUT --search-start-rate "$START_RATE" --search-precision 0.15 \
   --search-max-probes "$MAX_PROBES" --probe-seconds "$PROBE_SECONDS" \
   --probe-min-requests "$MIN_REQUESTS" --arm-budget "$ARM_BUDGET" \

@@ -58,12 +58,12 @@ from pathlib import Path
 
 import torch
 
-from bench import ab, provenance
-from bench.engine_bench import machine_slug, parse_counts
-from bench.transfer_check import FAULTS, parse_fault, run_seed
-from bench.transfer_pools import parse_method, worker_keys
-from protocol.config import TransferConfig
-from protocol.enums import MODES, TRANSPORTS
+from pdserve.bench import ab, provenance
+from pdserve.bench.engine_bench import machine_slug, parse_counts
+from pdserve.bench.transfer_check import FAULTS, parse_fault, run_seed
+from pdserve.bench.transfer_pools import parse_method, worker_keys
+from pdserve.settings.worker import TransferConfig
+from pdserve.protocol.enums import MODES, TRANSPORTS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPLY = "@bench "  # bench/transfer_roles.py prefixes its replies with it
@@ -151,7 +151,7 @@ class Child:
 
 
 def role_process(role: str, args: argparse.Namespace, max_len: int) -> Child:
-    argv = [sys.executable, "-m", "bench.transfer_roles", role, "--model", args.model, "--device", args.device,
+    argv = [sys.executable, "-m", "pdserve.bench.transfer_roles", role, "--model", args.model, "--device", args.device,
             "--decode-device", args.decode_device, "--block-size", str(args.block_size), "--max-len", str(max_len),
             "--tokens", str(args.tokens), "--transports", args.transports, "--deadline-s", str(args.deadline_s)]
     if args.dtype:
@@ -467,7 +467,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # `python -m bench.transfer ...`, the same as `pdserve-bench transfer ...`
+if __name__ == "__main__":  # `python -m pdserve.bench.transfer ...`, the same as `pdserve-bench transfer ...`
     _parser = argparse.ArgumentParser(prog="pdserve-bench transfer", description=__doc__.splitlines()[0])
     add_arguments(_parser)
     sys.exit(run(_parser.parse_args()))

@@ -25,8 +25,8 @@ import random
 
 import torch
 
-from workers.engine.block_pool import paired_runs
-from workers.transfer.plan import Plan
+from pdserve.workers.engine.block_pool import paired_runs
+from pdserve.workers.transfer.plan import Plan
 
 FAULTS = ("skip-block:K", "skip-all")
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_bench import sync
-from protocol import auth
-from protocol.enums import TRANSPORTS
-from workers.transfer.ipc import CUDA_MEMCPY_DEVICE_TO_DEVICE, cuda_memcpy2d
+from pdserve.bench.engine_bench import sync
+from pdserve.settings.keys import new_deployment, write_worker_keys
+from pdserve.protocol.enums import TRANSPORTS
+from pdserve.workers.transfer.ipc import CUDA_MEMCPY_DEVICE_TO_DEVICE, cuda_memcpy2d
 
 VARIANTS = ("", "curve", "fragmented")
 
@@ -40,8 +40,8 @@ def parse_method(method: str) -> tuple[str, str]:
 
 def worker_keys() -> str:
     """A fresh deployment's worker key folder, for both processes of the bench (zmq-curve)."""
-    _, keys = auth.new_deployment()
-    return str(auth.write_worker_keys(Path(tempfile.mkdtemp(prefix="pdserve-bench-keys-")) / "worker", keys))
+    _, keys = new_deployment()
+    return str(write_worker_keys(Path(tempfile.mkdtemp(prefix="pdserve-bench-keys-")) / "worker", keys))
 
 
 def scatter(engine, need: int, seed: int) -> list[str]:

@@ -1,6 +1,6 @@
 """The two processes of `pdserve-bench transfer`: prefill and decode, driven by JSON lines.
 
-    python -m bench.transfer_roles prefill|decode --model M --device D ... (started by bench/transfer.py)
+    python -m pdserve.bench.transfer_roles prefill|decode --model M --device D ... (started by bench/transfer.py)
 
 Each loads the model once and answers one command per stdin line with one stdout line that starts
 with REPLY (libraries such as NIXL log to stdout too).
@@ -48,19 +48,19 @@ import uuid
 import msgspec
 import torch
 
-from bench.engine_bench import sync
-from bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
-from bench.transfer_pools import paged_copy, parse_method, release, scatter
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.kv_cache import SHM_PREFIX
-from workers.engine.request import Request, SamplingParams
-from protocol import auth
-from protocol import kv as P
-from protocol.config import TransferConfig
-from protocol.enums import MODES
-from workers.transfer.registry import make_receiver, make_sender
-from workers.transfer.ipc import map_cuda, map_shm, wait_event
+from pdserve.bench.engine_bench import sync
+from pdserve.bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
+from pdserve.bench.transfer_pools import paged_copy, parse_method, release, scatter
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.kv_cache import SHM_PREFIX
+from pdserve.workers.engine.request import Request, SamplingParams
+from pdserve.settings.keys import load_worker_keys
+from pdserve.protocol import kv as P
+from pdserve.settings.worker import TransferConfig
+from pdserve.protocol.enums import MODES
+from pdserve.workers.transfer.registry import make_receiver, make_sender
+from pdserve.workers.transfer.ipc import map_cuda, map_shm, wait_event
 
 REPLY = "@bench "
 
@@ -83,7 +83,7 @@ def make_engine(args, device: str, max_len: int, shared: bool) -> Engine:
 def transfer_config(args, method: str, **kw) -> TransferConfig:
     """A method's TransferConfig: its transport; zmq-curve with the bench's keys (--keys)."""
     transport, variant = parse_method(method)
-    keys = auth.load_worker_keys(args.keys) if variant == "curve" else None
+    keys = load_worker_keys(args.keys) if variant == "curve" else None
     streams = {"streams": args.kv_streams} if args.kv_streams else {}
     return TransferConfig(transport=transport, deadline_s=args.deadline_s, keys=keys, **streams, **kw)
 

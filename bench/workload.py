@@ -260,7 +260,7 @@ def assign_policies(n: int, policies: list[str] | None) -> list[str | None]:
 
 def load_tokenizer(name: str):
     """The tokenizer of a pdserve model name (all of ours use SmolLM2's) or of a local HF directory."""
-    from protocol import models as models  # transformers imports torch where it is installed: only when asked
+    from pdserve.settings import models as models  # transformers imports torch where it is installed: only when asked
 
     if name in models.MODEL_NAMES:
         return models.load_smollm2_tokenizer()

@@ -11,11 +11,11 @@ import os
 import sys
 import time
 
-from client.client import DEFAULT_BASE_URL, Client
-from client.errors import ClientError
-from client.wire import Completion
-from protocol.cli import HelpFormatter
-from protocol.enums import POLICIES
+from pdserve.client.client import DEFAULT_BASE_URL, Client
+from pdserve.client.errors import ClientError
+from pdserve.client.wire import Completion
+from pdserve.settings.cli import HelpFormatter
+from pdserve.protocol.enums import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,8 +26,8 @@ import time
 
 import httpx
 
-from client.errors import ClientError, ProtocolError, RequestTimeout, ServerUnreachable
-from client.wire import Completion, StreamState, chat_body, completion_body, \
+from pdserve.client.errors import ClientError, ProtocolError, RequestTimeout, ServerUnreachable
+from pdserve.client.wire import Completion, StreamState, chat_body, completion_body, \
     error_from_response, parse_response
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"

@@ -4,8 +4,8 @@ ProtocolError naming the request)."""
 
 from __future__ import annotations
 
-from client.errors import ProtocolError
-from protocol import timings as T
+from pdserve.client.errors import ProtocolError
+from pdserve.protocol import timings as T
 
 
 class Timings(T.Timings):

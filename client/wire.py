@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from client.errors import ProtocolError, ServerError
-from client.timings import Timings
+from pdserve.client.errors import ProtocolError, ServerError
+from pdserve.client.timings import Timings
 
 DONE = "[DONE]"
 

@@ -31,7 +31,7 @@ HEADERS = {"Authorization": f"Bearer {os.environ['PDSERVE_API_KEY']}"} if os.env
 
 
 def start(args, transport: str, mode: str) -> tuple[subprocess.Popen, str, list[int]]:
-    cmd = [sys.executable, "-m", "server.cli", "--model", args.model, "--port", "0", "--transport", transport,
+    cmd = [sys.executable, "-m", "pdserve.server.cli", "--model", args.model, "--port", "0", "--transport", transport,
            "--mode", mode, "--log-level", "WARNING", *args.extra]
     cmd += ["--device", args.device] if args.device else (["--devices", args.devices] if args.devices else [])
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -28,7 +28,7 @@ made_keys=
 if [ -z "${KEYS:-}" ]; then
   KEYS=$(mktemp -d -t pdserve-keys.XXXXXX)  # 0700
   made_keys=$KEYS
-  "$PY" -m server.cli keygen "$KEYS/deployment" > /dev/null
+  "$PY" -m pdserve.server.cli keygen "$KEYS/deployment" > /dev/null
   KEYS=$KEYS/deployment
 fi
 
@@ -41,14 +41,14 @@ stop() {
 }
 trap stop EXIT INT TERM
 
-"$PY" -m server.cli router --model "$MODEL" --host "$HOST" --port "$PORT" --register "$REGISTER" \
+"$PY" -m pdserve.server.cli router --model "$MODEL" --host "$HOST" --port "$PORT" --register "$REGISTER" \
   --keys "$KEYS/router" --parent-pid $$ > "$LOGS/router.log" 2>&1 &
 pids+=($!)
 
 start_worker() {  # role device index
   local id="$1-$3"
   # shellcheck disable=SC2086
-  "$PY" -m workers.cli --role "$1" --device "$2" --worker-id "$id" --model "$MODEL" --transport "$TRANSPORT" \
+  "$PY" -m pdserve.workers.cli --role "$1" --device "$2" --worker-id "$id" --model "$MODEL" --transport "$TRANSPORT" \
     --mode "$MODE" --router "$REGISTER" --keys "$KEYS/worker" --parent-pid $$ $EXTRA > "$LOGS/$id.log" 2>&1 &
   pids+=($!)
   echo "started $id on $2 (log $LOGS/$id.log)"

@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 : "${ROUTER:?set ROUTER=tcp://<router host>:7100}"
 : "${IP:?set IP=<this machine address reachable by the router and the other workers>}"
 PY=${PYTHON:-python}
-exec "$PY" -m workers.cli --role "$ROLE" --model "${MODEL:-smollm2-135m}" --device "${DEVICE:-cuda:0}" \
+exec "$PY" -m pdserve.workers.cli --role "$ROLE" --model "${MODEL:-smollm2-135m}" --device "${DEVICE:-cuda:0}" \
   --transport "${TRANSPORT:-nixl}" --mode "${MODE:-bulk}" --router "$ROUTER" --keys "$KEYS" \
   --control "tcp://$IP:${CONTROL_PORT:-7201}" --kv-host "$IP" --kv-port "${KV_PORT:-7300}" \
   --worker-id "${WORKER_ID:-$ROLE-$(hostname)-${DEVICE:-cuda:0}}" ${EXTRA:-}

@@ -1,5 +1,5 @@
-"""Everything the router and the workers share, torch-free: the one package `server/` imports from
-the worker side (a test holds it to that, tests/test_walls.py).
+"""The wire: every message the router and the workers exchange, torch-free, importing nothing else of
+pdserve's (tests/test_house.py holds it to that). What they share that is not wire: settings/.
 
     wire.py      the protocol version (one, for every frame), ProtocolError, msgpack
     enums.py     Role, Transport, Mode, Policy, FailureKind
@@ -9,10 +9,6 @@ the worker side (a test holds it to that, tests/test_walls.py).
     phases.py    the phases of a request's time to first token
     timings.py   a request's `timings` object, one typed struct from the router to the client
     blocks.py    KV block names (a hash chained over tokens): the engine's prefix cache and the router's index
-    config.py    the engine, transfer and worker configs; each field carries its command-line flag
-    flags.py     argparse options derived from a config dataclass, and the config built back from them
-    auth.py      the deployment's CURVE keys (every control and KV socket)
-    models.py    the model names and where their files and tokenizers live
+    auth.py      CURVE key pairs on every control and KV socket, the ZAP gate, throttled logs
     shm.py       the /dev/shm files of KV pools on the CPU: their names, private creation, safe sweep
-    cli.py       command-line conventions of pdserve and pdserve-worker (help, --config, logging, exit)
 """

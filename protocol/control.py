@@ -46,12 +46,12 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-from protocol.blocks import NAME_BYTES
-from protocol.enums import FailureKind, Mode, Role, Transport
-from protocol.sampling import LOGPROB_FLOOR, MAX_LOGPROBS, Sampling
+from pdserve.protocol.blocks import NAME_BYTES
+from pdserve.protocol.enums import FailureKind, Mode, Role, Transport
+from pdserve.protocol.sampling import LOGPROB_FLOOR, MAX_LOGPROBS, Sampling
 # PROTOCOL_VERSION, ProtocolError and encode: the control side reads them through this module
-from protocol.wire import (MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, Address, BlockIds, Count, Id,  # noqa: F401
-                           ProtocolError, Seconds, Text, TokenId, TokenIds, encode, short)
+from pdserve.protocol.wire import (MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, Address, BlockIds, Count, Id,  # noqa: F401
+                                   ProtocolError, Seconds, Text, TokenId, TokenIds, encode, short)
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks that hold num_tokens (at least one); the router counts a reservation as the engine's pool does."""

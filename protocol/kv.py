@@ -23,17 +23,15 @@ layout and the request's reservation (receiver.py), the sender each pool it is t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
-from protocol.enums import Transport
+from pdserve.protocol.enums import Transport
 # PROTOCOL_VERSION and encode: the KV side reads them through this module
-from protocol.wire import (MAX_COUNT, MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, BlockIds, Count, Id,  # noqa: F401
-                           Text, encode)
+from pdserve.protocol.wire import (MAX_COUNT, MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, BlockIds, Count, Id,  # noqa: F401
+                                   Text, encode)
 
-if TYPE_CHECKING:
-    from workers.engine.kv_cache import KVLayout
 
 Small = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]  # layers, heads, head dim, block size
 Name = Annotated[str, msgspec.Meta(max_length=256)]  # hosts, agent names, paths
@@ -49,7 +47,8 @@ class Layout(msgspec.Struct, frozen=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 
     @classmethod
-    def of(cls, layout: "KVLayout") -> "Layout":  # and back: KVLayout.from_wire (the worker side's, with torch)
+    def of(cls, layout) -> "Layout":
+        """From a layout with these fields (the worker's KVLayout; and back: KVLayout.from_wire)."""
         return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                    layout.block_size, layout.num_blocks)
 

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from protocol.wire import MAX_INT32, TokenId, TokenIds
+from pdserve.protocol.wire import MAX_INT32, TokenId, TokenIds
 
 MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
 # temperatures below this sample the top token with probability 1 to float32 precision; dividing

@@ -20,7 +20,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field, fields
 
-from protocol import phases as PH
+from pdserve.protocol import phases as PH
 
 
 class TimingsError(ValueError):

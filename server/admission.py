@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.errors import APIError
+from pdserve.server.errors import APIError
 
 log = logging.getLogger("pdserve.router")
 

@@ -37,21 +37,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protocol.timings import Timings
-from server import responses, schemas as S
-from server.body import parse_body
-from server.admission import AdmittedStream, Tickets, workers_pace
-from server.config import RouterConfig
-from server.dispatch import Dispatcher, Done, Job, Token, fan_out
-from server.docs_page import page as docs_page
-from server.errors import APIError, bad_request, unknown_model
-from server.guard import BodyBudget, install_front_door
-from server.metrics import CONTENT_TYPE, Metrics
-from server.pool import WorkerPool
-from server.request_id import RequestIdHeader
-from server.routing import Planner
-from server.timeline import Clock
-from server.tokenizer import PromptEncoder
+from pdserve.protocol.timings import Timings
+from pdserve.server import responses, schemas as S
+from pdserve.server.body import parse_body
+from pdserve.server.admission import AdmittedStream, Tickets, workers_pace
+from pdserve.settings.router import RouterConfig
+from pdserve.server.dispatch import Dispatcher, Done, Job, Token, fan_out
+from pdserve.server.docs_page import page as docs_page
+from pdserve.server.errors import APIError, bad_request, unknown_model
+from pdserve.server.guard import BodyBudget, install_front_door
+from pdserve.server.metrics import CONTENT_TYPE, Metrics
+from pdserve.server.pool import WorkerPool
+from pdserve.server.request_id import RequestIdHeader
+from pdserve.server.routing import Planner
+from pdserve.server.timeline import Clock
+from pdserve.server.tokenizer import PromptEncoder
 
 log = logging.getLogger("pdserve.router")
 

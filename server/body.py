@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from server.errors import APIError, bad_request
-from server.fields import neutral_values, reason
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.fields import neutral_values, reason
 
 MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) is 5 levels
 MAX_MESSAGES = 2048  # chat messages per request (OpenAI's own cap)

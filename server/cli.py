@@ -32,14 +32,14 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-from protocol.auth import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
-from protocol.cli import add_config_argument, parse_args, setup_logging, version
-from protocol.config import EngineConfig, TransferConfig, WorkerConfig  # not workers.*: no torch in the router
-from protocol.enums import Role
-from protocol.flags import FLAG, add_arguments, from_args, values
-from protocol.models import MODEL_NAMES, cache_is_current, smollm2_cache_dir, smollm2_gguf_path
-from server.config import RouterConfig
-from server.parser import Parser
+from pdserve.settings.keys import KeyFileError, keygen as keygen_folders, load_router_keys, new_deployment, write_worker_keys
+from pdserve.settings.cli import add_config_argument, parse_args, setup_logging, version
+from pdserve.settings.worker import EngineConfig, TransferConfig, WorkerConfig  # not workers.*: no torch in the router
+from pdserve.protocol.enums import Role
+from pdserve.settings.flags import FLAG, add_arguments, from_args, values
+from pdserve.settings.models import MODEL_NAMES, cache_is_current, smollm2_cache_dir, smollm2_gguf_path
+from pdserve.settings.router import RouterConfig
+from pdserve.server.parser import Parser
 
 log = logging.getLogger("pdserve")
 
@@ -133,7 +133,7 @@ def default_threads(workers: int) -> int:
 
 def plan(args, devices: list[str], counts: dict[str, int], router: str, run_dir: str) -> list[WorkerConfig]:
     """The config of each worker to start: the flags pdserve offers for them, the router's model."""
-    from server.launcher import plan_workers
+    from pdserve.server.launcher import plan_workers
 
     try:  # the device: each worker's own, dealt by plan_workers
         threads = args.threads or default_threads(sum(counts.values()))
@@ -185,7 +185,7 @@ def url_of(sock: socket.socket) -> str:
 def _uvicorn_server(app, args):
     import uvicorn
 
-    from server.guard import connection_options
+    from pdserve.server.guard import connection_options
 
     class Server(uvicorn.Server):
         """uvicorn without its own signal handling: pdserve's handler stops the workers too."""
@@ -248,7 +248,7 @@ async def serve(app, sock: socket.socket, args, after_start, on_stop=None) -> in
 
 
 def run_embedded(args) -> int:
-    from server.launcher import Launcher, default_devices
+    from pdserve.server.launcher import Launcher, default_devices
 
     counts = {Role.PREFILL: args.prefill_workers, Role.DECODE: args.decode_workers,
               Role.COLOCATED: 0 if args.no_colocated else args.colocated_workers}
@@ -278,8 +278,8 @@ def run_embedded(args) -> int:
                             restart=not args.no_restart)
         watchers: list[asyncio.Task] = []
         launcher.start()  # first: the workers load their model while the router imports its app
-        from server.app import create_app
-        from server.tokenizer import load_tokenizer
+        from pdserve.server.app import create_app
+        from pdserve.server.tokenizer import load_tokenizer
 
         app = create_app(cfg, load_tokenizer(cfg.model, cfg.tokenizer))
         router = app.state.router
@@ -324,8 +324,8 @@ def run_embedded(args) -> int:
 
 
 def run_router(args) -> int:
-    from server.app import create_app
-    from server.tokenizer import load_tokenizer
+    from pdserve.server.app import create_app
+    from pdserve.server.tokenizer import load_tokenizer
 
     if args.keys is None:
         sys.exit("pdserve router: --keys DIR is required: the router folder of `pdserve keygen DIR` (workers get "
@@ -397,11 +397,11 @@ def main(argv: list[str] | None = None) -> int:
         args, run = parse_args(router_parser(), argv[1:]), run_router
     else:
         args, run = parse_args(pdserve_parser(), argv), run_embedded
-    from protocol.cli import exit_now
+    from pdserve.settings.cli import exit_now
 
     setup_logging(args.log_level)
     if args.parent_pid is not None:
-        from protocol.cli import die_with_parent
+        from pdserve.settings.cli import die_with_parent
 
         die_with_parent(args.parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
     rc = run(args)

@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import msgspec
 
-from protocol import control as P
-from protocol import sampling as S
-from protocol.enums import FailureKind, Policy
-from protocol.timings import Timings
-from server.admission import Admission, unavailable
-from server.config import RouterConfig
-from server.errors import APIError, bad_request, timed_out, worker_failed
-from server.metrics import Metrics
-from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
-from server.timeline import Clock
+from pdserve.protocol import control as P
+from pdserve.protocol import sampling as S
+from pdserve.protocol.enums import FailureKind, Policy
+from pdserve.protocol.timings import Timings
+from pdserve.server.admission import Admission, unavailable
+from pdserve.settings.router import RouterConfig
+from pdserve.server.errors import APIError, bad_request, timed_out, worker_failed
+from pdserve.server.metrics import Metrics
+from pdserve.server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
+from pdserve.server.timeline import Clock
 
 if TYPE_CHECKING:
-    from server.routing import Plan
+    from pdserve.server.routing import Plan
 
 log = logging.getLogger("pdserve.router")
 

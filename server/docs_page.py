@@ -9,7 +9,7 @@ import json
 
 from pydantic import BaseModel
 
-from server.fields import FIELDS
+from pdserve.server.fields import FIELDS
 
 ENDPOINTS = (
     ("POST", "/v1/completions", "prompt -> text (stream: server-sent events)"),

@@ -33,8 +33,8 @@ import time
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect, Request
 
-from server.admission import Refused
-from server.errors import APIError
+from pdserve.server.admission import Refused
+from pdserve.server.errors import APIError
 
 log = logging.getLogger("pdserve.router")
 

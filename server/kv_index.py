@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from protocol import control as P
+from pdserve.protocol import control as P
 
 log = logging.getLogger("pdserve.router")
 

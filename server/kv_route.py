@@ -29,10 +29,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from protocol.blocks import block_names
-from protocol.enums import Policy
-from protocol.timings import Route
-from server.kv_index import KVIndex
+from pdserve.protocol.blocks import block_names
+from pdserve.protocol.enums import Policy
+from pdserve.protocol.timings import Route
+from pdserve.server.kv_index import KVIndex
 
 UNMEASURED_MS_PER_TOKEN = 1.0
 OVERLOAD_FACTOR, OVERLOAD_SLACK = 2, 4  # the load rule above

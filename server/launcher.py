@@ -1,6 +1,6 @@
 """Worker processes that `pdserve` starts on this machine: their supervision and their clean end.
 
-Each worker runs `python -m workers.cli --worker-config <run dir>/workers/<id>.json`: the file (0600,
+Each worker runs `python -m pdserve.workers.cli --worker-config <run dir>/workers/<id>.json`: the file (0600,
 written once, read again by each restart) is its whole WorkerConfig, with our pid and our run
 directory, without keys; `--keys` gives the key folder's path (never key material); --worker-arg
 extras follow on the command line and apply on top. Each worker is in its own process group (so a terminal's Ctrl-C reaches only us, and
@@ -39,9 +39,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from protocol.config import EngineConfig, WorkerConfig, write_worker_config
-from protocol.enums import ROLES
-from protocol.shm import remove_pools
+from pdserve.settings.worker import EngineConfig, WorkerConfig, write_worker_config
+from pdserve.protocol.enums import ROLES
+from pdserve.protocol.shm import remove_pools
 
 log = logging.getLogger("pdserve.launcher")
 
@@ -99,7 +99,7 @@ class Launcher:
 
     def command(self, spec: WorkerConfig) -> list[str]:
         """The same for each start of the worker: a restart reads the same file."""
-        return [sys.executable, "-m", "workers.cli", "--worker-config", self.config_file(spec),
+        return [sys.executable, "-m", "pdserve.workers.cli", "--worker-config", self.config_file(spec),
                 "--keys", self.keys_dir, "--log-level", self.log_level, *self.extra_args]
 
     def start(self) -> None:

@@ -25,8 +25,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from protocol import phases as PH
-from protocol.timings import Timings
+from pdserve.protocol import phases as PH
+from pdserve.protocol.timings import Timings
 
 # seconds: sub-millisecond transfers up to minute-long requests
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)

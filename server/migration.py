@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import msgspec
 
-from protocol.timings import Migration
-from server.dispatch import Done, Job, Token
-from server.errors import APIError
+from pdserve.protocol.timings import Migration
+from pdserve.server.dispatch import Done, Job, Token
+from pdserve.server.errors import APIError
 
 if TYPE_CHECKING:
-    from server.dispatch import Dispatcher
-    from server.routing import Plan
+    from pdserve.server.dispatch import Dispatcher
+    from pdserve.server.routing import Plan
 
 log = logging.getLogger("pdserve.router")
 

@@ -15,7 +15,7 @@ import argparse
 import difflib
 import re
 
-from protocol.cli import HelpFormatter
+from pdserve.settings.cli import HelpFormatter
 
 VLLM_SPELLINGS = {
     "serve": "vLLM's `vllm serve MODEL`; pdserve's is `pdserve --model MODEL`",

@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from server.config import RouterConfig
-from server.metrics import Metrics
-from server.kv_index import KVIndex
-from server.register import RegisterReader
-from protocol import auth
-from protocol import control as P
-from protocol.enums import ROLES, Role
+from pdserve.settings.router import RouterConfig
+from pdserve.server.metrics import Metrics
+from pdserve.server.kv_index import KVIndex
+from pdserve.server.register import RegisterReader
+from pdserve.protocol import auth
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import ROLES, Role
 
 log = logging.getLogger("pdserve.router")
 

@@ -35,9 +35,10 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from server.metrics import Metrics
-from protocol import auth
-from protocol import control as P
+from pdserve.server.metrics import Metrics
+from pdserve.protocol import auth
+from pdserve.settings import keys
+from pdserve.protocol import control as P
 
 MAX_REGISTER_FRAME = 4 * 2**20  # bytes; the largest real message (a step's Tokens) is a few KB
 STRANGER_RATE, STRANGER_BURST = 20.0, 50  # answers a second to unknown incarnations (Register, Heartbeat)
@@ -50,7 +51,7 @@ class RegisterReader:
 
     POLL_MS = 50  # wake up this often to notice stop()
 
-    def __init__(self, endpoint: str, loop: asyncio.AbstractEventLoop, keys: auth.RouterKeys | None,
+    def __init__(self, endpoint: str, loop: asyncio.AbstractEventLoop, keys: keys.RouterKeys | None,
                  known: dict[str, str], metrics: Metrics, throttle: auth.Throttle):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)

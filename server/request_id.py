@@ -8,7 +8,7 @@ own reads of `receive` (disconnect detection) see every message.
 
 from __future__ import annotations
 
-from server.errors import bad_request
+from pdserve.server.errors import bad_request
 
 HEADER = b"x-request-id"
 MAX_CHARS = 256

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from protocol import control as P
-from protocol.timings import Timings
+from pdserve.protocol import control as P
+from pdserve.protocol.timings import Timings
 
 
 def new_id(kind: str) -> str:

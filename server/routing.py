@@ -56,18 +56,18 @@ from typing import AsyncIterator, Callable, ClassVar, Union
 
 import msgspec
 
-from protocol import control as P
-from protocol.enums import Policy, Role
-from protocol.timings import Failover
-from server.admission import Admission, Ticket, unavailable
-from server.config import RouterConfig
-from server.dispatch import PREFILL_REPORT_GRACE_S, Dispatcher, Done, Job, Token, TokenStream
-from server.errors import APIError, timed_out
-from server.kv_route import Estimate, auto_policy, choose, not_overloaded, reporting, route_taken
-from server.metrics import Metrics
-from server.migration import migrating
-from server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
-from server.timeline import timings
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import Policy, Role
+from pdserve.protocol.timings import Failover
+from pdserve.server.admission import Admission, Ticket, unavailable
+from pdserve.settings.router import RouterConfig
+from pdserve.server.dispatch import PREFILL_REPORT_GRACE_S, Dispatcher, Done, Job, Token, TokenStream
+from pdserve.server.errors import APIError, timed_out
+from pdserve.server.kv_route import Estimate, auto_policy, choose, not_overloaded, reporting, route_taken
+from pdserve.server.metrics import Metrics
+from pdserve.server.migration import migrating
+from pdserve.server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
+from pdserve.server.timeline import timings
 
 log = logging.getLogger("pdserve.router")
 

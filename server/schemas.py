@@ -26,12 +26,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from server.body import show
-from server.errors import bad_request
-from protocol.enums import POLICIES
-from protocol.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
-                               InvalidSampling, Sampling)
-from protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
+from pdserve.server.body import show
+from pdserve.server.errors import bad_request
+from pdserve.protocol.enums import POLICIES
+from pdserve.protocol.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                                       InvalidSampling, Sampling)
+from pdserve.protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
 
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's legacy bound); chat's top_logprobs: MAX_LOGPROBS

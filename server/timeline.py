@@ -28,10 +28,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from protocol import phases as PH
-from protocol import control as P
-from protocol.phases import ms
-from protocol.timings import ReusedTokens, Timings
+from pdserve.protocol import phases as PH
+from pdserve.protocol import control as P
+from pdserve.protocol.phases import ms
+from pdserve.protocol.timings import ReusedTokens, Timings
 
 
 @dataclass

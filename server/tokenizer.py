@@ -12,8 +12,8 @@ import secrets
 from datetime import datetime
 from pathlib import Path
 
-from protocol.models import MODEL_NAMES, smollm2_tokenizer_dir
-from server.errors import bad_request
+from pdserve.settings.models import MODEL_NAMES, smollm2_tokenizer_dir
+from pdserve.server.errors import bad_request
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):

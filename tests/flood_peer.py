@@ -23,20 +23,21 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protocol import auth  # noqa: E402
-from protocol import control as P  # noqa: E402
+from pdserve.protocol import auth  # noqa: E402
+from pdserve.settings.keys import WorkerKeys, load_worker_keys, new_deployment
+from pdserve.protocol import control as P  # noqa: E402
 
 UNKNOWN_IDS = 5000
 
 
 def main() -> None:
     endpoint, keys_dir, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    keys = auth.load_worker_keys(keys_dir)
+    keys = load_worker_keys(keys_dir)
     end = time.monotonic() + seconds
     sent: dict[str, int] = {}
     ctx = zmq.Context()
 
-    def push(curve: auth.WorkerKeys | None) -> zmq.Socket:
+    def push(curve: WorkerKeys | None) -> zmq.Socket:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
@@ -68,10 +69,10 @@ def main() -> None:
         sent["raw_tcp_connections"] = n
 
     def wrong_key_connections() -> None:  # another deployment's key: refused by the gate, again and again
-        other = auth.new_deployment()[1]
+        other = new_deployment()[1]
         n = 0
         while time.monotonic() < end:
-            sock = push(auth.WorkerKeys(other.worker, keys.router_public))
+            sock = push(WorkerKeys(other.worker, keys.router_public))
             try:
                 sock.send(b"junk", zmq.NOBLOCK)
             except zmq.Again:

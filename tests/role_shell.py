@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from protocol import control as P
-from workers.engine.engine import Engine
-from workers.roles import make_role
-from protocol.config import TransferConfig
+from pdserve.protocol import control as P
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.roles import make_role
+from pdserve.settings.worker import TransferConfig
 
 
 class Shell:

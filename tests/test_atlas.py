@@ -7,10 +7,10 @@ Near-periodic arrivals (burstiness 50): a seeded Poisson draw of 15 requests can
 import json
 import sys
 
-from bench import cli
-from bench.atlas import capacity_on_grid, parse_rates, winner
+from pdserve.bench import cli
+from pdserve.bench.atlas import capacity_on_grid, parse_rates, winner
 
-FAKE = f"{sys.executable} -m bench.load_fake_server --port 0"
+FAKE = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0"
 
 
 def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):

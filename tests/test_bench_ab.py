@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from bench import ab
+from pdserve.bench import ab
 
 
 class Clock:

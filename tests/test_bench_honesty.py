@@ -16,10 +16,10 @@ import math
 import pytest
 import torch
 
-from bench import transfer as bench
-from bench.transfer_check import parse_fault, poison, prompt_ids, run_seed, scrub, skip
-from workers.engine.kv_cache import KVLayout
-from workers.transfer.plan import make_plan
+from pdserve.bench import transfer as bench
+from pdserve.bench.transfer_check import parse_fault, poison, prompt_ids, run_seed, scrub, skip
+from pdserve.workers.engine.kv_cache import KVLayout
+from pdserve.workers.transfer.plan import make_plan
 
 pytestmark = pytest.mark.timeout(600)
 

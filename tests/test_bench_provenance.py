@@ -7,7 +7,7 @@ import os
 import stat
 import subprocess
 
-from bench import provenance
+from pdserve.bench import provenance
 
 FAKE_SMI = """#!/bin/sh
 case "$*" in

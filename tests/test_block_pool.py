@@ -5,18 +5,18 @@ import sys
 
 import pytest
 
-from workers.engine.block_pool import BlockPool, OutOfBlocks, blocks_for, paired_runs, runs
+from pdserve.workers.engine.block_pool import BlockPool, OutOfBlocks, blocks_for, paired_runs, runs
 
 
 def test_block_pool_does_not_need_torch():
-    assert "workers.engine.block_pool" in sys.modules
+    assert "pdserve.workers.engine.block_pool" in sys.modules
     import importlib
     import subprocess
 
-    code = "import sys; import workers.engine.block_pool; print('torch' in sys.modules)"
+    code = "import sys; import pdserve.workers.engine.block_pool; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    assert importlib.import_module("workers.engine.block_pool").BlockPool is BlockPool
+    assert importlib.import_module("pdserve.workers.engine.block_pool").BlockPool is BlockPool
 
 
 def test_contiguous_allocation_and_merge_on_free():
@@ -98,14 +98,14 @@ def test_shared_pool_of_a_killed_process_is_removed_by_the_next_one():
     import subprocess
 
     code = (
-        "import os; from workers.engine.kv_cache import KVCache, KVLayout; "
+        "import os; from pdserve.workers.engine.kv_cache import KVCache, KVLayout; "
         "c = KVCache(KVLayout(2, 2, 8, 'float32', 16, 4), 'cpu', shared=True); "
         "print(c.shm_path, flush=True); os.kill(os.getpid(), 9)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     path = out.stdout.strip()
     assert path.startswith("/dev/shm/pdserve-kv-") and os.path.exists(path)
-    from workers.engine.kv_cache import KVCache, KVLayout
+    from pdserve.workers.engine.kv_cache import KVCache, KVLayout
 
     cache = KVCache(KVLayout(2, 2, 8, "float32", 16, 4), "cpu", shared=True)
     mine = cache.shm_path

@@ -5,11 +5,11 @@ precision; the old probe (24 prompts, judged on the SLO target alone) passes far
 import json
 import sys
 
-from bench import load
+from pdserve.bench import load
 
 # one prefill at a time, 25 ms each: at most 40 req/s (a little less: each sleep overshoots)
 CAPACITY = 40.0
-SERVER = f"{sys.executable} -m bench.load_fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
+SERVER = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
          "--prefill-ms-per-request 25"
 # near-periodic arrivals (burstiness 50) keep the queue empty below capacity; a loose TTFT SLO (500 ms) that
 # a short burst past capacity still meets: only the window's length can expose the queue
@@ -64,7 +64,7 @@ def test_a_probe_that_would_not_end_within_the_budget_does_not_start():
     search before a probe that would overrun it; the first probe always runs."""
     import asyncio
 
-    from bench.capacity import probe_passes, probe_requests, search_capacity
+    from pdserve.bench.capacity import probe_passes, probe_requests, search_capacity
 
     assert probe_requests(0.5, 60, 24) == 30 and probe_requests(0.1, 60, 24) == 24 and probe_requests(8, 0, 24) == 24
     budget_s, seen = 200.0, []

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from bench.load_fake_server import FakeConfig, FakeServer, free_port
-from client import AsyncClient, Client, ProtocolError, RequestTimeout, ServerError, ServerUnreachable, Timings
-from client import cli
-from client.wire import SSEDecoder, StreamState, error_from_response
+from pdserve.bench.load_fake_server import FakeConfig, FakeServer, free_port
+from pdserve.client import AsyncClient, Client, ProtocolError, RequestTimeout, ServerError, ServerUnreachable, Timings
+from pdserve.client import cli
+from pdserve.client.wire import SSEDecoder, StreamState, error_from_response
 
 FULL_TIMINGS = {
     "route": None,  # (the router's routing explanation: none in this frame)

@@ -74,23 +74,23 @@ def parse_ours(words: list[str], tmp: Path) -> None:
     """Parse (or, for keygen, run) one of our commands; raises SystemExit(2) with the parser's message."""
     name, args = words[0], words[1:]
     if name == "pdserve":
-        from server import cli
+        from pdserve.server import cli
         if args[:1] == ["keygen"]:
             assert cli.keygen([str(Path(tempfile.mkdtemp(dir=tmp)) / "keys")]) == 0
             return
         parser = cli.router_parser() if args[:1] == ["router"] else cli.pdserve_parser()
         parser.parse_args(args[1:] if args[:1] == ["router"] else args)
     elif name == "pdserve-worker":
-        from workers import cli
+        from pdserve.workers import cli
         if args[:1] == ["generate"]:
             cli.generate_parser().parse_args(args[1:])
         else:
             cli.serve_parser().parse_args(args)
     elif name == "pdserve-client":
-        from client import cli
+        from pdserve.client import cli
         cli.build_parser().parse_args(args)
     elif name == "pdserve-bench":
-        from bench.cli import SUBCOMMANDS
+        from pdserve.bench.cli import SUBCOMMANDS
         p = argparse.ArgumentParser(prog=f"pdserve-bench {args[0]}")
         importlib.import_module(SUBCOMMANDS[args[0]][0]).add_arguments(p)
         p.parse_args(args[1:])
@@ -166,7 +166,7 @@ def test_every_curl_in_the_docs_answers(tiny_pdserve):
 
 
 def test_the_metric_names_in_the_docs_exist():
-    from server.metrics import Metrics
+    from pdserve.server.metrics import Metrics
 
     declared = {m.name for m in Metrics("tiny").registry.collect()}
     # a counter's samples carry _total; histograms _bucket/_sum/_count

@@ -116,8 +116,8 @@ def test_streams_past_the_drain_timeout_end_with_an_error_that_says_so():
 STOPPING = """
 import logging, signal, threading, time
 import zmq
-from protocol import auth
-from workers.worker import Inbox, Worker
+from pdserve.protocol import auth
+from pdserve.workers.worker import Inbox, Worker
 
 w = Worker.__new__(Worker)  # only what stop() and the main loop's wait touch
 w._stop = threading.Event()

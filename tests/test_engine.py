@@ -7,10 +7,10 @@ import functools
 import pytest
 import torch
 
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.models import load_model
-from workers.engine.request import InvalidRequest, Request, SamplingParams
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.models import load_model
+from pdserve.workers.engine.request import InvalidRequest, Request, SamplingParams
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
@@ -333,7 +333,7 @@ def test_a_prompt_alone_in_chunks_equals_one_prefill():
 def test_fused_qkv_gives_the_same_tokens_and_logits(name):
     """The CUDA engine's one-projection attention (fusion.py) computes what transformers' own
     forward does; checked here on the CPU in float32, with chunked prefill and decodes mixed."""
-    from workers.engine.fusion import fuse_qkv
+    from pdserve.workers.engine.fusion import fuse_qkv
 
     prompts = prompts_of_lengths(reference(name).tokenizer, [5, 40, 23])
     params = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from bench import engine_bench
-from protocol.config import EngineConfig
-from bench.engine_decode import mixed_contexts
+from pdserve.bench import engine_bench
+from pdserve.settings.worker import EngineConfig
+from pdserve.bench.engine_decode import mixed_contexts
 
 SMOKE = ["--model", "tiny", "--device", "cpu", "--lengths", "64,128", "--pairs", "3", "--batches", "1,2",
          "--contexts", "64,128", "--mixed-batch", "3", "--mixed-contexts", "64,128", "--repeats", "2",
@@ -138,7 +138,7 @@ def test_parse_counts():
 
 
 def test_offline_bench_cpu_smoke(tmp_path):
-    from bench import offline
+    from pdserve.bench import offline
 
     parser = argparse.ArgumentParser()
     offline.add_arguments(parser)
@@ -164,7 +164,7 @@ def test_offline_bench_cpu_smoke(tmp_path):
 def test_profiled_writes_its_tables_and_trace(tmp_path):
     import torch
 
-    from bench.engine_decode import profiled
+    from pdserve.bench.engine_decode import profiled
 
     profiled(None, torch.device("cpu"), lambda: torch.ones(64).cumsum(0), str(tmp_path / "prof"))
     assert "aten::cumsum" in (tmp_path / "prof" / "by-self-cpu.txt").read_text()

@@ -5,7 +5,7 @@ fails). Against fake workers (tests/test_server_router.py): the failures come ex
 from __future__ import annotations
 
 from test_server_router import FakePair, colocated_echo, router, tokenizer  # noqa: F401
-from protocol import control as P
+from pdserve.protocol import control as P
 
 BODY = {"prompt": "Hello", "max_tokens": 3, "policy": "disaggregated", "return_token_ids": True}
 

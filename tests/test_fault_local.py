@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from test_server_harness import TINY, Pdserve
-from workers.engine.kv_cache import KVCache, KVLayout
-from protocol.config import TransferConfig
-from workers.transfer.base import PeerState
-from workers.transfer.errors import TransferError
-from workers.transfer.registry import make_receiver, make_sender
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.settings.worker import TransferConfig
+from pdserve.workers.transfer.base import PeerState
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.registry import make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol import control as P
-from server.metrics import Metrics
+from pdserve.protocol import control as P
+from pdserve.server.metrics import Metrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "pdserve.json"
 NAMES = ("pdserve_kv_fenced_waits_total", "pdserve_kv_fenced_blocks", "pdserve_kv_integrity_failures_total",

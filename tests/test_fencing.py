@@ -21,16 +21,16 @@ import time
 import pytest
 import torch
 
-from protocol import control as P
-from protocol.config import EngineConfig, TransferConfig
-from protocol.enums import TRANSPORTS
+from pdserve.protocol import control as P
+from pdserve.settings.worker import EngineConfig, TransferConfig
+from pdserve.protocol.enums import TRANSPORTS
 from role_shell import Shell, pump, tokens_of
-from workers.engine.engine import Engine
-from workers.engine.kv_cache import KVCache, KVLayout
-from workers.engine.request import SamplingParams
-from workers.transfer import fake
-from workers.transfer.errors import TransferError
-from workers.transfer.registry import make_receiver, make_sender
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.engine.request import SamplingParams
+from pdserve.workers.transfer import fake
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.registry import make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(240)
 

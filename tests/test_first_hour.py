@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from test_server_harness import ROOT, Pdserve
-from client import cli as client_cli
-from server import cli
-from workers.cli import serve_parser
+from pdserve.client import cli as client_cli
+from pdserve.server import cli
+from pdserve.workers.cli import serve_parser
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,7 +29,7 @@ PER_WORKER = {"--role", "--control", "--router", "--advertise-host", "--worker-i
 
 
 def run_pdserve(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.server.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
@@ -115,7 +115,7 @@ def test_served_model_name_default_max_tokens_docs_and_the_client(tmp_path):
         assert docs.status_code == 200 and "text/html" in docs.headers["content-type"]
         assert "continuous_usage_stats" in docs.text and "/v1/chat/completions" in docs.text
         host, port = srv.url.removeprefix("http://").rsplit(":", 1)
-        run = subprocess.run([sys.executable, "-m", "client.cli", "Hello", "--host", host, "--port", port,
+        run = subprocess.run([sys.executable, "-m", "pdserve.client.cli", "Hello", "--host", host, "--port", port,
                               "--max-tokens", "2", "--ignore-eos"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 0 and "completion_tokens=2" in run.stdout, run.stdout + run.stderr
@@ -134,7 +134,7 @@ def test_help_shows_every_default(make):
 
 
 def test_one_metric_prefix():
-    from server.metrics import Metrics
+    from pdserve.server.metrics import Metrics
 
     names = [m.name for m in Metrics("tiny").registry.collect()]
     odd = [n for n in names if not (n.startswith("pdserve_") or n.startswith("vllm:"))]

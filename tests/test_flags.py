@@ -1,4 +1,4 @@
-"""Flags derived from the config dataclasses (protocol/flags.py), and the config pdserve hands its workers.
+"""Flags derived from the config dataclasses (settings/flags.py), and the config pdserve hands its workers.
 
     names and defaults   every flag of pdserve, pdserve router and pdserve-worker, as users know them;
                          no flag parsed with nothing given differs from its field's default
@@ -18,13 +18,13 @@ from dataclasses import fields, replace
 
 import pytest
 
-from protocol.auth import new_deployment, write_worker_keys
-from protocol.config import EngineConfig, TransferConfig, WorkerConfig, read_worker_config, write_worker_config
-from protocol.flags import FLAG, from_args, option
-from server import cli as S
-from server import launcher as L
-from server.config import RouterConfig
-from workers import cli as W
+from pdserve.settings.keys import new_deployment, write_worker_keys
+from pdserve.settings.worker import EngineConfig, TransferConfig, WorkerConfig, read_worker_config, write_worker_config
+from pdserve.settings.flags import FLAG, from_args, option
+from pdserve.server import cli as S
+from pdserve.server import launcher as L
+from pdserve.settings.router import RouterConfig
+from pdserve.workers import cli as W
 
 WORKER_FLAGS = {
     "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--device",

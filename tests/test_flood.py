@@ -23,7 +23,7 @@ import pytest
 
 from test_server_harness import ROOT, Pdserve
 from test_server_router import FakeWorker
-from protocol import auth
+from pdserve.settings.keys import keygen, load_worker_keys
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,10 +52,10 @@ def rss_mb(pid: int) -> float:
 
 
 def test_a_junk_flood_leaves_health_and_liveness_responsive(tmp_path):
-    router_dir, worker_dir = auth.keygen(tmp_path / "keys")
-    keys = auth.load_worker_keys(worker_dir)
+    router_dir, worker_dir = keygen(tmp_path / "keys")
+    keys = load_worker_keys(worker_dir)
     register = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "server.cli", "router", "--model", "tiny", "--port", "0", "--register", register,
+    cmd = [sys.executable, "-m", "pdserve.server.cli", "router", "--model", "tiny", "--port", "0", "--register", register,
            "--keys", str(router_dir), "--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-misses", str(MISSES)]
     with Pdserve(command=cmd) as srv:
         pid = srv.proc.pid

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from workers.engine.kv_cache import KVCache, KVLayout
-from workers.engine.kv_tiers import disk as disk_module
-from workers.engine.kv_tiers.disk import DiskTier
-from workers.engine.kv_tiers.host import HostTier
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.engine.kv_tiers import disk as disk_module
+from pdserve.workers.engine.kv_tiers.disk import DiskTier
+from pdserve.workers.engine.kv_tiers.host import HostTier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -198,9 +198,9 @@ def test_entries_are_keyed_by_the_deployment_not_by_the_folder(tmp_path):
     """With the deployment's key (WorkerKeys.disk_key, what a worker passes its engine), entries written
     by this deployment are served after a restart, and none written under another deployment's key is,
     even with the folder's own key file in place; the key never lands in the folder."""
-    from protocol.auth import new_deployment
-    from protocol.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pdserve.settings.keys import new_deployment
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
 
     _, ours = new_deployment()
     _, other = new_deployment()

@@ -28,10 +28,10 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from protocol import auth
-from protocol import control as P
-from server.app import create_app
-from server.config import RouterConfig
+from pdserve.settings import keys
+from pdserve.protocol import control as P
+from pdserve.server.app import create_app
+from pdserve.settings.router import RouterConfig
 from test_server_router import HEARTBEAT_S, MISSES, FakeWorker, colocated_echo, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,9 +44,9 @@ KIB = 1024
 def live_router(tokenizer, worker=None, max_model_len: int = 64, **overrides):  # noqa: F811
     """A router served by uvicorn on a free loopback port (pdserve's own server setup), one fake
     colocated worker; yields (base url, the Router, the worker)."""
-    from server.cli import _uvicorn_server
+    from pdserve.server.cli import _uvicorn_server
 
-    router_keys, worker_keys = auth.new_deployment()
+    router_keys, worker_keys = keys.new_deployment()
     cfg = RouterConfig(**{**dict(model="tiny", register="tcp://127.0.0.1:0", heartbeat_interval_s=HEARTBEAT_S,
                                  heartbeat_misses=MISSES * 10, kv_deadline_s=3.0, token_timeout_s=5.0, keys=router_keys),
                           **overrides})

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol.config import EngineConfig, WorkerConfig
-from protocol.shm import SHM_PREFIX, remove_pools
-from server import launcher as L
+from pdserve.settings.worker import EngineConfig, WorkerConfig
+from pdserve.protocol.shm import SHM_PREFIX, remove_pools
+from pdserve.server import launcher as L
 from test_server_router import colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,7 +48,7 @@ def names():
 
 
 def test_planted_names_never_keep_a_worker_from_starting(names):
-    from workers.engine.kv_cache import KVCache, KVLayout
+    from pdserve.workers.engine.kv_cache import KVCache, KVLayout
 
     tag = uuid.uuid4().hex[:8]
     huge = planted(names, f"99999999999999-{tag}", "file")  # a pid past a C int

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from server.config import expected_counts
+from pdserve.settings.router import expected_counts
 from test_server_router import HEARTBEAT_S, MISSES, colocated_echo, router, tokenizer  # noqa: F401
 
 

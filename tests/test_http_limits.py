@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from test_server_router import colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
-from protocol.sampling import MAX_SEED
+from pdserve.protocol.sampling import MAX_SEED
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -197,7 +197,7 @@ def test_api_key_guards_everything_but_a_bare_health(tokenizer):  # noqa: F811
 def test_the_api_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
     import argparse
 
-    from server import cli
+    from pdserve.server import cli
 
     monkeypatch.setenv("PDSERVE_API_KEY", KEY)
     parser = argparse.ArgumentParser()

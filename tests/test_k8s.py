@@ -91,8 +91,8 @@ def test_one_deployment_per_role_with_services_for_the_router():
 
 
 def test_pod_ips_advertised_readiness_probes_and_arguments_pdserve_accepts():
-    from server.cli import add_router_arguments
-    from workers.cli import serve_parser
+    from pdserve.server.cli import add_router_arguments
+    from pdserve.workers.cli import serve_parser
 
     deps = by_kind("Deployment")
     services = by_kind("Service")
@@ -140,7 +140,7 @@ def test_curve_keys_are_secrets_and_a_worker_never_mounts_the_routers():
 
 
 def test_make_secrets_writes_valid_secrets_that_pdserve_loads(tmp_path):
-    from protocol.auth import load_router_keys, load_worker_keys
+    from pdserve.settings.keys import load_router_keys, load_worker_keys
 
     docs = make_secrets_module().manifests(namespace="llm", api_key="k" * 48)
     assert [d["metadata"]["name"] for d in docs] == ["pdserve-router-keys", "pdserve-worker-keys", "pdserve-api-key"]

@@ -14,17 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from protocol import control as P
-from protocol.blocks import block_names, root_name
-from protocol.enums import Role
-from server.admission import Admission
-from server.config import RouterConfig
-from server.dispatch import Job
-from server.kv_index import KVIndex
-from server.metrics import Metrics
-from server.pool import WorkerState
-from server.routing import Planner
-from workers.engine.prefix_cache import extend_names
+from pdserve.protocol import control as P
+from pdserve.protocol.blocks import block_names, root_name
+from pdserve.protocol.enums import Role
+from pdserve.server.admission import Admission
+from pdserve.settings.router import RouterConfig
+from pdserve.server.dispatch import Job
+from pdserve.server.kv_index import KVIndex
+from pdserve.server.metrics import Metrics
+from pdserve.server.pool import WorkerState
+from pdserve.server.routing import Planner
+from pdserve.workers.engine.prefix_cache import extend_names
 
 ROOT = root_name("tiny", "layout")
 BS = 16
@@ -201,7 +201,7 @@ def test_a_decode_reservation_reloads_its_prefix_from_host_memory():
     """Deliver 4: a decode worker's reserve takes a prefix held only in its host tier (reloaded), so the
     prefill worker skips sending it; every block comes back."""
     from test_prefix_tiers import engine, evict_everything, prompt
-    from workers.engine.request import Request, SamplingParams
+    from pdserve.workers.engine.request import Request, SamplingParams
 
     eng = engine()
     p = prompt(7, 70)
@@ -219,7 +219,7 @@ def test_a_decode_reservation_reloads_its_prefix_from_host_memory():
 def test_a_worker_fits_its_prefill_time_as_a_line():
     from types import SimpleNamespace
 
-    from workers.roles.kv_report import KVReport
+    from pdserve.workers.roles.kv_report import KVReport
 
     report = KVReport(engine=None, worker_id="w")
     assert report.prefill_model() == (None, 0.0)

@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from workers.engine.kv_cache import KVCache, KVLayout
-from workers.engine.kv_tiers.cost import CostModel
-from workers.engine.kv_tiers.disk import HEAD, MAGIC, DiskTier
-from workers.engine.kv_tiers.host import HostTier
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.engine.kv_tiers.cost import CostModel
+from pdserve.workers.engine.kv_tiers.disk import HEAD, MAGIC, DiskTier
+from pdserve.workers.engine.kv_tiers.host import HostTier
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4, num_blocks=32)
 ENTRY = LAYOUT.num_layers * LAYOUT.block_bytes

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from bench import load
-from bench.capacity import capacity_and_sweep, is_steady, saturation, search_capacity
-from bench.metrics import RequestRecord
-from client import Client, ClientError
+from pdserve.bench import load
+from pdserve.bench.capacity import capacity_and_sweep, is_steady, saturation, search_capacity
+from pdserve.bench.metrics import RequestRecord
+from pdserve.client import Client, ClientError
 
 
 def _search(limit: float, start: float, **kw):
@@ -118,7 +118,7 @@ def test_capacity_search_finds_the_fake_servers_limit(tmp_path):
     (burstiness 50) keep the queue empty below the limit; above it each request waits 50 - 1000/rate
     ms more than the one before, so with 24 requests (3 may fail) the SLOs fail from ~22 req/s on."""
     out = tmp_path / "cap"
-    server = f"{sys.executable} -m bench.load_fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
+    server = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
              "--prefill-ms-per-request 50"
     rc = load.main(["--arm", "colo=colocated:", "--server-command", server, "--capacity-search",
                     "--search-start-rate", "8", "--search-precision", "0.15", "--search-max-probes", "7",

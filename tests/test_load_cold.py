@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from bench import load
-from bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, early_slowdown, warmup_not_steady
-from bench.load_fake_server import FakeConfig, FakeServer
-from bench.metrics import RequestRecord
+from pdserve.bench import load
+from pdserve.bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, early_slowdown, warmup_not_steady
+from pdserve.bench.load_fake_server import FakeConfig, FakeServer
+from pdserve.bench.metrics import RequestRecord
 
 
 def _records(ttfts_ms, *, kind="short", itl_ms=None, out_len=4):

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from bench import load
-from bench.load_fake_server import FakeConfig, FakeServer
-from bench.load_multiturn import conversations
-from bench.workload import LengthDist, PromptBuilder, arrival_times
+from pdserve.bench import load
+from pdserve.bench.load_fake_server import FakeConfig, FakeServer
+from pdserve.bench.load_multiturn import conversations
+from pdserve.bench.workload import LengthDist, PromptBuilder, arrival_times
 from test_load_report_tables import _tables, check_tables  # pytest puts tests/ on sys.path
 
 BLOCK = 16  # the fake's prefix-cache block, in words

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bench import load
-from client import Client, ServerError
-from client import cli
+from pdserve.bench import load
+from pdserve.client import Client, ServerError
+from pdserve.client import cli
 from test_load_run import PNGS, check_block_against_records  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
 

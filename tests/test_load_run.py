@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from bench import load
-from bench.load_fake_server import FakeConfig, FakeServer, free_port
-from bench.plots import plot_all
+from pdserve.bench import load
+from pdserve.bench.load_fake_server import FakeConfig, FakeServer, free_port
+from pdserve.bench.plots import plot_all
 
 PNGS = ("cdf_ttft.png", "cdf_itl.png", "latency_vs_load.png", "ttft_split.png")
 GOODPUT_PNG = "goodput_vs_rate.png"  # drawn when the run had SLOs
@@ -219,7 +219,7 @@ def test_an_arm_that_fails_does_not_cost_the_others(tmp_path, capsys):
     measured and written, the failed one is recorded with its error, and the run exits 1."""
     import sys
     out = tmp_path / "arms"
-    server = f"{sys.executable} -m bench.load_fake_server --port 0 --itl-ms 1"
+    server = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0 --itl-ms 1"
     rc = load.main(["--arm", "a=colocated:", "--arm", "broken=colocated:--no-such-flag", "--arm", "c=colocated:",
                     "--server-command", server, "--num-prompts", "3", "--input-len", "10", "--output-len", "2",
                     "--warmup-batch", "1", "--out", str(out), "--no-progress", "--no-plots"])

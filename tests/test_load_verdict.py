@@ -7,9 +7,9 @@ from __future__ import annotations
 import matplotlib.figure
 import pytest
 
-from bench import plots
-from bench.load_report import markdown
-from bench.metrics import SERVER_PHASES
+from pdserve.bench import plots
+from pdserve.bench.load_report import markdown
+from pdserve.bench.metrics import SERVER_PHASES
 
 SPLIT = {"colocated": {"prefill_queue": 900.0, "prefill": 300.0, "client": 10.0},
          "disaggregated": {"prefill_queue": 20.0, "prefill": 290.0, "transfer_exposed": 5.0, "client": 10.0}}

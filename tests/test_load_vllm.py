@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from bench import load
-from bench.load_arms import Arm, with_cache_modes
-from bench.load_fake_server import FakeConfig, FakeServer
-from bench import load_vllm
-from bench.load_vllm import resolve
+from pdserve.bench import load
+from pdserve.bench.load_arms import Arm, with_cache_modes
+from pdserve.bench.load_fake_server import FakeConfig, FakeServer
+from pdserve.bench import load_vllm
+from pdserve.bench.load_vllm import resolve
 
 KEY = "sk-test-0123456789abcdef"
 VLLM_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",

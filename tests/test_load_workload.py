@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from bench import load
-from bench.load_vllm import resolve
-from bench.load_session import LoadPoint, make_samples, plan, warmup_batch
-from bench.workload import (LengthDist, PromptBuilder, WorkloadError, arrival_times, assign_policies,
-                            load_tokenizer, long_count, mooncake_samples, sharegpt_samples, synthetic_samples)
+from pdserve.bench import load
+from pdserve.bench.load_vllm import resolve
+from pdserve.bench.load_session import LoadPoint, make_samples, plan, warmup_batch
+from pdserve.bench.workload import (LengthDist, PromptBuilder, WorkloadError, arrival_times, assign_policies,
+                                    load_tokenizer, long_count, mooncake_samples, sharegpt_samples, synthetic_samples)
 
 
 def test_length_specs():

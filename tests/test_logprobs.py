@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from test_worker_roles import NUM_BLOCKS, Shell, engine, finished, pump, tokens_of
-from protocol import control as P
-from workers.engine import runner as runner_module
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.models import load_model
-from workers.engine.request import Request, SamplingParams
-from protocol.config import TransferConfig
+from pdserve.protocol import control as P
+from pdserve.workers.engine import runner as runner_module
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.models import load_model
+from pdserve.workers.engine.request import Request, SamplingParams
+from pdserve.settings.worker import TransferConfig
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.metrics import RequestRecord, meets_slos, parse_slos, stats_ms, summarize, ttft_split_ms
-from protocol.phases import NAMES as PHASE_NAMES
+from pdserve.bench.metrics import RequestRecord, meets_slos, parse_slos, stats_ms, summarize, ttft_split_ms
+from pdserve.protocol.phases import NAMES as PHASE_NAMES
 
 
 def rec(i, ttft, itls, out_len, policy="colocated", prompt_len=100, success=True, timings=None):

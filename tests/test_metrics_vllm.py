@@ -17,8 +17,8 @@ import re
 
 import pytest
 
-from protocol.timings import Timings
-from server.metrics import Metrics, kv_usage
+from pdserve.protocol.timings import Timings
+from pdserve.server.metrics import Metrics, kv_usage
 from test_server_harness import ROOT  # pytest puts tests/ on sys.path
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve.json"

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from protocol import control as P
-from protocol.enums import Policy
-from protocol.timings import Timings
-from server.dispatch import Done, Job, Token
-from server.errors import worker_failed
-from server.migration import continued, migrating
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import Policy
+from pdserve.protocol.timings import Timings
+from pdserve.server.dispatch import Done, Job, Token
+from pdserve.server.errors import worker_failed
+from pdserve.server.migration import continued, migrating
 from test_routing import Ticket
 from test_server_harness import TINY, Pdserve
 

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import models
-from workers.engine.kv_cache import KVLayout
-from workers.engine.models import build_meta, kv_bytes_per_token, load_model
+from pdserve.settings import models as model_files
+from pdserve.workers.engine import models
+from pdserve.workers.engine.kv_cache import KVLayout
+from pdserve.workers.engine.models import build_meta, kv_bytes_per_token, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 HASH_SNIPPET = """
 import hashlib
-from workers.engine.models import load_model
+from pdserve.workers.engine.models import load_model
 m = load_model("tiny").model
 h = hashlib.sha256()
 for name, t in sorted(m.state_dict().items()):
@@ -70,8 +71,8 @@ def test_tiny_shape_and_logits_depend_on_context():
 
 
 def test_smollm2_loads_from_cache(smollm2):
-    cache = models.smollm2_cache_dir()
-    assert (cache / "model.safetensors").is_file() and (cache / models.CACHE_MANIFEST).is_file()
+    cache = model_files.smollm2_cache_dir()
+    assert (cache / "model.safetensors").is_file() and (cache / model_files.CACHE_MANIFEST).is_file()
     assert smollm2.name == "smollm2-135m" and smollm2.max_model_len == 8192
     assert next(smollm2.model.parameters()).dtype == torch.float32
     assert sum(p.numel() for p in smollm2.model.parameters()) == 134_515_008
@@ -167,9 +168,9 @@ def test_killed_conversion_leaves_no_cache(tmp_path, monkeypatch):
         (dest / "config.json").write_text("{}")
         raise KeyboardInterrupt  # the conversion is killed after writing part of the files
 
-    monkeypatch.setattr(models, "_convert_smollm2", dies_halfway)
+    monkeypatch.setattr(model_files, "_convert_smollm2", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        models.ensure_smollm2_cache()
+        model_files.ensure_smollm2_cache()
     models_dir = tmp_path / "models"
     assert not (models_dir / "smollm2-135m").exists()
     assert not list(models_dir.glob("smollm2-135m.tmp-*"))
@@ -178,10 +179,10 @@ def test_killed_conversion_leaves_no_cache(tmp_path, monkeypatch):
 
     def completes(dest: Path):
         dest.mkdir(parents=True)
-        (dest / models.CACHE_MANIFEST).write_text(json.dumps(models.manifest_expected(None)))
+        (dest / model_files.CACHE_MANIFEST).write_text(json.dumps(model_files.manifest_expected(None)))
 
-    monkeypatch.setattr(models, "_convert_smollm2", completes)
-    assert models.ensure_smollm2_cache() == models_dir / "smollm2-135m"
+    monkeypatch.setattr(model_files, "_convert_smollm2", completes)
+    assert model_files.ensure_smollm2_cache() == models_dir / "smollm2-135m"
     assert not list(models_dir.glob("smollm2-135m.tmp-*"))
 
 

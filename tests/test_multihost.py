@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 import netns
-from workers.transfer.ucx_log import Lane, UcxLog
+from pdserve.workers.transfer.ucx_log import Lane, UcxLog
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,7 +54,7 @@ HEARTBEAT_S, MISSES, KV_DEADLINE_S = 0.5, 3, 15.0
 def command(name: str) -> list[str]:
     """The console script the docs use, from this interpreter's environment."""
     script = BIN / name
-    module = {"pdserve": "server.cli", "pdserve-worker": "workers.cli"}[name]
+    module = {"pdserve": "pdserve.server.cli", "pdserve-worker": "pdserve.workers.cli"}[name]
     return [str(script)] if script.exists() else [sys.executable, "-m", module]
 
 

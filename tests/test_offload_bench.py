@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import offload
+from pdserve.bench import offload
 
 pytestmark = pytest.mark.timeout(300)
 

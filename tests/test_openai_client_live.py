@@ -70,7 +70,7 @@ def test_tools_are_refused_on_both_policies(oai, policy):
 
 
 def test_pdserve_client_reads_include_usage_and_the_request_id(srv):
-    from client import Client, ServerError
+    from pdserve.client import Client, ServerError
 
     with Client(srv.url) as c:
         stream = c.stream_complete(PROMPT, policy="disaggregated", max_tokens=MAX_TOKENS, ignore_eos=True,

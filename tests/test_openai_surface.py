@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from test_server_router import colocated_echo, router, sse_events, tokenizer  # noqa: F401  (a fixture)
-from protocol import control as P
+from pdserve.protocol import control as P
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
 COMPLETION = {"prompt": "Hello there", "max_tokens": 3}

@@ -25,8 +25,8 @@ from importlib.metadata import version as installed
 import pytest
 
 from test_server_harness import ROOT, TINY, Pdserve, wait_gone  # pytest puts tests/ on sys.path
-from protocol import control as P
-from workers.status_log import StatsLine
+from pdserve.protocol import control as P
+from pdserve.workers.status_log import StatsLine
 
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO) [\w.]+: .*")
 
@@ -40,32 +40,32 @@ def test_help_shows_defaults_but_never_the_api_key():
 
     secret = "s3cret-from-the-environment-0123"
     env = {**os.environ, "PDSERVE_API_KEY": secret}
-    out = run("-m", "server.cli", "--help", env=env)
+    out = run("-m", "pdserve.server.cli", "--help", env=env)
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps lines
     for shown in ("(default: 8000)", "(default: auto)", "(default: 30.0)", "(default: 10.0)", "(default: ipc)"):
         assert shown in text, f"{shown} missing from pdserve --help"
     assert secret not in out.stdout and "default: $PDSERVE_API_KEY" in text
-    router = run("-m", "server.cli", "router", "--help", env=env)
+    router = run("-m", "pdserve.server.cli", "router", "--help", env=env)
     assert router.returncode == 0 and "(default: tcp://127.0.0.1:7100)" in " ".join(router.stdout.split())
     assert secret not in router.stdout
-    worker = run("-m", "workers.cli", "--help")
+    worker = run("-m", "pdserve.workers.cli", "--help")
     assert worker.returncode == 0
     assert "(default: 16)" in " ".join(worker.stdout.split())  # --block-size
 
 
 def test_version_of_both_commands():
     want = f"{installed('pdserve')} (control protocol {P.PROTOCOL_VERSION})"
-    for module, prog in (("server.cli", "pdserve"), ("workers.cli", "pdserve-worker")):
+    for module, prog in (("pdserve.server.cli", "pdserve"), ("pdserve.workers.cli", "pdserve-worker")):
         out = run("-m", module, "--version")
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"{prog} {want}"
 
 
 def test_config_file_keys_are_the_flags_and_the_command_line_wins(tmp_path):
-    from server.cli import pdserve_parser, router_parser
-    from protocol.cli import parse_args
-    from workers.cli import serve_parser
+    from pdserve.server.cli import pdserve_parser, router_parser
+    from pdserve.settings.cli import parse_args
+    from pdserve.workers.cli import serve_parser
 
     cfg = tmp_path / "pdserve.yaml"
     cfg.write_text("model: tiny\nmax-num-seqs: 8\nno_colocated: true\nno-warmup: false\n"
@@ -87,15 +87,15 @@ def test_config_file_keys_are_the_flags_and_the_command_line_wins(tmp_path):
                        ("- a\n", "must be a mapping"), ("port: [1, 2\n", "is not YAML")):
         bad = tmp_path / "bad.yaml"
         bad.write_text(text)
-        out = run("-m", "server.cli", "--config", str(bad))
+        out = run("-m", "pdserve.server.cli", "--config", str(bad))
         assert out.returncode == 2 and says in out.stderr, out.stderr
 
 
 def test_warm_up_runs_a_request_and_leaves_the_pool_as_it_was():
-    from protocol.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.status_log import startup_line
-    from workers.warmup import warm_up
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
+    from pdserve.workers.status_log import startup_line
+    from pdserve.workers.warmup import warm_up
 
     engine = Engine(EngineConfig(model="tiny", num_blocks=64))
     free = engine.blocks.num_free

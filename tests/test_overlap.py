@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.overlap import PENDING
-from workers.engine.request import Request, SamplingParams, Status
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.overlap import PENDING
+from pdserve.workers.engine.request import Request, SamplingParams, Status
 
 
 def engine(overlap: bool, **kw) -> Engine:

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from workers.engine import attention
-from workers.engine import paged_kernel as pk
+from pdserve.workers.engine import attention
+from pdserve.workers.engine import paged_kernel as pk
 
 NUM_BLOCKS, BS, D = 64, 16, 16
 

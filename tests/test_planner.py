@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.metrics import parse_slos
-from bench.plan_sim import Profile, Req, Split, simulate
-from bench.planner import Workload, compare, plan, predict
+from pdserve.bench import cli
+from pdserve.bench.metrics import parse_slos
+from pdserve.bench.plan_sim import Profile, Req, Split, simulate
+from pdserve.bench.planner import Workload, compare, plan, predict
 
 ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench/results/engine-nvidia-h200-2026-12-01-4acfb30.json"
 

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from protocol import control as P
-from workers.engine.block_pool import OutOfBlocks
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.prefix_cache import PrefixCache, extend_names, root_name
-from workers.engine.request import Request, SamplingParams
-from protocol.config import TransferConfig
+from pdserve.protocol import control as P
+from pdserve.workers.engine.block_pool import OutOfBlocks
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.prefix_cache import PrefixCache, extend_names, root_name
+from pdserve.workers.engine.request import Request, SamplingParams
+from pdserve.settings.worker import TransferConfig
 
 from role_shell import Shell, pump, tokens_of
 
@@ -99,7 +99,7 @@ def test_eviction_is_least_recently_used_and_tail_first():
 def test_evicted_blocks_come_back_as_runs():
     """A transfer pays per run of consecutive blocks: a request's blocks freed tail-first and then
     evicted for another request must come back in order, not reversed."""
-    from workers.engine.block_pool import runs
+    from pdserve.workers.engine.block_pool import runs
 
     c = PrefixCache(16)
     a = c.allocate(16)

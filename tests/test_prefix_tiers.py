@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.prefix_cache import extend_names
-from workers.engine.request import Request, SamplingParams
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.prefix_cache import extend_names
+from pdserve.workers.engine.request import Request, SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -136,8 +136,8 @@ def test_prefill_worker_path_reloads_too():
 def test_heartbeat_figures_reach_the_metrics():
     import msgspec
 
-    from server.metrics import Metrics
-    from protocol import control as P
+    from pdserve.server.metrics import Metrics
+    from pdserve.protocol import control as P
 
     p = prompt(6, 70)
     eng = engine()

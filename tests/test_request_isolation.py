@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.request import InvalidRequest, Request, SamplingParams
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.request import InvalidRequest, Request, SamplingParams
 
 NUM_BLOCKS = 64
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -147,7 +147,7 @@ def test_hostile_sampling_parameters_just_work(engine):
 
 
 def test_prefill_only_with_a_failing_draw_frees_its_blocks_and_raises(engine, monkeypatch):
-    from workers.engine.sampler import SamplingError
+    from pdserve.workers.engine.sampler import SamplingError
 
     monkeypatch.setattr(engine.sampler, "_draw", lambda row, req: 1 / 0)
     req = Request("p", prompt(20), SEEDED)

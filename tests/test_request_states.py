@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from workers.engine.request import MOVES, IllegalTransition, Request, SamplingParams, Status
+from pdserve.workers.engine.request import MOVES, IllegalTransition, Request, SamplingParams, Status
 
 
 def in_state(status: Status) -> Request:
@@ -68,7 +68,7 @@ def test_cancelling_only_ends_by_release():
 
 
 def test_request_module_does_not_need_torch():
-    code = "import sys; import workers.engine.request; print('torch' in sys.modules)"
+    code = "import sys; import pdserve.workers.engine.request; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -80,8 +80,8 @@ NUM_BLOCKS = 32
 
 @pytest.fixture(scope="module")
 def engine():
-    from protocol.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
 
     return Engine(EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, chunk_tokens=8))
 
@@ -111,8 +111,8 @@ def test_colocated_walk(engine):
 
 
 def test_preempted_request_is_recomputed_to_the_same_tokens():
-    from protocol.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
 
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     roomy = Engine(EngineConfig(model="tiny", num_blocks=16))

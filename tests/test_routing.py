@@ -9,17 +9,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from protocol import control as P
-from protocol.enums import Policy, Role
-from protocol.timings import Timings
-from server.admission import Admission, Refused, unavailable
-from server.config import RouterConfig
-from server.kv_index import KVIndex
-from server.dispatch import Done, Job
-from server.errors import APIError, worker_failed
-from server.metrics import Metrics
-from server.pool import WorkerState
-from server.routing import ColocatedPlan, DisaggregatedPlan, Planner, load
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import Policy, Role
+from pdserve.protocol.timings import Timings
+from pdserve.server.admission import Admission, Refused, unavailable
+from pdserve.settings.router import RouterConfig
+from pdserve.server.kv_index import KVIndex
+from pdserve.server.dispatch import Done, Job
+from pdserve.server.errors import APIError, worker_failed
+from pdserve.server.metrics import Metrics
+from pdserve.server.pool import WorkerState
+from pdserve.server.routing import ColocatedPlan, DisaggregatedPlan, Planner, load
 
 THRESHOLD = 8
 

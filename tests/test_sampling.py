@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from test_request_isolation import GREEDY, NUM_BLOCKS, assert_rest_unaffected, batch, prompt, run
-from workers.engine import sampler as sampler_module
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.request import InvalidRequest, Request, SamplingParams
-from workers.engine.sampler import Sampler
+from pdserve.workers.engine import sampler as sampler_module
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.request import InvalidRequest, Request, SamplingParams
+from pdserve.workers.engine.sampler import Sampler
 
 VOCAB = 8
 

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from protocol.config import TransferConfig
-from protocol.enums import MODES, TRANSPORTS
-from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer import ipc
-from workers.transfer.registry import make_receiver, make_sender
+from pdserve.settings.worker import TransferConfig
+from pdserve.protocol.enums import MODES, TRANSPORTS
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.transfer import ipc
+from pdserve.workers.transfer.registry import make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,13 +28,14 @@ import zmq
 
 from test_server_harness import ROOT
 from test_server_router import FakeWorker, colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
-from protocol import auth
-from protocol import control as P
+from pdserve.protocol import auth
+from pdserve.settings.keys import KeyFileError, WorkerKeys, load_router_keys, load_worker_keys, new_deployment, write_worker_keys
+from pdserve.protocol import control as P
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def attempt(address: str, keys: auth.WorkerKeys | None, frame: bytes, wait_s: float = 1.0) -> list[str]:
+def attempt(address: str, keys: WorkerKeys | None, frame: bytes, wait_s: float = 1.0) -> list[str]:
     """Connect a PUSH (CURVE client with `keys`, plain without), send one frame, and return what this
     side's monitor says about the handshake (nothing: it got through)."""
     ctx = zmq.Context()
@@ -76,10 +77,10 @@ def test_forged_registration_without_the_key_is_refused_at_connect(tokenizer, ca
     with router(tokenizer) as client:
         pool = client.app.state.router.pool
         real_router = client.worker_keys.router_public
-        other = auth.new_deployment()[1]
+        other = new_deployment()[1]
         keys = {"no key": None,
-                "another deployment's worker key": auth.WorkerKeys(other.worker, real_router),
-                "another router's key": auth.WorkerKeys(client.worker_keys.worker, other.router_public)}[case]
+                "another deployment's worker key": WorkerKeys(other.worker, real_router),
+                "another router's key": WorkerKeys(client.worker_keys.worker, other.router_public)}[case]
         client_side = attempt(pool.address, keys, P.from_worker("f" * 32, register("forged")))
         time.sleep(0.2)
         assert "forged" not in pool.workers and client.get("/health").json()["workers"] == []
@@ -133,7 +134,7 @@ def test_a_valid_key_cannot_take_a_live_workers_id(tokenizer, caplog):  # noqa: 
 
 
 def start_worker(address: str, keys_dir: Path, log: Path, worker_id: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "workers.cli", "--role", "colocated", "--model", "tiny", "--threads", "1",
+    cmd = [sys.executable, "-m", "pdserve.workers.cli", "--role", "colocated", "--model", "tiny", "--threads", "1",
            "--num-blocks", "64", "--router", address, "--keys", str(keys_dir), "--worker-id", worker_id,
            "--parent-pid", str(os.getpid())]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"),
@@ -144,8 +145,8 @@ def test_a_worker_with_the_wrong_key_is_refused_and_says_why(tokenizer, tmp_path
     caplog.set_level(logging.INFO)
     with router(tokenizer, heartbeat_interval_s=0.5) as client:
         pool = client.app.state.router.pool
-        other = auth.new_deployment()[1]
-        keys = auth.write_worker_keys(tmp_path / "keys", auth.WorkerKeys(other.worker,
+        other = new_deployment()[1]
+        keys = write_worker_keys(tmp_path / "keys", WorkerKeys(other.worker,
                                                                          client.worker_keys.router_public))
         log = tmp_path / "worker.log"
         worker = start_worker(pool.address, keys, log, "wrong-key")
@@ -166,7 +167,7 @@ def test_forged_control_messages_to_a_worker_are_refused(tokenizer, tmp_path):  
     # a real worker process on a shared 2-core machine: heartbeats every 0.5 s, not the fakes' 0.1 s
     with router(tokenizer, heartbeat_interval_s=0.5, token_timeout_s=30.0) as client:
         pool = client.app.state.router.pool
-        keys = auth.write_worker_keys(tmp_path / "keys", client.worker_keys)
+        keys = write_worker_keys(tmp_path / "keys", client.worker_keys)
         log = tmp_path / "worker.log"
         worker = start_worker(pool.address, keys, log, "victim")
         try:
@@ -176,8 +177,8 @@ def test_forged_control_messages_to_a_worker_are_refused(tokenizer, tmp_path):  
             # plain ZMQ; the worker key (every worker holds it, the router key is another); the
             # router's own key but another incarnation (a frame meant for an earlier process)
             router_keys = client.app.state.router.cfg.keys
-            as_router = auth.WorkerKeys(router_keys.router, client.worker_keys.worker.public)
-            as_worker = auth.WorkerKeys(client.worker_keys.worker, client.worker_keys.worker.public)
+            as_router = WorkerKeys(router_keys.router, client.worker_keys.worker.public)
+            as_worker = WorkerKeys(client.worker_keys.worker, client.worker_keys.worker.public)
             plain = attempt(w.info.address, None, P.from_router(w.incarnation, exit_now))
             worker_key = attempt(w.info.address, as_worker, P.from_router(w.incarnation, exit_now))
             stale = attempt(w.info.address, as_router, P.from_router("0" * 32, exit_now))
@@ -205,7 +206,7 @@ class FakeReceiver(threading.Thread):
 
     def __init__(self, path: str, nbytes: int):
         super().__init__(daemon=True)
-        from protocol import kv as TP
+        from pdserve.protocol import kv as TP
 
         self.TP, self.path, self.nbytes = TP, path, nbytes
         self.ctx = zmq.Context()
@@ -233,10 +234,10 @@ def digest(path: Path) -> str:
 @pytest.mark.parametrize("case", ["outside /dev/shm", "symlink with a pool's name", "hard link with a pool's name",
                                   "a pool's name, another size", "path traversal", "a real pool file"])
 def test_a_kv_handshake_naming_another_file_is_refused_and_the_file_untouched(tmp_path, case):
-    from workers.engine.kv_cache import KVCache, KVLayout
-    from protocol.config import TransferConfig
-    from workers.transfer.errors import TransferError
-    from workers.transfer.registry import make_sender
+    from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+    from pdserve.settings.worker import TransferConfig
+    from pdserve.workers.transfer.errors import TransferError
+    from pdserve.workers.transfer.registry import make_sender
 
     layout = KVLayout(2, 2, 8, "float32", 16, 8)
     nbytes = layout.pool_bytes
@@ -287,33 +288,33 @@ def test_a_kv_handshake_naming_another_file_is_refused_and_the_file_untouched(tm
 
 
 def test_key_files_are_private_and_never_overwritten(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "server.cli", "keygen", str(tmp_path / "k")], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "keygen", str(tmp_path / "k")], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "pdserve router --keys" in run.stdout, run.stderr
     for folder in ("k", "k/router", "k/worker"):
         assert (tmp_path / folder).stat().st_mode & 0o777 == 0o700
     for secret in ("k/router/router.key_secret", "k/worker/worker.key_secret"):
         assert (tmp_path / secret).stat().st_mode & 0o777 == 0o600
-    router_keys, worker_keys = auth.load_router_keys(tmp_path / "k/router"), auth.load_worker_keys(tmp_path / "k/worker")
+    router_keys, worker_keys = load_router_keys(tmp_path / "k/router"), load_worker_keys(tmp_path / "k/worker")
     assert router_keys.worker_public == worker_keys.worker.public
     assert worker_keys.router_public == router_keys.router.public
     assert worker_keys.worker.secret.decode() not in repr(worker_keys)
-    again = subprocess.run([sys.executable, "-m", "server.cli", "keygen", str(tmp_path / "k")], cwd=ROOT,
+    again = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "keygen", str(tmp_path / "k")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "does not overwrite" in again.stderr
-    assert auth.load_worker_keys(tmp_path / "k/worker") == worker_keys
+    assert load_worker_keys(tmp_path / "k/worker") == worker_keys
     os.chmod(tmp_path / "k/worker/worker.key_secret", 0o644)
-    with pytest.raises(auth.KeyFileError, match="chmod 600"):
-        auth.load_worker_keys(tmp_path / "k/worker")
-    with pytest.raises(auth.KeyFileError, match="pdserve keygen"):
-        auth.load_router_keys(tmp_path / "nothing")
-    run = subprocess.run([sys.executable, "-m", "server.cli", "router", "--model", "tiny"], cwd=ROOT,
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_worker_keys(tmp_path / "k/worker")
+    with pytest.raises(KeyFileError, match="pdserve keygen"):
+        load_router_keys(tmp_path / "nothing")
+    run = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "router", "--model", "tiny"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "--keys DIR is required" in run.stderr
 
 
 def test_bounds_hold_on_kv_messages():
-    from protocol import kv as TP
+    from pdserve.protocol import kv as TP
 
     for msg in ({"type": "begin", "request_id": "r", "dst_blocks": [-1], "num_tokens": 5},
                 {"type": "chunk", "request_id": "r", "layer": -2, "dst_start": 0, "num_blocks": 1, "nbytes": 4},

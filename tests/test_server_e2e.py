@@ -46,14 +46,14 @@ def readme_commands() -> tuple[list[str], list[str]]:
 
 def pdserve_command(args: list[str]) -> list[str]:
     script = ROOT / ".venv" / "bin" / "pdserve"
-    exe = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+    exe = [str(script)] if script.exists() else [sys.executable, "-m", "pdserve.server.cli"]
     return exe + args
 
 
 @pytest.fixture(scope="module")
 def reference():
     """Greedy continuations from transformers' own generate() on the same weights."""
-    from workers.engine.models import load_model
+    from pdserve.workers.engine.models import load_model
 
     loaded = load_model(MODEL, "float32", "cpu")
     tok = loaded.tokenizer

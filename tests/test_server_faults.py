@@ -35,7 +35,7 @@ def srv():
 
 @pytest.fixture(scope="module")
 def reference():
-    from workers.engine.models import load_model
+    from pdserve.workers.engine.models import load_model
 
     loaded = load_model("tiny", "float32", "cpu")
 

@@ -53,7 +53,7 @@ def wait_gone(pids, timeout: float) -> list[int]:
 class Pdserve:
     def __init__(self, *args: str, command: list[str] | None = None, startup_timeout: float = 300.0,
                  env: dict | None = None):
-        self.command = command or [sys.executable, "-m", "server.cli", "--port", "0", *args]
+        self.command = command or [sys.executable, "-m", "pdserve.server.cli", "--port", "0", *args]
         self.startup_timeout = startup_timeout
         # CPU even on a GPU machine: the oracles (transformers on the CPU, float32) and the timings
         # these tests check are the CPU ones; deploy/check.py is the GPU check

@@ -18,12 +18,13 @@ import pytest
 import zmq
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.config import RouterConfig
-from server.tokenizer import load_tokenizer
-from protocol import auth
-from protocol import control as P
-from protocol.phases import NAMES as PHASE_NAMES
+from pdserve.server.app import create_app
+from pdserve.settings.router import RouterConfig
+from pdserve.server.tokenizer import load_tokenizer
+from pdserve.protocol import auth
+from pdserve.settings import keys
+from pdserve.protocol import control as P
+from pdserve.protocol.phases import NAMES as PHASE_NAMES
 
 HEARTBEAT_S = 0.1
 MISSES = 3
@@ -37,7 +38,7 @@ def tokenizer():
 class FakeWorker(threading.Thread):
     def __init__(self, router: str, role: str, worker_id: str, on_message=None, *, model: str = "tiny",
                  version: int = P.PROTOCOL_VERSION, max_model_len: int = 64, transport: str | None = "ipc",
-                 queue_depth: int = 0, keys: auth.WorkerKeys | None = None):
+                 queue_depth: int = 0, keys: keys.WorkerKeys | None = None):
         super().__init__(daemon=True)
         self.router, self.role, self.worker_id = router, role, worker_id
         self.keys = keys
@@ -124,7 +125,7 @@ class FakeWorker(threading.Thread):
 
 @contextmanager
 def router(tokenizer, **overrides):
-    router_keys, worker_keys = auth.new_deployment()
+    router_keys, worker_keys = keys.new_deployment()
     settings = dict(model="tiny", register="tcp://127.0.0.1:0", heartbeat_interval_s=HEARTBEAT_S,
                     heartbeat_misses=MISSES, kv_deadline_s=3.0, token_timeout_s=2.0, keys=router_keys)
     cfg = RouterConfig(**{**settings, **overrides})

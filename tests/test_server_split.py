@@ -24,11 +24,11 @@ def free_port() -> int:
 
 
 def test_router_alone_with_a_worker_started_elsewhere(tmp_path):
-    keygen = subprocess.run([sys.executable, "-m", "server.cli", "keygen", str(tmp_path / "keys")], cwd=ROOT,
+    keygen = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "keygen", str(tmp_path / "keys")], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert keygen.returncode == 0, keygen.stderr
     register = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "server.cli", "router", "--model", "tiny", "--port", "0", "--register", register,
+    cmd = [sys.executable, "-m", "pdserve.server.cli", "router", "--model", "tiny", "--port", "0", "--register", register,
            "--heartbeat-interval", "2", "--keys", str(tmp_path / "keys" / "router")]
     with Pdserve(command=cmd) as srv:
         h = srv.get("/health")
@@ -36,7 +36,7 @@ def test_router_alone_with_a_worker_started_elsewhere(tmp_path):
         r = srv.post("/v1/completions", {"prompt": "Hi"})
         assert r.status_code == 503 and "no colocated worker" in r.json()["error"]["message"]
 
-        worker = subprocess.Popen([sys.executable, "-m", "workers.cli", "--role", "colocated", "--model", "tiny",
+        worker = subprocess.Popen([sys.executable, "-m", "pdserve.workers.cli", "--role", "colocated", "--model", "tiny",
                                    "--router", register, "--worker-id", "far-away", "--threads", "1",
                                    "--keys", str(tmp_path / "keys" / "worker"),
                                    "--num-blocks", "64", "--parent-pid", str(os.getpid())], cwd=ROOT)

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from protocol.config import WorkerConfig
-from server import launcher as L
+from pdserve.settings.worker import WorkerConfig
+from pdserve.server import launcher as L
 from test_server_harness import TINY, Pdserve, wait_gone
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_prefix_tiers import PARAMS, engine, evict_everything, prompt
-from workers.engine.request import Request, SamplingParams
+from pdserve.workers.engine.request import Request, SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 

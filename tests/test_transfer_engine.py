@@ -16,8 +16,8 @@ import json
 
 import pytest
 
-from bench import transfer as bench
-from protocol.enums import MODES, TRANSPORTS
+from pdserve.bench import transfer as bench
+from pdserve.protocol.enums import MODES, TRANSPORTS
 
 pytestmark = pytest.mark.timeout(900)
 

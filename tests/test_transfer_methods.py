@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.transfer_pools import parse_method, scatter
-from protocol.config import EngineConfig
-from protocol.enums import MODES
+from pdserve.bench.transfer_pools import parse_method, scatter
+from pdserve.settings.worker import EngineConfig
+from pdserve.protocol.enums import MODES
 from test_transfer_engine import assert_all_exact, run_bench
-from workers.engine.engine import Engine
+from pdserve.workers.engine.engine import Engine
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -19,12 +19,12 @@ import sys
 
 import pytest
 
-from client import AsyncClient, Timings
-from server.timeline import Clock, ttft_phases
+from pdserve.client import AsyncClient, Timings
+from pdserve.server.timeline import Clock, ttft_phases
 from test_server_harness import ROOT  # pytest puts tests/ on sys.path
-from protocol import control as P
-from protocol.enums import TRANSPORTS
-from protocol.phases import MEANING, NAMES, PHASES, UNATTRIBUTED
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import TRANSPORTS
+from pdserve.protocol.phases import MEANING, NAMES, PHASES, UNATTRIBUTED
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -139,12 +139,12 @@ def test_the_docs_list_the_phases_as_the_code_defines_them():
 
 def test_router_client_and_phases_stay_torch_free():
     code = ("import sys, runpy; sys.argv = ['pdserve', '--help']\n"
-            "import protocol.phases, protocol.cli, server.app, client\n"
-            "try:\n    runpy.run_module('server.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "import pdserve.protocol.phases, pdserve.settings.cli, pdserve.server.app, pdserve.client\n"
+            "try:\n    runpy.run_module('pdserve.server.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules, file=sys.stderr)")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "--transport {ipc,nixl,zmq}" in run.stdout, run.stderr
     assert run.stderr.strip().splitlines()[-1] == "False", run.stderr
-    from workers.transfer import registry  # every transport the router can name (torch-free) is one a worker has
+    from pdserve.workers.transfer import registry  # every transport the router can name (torch-free) is one a worker has
     for name in TRANSPORTS:
         assert registry.transport(name).Sender and registry.transport(name).Receiver

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from test_server_harness import ROOT
-from server.fields import FIELDS, IMPLEMENTED, markdown_table
-from server.schemas import ChatRequest, CompletionRequest
+from pdserve.server.fields import FIELDS, IMPLEMENTED, markdown_table
+from pdserve.server.schemas import ChatRequest, CompletionRequest
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,12 +14,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workers.cli", "generate", *args, "--threads", "1"], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "pdserve.workers.cli", "generate", *args, "--threads", "1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
 
 
 def test_generate_prints_the_greedy_text():
-    from workers.engine.models import load_model
+    from pdserve.workers.engine.models import load_model
 
     loaded = load_model("tiny", "float32", "cpu")
     ids = loaded.tokenizer.encode("The capital of France is")

@@ -8,8 +8,8 @@ import pickle
 import msgspec
 import pytest
 
-from protocol import control as P
-from protocol import sampling as SB
+from pdserve.protocol import control as P
+from pdserve.protocol import sampling as SB
 
 S = P.Sampling(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=["\n"], ignore_eos=True)
 TO_ROUTER = [
@@ -48,7 +48,7 @@ def test_router_to_worker_round_trip(msg):
 
 
 def test_the_wire_sampling_is_the_engines():
-    from workers.engine.request import SamplingParams
+    from pdserve.workers.engine.request import SamplingParams
 
     assert SamplingParams is P.Sampling  # one definition: what the router sends is what the engine samples by
     assert S.checked() is S and not S.greedy

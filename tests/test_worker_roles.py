@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from protocol import control as P
-from protocol.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.request import SamplingParams
-from protocol.config import TransferConfig
+from pdserve.protocol import control as P
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.request import SamplingParams
+from pdserve.settings.worker import TransferConfig
 
 from role_shell import Shell, pump, tokens_of
 

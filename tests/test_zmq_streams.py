@@ -12,13 +12,13 @@ import pytest
 import torch
 import zmq
 
-from protocol import auth
-from protocol import kv as P
-from protocol.config import TransferConfig
-from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer import zmq as Z
-from workers.transfer.errors import TransferError
-from workers.transfer.registry import make_receiver, make_sender
+from pdserve.settings import keys
+from pdserve.protocol import kv as P
+from pdserve.settings.worker import TransferConfig
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.transfer import zmq as Z
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.registry import make_receiver, make_sender
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +32,7 @@ def small_frames(monkeypatch):
 
 @pytest.fixture(scope="module")
 def keys():
-    return auth.new_deployment()[1]
+    return keys.new_deployment()[1]
 
 
 def pools():

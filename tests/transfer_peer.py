@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from workers.engine.kv_cache import KVCache, KVLayout  # noqa: E402
-from protocol.config import TransferConfig  # noqa: E402
-from workers.transfer.registry import make_receiver, make_sender  # noqa: E402
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from pdserve.settings.worker import TransferConfig  # noqa: E402
+from pdserve.workers.transfer.registry import make_receiver, make_sender  # noqa: E402
 
 
 def parse_layout(text: str) -> KVLayout:

@@ -4,7 +4,7 @@
         --router tcp://10.0.0.1:7100 --control tcp://10.0.0.2:7201 --kv-host 10.0.0.2 --kv-port 7300
     pdserve-worker generate "What is the capital of France?" --chat --max-tokens 32
 
-The flags are the fields of protocol/config.py (protocol/flags.py derives them). `pdserve` starts its
+The flags are the fields of settings/worker.py (settings/flags.py derives them). `pdserve` starts its
 workers with `--worker-config FILE`: their whole WorkerConfig, which the flags then read as defaults.
 """
 
@@ -17,12 +17,12 @@ import signal
 import sys
 from dataclasses import replace
 
-from protocol.cli import (PARENT_DIED, HelpFormatter, add_config_argument, die_with_parent, exit_now, parse_args,
-                          setup_logging, version)
-from protocol.config import EngineConfig, TransferConfig, WorkerConfig, read_worker_config
-from protocol.enums import Role, Transport
-from protocol.flags import add_arguments, from_args
-from protocol.shm import remove_pools
+from pdserve.settings.cli import (PARENT_DIED, HelpFormatter, add_config_argument, die_with_parent, exit_now, parse_args,
+                                  setup_logging, version)
+from pdserve.settings.worker import EngineConfig, TransferConfig, WorkerConfig, read_worker_config
+from pdserve.protocol.enums import Role, Transport
+from pdserve.settings.flags import add_arguments, from_args
+from pdserve.protocol.shm import remove_pools
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, base: EngineConfig | None = None) -> None:
@@ -86,7 +86,7 @@ def generate_parser() -> argparse.ArgumentParser:
 
 
 def serve(argv: list[str]) -> int:
-    from protocol.auth import KeyFileError, load_worker_keys
+    from pdserve.settings.keys import KeyFileError, load_worker_keys
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--worker-config")
@@ -126,7 +126,7 @@ def serve(argv: list[str]) -> int:
         signal.signal(PARENT_DIED, lambda _s, _f: on_parent_death())
         die_with_parent(cfg.parent_pid, on_parent_death, PARENT_DIED)
 
-    from workers.worker import Worker
+    from pdserve.workers.worker import Worker
 
     set_threads(cfg.engine.threads)
     worker = Worker(cfg)
@@ -139,7 +139,7 @@ def serve(argv: list[str]) -> int:
 def generate(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
     setup_logging(args.log_level)
-    from workers.engine.request import InvalidRequest, SamplingParams
+    from pdserve.workers.engine.request import InvalidRequest, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:  # what can be checked without the model, before the model loads
@@ -155,7 +155,7 @@ def generate(argv: list[str]) -> int:
         print(f"pdserve-worker generate: {e}", file=sys.stderr)
         return 2
     set_threads(cfg.threads)
-    from workers.engine.engine import Engine
+    from pdserve.workers.engine.engine import Engine
 
     engine = Engine(cfg)
     ids = engine.encode_prompt(args.prompt, chat=args.chat)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from protocol import control as P
+from pdserve.protocol import control as P
 
 log = logging.getLogger("pdserve.worker")
 

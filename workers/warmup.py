@@ -18,7 +18,7 @@ WARMUP_TOKENS = 4  # decode steps after the prefill
 
 def warm_up(engine) -> float:
     """Prefill a short prompt and decode a few tokens on `engine`; returns the seconds spent."""
-    from workers.engine.request import SamplingParams
+    from pdserve.workers.engine.request import SamplingParams
 
     block = engine.layout.block_size
     steps = max(1, min(WARMUP_TOKENS, block - 2))

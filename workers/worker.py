@@ -48,12 +48,13 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from protocol import auth
-from protocol import control as P
-from protocol.config import WorkerConfig
-from workers.roles.kv_report import KVReport
-from workers.status_log import StatsLine, startup_line
-from workers.warmup import warm_up
+from pdserve.protocol import auth
+from pdserve.settings import keys
+from pdserve.protocol import control as P
+from pdserve.settings.worker import WorkerConfig
+from pdserve.workers.roles.kv_report import KVReport
+from pdserve.workers.status_log import StatsLine, startup_line
+from pdserve.workers.warmup import warm_up
 
 log = logging.getLogger("pdserve.worker")
 
@@ -68,7 +69,7 @@ class RouterLink:
     """The PUSH socket to the router; sends never block the loop (a gone router drops messages).
     With `watch`, its failed CURVE handshakes can be read from `.watch` (the heartbeat thread's link)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, incarnation: str, keys: auth.WorkerKeys | None,
+    def __init__(self, ctx: zmq.Context, endpoint: str, incarnation: str, keys: keys.WorkerKeys | None,
                  watch: bool = False):
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -99,7 +100,7 @@ class Inbox:
     """The control socket (PULL), read by its own thread: every frame is stamped on arrival.
     With keys, a CURVE server whose Gate lets in the router's key only (answered by the same thread)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, advertise_host: str | None, keys: auth.WorkerKeys | None,
+    def __init__(self, ctx: zmq.Context, endpoint: str, advertise_host: str | None, keys: keys.WorkerKeys | None,
                  throttle: auth.Throttle):
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -191,14 +192,14 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str, advertise_host: str | None) -
 
 class Worker:
     def __init__(self, cfg: WorkerConfig, engine=None):
-        from workers.roles import make_role
+        from pdserve.workers.roles import make_role
 
         self.cfg = cfg
         self.worker_id: str = cfg.worker_id
         self.incarnation = secrets.token_hex(16)  # this process; the router binds our id to it
         self.throttle = auth.Throttle(log)
         if engine is None:
-            from workers.engine.engine import Engine
+            from pdserve.workers.engine.engine import Engine
 
             engine = Engine(cfg.engine, disk_key=cfg.keys.disk_key() if cfg.keys is not None else None)
             if cfg.role != "prefill":  # take the decode graphs before the first request (CUDA only)

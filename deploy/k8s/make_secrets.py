@@ -33,7 +33,7 @@ def secret(name: str, files: dict[str, bytes], namespace: str | None, component:
 
 def manifests(namespace: str | None = None, api_key: str | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="pdserve-k8s-keys-") as tmp:
-        r = subprocess.run([sys.executable, "-m", "server.cli", "keygen", f"{tmp}/keys"], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "keygen", f"{tmp}/keys"], capture_output=True,
                            text=True, cwd=Path(__file__).resolve().parents[2])
         if r.returncode != 0:
             raise SystemExit(f"pdserve keygen failed: {r.stderr.strip()}")

@@ -69,7 +69,7 @@ STEP = StepState()
 def _kernels():
     """paged_kernel, or None where Triton is missing (the reference path runs instead)."""
     try:
-        from workers.engine import paged_kernel
+        from pdserve.workers.engine import paged_kernel
     except ImportError:
         return None
     return paged_kernel

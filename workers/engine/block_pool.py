@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 
-from protocol.control import blocks_for  # noqa: F401  here too: the engine's callers import it from its pool
+from pdserve.protocol.control import blocks_for  # noqa: F401  here too: the engine's callers import it from its pool
 
 
 def runs(block_ids: list[int]) -> list[tuple[int, int]]:

@@ -37,17 +37,17 @@ from typing import Callable, Iterator
 
 import torch
 
-from workers.engine import attention, overlap
-from workers.engine.block_pool import OutOfBlocks, blocks_for
-from protocol.config import EngineConfig
-from workers.engine.config import check_device, kv_budget_bytes, torch_dtype
-from workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
-from workers.engine.prefix_cache import PrefixCache, names_upto, root_name
-from workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
-from workers.engine.runner import ModelRunner
-from workers.engine.sampler import Sampler, SamplingError, not_finite
-from protocol.control import TokenLogprobs
-from workers.engine.scheduler import Scheduler
+from pdserve.workers.engine import attention, overlap
+from pdserve.workers.engine.block_pool import OutOfBlocks, blocks_for
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.device import check_device, kv_budget_bytes, torch_dtype
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
+from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto, root_name
+from pdserve.workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
+from pdserve.workers.engine.runner import ModelRunner
+from pdserve.workers.engine.sampler import Sampler, SamplingError, not_finite
+from pdserve.protocol.control import TokenLogprobs
+from pdserve.workers.engine.scheduler import Scheduler
 
 log = logging.getLogger("pdserve.engine")
 
@@ -80,7 +80,7 @@ class Engine:
         check_device(config)
         self.config = config
         if loaded is None:
-            from workers.engine.models import load_model
+            from pdserve.workers.engine.models import load_model
 
             loaded = load_model(config.model, torch_dtype(config), config.device)
         self.model = loaded.model
@@ -133,9 +133,9 @@ class Engine:
         """The host tier (and disk below it) for blocks the prefix cache keeps, if asked for."""
         if not (config.prefix_cache and config.host_cache_gb):
             return None
-        from workers.engine.kv_tiers.disk import DiskTier
-        from workers.engine.kv_tiers.host import HostTier
-        from workers.engine.tiering import Tiers
+        from pdserve.workers.engine.kv_tiers.disk import DiskTier
+        from pdserve.workers.engine.kv_tiers.host import HostTier
+        from pdserve.workers.engine.tiering import Tiers
 
         disk = None
         if config.disk_cache_dir:

@@ -19,7 +19,7 @@ import types
 import torch
 from torch import nn
 
-from workers.engine import attention
+from pdserve.workers.engine import attention
 
 
 def _fusable(module: nn.Module) -> bool:

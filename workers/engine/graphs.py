@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from workers.engine import attention, step_inputs
-from workers.engine.request import Request
+from pdserve.workers.engine import attention, step_inputs
+from pdserve.workers.engine.request import Request
 
 
 def _buckets(limit: int, start: list[int], step_fn) -> list[int]:
@@ -134,7 +134,7 @@ class MixedGraphs:
     """
 
     def __init__(self, runner, max_tokens: int, max_keep: int, use_graphs: bool, compile: bool = False):
-        from workers.engine.layers import Cut
+        from pdserve.workers.engine.layers import Cut
 
         self.runner = runner
         dev = runner.device

@@ -15,26 +15,17 @@ Every model is loaded with attention "sdpa"; the engine swaps in its paged atten
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
-import shutil
-import sys
-import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from workers.engine.kv_cache import DTYPES
-# names and files, torch-free (the router loads the tokenizer through them)
-from protocol.models import (CACHE_MANIFEST, DEFAULT_MODEL, MODEL_NAMES, cache_is_current, load_smollm2_tokenizer,
-                                 manifest_expected, smollm2_cache_dir, smollm2_gguf_path)
+# names, files and SmolLM2's converted cache, torch-free (the router loads the tokenizer through them)
+from pdserve.settings.models import (DEFAULT_MODEL, MODEL_NAMES, SMOLLM2_EOS_TOKENS, ensure_smollm2_cache,
+                                     load_smollm2_tokenizer)
+from pdserve.workers.engine.kv_cache import DTYPES
 
 SMOLLM2_VOCAB_SIZE = 49152
-# <|im_end|> ends a chat turn; <|endoftext|> ends a document (plain completions)
-SMOLLM2_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 TINY_SEED = 1234
 TINY_INIT_STD = 0.1  # wide enough that attention scores and greedy tokens depend on the context
@@ -77,75 +68,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
-
-
-# ---- the SmolLM2 cache ---------------------------------------------------------------------
-
-
-def ensure_smollm2_cache() -> Path:
-    """Return the converted SmolLM2 directory, converting the GGUF first if needed.
-
-    One process converts while others wait on a file lock; the result is written into a
-    temporary directory and renamed into place, so a killed conversion leaves no half cache."""
-    final = smollm2_cache_dir()
-    if cache_is_current(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if cache_is_current(final):  # another process finished it while we waited
-            return final
-        for stale in final.parent.glob(f"{final.name}.tmp-*"):  # left by a killed conversion
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = final.parent / f"{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            _convert_smollm2(tmp)
-            if final.exists():  # written by another format or transformers version
-                old = final.parent / f"{final.name}.tmp-old-{uuid.uuid4().hex[:8]}"
-                final.rename(old)
-                shutil.rmtree(old, ignore_errors=True)
-            tmp.rename(final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def _convert_smollm2(dest: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    print(f"pdserve: converting {gguf.name} into {smollm2_cache_dir()} (once; about a minute)...",
-          file=sys.stderr, flush=True)
-    start = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = _gguf_chat_template(gguf)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are dequantized float32 now; drop the GGUF quantization marker so the cache
-    # loads as a plain checkpoint.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in SMOLLM2_EOS_TOKENS]
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    tokenizer.model_max_length = model.config.max_position_embeddings
-    dest.mkdir(parents=True)
-    model.save_pretrained(dest)
-    tokenizer.save_pretrained(dest)
-    manifest = manifest_expected(gguf) | {"converted_in_s": round(time.monotonic() - start, 1)}
-    (dest / CACHE_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"pdserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
-
-
-def _gguf_chat_template(gguf: Path) -> str:
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
-    if field is None:
-        raise RuntimeError(f"{gguf} carries no chat template and the tokenizer has none")
-    return field.contents()
 
 
 # ---- configs of the synthetic models -------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.request import Request
+from pdserve.workers.engine.request import Request
 
 PENDING = -1  # an output token still on the device
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from protocol.blocks import extend_names, root_name  # noqa: F401  (the one naming; the router's too)
-from workers.engine.block_pool import BlockPool, OutOfBlocks
+from pdserve.protocol.blocks import extend_names, root_name  # noqa: F401  (the one naming; the router's too)
+from pdserve.workers.engine.block_pool import BlockPool, OutOfBlocks
 
 
 def names_upto(req, num_blocks: int, block_size: int, root: bytes) -> list[bytes]:

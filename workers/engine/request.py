@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 # a request's sampling parameters are the wire's struct, defined once with their bounds (protocol/sampling.py)
-from protocol.sampling import InvalidRequest, Sampling as SamplingParams  # noqa: F401  (InvalidRequest: for callers)
+from pdserve.protocol.sampling import InvalidRequest, Sampling as SamplingParams  # noqa: F401  (InvalidRequest: for callers)
 
 
 class IllegalTransition(RuntimeError):

@@ -26,10 +26,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from workers.engine import attention, fusion, step_inputs
-from workers.engine.kv_cache import KVCache
-from workers.engine.request import Request
-from workers.engine.sampler import logprobs_of
+from pdserve.workers.engine import attention, fusion, step_inputs
+from pdserve.workers.engine.kv_cache import KVCache
+from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.sampler import logprobs_of
 
 log = logging.getLogger("pdserve.engine")
 
@@ -75,13 +75,13 @@ class ModelRunner:
             compile_decoder_layers(model)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
-            from workers.engine.graphs import DecodeGraphs
+            from pdserve.workers.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // block_size))
         self.mixed = None  # steps with prompt tokens, up to mixed_tokens of them: piecewise graphs
         if mixed_tokens:
-            from workers.engine.graphs import MixedGraphs
-            from workers.engine.layers import cuttable
+            from pdserve.workers.engine.graphs import MixedGraphs
+            from pdserve.workers.engine.layers import cuttable
 
             if cuttable(model):
                 self.mixed = MixedGraphs(self, mixed_tokens, max_num_seqs, use_graphs=cuda_graphs and self.device.type == "cuda",
@@ -139,7 +139,7 @@ class ModelRunner:
         if inp.prefix_reqs:
             step.prefix_table = step_inputs.to_device(step_inputs.block_table(inp.prefix_reqs), dev)
             if self.prefix_kernel:
-                from workers.engine.paged_kernel import prefill_tiles
+                from pdserve.workers.engine.paged_kernel import prefill_tiles
 
                 g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
                 step.prefix_tiles = step_inputs.to_device(np.asarray(prefill_tiles(inp.prefix, g), dtype=np.int32), dev)

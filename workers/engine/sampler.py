@@ -40,8 +40,8 @@ from typing import Iterable
 
 import torch
 
-from workers.engine.request import Request
-from protocol.control import LOGPROB_FLOOR, TokenLogprobs
+from pdserve.workers.engine.request import Request
+from pdserve.protocol.control import LOGPROB_FLOOR, TokenLogprobs
 
 
 class SamplingError(RuntimeError):

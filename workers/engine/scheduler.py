@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from workers.engine.block_pool import blocks_for
-from workers.engine.prefix_cache import PrefixCache, names_upto
-from workers.engine.request import IllegalTransition, Request, Status
+from pdserve.workers.engine.block_pool import blocks_for
+from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto
+from pdserve.workers.engine.request import IllegalTransition, Request, Status
 
 
 class Scheduler:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workers.engine.request import Request
+from pdserve.workers.engine.request import Request
 
 
 def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 
-from workers.engine.kv_tiers.host import HostTier
-from workers.engine.kv_tiers.load import LoadHandle
-from workers.engine.request import Request
+from pdserve.workers.engine.kv_tiers.host import HostTier
+from pdserve.workers.engine.kv_tiers.load import LoadHandle
+from pdserve.workers.engine.request import Request
 
 log = logging.getLogger("pdserve.engine")
 

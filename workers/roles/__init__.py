@@ -6,11 +6,11 @@ from __future__ import annotations
 
 def make_role(name: str, worker):
     if name == "colocated":
-        from workers.roles.colocated import ColocatedRole as cls
+        from pdserve.workers.roles.colocated import ColocatedRole as cls
     elif name == "prefill":
-        from workers.roles.prefill import PrefillRole as cls
+        from pdserve.workers.roles.prefill import PrefillRole as cls
     elif name == "decode":
-        from workers.roles.decode import DecodeRole as cls
+        from pdserve.workers.roles.decode import DecodeRole as cls
     else:
         raise ValueError(f"unknown role {name!r}; choose prefill, decode or colocated")
     return cls(worker)

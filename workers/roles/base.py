@@ -13,13 +13,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from protocol import control as P
-from protocol.enums import FailureKind
-from workers.engine.request import Request, Status
-from protocol.phases import ms
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import FailureKind
+from pdserve.workers.engine.request import Request, Status
+from pdserve.protocol.phases import ms
 
 if TYPE_CHECKING:
-    from workers.engine.engine import StepOutput
+    from pdserve.workers.engine.engine import StepOutput
 
 log = logging.getLogger("pdserve.worker")
 

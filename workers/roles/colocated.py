@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 
-from protocol import control as P
-from protocol.enums import FailureKind
-from workers.engine.request import InvalidRequest, Request, Status
-from workers.roles.base import Role, now
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import FailureKind
+from pdserve.workers.engine.request import InvalidRequest, Request, Status
+from pdserve.workers.roles.base import Role, now
 
 log = logging.getLogger("pdserve.worker")
 

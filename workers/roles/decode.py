@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import logging
 
-from protocol import control as P
-from protocol.enums import FailureKind
-from workers.engine.request import InvalidRequest, Request, Status
-from workers.roles.base import Role, now
-from workers.transfer.errors import TransferError
-from workers.transfer.registry import make_receiver
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import FailureKind
+from pdserve.workers.engine.request import InvalidRequest, Request, Status
+from pdserve.workers.roles.base import Role, now
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.registry import make_receiver
 
 log = logging.getLogger("pdserve.worker")
 

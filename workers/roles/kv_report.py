@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-from protocol import control as P
+from pdserve.protocol import control as P
 
 RESYNC_EVERY = 600  # reports between full ones (a stale index heals within this many heartbeats)
 DECAY = 0.95  # prefill observations: each older one weighs this much less (a fit over the last ~20)

@@ -44,15 +44,15 @@ from __future__ import annotations
 import logging
 import time
 
-from protocol import control as P
-from protocol.enums import FailureKind
-from workers.engine.block_pool import OutOfBlocks
-from workers.engine.request import InvalidRequest, KVTarget, Request, Status
-from workers.engine.sampler import SamplingError
-from workers.roles.base import Role, now, timeline
-from workers.transfer.base import PeerState, State, Transfer, TransferStats
-from workers.transfer.errors import TransferError
-from workers.transfer.registry import make_sender
+from pdserve.protocol import control as P
+from pdserve.protocol.enums import FailureKind
+from pdserve.workers.engine.block_pool import OutOfBlocks
+from pdserve.workers.engine.request import InvalidRequest, KVTarget, Request, Status
+from pdserve.workers.engine.sampler import SamplingError
+from pdserve.workers.roles.base import Role, now, timeline
+from pdserve.workers.transfer.base import PeerState, State, Transfer, TransferStats
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.registry import make_sender
 
 log = logging.getLogger("pdserve.worker")
 

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from protocol.config import TransferConfig
-    from workers.engine.kv_cache import KVCache
+    from pdserve.settings.worker import TransferConfig
+    from pdserve.workers.engine.kv_cache import KVCache
 
 
 class PeerState(enum.Enum):

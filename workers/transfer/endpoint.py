@@ -31,8 +31,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import zmq
 
-from protocol import auth
-from workers.transfer.errors import TransferError
+from pdserve.protocol import auth
+from pdserve.settings import keys
+from pdserve.workers.transfer.errors import TransferError
 
 log = logging.getLogger("pdserve.transfer")
 
@@ -42,7 +43,7 @@ NOW_S = 50e-6
 
 
 class Endpoint:
-    def __init__(self, name: str, keys: auth.WorkerKeys | None = None):
+    def __init__(self, name: str, keys: keys.WorkerKeys | None = None):
         self._name = name
         self._keys = keys
         self._throttle = auth.Throttle(log)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from workers.engine.kv_cache import KVLayout
+    from pdserve.workers.engine.kv_cache import KVLayout
 
 
 class TransferError(RuntimeError):

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from protocol import kv as P
-from workers.transfer import registry
-from workers.transfer.base import Arrival
-from workers.transfer.receiver import ChannelReceiver, Expected
-from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+from pdserve.protocol import kv as P
+from pdserve.workers.transfer import registry
+from pdserve.workers.transfer.base import Arrival
+from pdserve.workers.transfer.receiver import ChannelReceiver, Expected
+from pdserve.workers.transfer.sender import ChannelSender, Peer, SenderTransfer
 
 if TYPE_CHECKING:
-    from protocol.config import TransferConfig
-    from workers.engine.kv_cache import KVCache
+    from pdserve.settings.worker import TransferConfig
+    from pdserve.workers.engine.kv_cache import KVCache
 
 FAULTS = ("stall", "drop_done", "late")
 RELEASE_TIMEOUT_S = 10.0

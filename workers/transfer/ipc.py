@@ -45,12 +45,12 @@ import time
 
 import torch
 
-from protocol import kv as P
-from workers.engine.kv_cache import SHM_PREFIX
-from workers.transfer.errors import TransferError
-from workers.transfer.plan import Plan
-from workers.transfer.receiver import ChannelReceiver
-from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+from pdserve.protocol import kv as P
+from pdserve.workers.engine.kv_cache import SHM_PREFIX
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.plan import Plan
+from pdserve.workers.transfer.receiver import ChannelReceiver
+from pdserve.workers.transfer.sender import ChannelSender, Peer, SenderTransfer
 
 PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: 2D (else per-layer) copies from this request size up
 INDEX_RUNS = 8  # more runs than this (a fragmented pool): copy by block index

@@ -54,14 +54,14 @@ import msgspec
 import numpy as np
 import torch
 
-from protocol import kv as P
-from workers.engine.kv_cache import KVLayout
-from workers.transfer.errors import TransferError
-from workers.transfer.endpoint import log
-from workers.transfer.plan import Plan, descriptors
-from workers.transfer.receiver import ChannelReceiver
-from workers.transfer.sender import ChannelSender, Peer, SenderTransfer
-from workers.transfer.ucx_log import Lane, UcxLog, configure
+from pdserve.protocol import kv as P
+from pdserve.workers.engine.kv_cache import KVLayout
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.endpoint import log
+from pdserve.workers.transfer.plan import Plan, descriptors
+from pdserve.workers.transfer.receiver import ChannelReceiver
+from pdserve.workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+from pdserve.workers.transfer.ucx_log import Lane, UcxLog, configure
 
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
 UCX_LOG = configure(os.environ)  # before UCX loads: it reads its log settings once

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.engine.block_pool import blocks_for, paired_runs
-from workers.engine.kv_cache import KVLayout
-from workers.transfer.errors import TransferError
+from pdserve.workers.engine.block_pool import blocks_for, paired_runs
+from pdserve.workers.engine.kv_cache import KVLayout
+from pdserve.workers.transfer.errors import TransferError
 
 
 @dataclass(frozen=True)

@@ -61,14 +61,14 @@ import time
 import msgspec
 import zmq
 
-from protocol import kv as P
-from protocol.config import TransferConfig
-from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer.base import Arrival, KVReceiver
-from workers.transfer.errors import TransferError, layout_mismatch
-from workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
-from workers.transfer.fence import MAX_SENDERS, SenderProcess
-from workers.transfer.integrity import first_mismatch
+from pdserve.protocol import kv as P
+from pdserve.settings.worker import TransferConfig
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.transfer.base import Arrival, KVReceiver
+from pdserve.workers.transfer.errors import TransferError, layout_mismatch
+from pdserve.workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
+from pdserve.workers.transfer.fence import MAX_SENDERS, SenderProcess
+from pdserve.workers.transfer.integrity import first_mismatch
 
 log = logging.getLogger("pdserve.transfer")
 

@@ -11,19 +11,19 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from protocol.enums import TRANSPORTS
+from pdserve.protocol.enums import TRANSPORTS
 
 if TYPE_CHECKING:
-    from protocol.config import TransferConfig
-    from workers.engine.kv_cache import KVCache
-    from workers.transfer.base import KVReceiver, KVSender
+    from pdserve.settings.worker import TransferConfig
+    from pdserve.workers.engine.kv_cache import KVCache
+    from pdserve.workers.transfer.base import KVReceiver, KVSender
 
 
 def transport(name: str) -> ModuleType:
     """The module of transport `name`, holding its Sender and Receiver."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
-    return importlib.import_module(f"workers.transfer.{name}")
+    return importlib.import_module(f"pdserve.workers.transfer.{name}")
 
 
 def make_receiver(kv: KVCache, cfg: TransferConfig) -> KVReceiver:

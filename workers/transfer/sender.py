@@ -66,16 +66,16 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol import auth
-from protocol import kv as P
-from protocol.config import TransferConfig
-from workers.engine.kv_cache import KVCache, KVLayout
-from workers.transfer.base import KVSender, PeerState, State, Transfer, TransferStats
-from workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
-from workers.transfer.errors import LayoutMismatch, TransferError, layout_mismatch
-from workers.transfer.integrity import block_checksums
-from workers.transfer.fence import process_start
-from workers.transfer.plan import Plan, make_plan
+from pdserve.protocol import auth
+from pdserve.protocol import kv as P
+from pdserve.settings.worker import TransferConfig
+from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.transfer.base import KVSender, PeerState, State, Transfer, TransferStats
+from pdserve.workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
+from pdserve.workers.transfer.errors import LayoutMismatch, TransferError, layout_mismatch
+from pdserve.workers.transfer.integrity import block_checksums
+from pdserve.workers.transfer.fence import process_start
+from pdserve.workers.transfer.plan import Plan, make_plan
 
 log = logging.getLogger("pdserve.transfer")
 

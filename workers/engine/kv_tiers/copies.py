@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.block_pool import runs
+from pdserve.workers.engine.block_pool import runs
 
 
 @dataclass

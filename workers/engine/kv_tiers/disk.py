@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from protocol.auth import Throttle
-from workers.engine.kv_cache import KVLayout
-from workers.engine.kv_tiers.files import (MAC, MAC_BYTES, DiskTierError, folder_key, is_own_regular, mac, open_regular,
-                                           private_dir, run_with_deadline)
-from workers.engine.kv_tiers.stats import TierStats
+from pdserve.protocol.auth import Throttle
+from pdserve.workers.engine.kv_cache import KVLayout
+from pdserve.workers.engine.kv_tiers.files import (MAC, MAC_BYTES, DiskTierError, folder_key, is_own_regular, mac, open_regular,
+                                                   private_dir, run_with_deadline)
+from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 log = logging.getLogger("pdserve.kv_tiers")
 

@@ -28,13 +28,13 @@ from dataclasses import asdict
 
 import torch
 
-from workers.engine.block_pool import BlockPool
-from workers.engine.kv_cache import KVLayout
-from workers.engine.kv_tiers.copies import HostCopies, _Entry
-from workers.engine.kv_tiers.cost import CostModel
-from workers.engine.kv_tiers.disk import DiskTier
-from workers.engine.kv_tiers.load import HostLoads
-from workers.engine.kv_tiers.stats import TierStats
+from pdserve.workers.engine.block_pool import BlockPool
+from pdserve.workers.engine.kv_cache import KVLayout
+from pdserve.workers.engine.kv_tiers.copies import HostCopies, _Entry
+from pdserve.workers.engine.kv_tiers.cost import CostModel
+from pdserve.workers.engine.kv_tiers.disk import DiskTier
+from pdserve.workers.engine.kv_tiers.load import HostLoads
+from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 
 class HostTier(HostCopies, HostLoads):

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.kv_tiers.copies import _Entry
+from pdserve.workers.engine.kv_tiers.copies import _Entry
 
 if TYPE_CHECKING:
-    from workers.engine.kv_tiers.host import HostTier
+    from pdserve.workers.engine.kv_tiers.host import HostTier
 
 log = logging.getLogger("pdserve.kv_tiers")
 

@@ -1,4 +1,4 @@
-"""The router's settings. Each field with a flag declares it (protocol/flags.py): `pdserve` and
+"""The router's settings. Each field with a flag declares it (settings/flags.py): `pdserve` and
 `pdserve router` derive their router flags from these fields."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from protocol.auth import RouterKeys
-from protocol.config import MODEL_HELP
-from protocol.enums import POLICIES, ROLES
-from protocol.flags import flag
+from pdserve.settings.keys import RouterKeys
+from pdserve.settings.worker import MODEL_HELP
+from pdserve.protocol.enums import POLICIES, ROLES
+from pdserve.settings.flags import flag
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt is under 1 MB of text or of token ids
 

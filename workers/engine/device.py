@@ -1,11 +1,11 @@
-"""What the engine's config (protocol/config.py, EngineConfig: torch-free) means in torch terms."""
+"""What the engine's config (settings/worker.py, EngineConfig: torch-free) means in torch terms."""
 
 from __future__ import annotations
 
 import torch
 
-from protocol.config import EngineConfig
-from workers.engine.kv_cache import DTYPES
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.kv_cache import DTYPES
 
 
 def check_device(config: EngineConfig) -> None:

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from protocol.wire import PROTOCOL_VERSION
+from pdserve.protocol.wire import PROTOCOL_VERSION
 
 PR_SET_PDEATHSIG = 1
 # the signal a worker gets when pdserve dies: not SIGTERM, which pdserve itself sends to stop it. The

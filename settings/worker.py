@@ -1,10 +1,10 @@
 """The configs of a worker: its engine, its KV transfer, the worker process around them.
 
 Plain dataclasses, torch-free, checked when built. Each field with a command-line flag declares it
-(protocol/flags.py): `pdserve-worker` and `pdserve` derive their flags from these fields. The embedded
+(settings/flags.py): `pdserve-worker` and `pdserve` derive their flags from these fields. The embedded
 launcher (server/launcher.py) hands each worker its WorkerConfig in a file (write_worker_config); the
 benches and tests build them directly. What needs torch to check (is the CUDA device there?) is
-checked when the engine starts (workers/engine/config.py).
+checked when the engine starts (workers/engine/device.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 import socket
 from dataclasses import asdict, dataclass, field, replace
 
-from protocol.auth import WorkerKeys
-from protocol.enums import MODES, ROLES, TRANSPORTS
-from protocol.flags import flag
+from pdserve.settings.keys import WorkerKeys
+from pdserve.protocol.enums import MODES, ROLES, TRANSPORTS
+from pdserve.settings.flags import flag
 
 DTYPES = ("float32", "float16", "bfloat16")  # workers/engine/kv_cache.py maps each to its torch dtype
 ATTENTION = ("auto", "triton", "reference")
