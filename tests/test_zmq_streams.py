@@ -12,8 +12,8 @@ import pytest
 import torch
 import zmq
 
-from pdserve.settings import keys
 from pdserve.protocol import kv as P
+from pdserve.settings.keys import new_deployment
 from pdserve.settings.worker import TransferConfig
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
 from pdserve.workers.transfer import zmq as Z
@@ -32,7 +32,7 @@ def small_frames(monkeypatch):
 
 @pytest.fixture(scope="module")
 def keys():
-    return keys.new_deployment()[1]
+    return new_deployment()[1]
 
 
 def pools():
