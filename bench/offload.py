@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 
 from pdserve.bench import ab, provenance
-from pdserve.bench.engine_bench import machine_slug, parse_counts
-from pdserve.bench.engine_decode import sync
+from pdserve.bench.engine.steps import machine_slug, parse_counts
+from pdserve.bench.engine.decode import sync
 from pdserve.bench.transfer_check import poison, prompt_ids, run_seed, scrub
 from pdserve.workers.engine.block_pool import blocks_for, paired_runs, runs
 

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"  # where a bench writes when not given --out
 PACKAGES = ("torch", "transformers", "triton")
 SMI_FIELDS = {  # nvidia-smi --query-gpu field -> our key (units: MHz, W, C)
     "clocks.sm": "sm_clock_mhz",

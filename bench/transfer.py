@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench import ab, provenance
-from pdserve.bench.engine_bench import machine_slug, parse_counts
+from pdserve.bench.engine.steps import machine_slug, parse_counts
 from pdserve.bench.transfer_check import FAULTS, parse_fault, run_seed
 from pdserve.bench.transfer_pools import parse_method, worker_keys
 from pdserve.settings.worker import TransferConfig

@@ -48,7 +48,7 @@ import uuid
 import msgspec
 import torch
 
-from pdserve.bench.engine_bench import sync
+from pdserve.bench.engine.steps import sync
 from pdserve.bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
 from pdserve.bench.transfer_pools import paged_copy, parse_method, release, scatter
 from pdserve.settings.worker import EngineConfig

@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from pdserve.bench import engine_bench
+from pdserve.bench.engine import steps
 from pdserve.settings.worker import EngineConfig
-from pdserve.bench.engine_decode import mixed_contexts
+from pdserve.bench.engine.decode import mixed_contexts
 
 SMOKE = ["--model", "tiny", "--device", "cpu", "--lengths", "64,128", "--pairs", "3", "--batches", "1,2",
          "--contexts", "64,128", "--mixed-batch", "3", "--mixed-contexts", "64,128", "--repeats", "2",
@@ -21,9 +21,9 @@ SMOKE = ["--model", "tiny", "--device", "cpu", "--lengths", "64,128", "--pairs",
 
 def run(tmp_path, argv: list[str]) -> dict:
     parser = argparse.ArgumentParser()
-    engine_bench.add_arguments(parser)
+    steps.add_arguments(parser)
     out = tmp_path / "engine.json"
-    assert engine_bench.run(parser.parse_args([*argv, "--out", str(out)])) == 0
+    assert steps.run(parser.parse_args([*argv, "--out", str(out)])) == 0
     return json.loads(out.read_text())
 
 
@@ -94,11 +94,11 @@ def test_engine_bench_cpu_smoke(tmp_path, capsys):
     on, off = result["chunked"]["on"], result["chunked"]["off"]
     # (a token at position p counts 1 + p / chunk_attention_tokens of the budget: a chunk late in the
     # prompt is a little smaller)
-    scale, pos, steps = EngineConfig().chunk_attention_tokens, 0, 0
+    scale, pos, chunks = EngineConfig().chunk_attention_tokens, 0, 0
     while pos < 256:
-        pos, steps = pos + min(256 - pos, round(64 / (1 + pos / scale))), steps + 1
-    assert steps == 5  # 64, 64, 64, 63, 1
-    assert on["chunk_tokens"] == 64 and on["prefill_steps"] == steps and on["decodes_per_prefill_step"] == [4] * steps
+        pos, chunks = pos + min(256 - pos, round(64 / (1 + pos / scale))), chunks + 1
+    assert chunks == 5  # 64, 64, 64, 63, 1
+    assert on["chunk_tokens"] == 64 and on["prefill_steps"] == chunks and on["decodes_per_prefill_step"] == [4] * chunks
     assert off["chunk_tokens"] is None and off["prefill_steps"] == 1 and off["decodes_per_prefill_step"] == [0]
 
     # every verdict follows from the figures beside it
@@ -132,13 +132,13 @@ def test_points_that_do_not_fit_are_skipped_and_listed(tmp_path):
 
 
 def test_parse_counts():
-    assert engine_bench.parse_counts("1k, 4k,16384") == [1024, 4096, 16384]
+    assert steps.parse_counts("1k, 4k,16384") == [1024, 4096, 16384]
     with pytest.raises(ValueError):
-        engine_bench.parse_counts("0")
+        steps.parse_counts("0")
 
 
 def test_offline_bench_cpu_smoke(tmp_path):
-    from pdserve.bench import offline
+    from pdserve.bench.engine import offline
 
     parser = argparse.ArgumentParser()
     offline.add_arguments(parser)
@@ -164,7 +164,7 @@ def test_offline_bench_cpu_smoke(tmp_path):
 def test_profiled_writes_its_tables_and_trace(tmp_path):
     import torch
 
-    from pdserve.bench.engine_decode import profiled
+    from pdserve.bench.engine.decode import profiled
 
     profiled(None, torch.device("cpu"), lambda: torch.ones(64).cumsum(0), str(tmp_path / "prof"))
     assert "aten::cumsum" in (tmp_path / "prof" / "by-self-cpu.txt").read_text()

@@ -18,7 +18,7 @@ Per layer:
      runs SDPA over them. Prefix rows gather their request's blocks (one copy of the context,
      small beside the chunk's arithmetic) and run SDPA with a causal mask aligned to the last
      key: flash attention on CUDA. (paged_kernel's prefill reads the pool in place instead;
-     `attention="triton"` picks it; on the H200 flash was faster, see bench/engine_bench.py.) Fresh rows run SDPA over the chunk's own K/V
+     `attention="triton"` picks it; on the H200 flash was faster, see bench/engine/steps.py.) Fresh rows run SDPA over the chunk's own K/V
      (flash attention on CUDA), exactly as transformers' own prefill does.
 """
 

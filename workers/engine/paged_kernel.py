@@ -152,7 +152,7 @@ def _combine(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, 
 
 # Keys per inner iteration (several 16-token blocks). Decode's defaults (128 keys, 8 waves of
 # programs, 2 stages, KV heads side by side) came from a sweep on the H200, interleaved, at
-# batch 32 x 16k, 8 x 16k and 64 x 4k (bench/attention_bench.py --sweep): 3.42 / 1.44 / 2.34 TB/s,
+# batch 32 x 16k, 8 x 16k and 64 x 4k (bench/engine/paged_attention.py --sweep): 3.42 / 1.44 / 2.34 TB/s,
 # within 3% of the best config at each shape. Prefill tiles keep 64.
 BLOCK_N = 64
 PREFILL_ROWS = 64  # rows (query tokens x padded heads) per prefill tile

@@ -21,7 +21,7 @@ import time
 import torch
 
 from pdserve.bench import ab
-from pdserve.bench.engine_decode import adopt_batch, sync, timed_runs
+from pdserve.bench.engine.decode import adopt_batch, sync, timed_runs
 from pdserve.workers.engine.request import Request, SamplingParams
 
 

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from pdserve.bench import ab, provenance
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGET_TBPS = 3.0
 DEFAULT_CONFIG = dict(waves=8, block_n=128, num_warps=4, num_stages=2, heads_first=True)  # paged_decode's defaults
 
@@ -300,7 +299,7 @@ def run(args) -> int:
         record["engine_check"] = engine_check(args)
     provenance.finish(record)
     gpu = ((record.get("gpus") or [{}])[0].get("name") or "gpu").lower().replace(" ", "-")
-    path = Path(args.out) if args.out else RESULTS_DIR / f"attention-{gpu}-{time.strftime('%Y-%m-%d')}.json"
+    path = Path(args.out) if args.out else provenance.RESULTS_DIR / f"attention-{gpu}-{time.strftime('%Y-%m-%d')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str))
     for t in [record["timing"]] + record["more_shapes"]:

@@ -7,7 +7,7 @@ is switched between them (the same graphs and weights), and transformers' own co
 (`generate_batch`, its paged attention) on the same model and prompts: `--rounds` rounds, the arms in a
 shuffled order each round (bench/ab.py's rule: A/B in one run, interleaved).
 
-The floor is measured in the same run (bench/engine_mixed.py): the prompt tokens at the speed of whole
+The floor is measured in the same run (bench/engine/mixed.py): the prompt tokens at the speed of whole
 unchunked prompts of the workload's mean length, plus the decode steps of an ideal schedule at their
 roofline (the weights and the batch's KV bytes at the measured copy speed). Writes JSON with provenance
 to bench/results/offline-<machine>-<date>.json and prints a table.
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench import engine_decode as dec
-from pdserve.bench import engine_mixed as mx
+from pdserve.bench.engine import decode as dec
+from pdserve.bench.engine import mixed as mx
 from pdserve.bench import provenance
-from pdserve.bench.engine_bench import RESULTS_DIR, hf_twin, kv_bytes_per_token, machine_slug, parse_counts
+from pdserve.bench.engine.steps import hf_twin, kv_bytes_per_token, machine_slug, parse_counts
 
 FLOOR_LIMIT = 1.4  # the default config's wall time / its floor
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             "measured": table[default_name]["over_floor"],
             "met": None if table[default_name]["over_floor"] is None else table[default_name]["over_floor"] <= FLOOR_LIMIT}},
     }
-    out = Path(args.out) if args.out else RESULTS_DIR / f"offline-{machine_slug(device)}-{datetime.date.today().isoformat()}.json"
+    out = Path(args.out) if args.out else provenance.RESULTS_DIR / f"offline-{machine_slug(device)}-{datetime.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"offline: {args.prompts} prompts ({sum(lengths)} tokens) x {args.out_tokens} out; floor {floor:.2f} s "

@@ -5,7 +5,7 @@ In one run (qwen2.5-7b on one H200 by default; every list is a flag):
 
     decode     batch 1, 8, 32, 64 at contexts 1k, 4k, 16k, plus 32 requests with contexts drawn
                (seeded) from 1k-16k: engine.step() wall time, the requests put straight into decode
-               (reserve + adopt over a pool of random K/V, bench/engine_decode.py); beside each point
+               (reserve + adopt over a pool of random K/V, bench/engine/decode.py); beside each point
                the roofline: the time to move the weights a step reads plus that batch's KV bytes once,
                measured with a copy kernel in the same run (at the start and again at the end)
     prefill    at each --lengths: transformers (model(ids, DynamicCache(), logits_to_keep=1) + argmax on
@@ -53,11 +53,10 @@ from typing import Callable
 import torch
 
 from pdserve.bench import ab, provenance
-from pdserve.bench import engine_decode as dec
-from pdserve.bench import engine_mixed as mx
-from pdserve.bench.engine_report import markdown, targets
+from pdserve.bench.engine import decode as dec
+from pdserve.bench.engine import mixed as mx
+from pdserve.bench.engine.report import markdown, targets
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 
 
@@ -350,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         "mixed_step": mixed_step,
     }
     result["targets"] = targets(result)
-    out = Path(args.out) if args.out else RESULTS_DIR / (
+    out = Path(args.out) if args.out else provenance.RESULTS_DIR / (
         f"engine-{machine_slug(device)}-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -432,7 +431,7 @@ def hf_decode_ab(engine, twin, batch: int, context: int, vocab: int, device: tor
             "ours_ms": ab.summary(got.results["ours"]), "paired": paired, "ratio": paired["ratio"]["median"]}
 
 
-if __name__ == "__main__":  # `python -m pdserve.bench.engine_bench ...`, the same as `pdserve-bench engine ...`
+if __name__ == "__main__":  # `python -m pdserve.bench.engine.steps ...`, the same as `pdserve-bench engine ...`
     _parser = argparse.ArgumentParser(prog="pdserve-bench engine", description=__doc__.splitlines()[0])
     add_arguments(_parser)
     sys.exit(run(_parser.parse_args()))
