@@ -42,9 +42,10 @@ from pdserve.server import responses, schemas as S
 from pdserve.server.body import parse_body
 from pdserve.server.admission import AdmittedStream, Tickets, workers_pace
 from pdserve.settings.router import RouterConfig
-from pdserve.server.dispatch import Dispatcher, Done, Job, Token, fan_out
+from pdserve.server.dispatch import Dispatcher
 from pdserve.server.docs_page import page as docs_page
 from pdserve.server.errors import APIError, bad_request, unknown_model
+from pdserve.server.job import Done, Job, Token, fan_out
 from pdserve.server.guard import BodyBudget, install_front_door
 from pdserve.server.metrics import CONTENT_TYPE, Metrics
 from pdserve.server.pool import WorkerPool

@@ -2,18 +2,16 @@
 
     Dispatcher(cfg, pool, metrics)
       .admission                      tickets per role (server/admission.py); the planner admits with it
+      .link                           the WorkerLink every plan's run gets (server/link.py): its workers'
+                                      messages, deadlines, failures as APIErrors, aborts
       .execute(plan)                  a plan's Token/Done events; /metrics counts the request, its ticket
                                       is released however it ends
       .execute_all(plans)             (choice index, event) of the n sequences of one prompt
-      .attach / .next / .raise_for / .abort
-                                      one request's link to its workers (used by the plans' runs): depend on
-                                      a worker, its next message within a deadline, a failure as an APIError,
-                                      Abort to the workers of a request that ends unfinished
       .drain(timeout_s) / .abort_in_flight(reason)
                                       SIGTERM: stop admitting, let in-flight requests finish, fail the rest
 
-Which workers serve a request and how they are driven is server/routing.py's; this module holds the
-request's vocabulary there (Job in, Token and Done out) and the token stream's stamps and metrics.
+Which workers serve a request is server/routing.py's; how they are driven, server/plans.py's; the
+request's vocabulary (Job in, Token and Done out) is server/job.py's.
 """
 
 from __future__ import annotations
@@ -22,76 +20,36 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
-import msgspec
-
-from pdserve.protocol import control as P
-from pdserve.protocol import sampling as S
-from pdserve.protocol.enums import FailureKind, Policy
-from pdserve.protocol.timings import Timings
-from pdserve.server.admission import Admission, unavailable
-from pdserve.settings.router import RouterConfig
-from pdserve.server.errors import APIError, bad_request, timed_out, worker_failed
+from pdserve.server.admission import Admission
+from pdserve.server.errors import APIError
+from pdserve.server.job import Done, Token
+from pdserve.server.link import Shutdown, WorkerLink
 from pdserve.server.metrics import Metrics
-from pdserve.server.pool import NoWorker, WorkerLost, WorkerPool, WorkerState
-from pdserve.server.timeline import Clock
+from pdserve.server.plans import PREFILL_REPORT_GRACE_S
+from pdserve.server.pool import WorkerPool
+from pdserve.settings.router import RouterConfig
 
 if TYPE_CHECKING:
-    from pdserve.server.routing import Plan
+    from pdserve.server.plans import RequestPlan
 
 log = logging.getLogger("pdserve.router")
-
-PREFILL_REPORT_GRACE_S = 10.0  # after D finished, how long to wait for P's (already sent) report
-
-
-@dataclass
-class Job:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: P.Sampling
-    policy: str | None  # as the request asked (None: the router's --policy); its plan resolves it
-    clock: Clock = field(default_factory=Clock.start)
-    auto: str | None = None  # policy auto: why its plan took the policy it did (timings.route.auto)
-
-
-@dataclass(frozen=True)
-class Token:
-    token_id: int
-    text: str
-    last: bool  # a Done follows at once (streaming puts both in one event)
-    logprobs: P.TokenLogprobs | None = None  # when the request asked (Sampling.logprobs)
-    prompt_logprobs: list[P.TokenLogprobs] | None = None  # token 1, when it asked (Sampling.prompt_logprobs)
-
-
-@dataclass(frozen=True)
-class Done:
-    finish_reason: str
-    timings: Timings
-    token_ids: list[int]
-
-
-class Shutdown:
-    """Put in every in-flight request's inbox when the drain timeout passes: the request fails."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
 
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, pool: WorkerPool, metrics: Metrics):
         self.cfg, self.pool, self.metrics = cfg, pool, metrics
-        self._background: set[asyncio.Task] = set()
         self.admission = Admission(cfg, pool, metrics)
+        self.link = WorkerLink(cfg, pool, metrics)
 
     # ---- running ----------------------------------------------------------------------------------
 
-    async def execute(self, plan: Plan) -> AsyncIterator[Token | Done]:
+    async def execute(self, plan: RequestPlan) -> AsyncIterator[Token | Done]:
         self.metrics.in_flight.inc()
         outcome, finish_reason = "cancelled", None
         try:
-            async for event in plan.run(self):
+            async for event in plan.run(self.link):
                 if isinstance(event, Done):
                     outcome, finish_reason = "ok", event.finish_reason
                     self.metrics.observe_timings(event.timings)
@@ -105,7 +63,7 @@ class Dispatcher:
             self.metrics.in_flight.dec()
             self.metrics.request_ended(plan.policy, outcome, finish_reason, plan.job.sampling.max_tokens)
 
-    async def execute_all(self, plans: list[Plan]) -> AsyncIterator[tuple[int, Token | Done]]:
+    async def execute_all(self, plans: list[RequestPlan]) -> AsyncIterator[tuple[int, Token | Done]]:
         """(choice index, event) of every plan's run, as they come; the first error ends them all.
         A prompt of a full KV block or more: the others start once the first has its token 1, so that
         its prompt's blocks are in the workers' prefix cache and the others reuse them instead of
@@ -123,7 +81,7 @@ class Dispatcher:
         if len(first.prompt_ids) <= plans[0].lead.info.block_size and first.sampling.prompt_logprobs is None:
             lead_prefilled.set()  # no full block to share, no prompt logprobs to wait for
 
-        async def run(i: int, plan: Plan) -> None:
+        async def run(i: int, plan: RequestPlan) -> None:
             try:
                 if i:
                     await lead_prefilled.wait()
@@ -161,58 +119,6 @@ class Dispatcher:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    # ---- one request's link to its workers (the plans' runs) --------------------------------------
-
-    def attach(self, rid: str, w: WorkerState) -> None:
-        try:
-            self.pool.attach(rid, w)
-        except NoWorker as e:
-            raise unavailable(f"request {rid}: {e}", self.cfg.retry_after_s) from None
-
-    async def next(self, inbox: asyncio.Queue, job: Job, who: str, timeout: float, what: str) -> tuple:
-        """(the request's next message, time.monotonic() it landed on the router)"""
-        # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation (the client
-        # left) when the message arrives at the same moment, and the request would run on
-        getter = asyncio.ensure_future(inbox.get())
-        try:
-            done, _ = await asyncio.wait({getter}, timeout=timeout)
-        finally:
-            if not getter.done():
-                getter.cancel()
-        if not done:
-            raise timed_out(f"request {job.request_id}: no {what} from {who} within {timeout:.0f}s; "
-                            f"the worker may be overloaded or stuck (see GET /health)")
-        return getter.result()
-
-    def raise_for(self, msg, job: Job):
-        rid = job.request_id
-        if isinstance(msg, Shutdown):
-            raise unavailable(f"request {rid}: aborted: {msg.reason}", self.cfg.retry_after_s, "shutting_down")
-        if isinstance(msg, WorkerLost):
-            raise worker_failed(f"request {rid}: worker {msg.worker_id} was lost mid-request ({msg.reason}); "
-                                f"retry: the router no longer routes to it", code="worker_lost")
-        if isinstance(msg, P.RequestFailed):
-            text = f"request {rid}: {msg.error}"
-            if msg.kind == FailureKind.INVALID:
-                raise bad_request(text)
-            if msg.kind == FailureKind.CAPACITY:
-                raise unavailable(text, self.cfg.retry_after_s, "no_capacity")
-            if msg.kind == FailureKind.TIMEOUT:
-                raise timed_out(text)
-            raise worker_failed(text, code=f"{msg.kind}_error")
-        raise worker_failed(f"request {rid}: unexpected {type(msg).__name__} from a worker", code="protocol_error")
-
-    def abort(self, rid: str, *workers: WorkerState) -> None:
-        """Tell the workers (those still alive) to drop the request; sent in the background."""
-        for w in workers:
-            if self.pool.is_alive(w.id):
-                self._spawn(self.pool.send(w, P.Abort(rid, "the router gave up on the request")))
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     # ---- shutting down ----------------------------------------------------------------------------
 
     def abort_in_flight(self, reason: str) -> int:
@@ -240,53 +146,4 @@ class Dispatcher:
         return pending, aborted
 
     async def close(self) -> None:
-        for t in list(self._background):
-            t.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-
-
-def fan_out(job: Job, n: int) -> list[Job]:
-    """The n sequences of one request: ids `<id>-<i>`, sequence i seeded with seed + i (wrapping within
-    0..2**63-1) when a seed is given, so each choice differs and the whole is reproducible; prompt
-    logprobs asked of sequence 0 only (the prompt is the same: execute_all shares them)."""
-    if n == 1:
-        return [job]
-    s = job.sampling
-
-    def sampling(i: int) -> S.Sampling:
-        out = s if s.seed is None else msgspec.structs.replace(s, seed=(s.seed + i) % (S.MAX_SEED + 1))
-        return out if i == 0 or s.prompt_logprobs is None else msgspec.structs.replace(out, prompt_logprobs=None)
-
-    return [Job(f"{job.request_id}-{i}", job.prompt_ids, sampling(i), job.policy, dataclasses.replace(job.clock))
-            for i in range(n)]
-
-
-class TokenStream:
-    """Tokens of one request as they reach the router: stamps, inter-token latency, the last message."""
-
-    def __init__(self, job: Job, policy: Policy, metrics: Metrics):
-        self.job, self.policy, self.metrics = job, policy, metrics
-        self.token_ids: list[int] = []
-        self.last: P.TokenOut | None = None
-
-    @property
-    def count(self) -> int:
-        return len(self.token_ids)
-
-    def add(self, out: P.TokenOut, landed: float) -> Token:
-        """`landed`: when its message was read off the router's socket. Token 1's moment of handing
-        to the response (the end of TTFT) is now: the caller yields the Token at once."""
-        now = time.monotonic()
-        clock = self.job.clock
-        if clock.first_token is None:
-            clock.token1_landed, clock.first_token = landed, now
-            self.metrics.first_token(self.policy, len(self.job.prompt_ids))
-        else:
-            self.metrics.next_token(self.policy, now - clock.last_token)
-        clock.last_token = now
-        self.token_ids.append(out.token_id)
-        self.last = out
-        return Token(out.token_id, out.text, out.finished, out.logprobs, out.prompt_logprobs)
-
-    def done(self, out: P.TokenOut, t: Timings) -> Done:
-        return Done(out.finish_reason or "stop", t, list(self.token_ids))
+        await self.link.close()

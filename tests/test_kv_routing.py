@@ -19,7 +19,7 @@ from pdserve.protocol.blocks import block_names, root_name
 from pdserve.protocol.enums import Role
 from pdserve.server.admission import Admission
 from pdserve.settings.router import RouterConfig
-from pdserve.server.dispatch import Job
+from pdserve.server.job import Job
 from pdserve.server.kv_index import KVIndex
 from pdserve.server.metrics import Metrics
 from pdserve.server.pool import WorkerState
@@ -219,6 +219,7 @@ def test_a_decode_reservation_reloads_its_prefix_from_host_memory():
 def test_a_worker_fits_its_prefill_time_as_a_line():
     from types import SimpleNamespace
 
+    from pdserve.workers.engine.request import Stamps
     from pdserve.workers.roles.kv_report import KVReport
 
     report = KVReport(engine=None, worker_id="w")
@@ -226,7 +227,7 @@ def test_a_worker_fits_its_prefill_time_as_a_line():
 
     def prefill(tokens: int, cached: int, ms: float):
         report.observe(SimpleNamespace(prompt_ids=[1] * (tokens + cached), cached_tokens=cached,
-                                       prefill_start=100.0, prefill_end=100.0 + ms / 1e3))
+                                       stamps=Stamps(prefill_start=100.0, prefill_end=100.0 + ms / 1e3)))
     prefill(300, 0, 10 + 0.1 * 300)
     assert report.prefill_model() == pytest.approx((40 / 300, 0.0))  # one size: time over tokens
     for tokens in (36, 300, 52, 20):  # a turn's new tokens after a cached history, and first turns

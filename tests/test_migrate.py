@@ -1,6 +1,6 @@
 """--migrate: a request whose generating worker is lost after token 1 continues on another worker.
 
-On its own (server/migration.py, scripted runs): the continuation's job (prompt + the
+On its own (server/plans.py, scripted runs): the continuation's job (prompt + the
 tokens so far, the limits less those, its own id, the same clock), the stream without a gap, one Done
 for the whole request with `timings.migrations`, the continuation's admission released. Live: a
 pdserve with --migrate, the decode worker of a streaming disaggregated request SIGKILLed mid-
@@ -18,9 +18,9 @@ import pytest
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import Policy
 from pdserve.protocol.timings import Timings
-from pdserve.server.dispatch import Done, Job, Token
+from pdserve.server.job import Done, Job, Token
 from pdserve.server.errors import worker_failed
-from pdserve.server.migration import continued, migrating
+from pdserve.server.plans import continued, migrating
 from test_routing import Ticket
 from test_server_harness import TINY, Pdserve
 

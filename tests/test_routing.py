@@ -1,6 +1,6 @@
-"""server/routing.py on its own: the policy, the worker choice, the pairing and the failover plan,
-against worker records in a stand-in pool (no sockets, no worker processes, no event loop but the
-one failover run)."""
+"""server/routing.py on its own: the policy, the worker choice, the pairing and the failover plan, against
+worker records in a stand-in pool (no sockets, no worker processes, no event loop but the one failover
+run, server/plans.py's)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from pdserve.protocol.timings import Timings
 from pdserve.server.admission import Admission, Refused, unavailable
 from pdserve.settings.router import RouterConfig
 from pdserve.server.kv_index import KVIndex
-from pdserve.server.dispatch import Done, Job
+from pdserve.server.job import Done, Job
 from pdserve.server.errors import APIError, worker_failed
 from pdserve.server.metrics import Metrics
 from pdserve.server.pool import WorkerState
-from pdserve.server.routing import ColocatedPlan, DisaggregatedPlan, Planner, load
+from pdserve.server.plans import ColocatedPlan, DisaggregatedPlan
+from pdserve.server.routing import Planner, load
 
 THRESHOLD = 8
 
