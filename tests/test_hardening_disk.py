@@ -140,13 +140,13 @@ class Hang:
 
     def __init__(self, monkeypatch):
         self.release = threading.Event()
-        real = disk_module._read_all
+        real = disk_module.read_all
 
         def hanging(fd, buf, offset):
             self.release.wait(30)
             return real(fd, buf, offset)
 
-        monkeypatch.setattr(disk_module, "_read_all", hanging)
+        monkeypatch.setattr(disk_module, "read_all", hanging)
 
 
 def test_a_read_that_never_returns_is_a_miss_within_the_deadline_and_writes_nothing_late(tmp_path, monkeypatch):

@@ -8,8 +8,9 @@ threads only write files, read files and free slots.
 
 One concept per module (each docstring lists its primitives):
     host.py    HostTier: the slot memory and its bookkeeping (LRU, spill to disk, discard, stats)
-    copies.py  the copies between GPU blocks and host slots (staging, streams, runs; CUDA)
-    load.py    LoadHandle, and the load path that spans the host and disk tiers
+    copies.py  the copies between GPU blocks and host slots, both ways (staging, streams, runs; CUDA),
+               and the load path that spans the host and disk tiers
+    load.py    LoadHandle: one load in flight, what the engine polls
     disk.py    DiskTier: files per batch (model, layout, per-block keyed MAC), restart-safe, LRU by file
     files.py   the disk tier's files kept private and checked: folder, regular files, key, MAC, deadlines
     cost.py    CostModel: reload or recompute (torch-free)

@@ -32,15 +32,14 @@ from typing import Callable
 
 from pdserve.protocol.auth import Throttle
 from pdserve.workers.engine.kv_cache import KVLayout
-from pdserve.workers.engine.kv_tiers.files import (MAC, MAC_BYTES, DiskTierError, folder_key, is_own_regular, mac, open_regular,
-                                                   private_dir, run_with_deadline)
+from pdserve.workers.engine.kv_tiers.files import (MAC, MAC_BYTES, DiskTierError, align, folder_key, is_own_regular, mac,
+                                                   open_regular, private_dir, read_all, run_with_deadline, write_all)
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 log = logging.getLogger("pdserve.kv_tiers")
 
 MAGIC = b"PDSKV02\n"  # 01: crc32s, not keyed; such files are refused
 HEAD = struct.Struct(f"<Q{MAC_BYTES}s")  # header JSON length, its MAC
-ALIGN = 4096  # the payload starts on a page boundary
 READ_TIMEOUT_S = 10.0  # a read (a hung mount, a FIFO) that takes longer is a miss, and the file forgotten
 
 
@@ -154,7 +153,7 @@ class DiskTier:
         if meta.get("layout") != self._meta["layout"] or meta.get("entry_bytes") != self.entry_bytes:
             raise ValueError(f"written for layout {meta.get('layout')}, this worker has {self._meta['layout']}")
         entries = meta["entries"]
-        offset = _align(len(MAGIC) + HEAD.size + length)
+        offset = align(len(MAGIC) + HEAD.size + length)
         if size != offset + len(entries) * self.entry_bytes:
             raise ValueError(f"{size} bytes, its header says {offset + len(entries) * self.entry_bytes} (truncated)")
         return _File(path.name, [bytes.fromhex(h) for h, _ in entries], [str(m) for _, m in entries], offset, size, 0)
@@ -244,14 +243,14 @@ class DiskTier:
         macs = list(self._macs.map(lambda entry: mac(self._key, *entry), group))
         text = json.dumps({**self._meta, "entries": [[h.hex(), m] for (h, _), m in zip(group, macs)]}).encode()
         head = MAGIC + HEAD.pack(len(text), hmac.digest(self._key, text, MAC)) + text
-        head += b"\0" * (_align(len(head)) - len(head))
+        head += b"\0" * (align(len(head)) - len(head))
         name = f"{uuid.uuid4().hex}{self.SUFFIX}"
         tmp = self.dir / f".{name}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            _write_all(fd, memoryview(head))
+            write_all(fd, memoryview(head))
             for _, buf in group:
-                _write_all(fd, buf)
+                write_all(fd, buf)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -331,7 +330,7 @@ class DiskTier:
         try:
             for k, i in part:
                 try:
-                    got = _read_all(fd, memoryview(own), f.payload_offset + i * self.entry_bytes)
+                    got = read_all(fd, memoryview(own), f.payload_offset + i * self.entry_bytes)
                 except OSError as e:
                     why = f"{f.name}: {e}"
                 else:
@@ -419,11 +418,11 @@ class DiskTier:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                _write_all(fd, memoryview(data))
+                write_all(fd, memoryview(data))
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 start = time.perf_counter()
-                _read_all(fd, memoryview(buf), 0)
+                read_all(fd, memoryview(buf), 0)
                 seconds = time.perf_counter() - start
             finally:
                 os.close(fd)
@@ -437,22 +436,3 @@ class DiskTier:
             self._writer.join()
         self._macs.shutdown(wait=True)
 
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _write_all(fd: int, buf: memoryview) -> None:
-    buf = buf.cast("B")
-    while buf:
-        buf = buf[os.write(fd, buf):]
-
-
-def _read_all(fd: int, buf: memoryview, offset: int) -> int:
-    buf, got = buf.cast("B"), 0
-    while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got

@@ -10,6 +10,7 @@ feed it forged entries, so:
     mac(key, hash, data)     an entry's keyed MAC (HMAC-SHA256 over its hash and bytes), hex
     run_with_deadline(jobs, threads, timeout_s) -> late   reads that may hang, on daemon threads, waited
                              on for timeout_s at most; what a late job delivers afterwards is dropped
+    align(n), write_all(fd, buf), read_all(fd, buf, offset) -> n   page-aligned sizes, whole writes and reads
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ KEY_FILE = "kv.key"  # without a deployment key: the folder's own (0600), made o
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # no links; a FIFO opens without waiting, then is refused
 MAC = "sha256"  # HMAC; OpenSSL's SHA-256 runs at about 1 GiB/s a core and lets go of the GIL
 MAC_BYTES = 32
+ALIGN = 4096  # a file's payload starts on a page boundary
 
 
 class DiskTierError(ValueError):
@@ -154,3 +156,26 @@ def run_with_deadline(jobs: list, threads: int, timeout_s: float) -> set[int]:
     with lock:
         state["open"] = False
         return set(range(len(jobs))) - done
+
+
+def align(n: int) -> int:
+    """n rounded up to a page (a file's payload starts on a page boundary)."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def write_all(fd: int, buf: memoryview) -> None:
+    """All of buf at the fd's position (os.write may write less)."""
+    buf = buf.cast("B")
+    while buf:
+        buf = buf[os.write(fd, buf):]
+
+
+def read_all(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill buf from offset on; returns the bytes read (fewer: the file ended)."""
+    buf, got = buf.cast("B"), 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got

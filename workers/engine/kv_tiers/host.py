@@ -3,14 +3,14 @@
 The engine's entry point to the tiers (one caller thread; the tiers' own threads only write
 files, read files and free slots). This module holds the slot memory (anonymous pages locked
 with cudaHostRegister) and the bookkeeping: which hash holds which slot, what is on its way to
-disk, which pending copies a GPU block or a freed slot must wait for. The copies themselves are
-in copies.py, a load in load.py.
+disk, which pending copies a GPU block or a freed slot must wait for. The copies themselves, and
+the load path, are in copies.py.
     HostTier(layout, capacity_bytes, device, pinned=True, disk=None)   slots allocated once
     store(pool, [(hash, gpu_block)]) -> int   copy those blocks out, async; held hashes skipped; LRU
                                               entries go to disk in the background, or are dropped
     before_reuse(gpu_blocks)                  the current stream waits for pending stores reading them
     lookup([hash]) -> ["host" | "disk"]       the tier of each leading hash held; stops at the first miss
-    load(pool, [(hash, gpu_block)]) -> LoadHandle   copy those entries into the blocks, async (load.py)
+    load(pool, [(hash, gpu_block)]) -> LoadHandle   copy those entries into the blocks, async (copies.py)
     spill([hash]) -> int                      push host entries to disk now (their host slots freed)
     discard([hash])                           forget entries in every tier
     stats() -> {"host": TierStats, "disk": TierStats}   occupancy, bytes in and out, hits and misses
@@ -33,13 +33,12 @@ from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.engine.kv_tiers.copies import HostCopies, _Entry
 from pdserve.workers.engine.kv_tiers.cost import CostModel
 from pdserve.workers.engine.kv_tiers.disk import DiskTier
-from pdserve.workers.engine.kv_tiers.load import HostLoads
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 
-class HostTier(HostCopies, HostLoads):
+class HostTier(HostCopies):
     """Host slots for evicted GPU blocks, LRU, with an optional DiskTier below (see the module
-    docstrings of host.py, copies.py and load.py). staging_bytes: each side stream's device staging buffer (copies go in chunks of
+    docstrings of host.py and copies.py). staging_bytes: each side stream's device staging buffer (copies go in chunks of
     it). evict_ahead: with a disk, the fraction of slots kept free or on their way to disk, so a
     store finds room while the writer drains (a store that finds too little room keeps its
     leading blocks and counts the rest as dropped; it never waits for the disk)."""
