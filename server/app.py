@@ -1,6 +1,6 @@
 """The router's HTTP API (FastAPI): OpenAI-compatible completions and chat, models, health, metrics.
 
-    POST /v1/completions        prompt -> text (stream: SSE, last event carries usage and timings)
+    POST /v1/completions        prompt -> text (stream: SSE, server/sse.py; the last event carries usage, timings)
     POST /v1/chat/completions   messages -> assistant message
     GET  /v1/models             the one model served; GET /v1/models/{id}: that model, or 404
     POST /tokenize              vLLM's: a prompt or chat messages -> token ids (and count, context)
@@ -27,18 +27,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.protocol.timings import Timings
-from pdserve.server import responses, schemas as S
+from pdserve.server import responses
 from pdserve.server.body import parse_body
 from pdserve.server.admission import AdmittedStream, Tickets, workers_pace
 from pdserve.settings.router import RouterConfig
@@ -51,6 +49,8 @@ from pdserve.server.metrics import CONTENT_TYPE, Metrics
 from pdserve.server.pool import WorkerPool
 from pdserve.server.request_id import RequestIdHeader
 from pdserve.server.routing import Planner
+from pdserve.server.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openapi_body
+from pdserve.server.sse import completion_events
 from pdserve.server.timeline import Clock
 from pdserve.server.tokenizer import PromptEncoder
 
@@ -109,7 +109,7 @@ class Router:
 
     # ---- one request ------------------------------------------------------------------------------
 
-    async def prepare(self, kind: str, req: S.CompletionRequest | S.ChatRequest, request_id: str,
+    async def prepare(self, kind: str, req: CompletionRequest | ChatRequest, request_id: str,
                       clock: Clock) -> Job:
         req.check()
         self._check_model(req.model)
@@ -163,7 +163,7 @@ class Router:
     async def handle(self, kind: str, http: Request) -> Response:
         clock = Clock.start()  # arrival: parsing and tokenizing count as the router's queue time
         self.require_key(http)
-        cls = S.ChatRequest if kind == "chat" else S.CompletionRequest
+        cls = ChatRequest if kind == "chat" else CompletionRequest
         raw = await self.read_body(http)
         req = await self._off_loop(lambda body: parse_body(body, cls), raw, len(raw), LONG_BODY_BYTES)
         rid = responses.new_id(kind)
@@ -173,7 +173,9 @@ class Router:
         tickets = Tickets([p.ticket for p in plans])
         choices = self._choices(kind, req, job)
         if req.stream:
-            return AdmittedStream(self._sse(kind, job, plans, req, choices), tickets, self.cfg.send_timeout_s,
+            events = completion_events(kind, req.response_id(rid), self.cfg.served_name, len(job.prompt_ids),
+                                       req.stream_options, choices, workers_pace(self.dispatcher.execute_all(plans)))
+            return AdmittedStream(events, tickets, self.cfg.send_timeout_s,
                                   media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         dones: list[Done | None] = [None] * len(plans)
@@ -204,7 +206,7 @@ class Router:
             kind, req.response_id(rid), responses.now_s(), self.cfg.served_name, [c.body() for c in choices],
             len(job.prompt_ids), sum(len(d.token_ids) for d in dones), dones[0].timings))
 
-    def _choices(self, kind: str, req: S.CompletionRequest | S.ChatRequest, job: Job) -> list[responses.ChoiceBuilder]:
+    def _choices(self, kind: str, req: CompletionRequest | ChatRequest, job: Job) -> list[responses.ChoiceBuilder]:
         """One builder per choice: logprobs if asked, the prompt's text first if echoed (completions)."""
         logprobs = job.sampling.logprobs is not None
         echo = None
@@ -221,65 +223,12 @@ class Router:
             text = self._token_texts[token_id] = self.encoder.decode([token_id])
         return text
 
-    async def _sse(self, kind: str, job: Job, plans: list, req: S.CompletionRequest | S.ChatRequest,
-                   choices: list[responses.ChoiceBuilder]):
-        rid, created, model = req.response_id(job.request_id), responses.now_s(), self.cfg.served_name
-        # OpenAI's include_usage: every event says "usage": null, and a last one (empty choices) the usage;
-        # vLLM's continuous_usage_stats: every event carries the usage so far
-        usage_event = req.stream_options is not None and req.stream_options.usage_event()
-        continuous = usage_event and req.stream_options.continuous_usage_stats
-        generated = 0  # tokens of every choice so far
-        held: dict[int, tuple[str, list[int]]] = {}  # choice -> its last token, sent with its Done in one event
-        completion_tokens, left = 0, len(plans)
-        timings = Timings()  # choice 0's, as a whole response reports them
-        try:
-            async for i, event in workers_pace(self.dispatcher.execute_all(plans)):
-                c = choices[i]
-                if isinstance(event, Token):
-                    text = c.add(event.token_id, event.text, event.logprobs, event.prompt_logprobs)
-                    generated += 1
-                    if event.last:  # the Done follows at once: one final event carries both
-                        held[i] = (text, [event.token_id])
-                    else:
-                        body = responses.chunk_body(kind, rid, created, model, c.delta(text, [event.token_id]),
-                                            null_usage=usage_event)
-                        if continuous:
-                            body["usage"] = responses.usage(len(job.prompt_ids), generated)
-                        yield _event(body)
-                    continue
-                text, ids = held.pop(i, ("", []))
-                body = responses.chunk_body(kind, rid, created, model, c.delta(text, ids, event.finish_reason),
-                                    null_usage=usage_event)
-                if continuous:
-                    body["usage"] = responses.usage(len(job.prompt_ids), generated)
-                completion_tokens += len(event.token_ids)
-                timings = event.timings if i == 0 else timings
-                left -= 1
-                if left:
-                    yield _event(body)
-                    continue
-                if usage_event:
-                    yield _event(body)
-                    body = responses.usage_chunk_body(kind, rid, created, model)
-                # the prompt counted once (and its cached tokens: choice 0's)
-                body["usage"] = responses.usage(len(job.prompt_ids), completion_tokens, timings.cached_tokens)
-                body["timings"] = timings.to_dict()
-                yield _event(body)
-        except APIError as e:
-            log.warning("request %s failed mid-stream: %s", rid, e.message)
-            yield _event(e.body())
-        except Exception as e:  # the stream has started: the error can only travel as an event
-            log.exception("request %s failed mid-stream", rid)
-            yield _event(APIError(500, f"request {rid}: internal error: {type(e).__name__}: {e}",
-                                  "server_error", None, "internal_error").body())
-        yield "data: [DONE]\n\n"
-
     # ---- read-only endpoints ----------------------------------------------------------------------
 
     async def tokenize(self, http: Request) -> JSONResponse:
         self.require_key(http)
         raw = await self.read_body(http)
-        req = await self._off_loop(lambda body: parse_body(body, S.TokenizeRequest), raw, len(raw), LONG_BODY_BYTES)
+        req = await self._off_loop(lambda body: parse_body(body, TokenizeRequest), raw, len(raw), LONG_BODY_BYTES)
         self._check_model(req.model)
         prompt = req.prompt_input()
         context = self.pool.max_model_len()
@@ -297,7 +246,7 @@ class Router:
     async def detokenize(self, http: Request) -> JSONResponse:
         self.require_key(http)
         raw = await self.read_body(http)
-        req = await self._off_loop(lambda body: parse_body(body, S.DetokenizeRequest), raw, len(raw),
+        req = await self._off_loop(lambda body: parse_body(body, DetokenizeRequest), raw, len(raw),
                                    LONG_BODY_BYTES)
         self._check_model(req.model)
         ids = req.check()
@@ -360,10 +309,6 @@ async def _disconnected(http: Request) -> None:
         pass
 
 
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
 def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     router = Router(cfg, tokenizer)
 
@@ -381,10 +326,10 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
                   redoc_url=None)
     app.add_middleware(RequestIdHeader)
     install_front_door(app, cfg)  # outermost: Host, content type and framing before anything else
-    completion_body, completion_schemas = S.openapi_body(S.CompletionRequest)
-    chat_body, chat_schemas = S.openapi_body(S.ChatRequest)
-    tokenize_body, tokenize_schemas = S.openapi_body(S.TokenizeRequest)
-    detokenize_body, detokenize_schemas = S.openapi_body(S.DetokenizeRequest)
+    completion_body, completion_schemas = openapi_body(CompletionRequest)
+    chat_body, chat_schemas = openapi_body(ChatRequest)
+    tokenize_body, tokenize_schemas = openapi_body(TokenizeRequest)
+    detokenize_body, detokenize_schemas = openapi_body(DetokenizeRequest)
     schemas = completion_schemas | chat_schemas | tokenize_schemas | detokenize_schemas
     app.state.router = router
 
@@ -441,8 +386,8 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request):  # behind the key, as /openapi.json
         router.require_key(request)
-        return HTMLResponse(docs_page("pdserve", _version(), {"/v1/completions": S.CompletionRequest,
-                                                              "/v1/chat/completions": S.ChatRequest}))
+        return HTMLResponse(docs_page("pdserve", _version(), {"/v1/completions": CompletionRequest,
+                                                              "/v1/chat/completions": ChatRequest}))
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request):
