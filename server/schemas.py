@@ -343,13 +343,3 @@ class DetokenizeRequest(BaseModel):
             raise bad_request(f"`tokens` holds {len(self.tokens)} ids; at most {MAX_PROMPT_TOKENS}", "tokens",
                               "context_length_exceeded")
         return self.tokens
-
-
-def openapi_body(model_cls: type[BaseModel]) -> tuple[dict, dict]:
-    """The route's `openapi_extra` documenting `model_cls` as its JSON body (handlers read the body
-    themselves, through parse_body's limits), and the schemas it refers to, for components."""
-    schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = schema.pop("$defs", {})
-    ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
-    body = {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-    return body, {model_cls.__name__: schema, **defs}

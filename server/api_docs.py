@@ -1,6 +1,12 @@
-"""GET /docs: the API on one self-contained HTML page (no script, nothing fetched from elsewhere, so it
-works offline and behind a strict proxy): the endpoints, each request body's fields from the same
-schemas /openapi.json serves, and the table of OpenAI's and vLLM's fields (server/fields.py)."""
+"""The API's documents, both from the request models themselves (server/schemas.py):
+
+    docs_page(title, version, bodies)   GET /docs: the API on one self-contained HTML page (no script,
+                                        nothing fetched from elsewhere, so it works offline and behind a
+                                        strict proxy): the endpoints, each request body's fields from the
+                                        same schemas /openapi.json serves, and the table of OpenAI's and
+                                        vLLM's fields (server/fields.py)
+    openapi_body(model)                 a route's request body for /openapi.json, and its schemas
+"""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ ENDPOINTS = (
 )
 
 
-def page(title: str, version: str, bodies: dict[str, type[BaseModel]]) -> str:
+def docs_page(title: str, version: str, bodies: dict[str, type[BaseModel]]) -> str:
     """bodies: path -> its request model."""
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)} API</title>",
@@ -50,3 +56,13 @@ def page(title: str, version: str, bodies: dict[str, type[BaseModel]]) -> str:
                      f"<td>{f.kind}</td><td><code>{e(neutral)}</code></td><td>{e(f.note or f.why)}</td></tr>")
     parts.append("</table></body></html>")
     return "\n".join(parts)
+
+
+def openapi_body(model_cls: type[BaseModel]) -> tuple[dict, dict]:
+    """The route's `openapi_extra` documenting `model_cls` as its JSON body (handlers read the body
+    themselves, through parse_body's limits), and the schemas it refers to, for components."""
+    schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
+    body = {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+    return body, {model_cls.__name__: schema, **defs}
