@@ -1,6 +1,6 @@
 """Sampling parameters and their bounds, the one place they are defined.
 
-`Sampling` is what a request asks of the sampler: the HTTP API (server/schemas.py) takes its bounds
+`Sampling` is what a request asks of the sampler: the HTTP API (server/requests.py) takes its bounds
 from the constants here, the wire carries it (control.Generate/Reserve/Prefill, each bound checked at
 decode time), and the engine samples by it (workers/engine/request.py, SamplingParams, checks the
 same bounds for requests that did not come over the wire).

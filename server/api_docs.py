@@ -1,4 +1,4 @@
-"""The API's documents, both from the request models themselves (server/schemas.py):
+"""The API's documents, both from the request models themselves (server/requests.py):
 
     docs_page(title, version, bodies)   GET /docs: the API on one self-contained HTML page (no script,
                                         nothing fetched from elsewhere, so it works offline and behind a

@@ -37,22 +37,22 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.server import responses
-from pdserve.server.body import parse_body
 from pdserve.server.admission import AdmittedStream, Tickets, workers_pace
-from pdserve.settings.router import RouterConfig
-from pdserve.server.dispatch import Dispatcher
 from pdserve.server.api_docs import docs_page, openapi_body
+from pdserve.server.body import parse_body
+from pdserve.server.dispatch import Dispatcher
 from pdserve.server.errors import APIError, bad_request, unknown_model
-from pdserve.server.job import Done, Job, Token, fan_out
 from pdserve.server.guard import BodyBudget, install_front_door
+from pdserve.server.job import Done, Job, Token, fan_out
 from pdserve.server.metrics import CONTENT_TYPE, Metrics
 from pdserve.server.pool import WorkerPool
 from pdserve.server.request_id import RequestIdHeader
+from pdserve.server.requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.server.routing import Planner
-from pdserve.server.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.server.sse import completion_events
 from pdserve.server.timeline import Clock
 from pdserve.server.tokenizer import PromptEncoder
+from pdserve.settings.router import RouterConfig
 
 log = logging.getLogger("pdserve.router")
 

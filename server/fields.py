@@ -7,7 +7,7 @@
                            walks every row against a live pdserve)
 
 Three classes. `implemented`: the field works (its checks and meaning are the request model's, in
-server/schemas.py). `neutral`: accepted when it holds a value that changes nothing (`best_of: 1`,
+server/requests.py). `neutral`: accepted when it holds a value that changes nothing (`best_of: 1`,
 `tools: []`), which clients send by default; any other value is refused with a 400 naming the field.
 `refused`: any value but null gets that 400. null is "not set" for every field.
 """

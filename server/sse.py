@@ -19,7 +19,7 @@ from pdserve.protocol.timings import Timings
 from pdserve.server import responses
 from pdserve.server.errors import APIError
 from pdserve.server.job import Done, Token
-from pdserve.server.schemas import StreamOptions
+from pdserve.server.requests import StreamOptions
 
 log = logging.getLogger("pdserve.router")
 

@@ -16,7 +16,7 @@ import pytest
 
 from test_server_harness import ROOT
 from pdserve.server.fields import FIELDS, IMPLEMENTED, markdown_table
-from pdserve.server.schemas import ChatRequest, CompletionRequest
+from pdserve.server.requests import ChatRequest, CompletionRequest
 
 pytestmark = pytest.mark.timeout(300)
 
