@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from pdserve.bench import transfer as bench
-from pdserve.bench.transfer_check import parse_fault, poison, prompt_ids, run_seed, scrub, skip
+from pdserve.bench.transfer import table as bench
+from pdserve.bench.transfer.check import parse_fault, poison, prompt_ids, run_seed, scrub, skip
 from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.transfer.plan import make_plan
 

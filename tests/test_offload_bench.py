@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdserve.bench import offload
+from pdserve.bench.transfer import offload
 
 pytestmark = pytest.mark.timeout(300)
 

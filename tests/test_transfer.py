@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.bench.transfer import Child
+from pdserve.bench.transfer.table import Child
 from transfer_peer import layout_arg, source_pool
 from pdserve.protocol import kv as P
 from pdserve.settings.worker import TransferConfig

@@ -1,6 +1,6 @@
 """Decoding from a transferred cache equals the colocated run, bitwise, for every transport and mode.
 
-Prefill and decode run as two processes (bench/transfer_roles.py, the same code `pdserve-bench
+Prefill and decode run as two processes (bench/transfer/roles.py, the same code `pdserve-bench
 transfer` times): the decode process reserves blocks and poisons them with NaN, the prefill
 process runs prefill_only (with the per-layer hook in layer mode) and pushes the KV, the decode
 process adopts the request and decodes 20 greedy tokens; token ids and every step's logits must
@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from pdserve.bench import transfer as bench
+from pdserve.bench.transfer import table as bench
 from pdserve.protocol.enums import MODES, TRANSPORTS
 
 pytestmark = pytest.mark.timeout(900)

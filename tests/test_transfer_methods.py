@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.transfer_pools import parse_method, scatter
+from pdserve.bench.transfer.pools import parse_method, scatter
 from pdserve.settings.worker import EngineConfig
 from pdserve.protocol.enums import MODES
 from test_transfer_engine import assert_all_exact, run_bench

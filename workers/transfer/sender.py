@@ -175,7 +175,7 @@ class ChannelSender(Endpoint, KVSender):
         self._stop()
 
     def _new_transfer(self, peer: Peer, plan: Plan) -> SenderTransfer:
-        """(bench/transfer_check.py wraps this to leave runs out of a plan.)"""
+        """(bench/transfer/check.py wraps this to leave runs out of a plan.)"""
         return self.transfer_class(self, peer, plan)
 
     # ---- for transports (I/O thread) -----------------------------------------------------------

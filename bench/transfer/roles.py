@@ -1,11 +1,11 @@
 """The two processes of `pdserve-bench transfer`: prefill and decode, driven by JSON lines.
 
-    python -m pdserve.bench.transfer_roles prefill|decode --model M --device D ... (started by bench/transfer.py)
+    python -m pdserve.bench.transfer.roles prefill|decode --model M --device D ... (started by bench/transfer/table.py)
 
 Each loads the model once and answers one command per stdin line with one stdout line that starts
 with REPLY (libraries such as NIXL log to stdout too).
 
-Every run has its own prompt (seeded: bench/transfer_check.py) and the decode side poisons the
+Every run has its own prompt (seeded: bench/transfer/check.py) and the decode side poisons the
 reserved blocks (NaN) before the transfer, so a transport that moves too little cannot pass the
 exact-match check on an earlier run's KV. `--break FAULT` (prefill side) makes our senders drop
 part of every request, to show that the check then fails.
@@ -49,8 +49,8 @@ import msgspec
 import torch
 
 from pdserve.bench.engine.steps import sync
-from pdserve.bench.transfer_check import break_sender, parse_fault, poison, prompt_ids, scrub
-from pdserve.bench.transfer_pools import paged_copy, parse_method, release, scatter
+from pdserve.bench.transfer.check import break_sender, parse_fault, poison, prompt_ids, scrub
+from pdserve.bench.transfer.pools import paged_copy, parse_method, release, scatter
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine.engine import Engine
 from pdserve.workers.engine.kv_cache import SHM_PREFIX
@@ -123,7 +123,7 @@ class PrefillSide:
         return {"gbps": cmd["nbytes"] / runs[len(runs) // 2] / 1e9}
 
     def paged_copy(self, cmd) -> dict:
-        """A request's paged-KV copy patterns inside this pool (bench/transfer_pools.py)."""
+        """A request's paged-KV copy patterns inside this pool (bench/transfer/pools.py)."""
         return paged_copy(self.engine.kv.pool, cmd["blocks"], self.device)
 
     def request(self, rid: str, n: int, seed: int) -> Request:
@@ -422,9 +422,9 @@ def main() -> None:
     ap.add_argument("--transports", required=True)
     ap.add_argument("--deadline-s", type=float, default=60.0)
     ap.add_argument("--kv-streams", type=int, default=None, help="zmq's data streams (default: TransferConfig's)")
-    ap.add_argument("--keys", default=None, help="worker key folder for the zmq-curve method (made by bench/transfer.py)")
+    ap.add_argument("--keys", default=None, help="worker key folder for the zmq-curve method (made by bench/transfer/table.py)")
     ap.add_argument("--kv-host", default="127.0.0.1",
-                    help="decode side: the address its receivers bind and advertise (bench/multihost.py: its namespace's)")
+                    help="decode side: the address its receivers bind and advertise (bench/transfer/multihost.py: its namespace's)")
     ap.add_argument("--break", dest="fault", default=None,
                     help="prefill side, tests only: our senders drop part of every request (skip-block:K, skip-all)")
     args = ap.parse_args()

@@ -12,13 +12,13 @@ transfer and the prefill are of the same order. As root (namespaces, tc).
                                                              # above, the probe shows what TCP reaches unshaped
 
 Two namespaces on a bridge (tests/netns.py, the tests' own helper), one process each
-(bench/transfer_roles.py, as `pdserve-bench transfer` runs them, with the decode side's receivers bound
+(bench/transfer/roles.py, as `pdserve-bench transfer` runs them, with the decode side's receivers bound
 to its namespace's address; nixl with UCX_TLS=tcp, UCX_NET_DEVICES=eth0: with UCX's defaults the
 bytes would go over cma, never the link). Per rate, tbf on both directions of the decode host's link:
 
     link ceiling   a plain TCP stream of --probe-mib from prefill to decode at that rate, Mbit/s:
                    the limit measured in the same run (tbf's rate less TCP/IP's overhead)
-    per length     bench/transfer.py's rounds: plain prefill, bulk and layer, shuffled per round; every
+    per length     bench/transfer/table.py's rounds: plain prefill, bulk and layer, shuffled per round; every
                    run its own seeded prompt, the decode blocks poisoned (NaN), the tokens and logits
                    checked bitwise against a colocated run on the decode side
     predicted      transfer = KV bytes x 8 / rate (nominal) and / the measured ceiling; bulk exposes the
@@ -50,18 +50,16 @@ from types import SimpleNamespace
 
 from pdserve.bench import provenance
 from pdserve.bench.engine.steps import parse_counts
-from pdserve.bench.transfer import Child, log, measure_length, one_run
-from pdserve.bench.transfer_check import run_seed
+from pdserve.bench.transfer.table import Child, log, measure_length, one_run
+from pdserve.bench.transfer.check import run_seed
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "bench" / "results"
 UCX_TCP = ["UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"]
 PROBE_PORT = 7999
 
 
 def netns_module():
     """tests/netns.py: the namespaces the multi-host tests use (this bench runs from a checkout)."""
-    spec = importlib.util.spec_from_file_location("pdserve_netns", REPO / "tests" / "netns.py")
+    spec = importlib.util.spec_from_file_location("pdserve_netns", provenance.REPO / "tests" / "netns.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -87,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def role(net, host: str, name: str, args, max_len: int, extra: list[str]) -> Child:
     env = ["env", "CUDA_VISIBLE_DEVICES=", *UCX_TCP]
-    argv = [*env, sys.executable, "-m", "pdserve.bench.transfer_roles", name, "--model", args.model, "--device", "cpu",
+    argv = [*env, sys.executable, "-m", "pdserve.bench.transfer.roles", name, "--model", args.model, "--device", "cpu",
             "--decode-device", "cpu", "--max-len", str(max_len), "--tokens", str(args.tokens),
             "--transports", args.transports, "--deadline-s", str(args.deadline_s), *extra]
     return Child(name, net.argv(host, argv))
@@ -187,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("between hosts: --transports nixl and/or zmq (ipc is one host only)")
     prov = provenance.collect(["cpu"])
     prov["load_average_start"] = os.getloadavg()
-    out = Path(args.out) if args.out else RESULTS_DIR / f"multihost-cpu-{datetime.date.today().isoformat()}"
+    out = Path(args.out) if args.out else provenance.RESULTS_DIR / f"multihost-cpu-{datetime.date.today().isoformat()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     t_args = SimpleNamespace(no_seed_method=True, repeats=args.repeats, warmup=args.warmup, seed=args.seed)
     result = {"benchmark": "multihost", "complete": False, "provenance": prov,
