@@ -1,7 +1,7 @@
 """The router's plans: the scripts that run one request on the workers its plan names. A plan's type is
 its policy (server/routing.py chose it, and the workers); nothing downstream asks which policy it was.
-A plan's run gets a WorkerLink (server/link.py) from the Dispatcher that runs it, and nothing else of
-the router.
+A plan's run gets a WorkerLink (server/link.py) from the Dispatcher that runs it; the Planner that made it
+gave it where to go on when its workers fail (`fallback`, `migrate`). It sees nothing else of the router.
 
 ColocatedPlan(job, worker).run(link):
     Generate -> worker W ............ Tokens ... (last one: finished + W's timeline)
