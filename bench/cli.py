@@ -1,13 +1,14 @@
 """`pdserve-bench`: one command, one subcommand per benchmark.
 
-    pdserve-bench load      colocated vs disaggregated under load (bench/load.py)
+    pdserve-bench load      colocated vs disaggregated under load (bench/load/generator.py)
     pdserve-bench transfer  the KV transfer table (bench/transfer/table.py)
     pdserve-bench engine    prefill and decode step times against transformers (bench/engine/steps.py)
     pdserve-bench offline   an offline workload beside its floor and transformers' batching (bench/engine/offline.py)
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/engine/paged_attention.py)
     pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/transfer/multihost.py)
-    pdserve-bench atlas     prompt profiles x SLO pairs x rates, which arm wins each cell (bench/atlas.py)
-    pdserve-bench plan      colocated or xP:yD for N GPUs, predicted from an engine profile (bench/planner.py)
+    pdserve-bench atlas     prompt profiles x SLO pairs x rates, which arm wins each cell (bench/load/atlas.py)
+    pdserve-bench plan      colocated or xP:yD for N GPUs, predicted from an engine profile (bench/load/planner.py)
+    pdserve-bench offload   recompute vs reload per KV tier, every reload checked (bench/transfer/offload.py)
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`.
 """
@@ -19,14 +20,14 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "load": ("pdserve.bench.load", "load generator: colocated vs disaggregated latency under the same load"),
+    "load": ("pdserve.bench.load.generator", "load generator: colocated vs disaggregated latency under the same load"),
     "transfer": ("pdserve.bench.transfer.table", "KV transfer table: prefill, transfer and first decode step per length"),
     "engine": ("pdserve.bench.engine.steps", "engine prefill and decode step times against transformers"),
     "offline": ("pdserve.bench.engine.offline", "an offline workload through the engine beside its floor and transformers' batching"),
     "attention": ("pdserve.bench.engine.paged_attention", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
     "multihost": ("pdserve.bench.transfer.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
-    "atlas": ("pdserve.bench.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
-    "plan": ("pdserve.bench.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
+    "atlas": ("pdserve.bench.load.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
+    "plan": ("pdserve.bench.load.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
     "offload": ("pdserve.bench.transfer.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
 

@@ -1,4 +1,4 @@
-"""The crossover atlas (bench/atlas.py) end to end on fake servers whose trade is known: arm "colo" prefills
+"""The crossover atlas (bench/load/atlas.py) end to end on fake servers whose trade is known: arm "colo" prefills
 fast (20 ms + 0.02 ms a word: ~47 req/s at 50-word prompts, ~25 at 1000) but decodes at 20 ms a token, arm
 "disagg" prefills at less than half the speed (50 ms + 0.05: ~19 and ~10 req/s) and decodes at 2 ms. A tight
 TPOT (12 ms) only disagg meets; under a loose one (80 ms) colo's faster prefill serves the higher rate.
@@ -8,9 +8,9 @@ import json
 import sys
 
 from pdserve.bench import cli
-from pdserve.bench.atlas import capacity_on_grid, parse_rates, winner
+from pdserve.bench.load.atlas import capacity_on_grid, parse_rates, winner
 
-FAKE = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0"
+FAKE = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0"
 
 
 def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):

@@ -5,11 +5,11 @@ precision; the old probe (24 prompts, judged on the SLO target alone) passes far
 import json
 import sys
 
-from pdserve.bench import load
+from pdserve.bench.load import generator
 
 # one prefill at a time, 25 ms each: at most 40 req/s (a little less: each sleep overshoots)
 CAPACITY = 40.0
-SERVER = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
+SERVER = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
          "--prefill-ms-per-request 25"
 # near-periodic arrivals (burstiness 50) keep the queue empty below capacity; a loose TTFT SLO (500 ms) that
 # a short burst past capacity still meets: only the window's length can expose the queue
@@ -19,7 +19,7 @@ COMMON = ["--arm", "colo=colocated:", "--server-command", SERVER, "--capacity-se
 
 
 def _search(out, *flags) -> tuple[dict, list[dict]]:
-    assert load.main(COMMON + ["--out", str(out), *flags]) == 0
+    assert generator.main(COMMON + ["--out", str(out), *flags]) == 0
     run = json.loads((out / "results.json").read_text())
     return run["arms"][0]["capacity"], [b for b in run["results"] if b["phase"] == "probe"]
 
@@ -54,9 +54,9 @@ def test_long_probes_find_the_capacity_and_the_old_short_probe_does_not(tmp_path
 
 
 def test_probe_flags_are_checked(capsys):
-    assert load.main(["--capacity-search", "--goodput", "ttft:10", "--probe-seconds", "-1"]) == 2
+    assert generator.main(["--capacity-search", "--goodput", "ttft:10", "--probe-seconds", "-1"]) == 2
     assert "--probe-seconds" in capsys.readouterr().err
-    assert load.main(["--capacity-search", "--goodput", "ttft:10", "--probe-min-requests", "0"]) == 2
+    assert generator.main(["--capacity-search", "--goodput", "ttft:10", "--probe-min-requests", "0"]) == 2
 
 
 def test_a_probe_that_would_not_end_within_the_budget_does_not_start():
@@ -64,7 +64,7 @@ def test_a_probe_that_would_not_end_within_the_budget_does_not_start():
     search before a probe that would overrun it; the first probe always runs."""
     import asyncio
 
-    from pdserve.bench.capacity import probe_passes, probe_requests, search_capacity
+    from pdserve.bench.load.capacity import probe_passes, probe_requests, search_capacity
 
     assert probe_requests(0.5, 60, 24) == 30 and probe_requests(0.1, 60, 24) == 24 and probe_requests(8, 0, 24) == 24
     budget_s, seen = 200.0, []

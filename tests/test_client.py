@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.bench.load_fake_server import FakeConfig, FakeServer, free_port
+from pdserve.bench.load.fake_server import FakeConfig, FakeServer, free_port
 from pdserve.client import AsyncClient, Client, ProtocolError, RequestTimeout, ServerError, ServerUnreachable, Timings
 from pdserve.client import cli
 from pdserve.client.wire import SSEDecoder, StreamState, error_from_response

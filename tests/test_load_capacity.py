@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from pdserve.bench import load
-from pdserve.bench.capacity import capacity_and_sweep, is_steady, saturation, search_capacity
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.load import generator
+from pdserve.bench.load.capacity import capacity_and_sweep, is_steady, saturation, search_capacity
+from pdserve.bench.load.metrics import RequestRecord
 from pdserve.client import Client, ClientError
 
 
@@ -118,9 +118,9 @@ def test_capacity_search_finds_the_fake_servers_limit(tmp_path):
     (burstiness 50) keep the queue empty below the limit; above it each request waits 50 - 1000/rate
     ms more than the one before, so with 24 requests (3 may fail) the SLOs fail from ~22 req/s on."""
     out = tmp_path / "cap"
-    server = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
+    server = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
              "--prefill-ms-per-request 50"
-    rc = load.main(["--arm", "colo=colocated:", "--server-command", server, "--capacity-search",
+    rc = generator.main(["--arm", "colo=colocated:", "--server-command", server, "--capacity-search",
                     "--search-start-rate", "8", "--search-precision", "0.15", "--search-max-probes", "7",
                     "--sweep-factors", "0.5,1.5", "--num-prompts", "24", "--probe-seconds", "1", "--input-len", "20",
                     "--output-len", "2",
@@ -158,7 +158,7 @@ def test_capacity_search_finds_the_fake_servers_limit(tmp_path):
 
 
 def test_capacity_search_needs_slos_and_separate_runs(capsys):
-    assert load.main(["--capacity-search", "--out", "/tmp/unused"]) == 2
+    assert generator.main(["--capacity-search", "--out", "/tmp/unused"]) == 2
     assert "--goodput" in capsys.readouterr().err
-    assert load.main(["--capacity-search", "--goodput", "ttft:10", "--policy-runs", "interleaved"]) == 2
-    assert load.main(["--capacity-search", "--goodput", "ttft:10", "--request-rates", "1,2"]) == 2
+    assert generator.main(["--capacity-search", "--goodput", "ttft:10", "--policy-runs", "interleaved"]) == 2
+    assert generator.main(["--capacity-search", "--goodput", "ttft:10", "--request-rates", "1,2"]) == 2

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from pdserve.bench import load
-from pdserve.bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, early_slowdown, warmup_not_steady
-from pdserve.bench.load_fake_server import FakeConfig, FakeServer
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.load import generator
+from pdserve.bench.load.capacity import COLD_MIN_COMPARED, COLD_RATIO, early_slowdown, warmup_not_steady
+from pdserve.bench.load.fake_server import FakeConfig, FakeServer
+from pdserve.bench.load.metrics import RequestRecord
 
 
 def _records(ttfts_ms, *, kind="short", itl_ms=None, out_len=4):
@@ -74,7 +74,7 @@ SERVER = dict(itl_ms=1.0, prefill_ms_per_request=5.0, prefill_ms_per_token=0.0)
 def _run(tmp_path, cfg: FakeConfig, extra: list[str]) -> dict:
     out = tmp_path / "run"
     with FakeServer(cfg) as srv:
-        rc = load.main(["--base-url", srv.base_url, *COMMON, *extra, "--out", str(out)])
+        rc = generator.main(["--base-url", srv.base_url, *COMMON, *extra, "--out", str(out)])
     assert rc == 0
     run = json.loads((out / "results.json").read_text())
     run["_md"] = (out / "summary.md").read_text()

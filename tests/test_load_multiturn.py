@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from pdserve.bench import load
-from pdserve.bench.load_fake_server import FakeConfig, FakeServer
-from pdserve.bench.load_multiturn import conversations
-from pdserve.bench.workload import LengthDist, PromptBuilder, arrival_times
+from pdserve.bench.load import generator
+from pdserve.bench.load.fake_server import FakeConfig, FakeServer
+from pdserve.bench.load.multiturn import conversations
+from pdserve.bench.load.workload import LengthDist, PromptBuilder, arrival_times
 from test_load_report_tables import _tables, check_tables  # pytest puts tests/ on sys.path
 
 BLOCK = 16  # the fake's prefix-cache block, in words
@@ -20,7 +20,7 @@ BLOCK = 16  # the fake's prefix-cache block, in words
 def _run(tmp_path, cfg: FakeConfig, *extra: str):
     out = tmp_path / "run"
     with FakeServer(cfg) as srv:
-        rc = load.main(["--base-url", srv.base_url, "--dataset", "multiturn", "--conversations", "3", "--turns", "3",
+        rc = generator.main(["--base-url", srv.base_url, "--dataset", "multiturn", "--conversations", "3", "--turns", "3",
                         "--input-len", "1500", "--new-message-len", "uniform:30:50", "--output-len", "4",
                         "--concurrency", "1", "--out", str(out), "--no-progress", "--no-plots", "--seed", "3",
                         *extra])
@@ -115,7 +115,7 @@ def test_completions_concatenate_the_text(tmp_path):
 @pytest.mark.parametrize("bad", [["--capacity-search", "--goodput", "ttft:100"], ["--num-prompts", "4"],
                                  ["--concurrency", "2", "--request-rate", "1"], ["--max-concurrency", "2"]])
 def test_multiturn_refuses_what_it_cannot_do(bad, capsys):
-    assert load.main(["--dataset", "multiturn", "--no-progress", *bad]) == 2
+    assert generator.main(["--dataset", "multiturn", "--no-progress", *bad]) == 2
     err = capsys.readouterr().err
     assert "multi-turn" in err or "conversations" in err, err
 
@@ -124,7 +124,7 @@ def test_conversations_start_at_a_seeded_rate(tmp_path):
     cfg = FakeConfig(itl_ms=1.0, prefill_ms_per_token=0.005, prefix_cache_block=BLOCK)
     out = tmp_path / "run"
     with FakeServer(cfg) as srv:
-        rc = load.main(["--base-url", srv.base_url, "--dataset", "multiturn", "--conversations", "4", "--turns", "2",
+        rc = generator.main(["--base-url", srv.base_url, "--dataset", "multiturn", "--conversations", "4", "--turns", "2",
                         "--input-len", "100", "--output-len", "3", "--request-rate", "5", "--warmup-batch", "0",
                         "--out", str(out), "--no-progress", "--no-plots", "--seed", "2"])
     assert rc == 0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.bench import load
+from pdserve.bench.load import generator
 from pdserve.client import Client, ServerError
 from pdserve.client import cli
 from test_load_run import PNGS, check_block_against_records  # pytest puts tests/ on sys.path (no tests/__init__.py)
@@ -39,7 +39,7 @@ def test_client_and_cli_against_pdserve(pdserve, capsys):
 
 def test_load_run_both_policies_against_pdserve(pdserve, tmp_path):
     out = tmp_path / "pdserve-load"
-    rc = load.main(["--base-url", pdserve, "--policies", "colocated,disaggregated", "--request-rate", "4",
+    rc = generator.main(["--base-url", pdserve, "--policies", "colocated,disaggregated", "--request-rate", "4",
                     "--num-prompts", "5", "--input-len", "uniform:16:200", "--output-len", "6",
                     "--tokenizer", "tiny", "--warmup-batch", "1", "--warmup-max-batches", "2",
                     "--goodput", "ttft:60000", "tpot:60000",
@@ -73,7 +73,7 @@ def test_multiturn_chat_reuses_each_previous_turn(pdserve, tmp_path):
     turn's prompt starts with the previous turn's prompt tokens (the chat template keeps them an exact
     prefix), so the server reports at least its whole blocks as cached."""
     out = tmp_path / "multiturn"
-    rc = load.main(["--base-url", pdserve, "--policies", "colocated,disaggregated", "--dataset", "multiturn",
+    rc = generator.main(["--base-url", pdserve, "--policies", "colocated,disaggregated", "--dataset", "multiturn",
                     "--conversations", "2", "--turns", "3", "--input-len", "120", "--new-message-len", "12",
                     "--output-len", "4", "--concurrency", "1", "--tokenizer", "tiny", "--warmup-batch", "0",
                     "--out", str(out), "--no-progress", "--no-plots"])

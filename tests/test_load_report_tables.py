@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.load_report import markdown
-from pdserve.bench.metrics import SERVER_PHASES, pct_name
+from pdserve.bench.load.report import markdown
+from pdserve.bench.load.metrics import SERVER_PHASES, pct_name
 
 
 def _block(arm: str, phase: str, rate: float, ps: list[str]) -> dict:

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from pdserve.bench import load
-from pdserve.bench.load_fake_server import FakeConfig, FakeServer, free_port
-from pdserve.bench.plots import plot_all
+from pdserve.bench.load import generator
+from pdserve.bench.load.fake_server import FakeConfig, FakeServer, free_port
+from pdserve.bench.load.plots import plot_all
 
 PNGS = ("cdf_ttft.png", "cdf_itl.png", "latency_vs_load.png", "ttft_split.png")
 GOODPUT_PNG = "goodput_vs_rate.png"  # drawn when the run had SLOs
@@ -53,7 +53,7 @@ def own_span(block: dict) -> float:
 def test_interleaved_two_policies_sweep(tmp_path):
     out = tmp_path / "run"
     with FakeServer(FakeConfig(itl_ms=2.0, prefill_ms_per_token=0.02)) as srv:
-        rc = load.main(["--base-url", srv.base_url, "--policies", "colocated,disaggregated",
+        rc = generator.main(["--base-url", srv.base_url, "--policies", "colocated,disaggregated",
                         "--policy-runs", "interleaved",
                         "--request-rates", "40,inf", "--num-prompts", "6", "--input-len", "uniform:20:80",
                         "--output-len", "uniform:3:8", "--long-fraction", "0.3", "--long-input-len", "400",
@@ -116,7 +116,7 @@ def test_separate_runs_each_policy_on_its_own_duration(tmp_path):
     and its throughput, from its own duration, is lower (a shared duration would make them equal)."""
     out = tmp_path / "separate"
     with FakeServer(FakeConfig(itl_ms=2.0, prefill_ms_per_token=0.25, transfer_ms_per_token=5.0)) as srv:
-        rc = load.main(["--base-url", srv.base_url, "--policies", "colocated,disaggregated",
+        rc = generator.main(["--base-url", srv.base_url, "--policies", "colocated,disaggregated",
                         "--request-rates", "10,20", "--num-prompts", "12", "--input-len", "40", "--output-len", "4",
                         "--long-fraction", "0.25", "--long-input-len", "60", "--warmup-batch", "2",
                         "--warmup-max-batches", "3", "--goodput", "ttft:5000", "--out", str(out), "--no-progress"])
@@ -165,7 +165,7 @@ def test_separate_runs_each_policy_on_its_own_duration(tmp_path):
 def test_closed_loop_without_policies_or_timings(tmp_path):
     out = tmp_path / "closed"
     with FakeServer(FakeConfig(itl_ms=1.0, emit_timings=False)) as srv:
-        rc = load.main(["--base-url", srv.base_url, "--model", "fake-model", "--concurrency", "1,3",
+        rc = generator.main(["--base-url", srv.base_url, "--model", "fake-model", "--concurrency", "1,3",
                         "--num-prompts", "6", "--input-len", "30", "--output-len", "4", "--warmup-batch", "0",
                         "--out", str(out), "--no-progress"])
         bodies = list(srv.bodies)
@@ -189,7 +189,7 @@ def test_failures_are_recorded_not_fatal(tmp_path):
     out = tmp_path / "fail"
     with FakeServer(FakeConfig(itl_ms=1.0)) as srv:
         # "sideways" is refused by the server for every request of that policy
-        rc = load.main(["--base-url", srv.base_url, "--policies", "colocated,sideways", "--num-prompts", "3",
+        rc = generator.main(["--base-url", srv.base_url, "--policies", "colocated,sideways", "--num-prompts", "3",
                         "--input-len", "10", "--output-len", "3", "--warmup-batch", "0", "--out", str(out),
                         "--no-progress", "--no-plots"])
     assert rc == 1  # one policy completed nothing
@@ -204,13 +204,13 @@ def test_failures_are_recorded_not_fatal(tmp_path):
 
 def test_warmup_failure_and_unreachable_server_stop_the_run(tmp_path, capsys):
     with FakeServer(FakeConfig(itl_ms=1.0)) as srv:
-        rc = load.main(["--base-url", srv.base_url, "--policies", "bogus", "--num-prompts", "2", "--input-len", "5",
+        rc = generator.main(["--base-url", srv.base_url, "--policies", "bogus", "--num-prompts", "2", "--input-len", "5",
                         "--output-len", "2", "--out", str(tmp_path / "w"), "--no-progress"])
     assert rc == 1 and "warmup request (bogus" in capsys.readouterr().err
-    rc = load.main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",
+    rc = generator.main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",
                     "--out", str(tmp_path / "u"), "--no-progress"])
     assert rc == 1 and "cannot reach the server" in capsys.readouterr().err
-    assert load.main(["--input-len", "uniform:9:1", "--out", str(tmp_path / "x")]) == 2
+    assert generator.main(["--input-len", "uniform:9:1", "--out", str(tmp_path / "x")]) == 2
     assert "bad length spec" in capsys.readouterr().err
 
 
@@ -219,8 +219,8 @@ def test_an_arm_that_fails_does_not_cost_the_others(tmp_path, capsys):
     measured and written, the failed one is recorded with its error, and the run exits 1."""
     import sys
     out = tmp_path / "arms"
-    server = f"{sys.executable} -m pdserve.bench.load_fake_server --port 0 --itl-ms 1"
-    rc = load.main(["--arm", "a=colocated:", "--arm", "broken=colocated:--no-such-flag", "--arm", "c=colocated:",
+    server = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0 --itl-ms 1"
+    rc = generator.main(["--arm", "a=colocated:", "--arm", "broken=colocated:--no-such-flag", "--arm", "c=colocated:",
                     "--server-command", server, "--num-prompts", "3", "--input-len", "10", "--output-len", "2",
                     "--warmup-batch", "1", "--out", str(out), "--no-progress", "--no-plots"])
     assert rc == 1

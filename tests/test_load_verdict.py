@@ -1,4 +1,4 @@
-"""summary.md opens with a verdict in words (bench/load_verdict.py): which arm met the SLOs at the higher
+"""summary.md opens with a verdict in words (bench/load/verdict.py): which arm met the SLOs at the higher
 rate and by how much, per point which arm met them and each arm's dominant TTFT phase, and a warning
 where arms shared a host's CPU or GPU; and every kind of mark a plot draws is in its legend."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import matplotlib.figure
 import pytest
 
-from pdserve.bench import plots
-from pdserve.bench.load_report import markdown
-from pdserve.bench.metrics import SERVER_PHASES
+from pdserve.bench.load import plots
+from pdserve.bench.load.report import markdown
+from pdserve.bench.load.metrics import SERVER_PHASES
 
 SPLIT = {"colocated": {"prefill_queue": 900.0, "prefill": 300.0, "client": 10.0},
          "disaggregated": {"prefill_queue": 20.0, "prefill": 290.0, "transfer_exposed": 5.0, "client": 10.0}}

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from pdserve.bench import load
-from pdserve.bench.load_arms import Arm, with_cache_modes
-from pdserve.bench.load_fake_server import FakeConfig, FakeServer
-from pdserve.bench import load_vllm
-from pdserve.bench.load_vllm import resolve
+from pdserve.bench.load import generator
+from pdserve.bench.load.arms import Arm, with_cache_modes
+from pdserve.bench.load.fake_server import FakeConfig, FakeServer
+from pdserve.bench.load import vllm_compat
+from pdserve.bench.load.vllm_compat import resolve
 
 KEY = "sk-test-0123456789abcdef"
 VLLM_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -24,7 +24,7 @@ VLLM_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer
 
 def _args(argv: list[str], environ: dict | None = None):
     p = argparse.ArgumentParser()
-    load.add_arguments(p)
+    generator.add_arguments(p)
     args = p.parse_args(argv)
     resolve(args, environ=environ or {})
     return args
@@ -83,7 +83,7 @@ def test_vllm_only_dataset_refused_by_name(capsys):
 def test_the_key_never_reaches_the_record():
     argv = ["--api-key", KEY, "--header", "Authorization=Bearer x", "x-k=v", "--num-prompts", "3",
             f"--api-key={KEY}"]
-    shown = load.redacted(argv)
+    shown = generator.redacted(argv)
     assert KEY not in " ".join(shown) and "Bearer" not in " ".join(shown)
     assert shown[-3:-1] == ["--num-prompts", "3"]
 
@@ -114,7 +114,7 @@ def test_vllm_flags_against_a_server_that_wants_a_key(tmp_path, monkeypatch):
     out, results = tmp_path / "run", tmp_path / "vllm"
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FakeServer(FakeConfig(itl_ms=2.0, prefill_ms_per_token=0.5, api_key=KEY)) as srv:
-        rc = load.main(["--host", "127.0.0.1", "--port", str(srv.port), "--backend", "openai-chat",
+        rc = generator.main(["--host", "127.0.0.1", "--port", str(srv.port), "--backend", "openai-chat",
                         "--dataset-name", "random", "--random-input-len", "40", "--random-output-len", "5",
                         "--num-prompts", "8", "--request-rate", "inf", "--max-concurrency", "2", "--seed", "1",
                         "--ignore-eos", "--save-result", "--result-dir", str(results), "--result-filename", "r.json",
@@ -147,7 +147,7 @@ def test_vllm_flags_against_a_server_that_wants_a_key(tmp_path, monkeypatch):
 def test_without_the_key_the_run_fails_saying_why(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with FakeServer(FakeConfig(itl_ms=1.0, api_key=KEY)) as srv:
-        rc = load.main(["--base-url", srv.base_url, "--model", "fake-model", "--num-prompts", "2", "--input-len", "8",
+        rc = generator.main(["--base-url", srv.base_url, "--model", "fake-model", "--num-prompts", "2", "--input-len", "8",
                         "--output-len", "2", "--warmup-batch", "1", "--out", str(tmp_path / "r"), "--no-progress"])
     assert rc == 1
     assert "401" in capsys.readouterr().err
@@ -158,13 +158,13 @@ def test_result_file_names_follow_vllm():
     blocks = [{"arm": "colocated:gpu+host", "phase": "point", "request_rate": 2.0, "max_concurrency": None},
               {"arm": "disaggregated", "phase": "sweep", "request_rate": None, "max_concurrency": 8}]
     run = {"results": blocks[:1], "model_id": "org/qwen2.5-7b", "date": "20261201-101010"}
-    assert [p.as_posix() for p in load_vllm.result_paths(run, args)] == ["o/openai-2qps-qwen2.5-7b-20261201-101010.json"]
+    assert [p.as_posix() for p in vllm_compat.result_paths(run, args)] == ["o/openai-2qps-qwen2.5-7b-20261201-101010.json"]
     run["results"] = blocks
-    assert [p.name for p in load_vllm.result_paths(run, args)] == [
+    assert [p.name for p in vllm_compat.result_paths(run, args)] == [
         "openai-colocated_gpu+host-00-point-2qps-qwen2.5-7b-20261201-101010.json",
         "openai-disaggregated-01-sweep-infqps-concurrency8-qwen2.5-7b-20261201-101010.json"]
     args.result_filename, args.result_dir = "mine.json", "d"
-    assert [p.as_posix() for p in load_vllm.result_paths(run, args)] == ["d/mine-00-colocated_gpu+host.json",
+    assert [p.as_posix() for p in vllm_compat.result_paths(run, args)] == ["d/mine-00-colocated_gpu+host.json",
                                                                          "d/mine-01-disaggregated.json"]
 
 

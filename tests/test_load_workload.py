@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from pdserve.bench import load
-from pdserve.bench.load_vllm import resolve
-from pdserve.bench.load_session import LoadPoint, make_samples, plan, warmup_batch
-from pdserve.bench.workload import (LengthDist, PromptBuilder, WorkloadError, arrival_times, assign_policies,
+from pdserve.bench.load import generator
+from pdserve.bench.load.vllm_compat import resolve
+from pdserve.bench.load.session import LoadPoint, make_samples, plan, warmup_batch
+from pdserve.bench.load.workload import (LengthDist, PromptBuilder, WorkloadError, arrival_times, assign_policies,
                                     load_tokenizer, long_count, mooncake_samples, sharegpt_samples, synthetic_samples)
 
 
@@ -103,7 +103,7 @@ def test_policies_interleave_i_mod_n():
 
 def _args(**over):
     p = argparse.ArgumentParser()
-    load.add_arguments(p)
+    generator.add_arguments(p)
     args = p.parse_args([])
     for k, v in over.items():
         setattr(args, k, v)
@@ -138,14 +138,14 @@ def test_warmup_batch_spans_the_lengths():
 
 
 def test_load_points_validation():
-    assert [p.label for p in load.load_points(_args())] == ["rate inf"]
-    assert [p.label for p in load.load_points(_args(request_rates=[1.0, 2.5]))] == ["rate 1/s", "rate 2.5/s"]
-    assert [p.label for p in load.load_points(_args(concurrency=[4.0]))] == ["concurrency 4"]
-    assert [p.kind for p in load.load_points(_args(dataset="mooncake"))] == ["trace"]
+    assert [p.label for p in generator.load_points(_args())] == ["rate inf"]
+    assert [p.label for p in generator.load_points(_args(request_rates=[1.0, 2.5]))] == ["rate 1/s", "rate 2.5/s"]
+    assert [p.label for p in generator.load_points(_args(concurrency=[4.0]))] == ["concurrency 4"]
+    assert [p.kind for p in generator.load_points(_args(dataset="mooncake"))] == ["trace"]
     for bad in (dict(concurrency=[2.0], request_rate=1.0), dict(concurrency=[1.5]), dict(request_rates=[0.0]),
                 dict(dataset="mooncake", request_rate=2.0)):
         with pytest.raises(ValueError):
-            load.load_points(_args(**bad))
+            generator.load_points(_args(**bad))
 
 
 # ---- ShareGPT and Mooncake files -----------------------------------------------------------

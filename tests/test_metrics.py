@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.metrics import RequestRecord, meets_slos, parse_slos, stats_ms, summarize, ttft_split_ms
+from pdserve.bench.load.metrics import RequestRecord, meets_slos, parse_slos, stats_ms, summarize, ttft_split_ms
 from pdserve.protocol.phases import NAMES as PHASE_NAMES
 
 

@@ -1,4 +1,4 @@
-"""The P:D planner (bench/planner.py, bench/plan_sim.py): the simulation's arithmetic on cases worked by hand,
+"""The P:D planner (bench/load/planner.py, bench/load/plan_sim.py): the simulation's arithmetic on cases worked by hand,
 the profile fit against a measured engine JSON, and the recommendation on synthetic profiles where
 colocated must win (prefill-bound, loose TPOT) and where xP:yD must (a tight TPOT that colocated prefill
 chunks break)."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench import cli
-from pdserve.bench.metrics import parse_slos
-from pdserve.bench.plan_sim import Profile, Req, Split, simulate
-from pdserve.bench.planner import Workload, compare, plan, predict
+from pdserve.bench.load.metrics import parse_slos
+from pdserve.bench.load.plan_sim import Profile, Req, Split, simulate
+from pdserve.bench.load.planner import Workload, compare, plan, predict
 
 ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench/results/engine-nvidia-h200-2026-12-01-4acfb30.json"
 

@@ -11,7 +11,7 @@ other (`pdserve-bench load --arm`), on the same seeded prompt lengths and arriva
 those (any server: the fake one in the tests).
 
 Each (profile, arm) runs every rate of its grid once, each run >= --run-seconds (60) of Poisson arrivals
-(at least --min-requests), judged for a growing queue (bench/capacity.py). An SLO pair changes only the
+(at least --min-requests), judged for a growing queue (bench/load/capacity.py). An SLO pair changes only the
 verdict, not the run, so every pair is judged on the same requests: a rate passes when >= --goodput-target
 of its requests met both SLOs and its queue did not grow. An arm's capacity in a cell is the highest grid
 rate below which every rate passed (its bracket: that rate and the first failing one); the cell's winner
@@ -32,7 +32,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdserve.bench.capacity import probe_passes
+from pdserve.bench.load.capacity import probe_passes
 
 PROFILES = {  # name -> the load bench's workload flags
     "short": ["--input-len", "uniform:128:512"],
@@ -276,7 +276,7 @@ def merge_runs(dirs: list[str]) -> dict[str, dict]:
 
 
 def run(args) -> int:
-    from pdserve.bench.load_report import environment, write_json
+    from pdserve.bench.load.report import environment, write_json
 
     if args.from_dirs:
         try:
@@ -293,8 +293,8 @@ def run(args) -> int:
 
 
 def _measure(args) -> int:
-    from pdserve.bench import load
-    from pdserve.bench.load_report import environment, write_json
+    from pdserve.bench.load import generator
+    from pdserve.bench.load.report import environment, write_json
 
     try:
         defined = profiles_of(args)
@@ -318,7 +318,7 @@ def _measure(args) -> int:
     for profile in profiles:
         argv = load_argv(args, defined[profile], rates[profile], arms, out / profile)
         print(f"atlas: {profile}: pdserve-bench load {shlex.join(argv)}", file=sys.stderr)
-        codes[profile] = load.main(argv)
+        codes[profile] = generator.main(argv)
         results = out / profile / "results.json"
         if results.is_file():
             runs[profile] = json.loads(results.read_text())

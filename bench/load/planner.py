@@ -7,9 +7,9 @@ from a worker's measured profile.
     pdserve-bench plan --profile engine.json --trace mooncake.jsonl ...   # a trace's prompt and reply lengths
 
 The profile: prefill time by prompt length and decode step time by batch x context, from `pdserve-bench
-engine`'s JSON (bench/plan_sim.py fits it). For every split of --gpus workers (colocated chunked and
-unchunked, and each xP:yD with x + y = N; on one GPU, 1P:1D sharing it), a discrete-event simulation (bench/plan_sim.py) runs the
-workload at Poisson rates and the capacity search of the load bench (bench/capacity.py) finds the highest
+engine`'s JSON (bench/load/plan_sim.py fits it). For every split of --gpus workers (colocated chunked and
+unchunked, and each xP:yD with x + y = N; on one GPU, 1P:1D sharing it), a discrete-event simulation (bench/load/plan_sim.py) runs the
+workload at Poisson rates and the capacity search of the load bench (bench/load/capacity.py) finds the highest
 rate at which >= --goodput-target of the requests meet the SLOs and the queue does not grow: the split's
 predicted goodput (DistServe's, per GPU too). The split with the highest wins; within the search's
 precision of it, the colocated one (fewer moving parts). A prediction is a model: compare it with a
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
-from pdserve.bench.metrics import RequestRecord, meets_slos, parse_slos
-from pdserve.bench.plan_sim import Profile, Req, Split, simulate
-from pdserve.bench.workload import LengthDist, long_count
+from pdserve.bench.load.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
+from pdserve.bench.load.metrics import RequestRecord, meets_slos, parse_slos
+from pdserve.bench.load.plan_sim import Profile, Req, Split, simulate
+from pdserve.bench.load.workload import LengthDist, long_count
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -171,7 +171,7 @@ def plan(profile: Profile, workload: Workload, args) -> dict:
     best = recommend(arms, args.search_precision)
     return {"benchmark": "plan", "gpus": args.gpus, "workload": workload.text, "slos_ms": slos,
             "goodput_target": args.goodput_target, "profile": profile.to_dict(),
-            "model": "bench/plan_sim.py (a simulation from the profile, not a measurement)",
+            "model": "bench/load/plan_sim.py (a simulation from the profile, not a measurement)",
             "arms": arms, "recommended": best}
 
 
@@ -263,7 +263,7 @@ def run(args) -> int:
         err = "-" if v["error"] is None else f"{v['error']:+.0%}"
         print(f"validated: {v['split']}: predicted {v['predicted_capacity_rate'] or 0:.3g}, measured "
               f"{v['measured_capacity_rate']} req/s (bracket {v['measured_bracket']}), error {err}")
-    print(f"recommended: {result['recommended']} (a prediction of bench/plan_sim.py: validate it with "
+    print(f"recommended: {result['recommended']} (a prediction of bench/load/plan_sim.py: validate it with "
           "pdserve-bench load --capacity-search)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

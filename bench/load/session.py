@@ -5,7 +5,7 @@
                                    (arrivals from --seed too: every arm meets the same schedule, scaled by 1/rate)
     Session.measure(client, arm, point)   one run of one arm -> a result block (throughput over its own
                                    duration, saturation judged, SLO target checked; multi-turn: TTFT and
-                                   cached tokens per turn, bench/load_multiturn.py)
+                                   cached tokens per turn, bench/load/multiturn.py)
     run_separate(session, arms, points)   each arm alone: its own server in turn, warm-up, then the given
                                    points or the capacity search and its sweep; an arm that fails (its
                                    server, its warm-up) is recorded with its error and the others go on
@@ -22,14 +22,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.capacity import (capacity_and_sweep, early_slowdown, meets_target, probe_passes, probe_requests,
+from pdserve.bench.load.capacity import (capacity_and_sweep, early_slowdown, meets_target, probe_passes, probe_requests,
                                     saturation, warmup_not_steady)
-from pdserve.bench.load_arms import Arm, ArmError, ArmServer, default_server_command
-from pdserve.bench.load_multiturn import conversations, run_conversations, warmup_samples
-from pdserve.bench.load_runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
+from pdserve.bench.load.arms import Arm, ArmError, ArmServer, default_server_command
+from pdserve.bench.load.multiturn import conversations, run_conversations, warmup_samples
+from pdserve.bench.load.runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
                                        warmup_until_steady)
-from pdserve.bench.metrics import summarize
-from pdserve.bench.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
+from pdserve.bench.load.metrics import summarize
+from pdserve.bench.load.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
                                     synthetic_samples)
 from pdserve.client import ClientError
 
@@ -170,7 +170,7 @@ class Session:
         self.measured: set[str] = set()  # arms with a run measured
 
     def first_run_cold(self, label: str, block: dict) -> None:
-        """An arm's first run after a warm-up that never got steady is cold (bench/capacity.py)."""
+        """An arm's first run after a warm-up that never got steady is cold (bench/load/capacity.py)."""
         if label not in self.measured:
             self.measured.add(label)
             mark_cold(block, warmup_not_steady(self.warmups.get(label)))

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.bench.load_runner import Planned, SendOptions, send_one
-from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.workload import LengthDist, PromptBuilder, Sample, WorkloadError, arrival_times
+from pdserve.bench.load.runner import Planned, SendOptions, send_one
+from pdserve.bench.load.metrics import RequestRecord
+from pdserve.bench.load.workload import LengthDist, PromptBuilder, Sample, WorkloadError, arrival_times
 
 
 @dataclass(frozen=True)

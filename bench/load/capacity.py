@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.load.metrics import RequestRecord
 
 # A run is past saturation when either holds (both are reported, with these limits, in every block):
 THROUGHPUT_RATIO_MIN = 0.8  # achieved / offered rate (slopes of answer and send times)
@@ -188,7 +188,7 @@ def is_steady(medians_ms: list[float], tolerance: float) -> bool:
 
 
 # A run is cold (its numbers still carry start-up effects) when either holds; cold runs are reported as
-# any other, with cold: true and the reason (bench/load_session.py applies the first rule):
+# any other, with cold: true and the reason (bench/load/session.py applies the first rule):
 #   - it is its arm's first run and the arm's warm-up ended at --warmup-max-batches without two batches agreeing;
 #   - early_slowdown: over its completed requests of one kind, in send order, the median TTFT or TPOT of
 #     the first quarter is more than COLD_RATIO x that of the other three quarters (COLD_MIN_COMPARED or more).

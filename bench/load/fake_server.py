@@ -18,7 +18,7 @@ work. With `api_key` set, every /v1 route wants `Authorization: Bearer <key>` (4
 
     with FakeServer(FakeConfig(itl_ms=2)) as srv:
         Client(srv.base_url).complete("hi")
-    python -m pdserve.bench.load_fake_server --port 0     # prints "fake server ready: <url>", like pdserve
+    python -m pdserve.bench.load.fake_server --port 0     # prints "fake server ready: <url>", like pdserve
 """
 
 from __future__ import annotations

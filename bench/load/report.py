@@ -1,6 +1,6 @@
 """Writing a load run down: results.json (vllm-bench-serve field names, one block per arm and run,
 plus where and when it ran) and summary.md (what a reader wants first: how the policies were run, the
-verdict in words (bench/load_verdict.py), each arm's warm-up and capacity, then every run with its
+verdict in words (bench/load/verdict.py), each arm's warm-up and capacity, then every run with its
 saturation and cold marks)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import socket
 import subprocess
 from pathlib import Path
 
-from pdserve.bench.capacity import COLD_MIN_COMPARED, COLD_RATIO, LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
-from pdserve.bench.load_verdict import verdict_lines
-from pdserve.bench.metrics import SERVER_PHASES, pct_name
+from pdserve.bench.load.capacity import COLD_MIN_COMPARED, COLD_RATIO, LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
+from pdserve.bench.load.verdict import verdict_lines
+from pdserve.bench.load.metrics import SERVER_PHASES, pct_name
 
 PACKAGES = ("pdserve", "httpx", "numpy", "torch", "transformers", "fastapi", "uvicorn", "nixl")
 
@@ -220,7 +220,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         "Latencies in ms (client clock). TPOT = (E2E - TTFT) / (output tokens - 1); ITL pooled over all gaps. "
         "req/s and out tok/s over each arm's own duration. Saturated: achieved throughput below "
         f"{THROUGHPUT_RATIO_MIN} of the offered rate, or lateness growing more than {LATENESS_GROWTH_MAX}x from the "
-        "first third of the sends to the last (the two numbers in brackets, bench/capacity.py). "
+        "first third of the sends to the last (the two numbers in brackets, bench/load/capacity.py). "
         "Cold: the run still carries start-up effects, reported all the same: its arm's first run after a warm-up "
         f"that hit --warmup-max-batches unsteady, or, over >= {COLD_MIN_COMPARED} completed requests of one kind in "
         f"send order, a first quarter whose median TTFT or TPOT is more than {COLD_RATIO:g}x the rest's (the two "

@@ -18,10 +18,10 @@ policies time-share the server (labelled as such everywhere).
 doubling then bisecting within --search-max-probes, then sweeps capacity x --sweep-factors. Each of
 those runs sends --probe-seconds (60) of arrivals or --probe-min-requests, whichever is more, so a
 queue has time to build; a probe that would not end within --arm-budget does not start. Every open-loop run is judged for
-saturation (bench/capacity.py). Before an arm's first run, warm-up batches go until two in a row
+saturation (bench/load/capacity.py). Before an arm's first run, warm-up batches go until two in a row
 agree on median TTFT (--warmup-tolerance, at most --warmup-max-batches). A run that still carries
 start-up effects (the arm's first after an unsteady warm-up, or a first quarter much slower than the
-rest) is flagged cold, with its reason, and reported all the same (bench/capacity.py).
+rest) is flagged cold, with its reason, and reported all the same (bench/load/capacity.py).
 
 Writes results.json (vllm-bench-serve field names; one block per arm and run), summary.md, PNG plots
 and each started server's log into --out (default bench/results/load-<date>/).
@@ -37,10 +37,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdserve.bench.capacity import PROBE_JUDGES
-from pdserve.bench.load_arms import CACHE_MODES, Arm, ArmError, with_cache_modes
-from pdserve.bench.load_vllm import CHAT, COMPLETIONS, add_refused, dataset_name, resolve
-from pdserve.bench.load_session import LoadPoint, Session, run_interleaved, run_separate
+from pdserve.bench.load.capacity import PROBE_JUDGES
+from pdserve.bench.load.arms import CACHE_MODES, Arm, ArmError, with_cache_modes
+from pdserve.bench.load.vllm_compat import CHAT, COMPLETIONS, add_refused, dataset_name, resolve
+from pdserve.bench.load.session import LoadPoint, Session, run_interleaved, run_separate
 
 DATASETS = ("synthetic", "sharegpt", "mooncake", "multiturn")
 POLICY_RUNS = ("separate", "interleaved")
@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(repeat; arms run one after another); worker flags go as --worker-arg=FLAG")
     t.add_argument("--cache-arms", type=_names, default=None, metavar="MODE,...",
                    help=f"each --arm once per KV cache mode ({', '.join(CACHE_MODES)}), labelled ARM:MODE, the "
-                        "worker flags added for it (bench/load_arms.py)")
+                        "worker flags added for it (bench/load/arms.py)")
     t.add_argument("--cache-host-gb", type=float, default=None, help="--cache-arms: host tier size of the +host modes")
     t.add_argument("--cache-disk-dir", default=None, help="--cache-arms: disk tier folder of the +disk mode")
     t.add_argument("--cache-disk-gb", type=float, default=None, help="--cache-arms: disk tier size of the +disk mode")
@@ -125,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: one token per generated word, ~4 characters per token for dataset text")
     w.add_argument("--seed", type=int, default=0)
 
-    m = p.add_argument_group("multi-turn (--dataset multiturn, bench/load_multiturn.py)")
+    m = p.add_argument_group("multi-turn (--dataset multiturn, bench/load/multiturn.py)")
     m.add_argument("--conversations", type=int, default=8, help="conversations per run")
     m.add_argument("--turns", type=int, default=3, help="turns per conversation")
     m.add_argument("--new-message-len", default="128", help="each later turn's new user message, as --input-len")
@@ -156,7 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="and at least this many requests (default --num-prompts)")
     lo.add_argument("--probe-judge", choices=PROBE_JUDGES, default=PROBE_JUDGES[0],
                     help="a probe passes when >= --goodput-target met the SLOs and (goodput+queue, the default) its "
-                         "queue did not grow over the window (lateness slope, bench/capacity.py)")
+                         "queue did not grow over the window (lateness slope, bench/load/capacity.py)")
     lo.add_argument("--sweep-factors", type=_floats, default=[0.5, 1.0, 1.5], help="sweep rates = capacity x these")
     lo.add_argument("--arm-budget", type=float, default=math.inf,
                     help="seconds of search and sweep per arm; no further run starts past it (default: no limit)")
@@ -264,7 +264,7 @@ def arms_of(args):
 
 
 def workload_text(args) -> str:
-    from pdserve.bench.workload import long_count
+    from pdserve.bench.load.workload import long_count
     if args.dataset == "multiturn":
         think = f", {args.think_time:g} s think time" if args.think_time else ""
         return (f"multiturn: {args.conversations} conversations x {args.turns} turns, first message {args.input_len}, "
@@ -313,7 +313,7 @@ def _jsonable(value):
 
 def _command_line() -> str:
     prog = Path(sys.argv[0])
-    modules = {"load.py": "pdserve.bench.load", "cli.py": "pdserve.bench.cli"}
+    modules = {"generator.py": "pdserve.bench.load.generator", "cli.py": "pdserve.bench.cli"}
     head = ["python", "-m", modules[prog.name]] if prog.name in modules else [prog.name]
     return shlex.join(head + redacted(sys.argv[1:]))
 
@@ -333,9 +333,9 @@ def redacted(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from pdserve.bench.load_report import environment, markdown, write_json
-    from pdserve.bench.metrics import parse_slos
-    from pdserve.bench.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count
+    from pdserve.bench.load.report import environment, markdown, write_json
+    from pdserve.bench.load.metrics import parse_slos
+    from pdserve.bench.load.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count
 
     try:
         resolve(args)
@@ -357,7 +357,7 @@ def run(args) -> int:
     session = Session(args, builder, slos, percentiles, out)
     runner = run_interleaved if args.policy_runs == "interleaved" else run_separate
 
-    from pdserve.bench.load_runner import WarmupFailed
+    from pdserve.bench.load.runner import WarmupFailed
     from pdserve.client import ClientError
     try:
         arm_infos, blocks = asyncio.run(runner(session, arms, points))
@@ -389,11 +389,11 @@ def run(args) -> int:
         "results": blocks,
     }
     if not args.no_plots:
-        from pdserve.bench.plots import plot_all
+        from pdserve.bench.load.plots import plot_all
         run_record["plots"] = [p.name for p in plot_all(blocks, out)]
     write_json(out / "results.json", run_record)
     if args.save_result:
-        from pdserve.bench.load_vllm import save_results
+        from pdserve.bench.load.vllm_compat import save_results
         run_record["vllm_results"] = [str(p) for p in save_results(run_record, args)]
         write_json(out / "results.json", run_record)
     summary = markdown(run_record, percentiles)
@@ -408,7 +408,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pdserve.bench.load ...`, the same as `pdserve-bench load ...`."""
+    """`python -m pdserve.bench.load.generator ...`, the same as `pdserve-bench load ...`."""
     parser = argparse.ArgumentParser(prog="pdserve-bench load", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -22,7 +22,7 @@ import os
 import re
 from pathlib import Path
 
-from pdserve.bench.metrics import pct_name
+from pdserve.bench.load.metrics import pct_name
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # vLLM's names for the two OpenAI endpoints ("vllm" is its older name for openai)

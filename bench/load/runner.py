@@ -23,9 +23,9 @@ from typing import Callable
 
 import numpy as np
 
-from pdserve.bench.capacity import is_steady
-from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.workload import Sample
+from pdserve.bench.load.capacity import is_steady
+from pdserve.bench.load.metrics import RequestRecord
+from pdserve.bench.load.workload import Sample
 from pdserve.client import AsyncClient, ClientError
 
 
@@ -44,7 +44,7 @@ class Planned:
     policy: str | None
     send_at_s: float | None = None  # open loop: seconds after the run start
     messages: list[dict] | None = None  # chat: the whole conversation so far (else the prompt as one message)
-    conversation: int | None = None  # multi-turn: which conversation and turn, from 1 (bench/load_multiturn.py)
+    conversation: int | None = None  # multi-turn: which conversation and turn, from 1 (bench/load/multiturn.py)
     turn: int | None = None
 
 

@@ -1,4 +1,4 @@
-"""PNG plots of a load run, drawn from the result blocks alone (so `python -m pdserve.bench.plots results.json`
+"""PNG plots of a load run, drawn from the result blocks alone (so `python -m pdserve.bench.load.plots results.json`
 redraws them): CDFs of TTFT and ITL per arm (one panel per load point; with a capacity search, per
 sweep factor), p50/p99 TTFT and ITL against the load, SLO attainment and achieved throughput against
 the offered rate (capacity and saturated runs marked), the TTFT split into server phases per arm, and
@@ -280,7 +280,7 @@ def plot_all(blocks: list[dict], out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pdserve.bench.plots RESULTS_JSON  (redraws the PNGs next to it)", file=sys.stderr)
+        print("usage: python -m pdserve.bench.load.plots RESULTS_JSON  (redraws the PNGs next to it)", file=sys.stderr)
         return 2
     path = Path(argv[0])
     for p in plot_all(json.loads(path.read_text())["results"], path.parent):

@@ -13,7 +13,7 @@
                                             the devices free; SIGKILL after 60 s)
 
 The server is a subprocess whose stdout and stderr go to the log file; `pdserve` and
-`python -m pdserve.bench.load_fake_server` both print "... ready: http://host:port" once they serve.
+`python -m pdserve.bench.load.fake_server` both print "... ready: http://host:port" once they serve.
 """
 
 from __future__ import annotations
