@@ -216,8 +216,8 @@ def markdown(atlas: dict) -> str:
 
 
 def plot_map(atlas: dict, path: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
+    from pdserve.bench.load.plots import save  # first: it puts matplotlib on the Agg backend
+
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -244,10 +244,7 @@ def plot_map(atlas: dict, path: Path) -> Path:
                  f"capacity in req/s on the rate grid; {atlas.get('hardware') or ''}", fontsize=9)
     ax.legend(handles=[Patch(facecolor=colors[k], edgecolor="black", label=k) for k in [*arms, "tie", "neither"]],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=120)
 
 
 def merge_runs(dirs: list[str]) -> dict[str, dict]:

@@ -18,6 +18,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def save(fig, path: Path, dpi: int = 110) -> Path:
+    """Lay the figure out, write it to `path` as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def policy_name(block: dict) -> str:
     """The arm a block belongs to (its policy where no arm was named)."""
     return block.get("arm") or block.get("policy") or "default"
@@ -80,9 +88,7 @@ def _cdf(blocks: list[dict], values_of, xlabel: str, title: str, path: Path) -> 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _ok_requests(b: dict) -> list[dict]:
@@ -131,11 +137,7 @@ def plot_latency_vs_load(blocks: list[dict], out_dir: Path) -> Path:
         ax.legend(fontsize=8)
     axes[0].set_title("TTFT p50 / p99 against load")
     axes[1].set_title("ITL p50 / p99 against load")
-    fig.tight_layout()
-    path = out_dir / "latency_vs_load.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir / "latency_vs_load.png")
 
 
 def capacities(blocks: list[dict]) -> dict[str, float]:
@@ -182,11 +184,7 @@ def plot_goodput_vs_rate(blocks: list[dict], out_dir: Path) -> Path | None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "goodput_vs_rate.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir / "goodput_vs_rate.png")
 
 
 def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
@@ -232,11 +230,7 @@ def plot_ttft_split(blocks: list[dict], out_dir: Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    path = out_dir / "ttft_split.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir / "ttft_split.png")
 
 
 def plot_ttft_per_turn(blocks: list[dict], out_dir: Path) -> Path | None:
@@ -261,11 +255,7 @@ def plot_ttft_per_turn(blocks: list[dict], out_dir: Path) -> Path | None:
     ax.set_title("TTFT per turn")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "ttft_per_turn.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir / "ttft_per_turn.png")
 
 
 def plot_all(blocks: list[dict], out_dir: Path) -> list[Path]:
