@@ -20,14 +20,7 @@
 # prediction missed a CPU measurement by +187%, so the grid reaches below; move it when a cell's bracket
 # says the grid ran out), TRANSPORT (ipc),
 # SERVER_EXTRA, PYTHON, OUT (bench/results/atlas-gpu).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; fi
-PYTHON=${PYTHON:-python3}
-
-MODEL=${MODEL:-qwen2.5-7b}
-DEVICES=${DEVICES:-cuda:0}
-KV_GB=${KV_GB:-16}
+source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES, KV_GB; arm_spec
 TRANSPORT=${TRANSPORT:-ipc}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 RUN_SECONDS=${RUN_SECONDS:-60}
@@ -51,13 +44,7 @@ case $PROFILE in
   *) echo "PROFILE is short, long or mixed, got '$PROFILE'"; exit 2 ;;
 esac
 IFS=, read -r -a DEVICE_LIST <<< "$DEVICES"
-COLOCATED="--prefill-workers 0 --decode-workers 0 --colocated-workers ${#DEVICE_LIST[@]}"
-case $ARM in
-  colocated) SPEC="colocated=colocated:$COLOCATED" ;;
-  colocated-unchunked) SPEC="colocated-unchunked=colocated:$COLOCATED --worker-arg=--no-chunked-prefill" ;;
-  disaggregated) SPEC="disaggregated=disaggregated:--no-colocated --prefill-workers 1 --decode-workers 1" ;;
-  *) echo "ARM is colocated, colocated-unchunked or disaggregated, got '$ARM'"; exit 2 ;;
-esac
+SPEC=$(arm_spec "$ARM" "${#DEVICE_LIST[@]}")
 
 "$PYTHON" -m pdserve.bench.cli atlas --arm "$SPEC" --profiles "$PROFILE" --rates "$RATES" \
   --server-args "--model $MODEL --devices $DEVICES --transport $TRANSPORT --kv-memory-gb $KV_GB $SERVER_EXTRA" \

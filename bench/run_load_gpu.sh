@@ -61,16 +61,11 @@
 #   MULTITURN=1 MODEL=tiny DEVICES=cpu KV_GB=0.2 HOST_GB=0.1 FIRST_LEN=300 NEW_LEN=20 OUTPUT_LEN=4 \
 #     CONVERSATIONS=3 THINK=0.5 WARMUP_MAX=2 SERVER_EXTRA="--threads 1" bench/run_load_gpu.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; fi
-PYTHON=${PYTHON:-python3}
-
-MODEL=${MODEL:-qwen2.5-7b}
-DEVICES=${DEVICES:-cuda:0}
+MULTITURN=${MULTITURN:-0}
+if [ "$MULTITURN" = 1 ]; then KV_GB=${KV_GB:-2}; fi  # the multi-turn comparison's small pool (above)
+source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES, KV_GB (16); arm_spec
 TRANSPORT=${TRANSPORT:-ipc}
 MODE=${MODE:-bulk}
-MULTITURN=${MULTITURN:-0}
-if [ "$MULTITURN" = 1 ]; then KV_GB=${KV_GB:-2}; else KV_GB=${KV_GB:-16}; fi
 NUM_PROMPTS=${NUM_PROMPTS:-24}
 LONG_FRACTION=${LONG_FRACTION:-0.25}
 SHORT_LEN=${SHORT_LEN:-uniform:256:1024}
@@ -102,15 +97,13 @@ mkdir -p "$OUT"
 
 IFS=, read -r -a DEVICE_LIST <<< "$DEVICES"
 case ${#DEVICE_LIST[@]} in
-  1) COLOCATED="--prefill-workers 0 --decode-workers 0 --colocated-workers 1" ;;
-  2) COLOCATED="--prefill-workers 0 --decode-workers 0 --colocated-workers 2" ;;
+  1|2) ;;
   *) echo "DEVICES lists one device (colocated alone vs prefill + decode sharing it) or two" \
           "(two colocated vs prefill on one, decode on the other), got '$DEVICES'"; exit 2 ;;
 esac
-DISAGGREGATED="--no-colocated --prefill-workers 1 --decode-workers 1"
-ARMS=(--arm "colocated=colocated:$COLOCATED" --arm "disaggregated=disaggregated:$DISAGGREGATED")
+ARMS=(--arm "$(arm_spec colocated ${#DEVICE_LIST[@]})" --arm "$(arm_spec disaggregated ${#DEVICE_LIST[@]})")
 if [ "${UNCHUNKED:-0}" = 1 ]; then  # the colocated worker without chunked prefill too, a third arm
-  ARMS+=(--arm "colocated-unchunked=colocated:$COLOCATED --worker-arg=--no-chunked-prefill")
+  ARMS+=(--arm "$(arm_spec colocated-unchunked ${#DEVICE_LIST[@]})")
 fi
 COMMON="--model $MODEL --devices $DEVICES --transport $TRANSPORT --mode $MODE --kv-memory-gb $KV_GB $SERVER_EXTRA"
 

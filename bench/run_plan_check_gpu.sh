@@ -13,14 +13,7 @@
 # MODEL (qwen2.5-7b), DEVICES (cuda:0), KV_GB (16), START_RATE (4), PROBE_SECONDS (60), MIN_REQUESTS (24),
 # MAX_PROBES (5),
 # ARM_BUDGET (480 s), PYTHON, OUT (bench/results/plan-check-gpu).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; fi
-PYTHON=${PYTHON:-python3}
-
-MODEL=${MODEL:-qwen2.5-7b}
-DEVICES=${DEVICES:-cuda:0}
-KV_GB=${KV_GB:-16}
+source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES, KV_GB; arm_spec
 INPUT_LEN=${INPUT_LEN:-uniform:256:1024}
 LONG_FRACTION=${LONG_FRACTION:-0.25}
 LONG_LEN=${LONG_LEN:-uniform:4096:8192}
@@ -50,13 +43,7 @@ if [ "${COMPARE:-0}" = 1 ]; then
 fi
 
 ARM=${ARM:?set ARM (colocated, colocated-unchunked or disaggregated), or COMPARE=1}
-COLOCATED="--prefill-workers 0 --decode-workers 0 --colocated-workers 1"
-case $ARM in
-  colocated) SPEC="colocated=colocated:$COLOCATED" ;;
-  colocated-unchunked) SPEC="colocated-unchunked=colocated:$COLOCATED --worker-arg=--no-chunked-prefill" ;;
-  disaggregated) SPEC="disaggregated=disaggregated:--no-colocated --prefill-workers 1 --decode-workers 1" ;;
-  *) echo "ARM is colocated, colocated-unchunked or disaggregated, got '$ARM'"; exit 2 ;;
-esac
+SPEC=$(arm_spec "$ARM" 1)
 # shellcheck disable=SC2086
 "$PYTHON" -m pdserve.bench.cli load --arm "$SPEC" --server-args "--model $MODEL --devices $DEVICES --kv-memory-gb $KV_GB" \
   --capacity-search --goodput $GOODPUT --search-start-rate "$START_RATE" --search-precision 0.15 \
