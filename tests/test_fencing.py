@@ -217,7 +217,7 @@ def test_the_checksum_passes_exact_kv_and_refuses_blocks_that_differ(transport):
         for rid, corrupt in (("exact", False), ("changed", True)):
             recv.expect(rid, [4, 5, 6], deadline_s=5)
             t = send.open(rid, recv.address, [1, 2, 3], [4, 5, 6], 40)
-            t.accepted.wait(5)
+            assert t.wait_accepted(5)
             for layer in range(layout.num_layers):  # moved as each layer is done
                 t.layer_done(layer)
             if corrupt:  # after the copies are on their way, before the done notice is stamped

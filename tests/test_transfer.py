@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,11 @@ from pdserve.protocol.enums import TRANSPORTS  # a new transport is tested here 
 from pdserve.workers.engine.block_pool import BlockPool, paired_runs
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
 from pdserve.workers.transfer import fake, registry
-from pdserve.workers.transfer.errors import LayoutMismatch, TransferError
+from pdserve.workers.transfer.base import LIVE, MOVES, State
+from pdserve.workers.transfer.errors import IllegalMove, LayoutMismatch, TransferError
 from pdserve.workers.transfer.plan import descriptors, make_plan
 from pdserve.workers.transfer.registry import make_receiver, make_sender
+from pdserve.workers.transfer.sender import Peer, SenderTransfer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,6 +78,77 @@ def test_descriptors_address_layer_major_runs():
         [1000 + 2 * lb + 3 * bb, 3 * bb, 7], [1000 + 2 * lb + 9 * bb, 2 * bb, 7],
     ]
     assert rows[2, 0] == 1000 + LAYOUT.offset(2, 3)
+
+
+def test_the_transfer_ladder_is_one_table():
+    """base.MOVES is a transfer's whole ladder: every state is reached from OPENED, DONE and FAILED end
+    it, and every live state can fail both ways."""
+    reached, grew = {State.OPENED}, True
+    while grew:
+        more = {to for to, sources in MOVES.values() if sources & reached}
+        grew, reached = not more <= reached, reached | more
+    assert reached == set(State)
+    ends = {State.DONE, State.FAILED}
+    assert all(not (sources & ends) for _, sources in MOVES.values())
+    assert MOVES["fail"][1] == MOVES["fail_quietly"][1] == LIVE == set(State) - ends - {State.ABORTING}
+
+
+class QuietSender:
+    """A transfer's sender without an I/O thread: what it is handed runs at once, what it sends is kept."""
+
+    one_sided = True
+
+    def __init__(self):
+        self.cfg, self.kv, self.sent = TransferConfig(transport="zmq"), KVCache(SRC_LAYOUT, "cpu"), []
+
+    def _submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        done.set_result(fn(*args))
+        return done
+
+    def send(self, p, msg, data=None):
+        self.sent.append(msg)
+
+
+class CountedTransfer(SenderTransfer):
+    def _post(self, layers: list[int]) -> int:
+        self.mark_started()
+        return 1
+
+
+def counted(sender: QuietSender, request_id: str) -> CountedTransfer:
+    """A one-block transfer to a peer that is never reached."""
+    plan = make_plan(request_id, [1], [2], 16, SRC_LAYOUT, LAYOUT)
+    return CountedTransfer(sender, Peer("tcp://127.0.0.1:1", None, None), plan)
+
+
+def test_a_transfer_moves_only_along_its_ladder():
+    sender = QuietSender()
+    t = counted(sender, "r")
+    with pytest.raises(IllegalMove, match="poll\\(\\) before start_finish"):
+        t.poll()
+    t.on_ack(P.Ack("r", True))  # an answer that comes out of turn is ignored
+    assert t.state is State.OPENED
+    with pytest.raises(IllegalMove, match="cannot send done while opened"):
+        t._transition("send_done")
+    t.on_accept()
+    t.start_finish(first_token=5, deadline_s=5)
+    assert t.poll() is None and t.state is State.LANDING  # the I/O thread has not posted yet
+    t.io_step()  # nothing queued, nothing in flight: every byte landed
+    assert t.poll() is None and t.state is State.ACKING and isinstance(sender.sent[-1], P.Done)
+    t.on_ack(P.Ack("r", True))
+    assert t.poll().num_bytes == LAYOUT.num_layers * LAYOUT.block_bytes and t.state is State.DONE and t.over
+    t.abort("too late")  # a done transfer stays done
+    assert t.state is State.DONE and t.error is None
+
+    t = counted(sender, "s")
+    t.abort("changed my mind")
+    t.fail(TransferError("a second failure"))  # the first one counts
+    assert t.state is State.ABORTING and "changed my mind" in str(t.error)
+    with pytest.raises(TransferError, match="changed my mind"):  # a move from a failed state raises the failure
+        t._transition("accept")
+    t.io_step()  # no write in flight: the receiver is told
+    assert t.state is State.FAILED and t.over and isinstance(sender.sent[-1], P.Abort)
 
 
 def test_protocol_round_trip_and_no_pickle():
@@ -351,13 +425,15 @@ def test_writes_that_do_not_complete_never_block_poll(pair, transport):
     t = send.open("slow", recv.address, [1, 2], [3, 4], 20)
     t._finish_io = lambda *args: None  # the I/O thread never takes the writes: their Future stays pending
     t.start_finish(1, deadline_s=1.0)
-    calls, start = [], time.monotonic()
+    calls, states, start = [], set(), time.monotonic()
     with pytest.raises(TransferError, match="completion of the KV writes"):
         while True:
             before = time.monotonic()
             assert t.poll() is None
             calls.append(time.monotonic() - before)
+            states.add(t.state)
             time.sleep(0.01)
-    assert t._phase == "complete" and len(calls) > 20  # polled many times while the writes were due
+    assert states - {State.OPENED} == {State.LANDING}  # the accept was due, then the writes
+    assert len(calls) > 20  # polled many times while the writes were due
     assert max(calls) < 0.2, max(calls)  # none of them waited for the writes
     assert 0.9 < time.monotonic() - start < 3.0

@@ -33,7 +33,8 @@ Prefill side (sender), one per prefill worker:
     Transfer.abort(reason)                  give up; the receiver is told
     .close()
 
-States of a transfer: OPENED -> TRANSFERRING -> DONE | FAILED. The receiver accepts a transfer
+States of a transfer (State, MOVES): OPENED -> TRANSFERRING -> LANDING -> ACKING -> DONE, or
+ABORTING -> FAILED (or FAILED at once) from any of the first four. The receiver accepts a transfer
 (answer to the sender's Begin) before any byte is written into its blocks, and a request it
 gave up on is refused, so a late sender never writes into blocks that went back to the pool.
 Fenced reuse: a block an accepted transfer may still write into goes back only after the
@@ -66,10 +67,38 @@ class PeerState(enum.Enum):
 
 
 class State(enum.Enum):
-    OPENED = "opened"
-    TRANSFERRING = "transferring"
+    """A transfer's ladder on the prefill side; MOVES has every legal step."""
+
+    OPENED = "opened"  # the Begin is on its way; layers handed over wait for the receiver's Accept
+    TRANSFERRING = "transferring"  # accepted: writes go out as their layers are ready
+    LANDING = "landing"  # finish: every layer handed over; waiting until every byte landed
+    ACKING = "acking"  # the Done went out; waiting for the receiver's Ack
     DONE = "done"
-    FAILED = "failed"
+    ABORTING = "aborting"  # failed; the receiver gets an Abort once none of our writes can still land
+    FAILED = "failed"  # failed; nothing more to tell the receiver
+
+
+# not over yet: a failure still counts
+LIVE = frozenset({State.OPENED, State.TRANSFERRING, State.LANDING, State.ACKING})
+# accepted and not over: queued writes may go out (in ACKING only a test's held ones, fake.py)
+WRITING = frozenset({State.TRANSFERRING, State.LANDING, State.ACKING})
+# each named move: where it leads, and the states it may start from (the whole ladder, in one place)
+MOVES: dict[str, tuple[State, frozenset[State]]] = {
+    # I/O thread: the receiver's Accept
+    "accept": (State.TRANSFERRING, frozenset({State.OPENED})),
+    # poll(), finishing: the last layers handed over to the transport
+    "land": (State.LANDING, frozenset({State.TRANSFERRING})),
+    # poll(): every byte landed; the Done goes out
+    "send_done": (State.ACKING, frozenset({State.LANDING})),
+    # I/O thread: the receiver's Ack
+    "acked": (State.DONE, frozenset({State.ACKING})),
+    # a failure the receiver must hear of: its Abort waits until none of our writes can land
+    "fail": (State.ABORTING, LIVE),
+    # a failure the receiver knows of (it refused), or the receiver is gone
+    "fail_quietly": (State.FAILED, LIVE),
+    # I/O thread: the Abort went out
+    "aborted": (State.FAILED, frozenset({State.ABORTING})),
+}
 
 
 @dataclass

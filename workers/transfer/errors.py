@@ -19,6 +19,11 @@ class LayoutMismatch(TransferError):
     """The two workers' KV layouts differ in more than the number of blocks."""
 
 
+class IllegalMove(RuntimeError):
+    """A transfer was asked to move along its ladder (base.MOVES) from a state that does not lead there:
+    a bug in the caller's order of calls (poll() before start_finish(), say), not a failed transfer."""
+
+
 def layout_mismatch(prefill: KVLayout, decode: KVLayout, decode_address: str) -> LayoutMismatch:
     return LayoutMismatch(
         f"KV layouts differ: the prefill worker has {prefill.describe()}; the decode worker at {decode_address} "

@@ -47,6 +47,7 @@ import torch
 
 from pdserve.protocol import kv as P
 from pdserve.workers.engine.kv_cache import SHM_PREFIX
+from pdserve.workers.transfer.base import WRITING, State
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.plan import Plan
 from pdserve.workers.transfer.receiver import ChannelReceiver
@@ -151,7 +152,7 @@ class IpcTransfer(SenderTransfer):
             self.pending.append((slice(None), ready))
         else:
             self.pending += [(layer, ready) for layer in layers]
-        if self.accepted.is_set():
+        if self.state is not State.OPENED:
             self._flush()
 
     def _landed(self, deadline: float) -> None:
@@ -162,7 +163,7 @@ class IpcTransfer(SenderTransfer):
 
     def _flush(self) -> None:
         with self.lock:  # a Cancel (I/O thread) takes the lock too: no copy starts after it
-            if self.error is None:
+            if self.state in WRITING:
                 self.mark_started()
                 # layers that became ready at the same event go out in one batch (bulk: all 28)
                 batch: list[int | slice] = []

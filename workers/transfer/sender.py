@@ -1,15 +1,17 @@
 """The prefill side's endpoint, shared by all transports: one connection per decode worker,
 the handshake, and the transfers in flight.
 
-Life cycle of a transfer (Transfer.state):
+Life cycle of a transfer (Transfer.state, base.State; base.MOVES has every legal move):
 
     open()          OPENED        handshake with the peer if this is the first request to it; Begin sent
-    Accept          (writes may start; before it, layer_done() only queues)
-    first write     TRANSFERRING  layer mode: from layer_done(); bulk: from finish()
-    finish()        moves what is left, waits until it landed (deadline), sends Done, waits for the Ack -> DONE
-    any failure     FAILED        Reject, Cancel, Ack(ok=False), the peer disconnecting, a missed deadline,
-                                  abort(): TransferError to the caller; the receiver gets an Abort as soon as
-                                  none of our writes can still land
+    Accept          TRANSFERRING  writes may go out; before it, layer_done() only queues
+    finish()        LANDING       the layers left handed over (bulk: all of them); waits until they landed
+    every byte in   ACKING        Done sent, waits for the Ack (deadline)
+    Ack             DONE
+    any failure     ABORTING      Cancel, the writes' own error, a missed deadline, abort(): TransferError to
+                                  the caller; the receiver gets an Abort as soon as none of our writes can
+                                  land, then FAILED
+                    FAILED        Reject, Ack(ok=False), the peer disconnecting: the receiver knows, or is gone
 
 Per peer, the first open() maps or registers the receiver's pool (`_attach`); a disconnect drops
 the peer (`_detach`) and the next open() shakes hands again.
@@ -31,7 +33,7 @@ bytes itself, zmq: the transfer then ends at the Ack), and implements on the I/O
                                         result is peer.remote, what its transfers write into
     _detach(peer)                       optional: the peer is gone; let go of what _attach made
     _setup_transport() / _teardown_transport()   optional: once, at start / at close (a NIXL agent)
-Its SenderTransfer implements (the base does the rest: the layer_done guard, the state ladder, the
+Its SenderTransfer implements (the base does the rest: the layer_done guard, the ladder, the
 deadlines, Begin/Done/Abort, the queue below and when each step may run):
     _move(layers)           caller side: these layers' K/V are in the pool; start moving them, return
                             at once. Layer mode: from layer_done(), then once from finish() with the
@@ -70,9 +72,9 @@ from pdserve.protocol import auth
 from pdserve.protocol import kv as P
 from pdserve.settings.worker import TransferConfig
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
-from pdserve.workers.transfer.base import KVSender, PeerState, State, Transfer, TransferStats
+from pdserve.workers.transfer.base import LIVE, MOVES, WRITING, KVSender, PeerState, State, Transfer, TransferStats
 from pdserve.workers.transfer.endpoint import IDLE_S, NOW_S, Endpoint
-from pdserve.workers.transfer.errors import LayoutMismatch, TransferError, layout_mismatch
+from pdserve.workers.transfer.errors import IllegalMove, LayoutMismatch, TransferError, layout_mismatch
 from pdserve.workers.transfer.integrity import block_checksums
 from pdserve.workers.transfer.fence import process_start
 from pdserve.workers.transfer.plan import Plan, make_plan
@@ -394,7 +396,7 @@ class ChannelSender(Endpoint, KVSender):
                 continue
             for t in list(p.transfers.values()):
                 t.io_step()
-                if t.retired:
+                if t.over:
                     p.transfers.pop(t.request_id, None)
                 else:
                     busy = busy or t.busy()
@@ -402,22 +404,21 @@ class ChannelSender(Endpoint, KVSender):
 
 
 class SenderTransfer(Transfer):
-    """State, the finish/abort template and the I/O thread's queue, shared by every transport's transfer."""
+    """The ladder, the finish/abort template and the I/O thread's queue, shared by every transport's transfer."""
 
     polls_writes = False  # nixl: writes in flight need polling without a nap (check_xfer_state)
 
     def __init__(self, sender: ChannelSender, peer: Peer, plan: Plan):
         self.request_id = plan.request_id
         self.peer = peer.address
-        self.state = State.OPENED
         self.sender, self.p, self.plan = sender, peer, plan
         self.cfg = sender.cfg
         self.src = sender.kv.pool
         self.layered = sender.cfg.mode == "layer"
-        self.accepted = threading.Event()
-        self.error: TransferError | None = None
-        self.lock = threading.Lock()
-        self.ack: Future = Future()
+        self.state = State.OPENED  # moved only by _transition (under lock; `moved` wakes finish())
+        self.error: TransferError | None = None  # ABORTING, FAILED: why
+        self.lock = threading.RLock()
+        self.moved = threading.Condition(self.lock)
         self.started_at = 0.0
         self.finished_at = 0.0
         self.copies = 0
@@ -425,20 +426,17 @@ class SenderTransfer(Transfer):
         self.last_event: torch.cuda.Event | None = None  # a timed CUDA event after the last copy, if any
         self.layers_sent: set[int] = set()
         self.layers_before_finish = 0
-        self.retired = False  # I/O thread: nothing more to do; forget it
         self.queue: collections.deque = collections.deque()  # I/O thread: (what, ready event) for _post
-        self.finishing: Future | None = None  # I/O thread: the default _landed()'s
+        self.finishing: Future | None = None  # I/O thread: the default _landed()'s, resolved once all landed
         self._in_flight = False  # I/O thread: _writes_in_flight() at the last step
-        self._phase = "open"  # caller side: open -> accept -> complete -> ack -> done
-        self._completing: Future | None = None  # _landed()'s: every byte landed
+        self.landing: Future | None = None  # caller side, LANDING: _landed()'s, while not resolved
         self._first_token = -1
-        self._deadline = 0.0
-        self._abort_reason: str | None = None  # I/O thread: tell the receiver once writes have stopped
+        self._deadline = 0.0  # start_finish(): time.monotonic() by which the decode worker must have acked
 
     # ---- caller side -----------------------------------------------------------------------
 
     def layer_done(self, layer: int) -> None:
-        if not self.layered or layer in self.layers_sent or self.error is not None:
+        if not self.layered or layer in self.layers_sent or self.state not in LIVE:
             return
         self.layers_sent.add(layer)
         self._move([layer])
@@ -446,69 +444,67 @@ class SenderTransfer(Transfer):
     def finish(self, first_token: int, deadline_s: float | None = None) -> TransferStats:
         """start_finish(), then wait for each answer of the decode worker until poll() is done."""
         self.start_finish(first_token, deadline_s)
-        while (stats := self.poll()) is None:
+        while True:
+            seen = self.state
+            stats = self.poll()
+            if stats is not None:
+                return stats
             left = max(self._deadline - time.monotonic(), 0.0)
-            if self._phase == "accept":
-                self.accepted.wait(left)
-            elif self._phase == "complete":
+            if self.landing is not None:
                 try:
-                    self._completing.result(timeout=left)
+                    self.landing.result(timeout=left)
                 except Exception:
                     pass  # poll() says what happened
             else:
-                try:
-                    self.ack.result(timeout=left)
-                except (FutureTimeout, TransferError):
-                    pass  # poll() says what happened
-        return stats
+                with self.moved:
+                    self.moved.wait_for(lambda: self.state is not seen, left)
+
+    def wait_accepted(self, timeout_s: float) -> bool:
+        """Wait (at most timeout_s) for the receiver's Accept: True once it came, False on a failure or timeout."""
+        with self.moved:
+            self.moved.wait_for(lambda: self.state is not State.OPENED, timeout_s)
+            return self.state in WRITING or self.state is State.DONE
 
     def start_finish(self, first_token: int, deadline_s: float | None = None) -> None:
         """Prefill is over: move what is left once the decode worker accepted, then tell it "kv done";
         returns at once, poll() does the rest."""
         self._first_token = first_token
         self._deadline = time.monotonic() + (self.cfg.deadline_s if deadline_s is None else deadline_s)
-        self._phase = "accept"
         self.layers_before_finish = len(self.layers_sent)
 
     def poll(self) -> TransferStats | None:
         """None while an answer of the decode worker is due (its accept, its ack); the stats once it
         acked. Raises TransferError on a failure or past the deadline. Never waits for the peer: only
         local work runs here (the copies, the hand-off of frames to the I/O thread)."""
+        if not self._deadline:
+            raise IllegalMove(f"request {self.request_id}: poll() before start_finish()")
         try:
             self.raise_if_failed()
-            if self._phase == "accept":
-                if not self.accepted.is_set():
-                    return self._due("the decode worker's accept")
-                self.raise_if_failed()
+            if self.state is State.OPENED:
+                return self._due("the decode worker's accept")
+            if self.state is State.TRANSFERRING:
                 rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
                 self.layers_sent.update(rest)
                 if rest:
                     self._move(rest)
-                self._completing = self._landed(self._deadline)
-                self._phase = "complete"
-            if self._phase == "complete":  # the writes are posted: wait for them without blocking
-                if self._completing is not None:
-                    if not self._completing.done():
+                self._transition("land")
+                self.landing = self._landed(self._deadline)
+            if self.state is State.LANDING:  # the writes are posted: wait for them without blocking
+                if self.landing is not None:
+                    if not self.landing.done():
                         return self._due("completion of the KV writes")
-                    self._completing.result()  # raises the failure that resolved it
-                    self._completing = None
-                self.raise_if_failed()
+                    self.landing.result()  # raises the failure that resolved it
+                    self.landing = None
+                self._transition("send_done")
                 done = P.Done(self.request_id, self._first_token, self.plan.num_bytes, self.started_at,
                               self.finished_at, self.writes, self._checksums())
                 self.sender._submit(self.sender.send, self.p, done)
-                self._phase = "ack"
-            if self._phase == "ack":
-                if not self.ack.done():
-                    return self._due("the decode worker's ack of the done notice")
-                self.ack.result()  # raises the failure that resolved it
-                if not self.sender.one_sided:  # the bytes landed when the receiver wrote them
-                    self.finished_at = time.time()
+            if self.state is State.ACKING:
+                return self._due("the decode worker's ack of the done notice")
+            self.raise_if_failed()
         except TransferError as e:
             self.fail(e)
             raise self.error from None
-        self.state = State.DONE
-        self._phase = "done"
-        self.sender._submit(self._retire)
         return self.stats()
 
     def _checksums(self) -> list[int]:
@@ -528,8 +524,9 @@ class SenderTransfer(Transfer):
         self.fail(TransferError(f"request {self.request_id}: aborted by the prefill worker: {reason}"))
 
     def stats(self) -> TransferStats:
-        return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, self.copies,
-                             self.layers_before_finish, len(self.plan.runs), done_event=self.last_event)
+        return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, copies=self.copies,
+                             layers_sent_before_finish=self.layers_before_finish, runs=len(self.plan.runs),
+                             done_event=self.last_event)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -538,7 +535,6 @@ class SenderTransfer(Transfer):
     def mark_started(self) -> None:
         if not self.started_at:
             self.started_at = time.time()
-            self.state = State.TRANSFERRING
 
     def mark(self) -> torch.cuda.Event | None:
         """On GPU: an event on the compute stream where the K/V written so far are complete; whatever
@@ -551,38 +547,50 @@ class SenderTransfer(Transfer):
 
     # ---- either thread ---------------------------------------------------------------------
 
-    def fail(self, error: TransferError, reachable: bool = True) -> None:
-        """Record the first failure; unless the receiver is gone or already knows, it gets an Abort
-        once our writes have stopped."""
+    def _transition(self, name: str) -> None:
+        """Take move `name` of base.MOVES; from a failed state, raise the failure instead."""
+        to, sources = MOVES[name]
         with self.lock:
-            if self.error is not None or self.state is State.DONE:
+            if self.state not in sources:
+                self.raise_if_failed()
+                allowed = ", ".join(sorted(s.value for s in sources))
+                raise IllegalMove(f"request {self.request_id}: cannot {name.replace('_', ' ')} while "
+                                  f"{self.state.value} (to {to.value} only from: {allowed})")
+            self.state = to
+            self.moved.notify_all()
+
+    def fail(self, error: TransferError, reachable: bool = True) -> None:
+        """Record the first failure (none once DONE); unless the receiver is gone or already knows, it
+        gets an Abort once our writes have stopped (ABORTING, the I/O thread's io_step)."""
+        with self.lock:
+            if self.state not in LIVE:
                 return
-            self.error, self.state = error, State.FAILED
-        self.accepted.set()  # wake a finish() waiting for the accept
-        if not self.ack.done():
-            self.ack.set_exception(error)
-        if reachable:
-            self.sender._submit(self._schedule_abort, str(error))
-        else:
-            self.sender._submit(self._retire)
+            self.error = error
+            self._transition("fail" if reachable else "fail_quietly")
+        self.sender._submit(_wake)  # the I/O thread: the Abort may be due, or the transfer over
 
     # ---- I/O thread ------------------------------------------------------------------------
 
     def on_accept(self) -> None:
-        self.accepted.set()
+        with self.lock:
+            if self.state is State.OPENED:
+                self._transition("accept")
 
     def on_ack(self, msg: P.Ack) -> None:
-        if msg.ok:
-            if not self.ack.done():
-                self.ack.set_result(None)
-        else:
+        if not msg.ok:
             self.fail(TransferError(f"request {self.request_id}: the decode worker at {self.peer} refused the "
                                     f"done notice: {msg.error}; free the request's prefill blocks"), reachable=False)
+            return
+        with self.lock:
+            if self.state is State.ACKING:
+                if not self.sender.one_sided:  # the bytes landed when the receiver wrote them
+                    self.finished_at = time.time()
+                self._transition("acked")
 
     def io_step(self) -> None:
-        """Each loop: post what is ready (none after a failure), check what is in flight, resolve the
-        finish once all landed, tell the receiver of an abort once no write of ours can still land."""
-        if self.error is None and not self.retired and self.accepted.is_set():
+        """Each loop: post what is ready (once accepted, none after a failure), check what is in flight,
+        resolve the finish once all landed, tell the receiver of a failure once no write of ours can land."""
+        if self.state in WRITING:
             while self.queue and (self.queue[0][1] is None or self.queue[0][1].query()):
                 what, _ = self.queue.popleft()
                 try:
@@ -591,33 +599,29 @@ class SenderTransfer(Transfer):
                     self.fail(e)
                     break
         self._in_flight = self._writes_in_flight()
-        if self.finishing is not None and not self.finishing.done() and self.error is None \
+        if self.finishing is not None and not self.finishing.done() and self.state in WRITING \
                 and not self.queue and not self._in_flight:
             self.finished_at = time.time()
             self.finishing.set_result(None)
-        if self._abort_reason is not None and not self._in_flight:
-            self.sender.send(self.p, P.Abort(self.request_id, self._abort_reason))
-            self._abort_reason = None
-            self.retired = True
+        if self.state is State.ABORTING and not self._in_flight:
+            self.sender.send(self.p, P.Abort(self.request_id, str(self.error)))
+            self._transition("aborted")
+
+    @property
+    def over(self) -> bool:
+        """Nothing more to do on the I/O thread: forget it."""
+        return self.state is State.DONE or self.state is State.FAILED
 
     def busy(self) -> bool:
         """The loop should come back without a nap: posts waiting on a GPU event, NIXL writes in flight,
         an Abort waiting for the last write."""
-        queued = bool(self.queue) and self.accepted.is_set()
-        return queued or (self._in_flight and (self.polls_writes or self._abort_reason is not None))
+        queued = bool(self.queue) and self.state in WRITING
+        return queued or (self._in_flight and (self.polls_writes or self.state is State.ABORTING))
 
     def discard(self) -> None:
         """The peer is gone: forget what is queued, release what is in flight."""
         self.queue.clear()
         self._drop_writes()
-
-    def _schedule_abort(self, reason: str) -> None:
-        if not self.retired:
-            self._abort_reason = reason
-
-    def _retire(self) -> None:
-        if self._abort_reason is None:
-            self.retired = True
 
     def _finish_io(self, fut: Future) -> None:
         self.finishing = fut
@@ -646,3 +650,6 @@ class SenderTransfer(Transfer):
 
     def _drop_writes(self) -> None:
         """I/O thread: the peer is gone; let go of whatever is still in flight."""
+
+
+def _wake() -> None: ...
