@@ -80,16 +80,17 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
 PromptLogprobs = Annotated[list[TokenLogprobs], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 
 
-class Timeline(msgspec.Struct, frozen=True):
-    """Durations one worker measured on its own clock (ms); None where that worker did not do the part.
-    The router turns them into the phases of protocol/phases.py."""
+StampName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+Stamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]  # time.monotonic() seconds
 
-    inbox_ms: float | None = None  # request in this worker's socket (inbox thread's stamp) -> the loop took it
-    wait_ms: float | None = None  # the loop took it -> prefill start (queue on this worker)
-    prefill_ms: float | None = None
-    pickup_ms: float | None = None  # decode: the KV receiver reported the KV in -> adopt() returned token 1
-    emit_ms: float | None = None  # token 1 made (prefill end, or adopt) -> its Tokens message sent
-    first_step_ms: float | None = None  # the decode step that makes token 2
+
+class Timeline(msgspec.Struct, frozen=True):
+    """What one worker measured of a request: its stamps by name (workers/engine/request.py's Stamps:
+    time.monotonic() seconds of that worker's clock; those it did not set are absent). The router subtracts
+    a stamp only from another of the same worker (the pairs are the phases of protocol/phases.py), so the
+    hosts' clocks need not agree."""
+
+    stamps: Annotated[dict[StampName, Stamp], msgspec.Meta(max_length=32)] = {}
     cached_tokens: Count | None = None  # prompt tokens whose KV this worker reused (its prefix cache)
     host_tokens: Count | None = None  # ... of them, reloaded from its host memory tier
     disk_tokens: Count | None = None  # ... and from its disk tier
@@ -217,7 +218,6 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     first_token: TokenId
     timeline: Timeline
     transfer_ms: float  # first copy issued -> last copy complete (sender's clock)
-    transfer_exposed_ms: float  # prefill end -> last copy complete (this worker's clock): what TTFT pays
     kv_bytes: Count
     copies: Count
     first_logprobs: TokenLogprobs | None = None  # token 1's, when the request asked (Sampling.logprobs)

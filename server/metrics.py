@@ -355,7 +355,8 @@ class Metrics:
                 self.ttft_phase.labels(policy, phase).observe(value / 1e3)
         if t.transfer_ms is not None:
             self.transfer.labels(t.transport, t.mode).observe(t.transfer_ms / 1e3)
-            self.transfer_exposed.labels(t.transport, t.mode).observe(t.transfer_exposed_ms / 1e3)
+            if t.transfer_exposed_ms is not None:  # None: the prefill worker reported no stamp for it
+                self.transfer_exposed.labels(t.transport, t.mode).observe(t.transfer_exposed_ms / 1e3)
             self.kv_bytes.labels(t.transport).inc(t.kv_bytes)
         self.tokens.labels(policy).inc(t.completion_tokens)
 

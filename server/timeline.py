@@ -1,6 +1,8 @@
-"""One request's timeline, assembled from durations each process measured on its own clock.
+"""One request's timeline, assembled from the stamps each process took on its own clock.
 
-No timestamp crosses a process boundary, so clock offsets between hosts cannot bend the numbers:
+The router's stamps (Clock) and each worker's (P.Timeline.stamps, by name) are subtracted only from
+stamps of the same process, as the rows of protocol/phases.py name them, so clock offsets between hosts
+cannot bend the numbers:
 
     ttft_phases_ms       the time to first token split into the phases of protocol/phases.py; they
                          sum to ttft_ms (what could not be split is `unattributed`, never hidden)
@@ -15,9 +17,9 @@ No timestamp crosses a process boundary, so clock offsets between hosts cannot b
 
 The router's stamps (Clock) cut its part of token 1's path: arrival | parse | prepared | route |
 dispatched | ... workers ... | token1_landed | first_token. Between dispatched and token1_landed the
-workers' own durations (P.Timeline) are subtracted from the router's round trip, and what is left is
-the messages' flight (`hops`): every stretch the workers report is disjoint from the others and from
-the flights, so hops >= 0 (zmq, where the prefill worker's "landed" is the decode worker's ack, is
+workers' own stretches (each phase's worker spans) are subtracted from the router's round trip, and what
+is left is the messages' flight (`hops`): every stretch the workers report is disjoint from the others and from
+the flights, so hops >= 0 (zmq, where the prefill worker's "kv_delivered" is the decode worker's ack, is
 the one exception: the ack's flight back is inside transfer_exposed and short of hops; with nixl,
 the decode worker's wait for the write notifications after the done notice is in hops). The first
 decode step makes token 2; it is inside e2e_ms, never inside ttft_ms (token 1 comes from prefill).
@@ -51,30 +53,25 @@ class Clock:
 
 
 def ttft_phases(clock: Clock, prefilled_by: P.Timeline | None, token1_by: P.Timeline | None,
-                transfer_exposed_ms: float | None, disaggregated: bool) -> dict[str, float | None]:
-    """The split of ttft_ms (ms, in PH.NAMES order). `prefilled_by`: the timeline of the worker that
-    prefilled; `token1_by`: of the worker that sent token 1 (the same one when colocated)."""
-    pre = prefilled_by or P.Timeline()
-    tok = token1_by or P.Timeline()
-    inside = {"inbox": pre.inbox_ms, "prefill_queue": pre.wait_ms, "prefill": pre.prefill_ms,
-              "transfer_exposed": transfer_exposed_ms if disaggregated else None,
-              "decode_pickup": tok.pickup_ms if disaggregated else None}
-    # every stretch a worker spent on token 1's path: the round trip less these is the messages' flight
-    worker_parts = [pre.inbox_ms, pre.wait_ms, pre.prefill_ms, tok.emit_ms]
-    if disaggregated:
-        worker_parts += [transfer_exposed_ms, tok.pickup_ms]
-    round_trip = ms(clock.dispatched, clock.token1_landed)
-    router_out = ms(clock.token1_landed, clock.first_token)
-    known = sum(v for v in worker_parts if v is not None)
-    complete = round_trip is not None and all(v is not None for v in worker_parts)
-    out: dict[str, float | None] = {
-        "parse": ms(clock.arrival, clock.prepared),
-        "route": ms(clock.prepared, clock.dispatched),
-        **inside,
-        "hops": round_trip - known if complete else None,
-        "first_token_send": _sum(tok.emit_ms, router_out),
-    }
-    ttft = ms(clock.arrival, clock.first_token)
+                disaggregated: bool) -> dict[str, float | None]:
+    """The split of ttft_ms (ms, in PH.NAMES order), each phase from its row. `prefilled_by`: the timeline
+    of the worker that prefilled; `token1_by`: of the worker that sent token 1 (the same one when colocated)."""
+    sides = _sides(clock, prefilled_by, token1_by)
+    out: dict[str, float | None] = {}
+    inside: list[float | None] = []  # every stretch a worker spent on token 1's path
+    for p in PH.PHASES:
+        if p.disaggregated_only and not disaggregated or p.less_workers or not p.spans:
+            out[p.name] = None  # not on this path, or what is left (below)
+            continue
+        parts = [_span(sides, s) for s in p.spans]
+        inside += [v for s, v in zip(p.spans, parts) if s.side != PH.ROUTER]
+        out[p.name] = _sum(*parts)
+    complete = all(v is not None for v in inside)
+    for p in PH.PHASES:
+        if p.less_workers:  # the round trip less the time inside the workers: the messages' flight
+            trip = _sum(*(_span(sides, s) for s in p.spans))
+            out[p.name] = trip - sum(inside) if trip is not None and complete else None
+    ttft = _span(sides, PH.TTFT)
     out[PH.UNATTRIBUTED] = None if ttft is None else ttft - PH.total_ms(out)
     return {name: _r(out[name]) for name in PH.NAMES}
 
@@ -85,9 +82,8 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
             transport: str | None = None, mode: str | None = None, kv_skipped_tokens: int = 0) -> Timings:
     """A finished request's Timings (ms unless named otherwise)."""
     disaggregated = prefill is not None
-    phases = ttft_phases(clock, prefilled_by, decoded_by, prefill.transfer_exposed_ms if disaggregated else None,
-                         disaggregated)
-    queue = [phases[k] for k in ("parse", "route", "inbox", "prefill_queue")]
+    phases = ttft_phases(clock, prefilled_by, decoded_by, disaggregated)
+    sides = _sides(clock, prefilled_by, decoded_by)
     decode_s = None if clock.first_token is None or clock.last_token is None else clock.last_token - clock.first_token
     tps = (completion_tokens - 1) / decode_s if completion_tokens > 1 and decode_s else None
     pre = prefilled_by
@@ -95,12 +91,12 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
     return Timings(
         **as_measured(pre),
         policy=policy,
-        queue_ms=_r(_sum(*queue)),
+        queue_ms=_r(_sum(*(phases[k] for k in PH.QUEUE))),
+        **{f"{name}_ms": phases[name] for name in AS_PHASE},
         transfer_ms=_r(prefill.transfer_ms) if disaggregated else None,
-        transfer_exposed_ms=_r(prefill.transfer_exposed_ms) if disaggregated else None,
-        first_decode_step_ms=_r(decoded_by.first_step_ms if decoded_by is not None else None),
-        ttft_ms=_r(ms(clock.arrival, clock.first_token)),
-        e2e_ms=_r(ms(clock.arrival, clock.last_token)),
+        first_decode_step_ms=_r(_span(sides, PH.FIRST_STEP)),
+        ttft_ms=_r(_span(sides, PH.TTFT)),
+        e2e_ms=_r(_span(sides, PH.E2E)),
         ttft_phases_ms=phases,
         decode_tokens_per_s=_r(tps),
         kv_bytes=prefill.kv_bytes if disaggregated else 0,
@@ -122,15 +118,29 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
 
 
 # A worker's Timeline field that has a Timings field of the same name is reported as the worker that
-# prefilled measured it (prefill_ms, cached_tokens, reload_ms): a new one is a field in each struct
-# and the line that measures it; what the router composes (the phases, queue_ms, ...) timings() writes out.
+# prefilled measured it (cached_tokens, reload_ms): a new one is a field in each struct and the line that
+# measures it; what the router composes (the phases, queue_ms, ...) timings() writes out.
 AS_MEASURED = tuple(f.name for f in fields(Timings) if f.name in P.Timeline.__struct_fields__)
+# A phase that has a Timings field of its name + "_ms" is reported there too (prefill_ms, transfer_exposed_ms).
+AS_PHASE = tuple(name for name in PH.NAMES if f"{name}_ms" in {f.name for f in fields(Timings)})
 
 
 def as_measured(timeline: P.Timeline | None) -> dict:
     if timeline is None:
         return {}
     return {name: _r(v) if isinstance(v := getattr(timeline, name), float) else v for name in AS_MEASURED}
+
+
+def _sides(clock: Clock, prefilled_by: P.Timeline | None, token1_by: P.Timeline | None) -> dict[str, dict]:
+    """Each side's stamps by name (protocol/phases.py's sides)."""
+    return {PH.ROUTER: vars(clock), PH.PREFILLING: (prefilled_by or P.Timeline()).stamps,
+            PH.TOKEN1: (token1_by or P.Timeline()).stamps}
+
+
+def _span(sides: dict[str, dict], span: PH.Span) -> float | None:
+    """Milliseconds between two stamps of one side; None if either is missing."""
+    stamps = sides[span.side]
+    return ms(stamps.get(span.start), stamps.get(span.end))
 
 
 def _sum(*parts: float | None) -> float | None:

@@ -48,8 +48,8 @@ def test_a_failed_transfer_fails_over_to_another_decode_worker(tokenizer):  # no
                 broken.append(msg.decode_worker)
                 w.send(P.RequestFailed(w.worker_id, msg.request_id, "transfer", "peer unreachable"))
                 return
-            w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, P.Timeline(prefill_ms=1.0), transfer_ms=0.1,
-                                 transfer_exposed_ms=0.1, kv_bytes=1, copies=1))
+            prefilled = P.Timeline({"prefill_start": 1.0, "prefill_end": 1.001, "kv_delivered": 1.0011})
+            w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, prefilled, transfer_ms=0.1, kv_bytes=1, copies=1))
             decodes[msg.decode_worker].tokens(msg.request_id, [42, 43, 44], timeline=P.Timeline())
 
         for wid in ("d0", "d1"):
@@ -71,8 +71,7 @@ def test_no_failover_once_a_token_went_out(tokenizer):  # noqa: F811
 
     def on_prefill(w, msg):
         if isinstance(msg, P.Prefill):
-            w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, P.Timeline(), transfer_ms=0.1,
-                                 transfer_exposed_ms=0.1, kv_bytes=1, copies=1))
+            w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, P.Timeline(), transfer_ms=0.1, kv_bytes=1, copies=1))
             d.tokens(msg.request_id, [42], finished_last=False)
             d.send(P.RequestFailed("d0", msg.request_id, "internal", "decode broke after token 1"))
 

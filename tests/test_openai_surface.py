@@ -270,6 +270,7 @@ def logprob_worker(n_tokens: int = 3):
         if not isinstance(msg, P.Generate):
             return
         s, rid = msg.sampling, msg.request_id
+        timeline = P.Timeline({"prefill_start": 1.0, "prefill_end": 1.001}, cached_tokens=2)
         outs = []
         for i in range(n_tokens):
             last = i == n_tokens - 1
@@ -280,7 +281,7 @@ def logprob_worker(n_tokens: int = 3):
                 plp = [P.TokenLogprobs(-1.0 - j, [9][:s.prompt_logprobs], [-0.5][:s.prompt_logprobs])
                        for j in range(len(msg.prompt_ids) - 1)]
             outs.append(P.TokenOut(rid, 100 + i, f"<{i}>", last, "length" if last else None,
-                                   P.Timeline(prefill_ms=1.0, cached_tokens=2) if last else None, lp, plp))
+                                   timeline if last else None, lp, plp))
         w.send(P.Tokens(w.worker_id, outs))
     return on_message
 
@@ -386,12 +387,13 @@ def test_disaggregated_token_1_logprobs_come_from_the_prefill_report(tokenizer):
                 d.send(P.Tokens(d.worker_id, [
                     P.TokenOut(msg.request_id, 42, "a"),
                     P.TokenOut(msg.request_id, 43, "b", logprobs=P.TokenLogprobs(-0.5, [43], [-0.5])),
-                    P.TokenOut(msg.request_id, 44, "c", True, "length", P.Timeline(first_step_ms=1.0),
+                    P.TokenOut(msg.request_id, 44, "c", True, "length",
+                               P.Timeline({"first_step_start": 1.0, "first_step_end": 1.001}),
                                P.TokenLogprobs(-0.75, [44], [-0.75]))]))
                 time.sleep(0.2)  # D's tokens are in before the report
-                w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, P.Timeline(prefill_ms=3.0), transfer_ms=0.4,
-                                     transfer_exposed_ms=0.2, kv_bytes=8192, copies=1, first_logprobs=lp1,
-                                     prompt_logprobs=prompt_lps * (len(msg.prompt_ids) - 1)))
+                prefilled = P.Timeline({"prefill_start": 1.0, "prefill_end": 1.003, "kv_delivered": 1.0032})
+                w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, prefilled, transfer_ms=0.4, kv_bytes=8192,
+                                     copies=1, first_logprobs=lp1, prompt_logprobs=prompt_lps * (len(msg.prompt_ids) - 1)))
 
         d = client.add_worker("decode", "d0", on_decode)
         client.add_worker("prefill", "p0", on_prefill)
@@ -413,7 +415,7 @@ def test_n_starts_the_other_sequences_once_the_first_has_prefilled(tokenizer):  
             seen.append((msg.request_id, sent["n"]))
             time.sleep(0.05)
             sent["n"] += 1
-            w.tokens(msg.request_id, [100], timeline=P.Timeline(prefill_ms=1.0))
+            w.tokens(msg.request_id, [100], timeline=P.Timeline({"prefill_start": 1.0, "prefill_end": 1.001}))
 
     with router(tokenizer) as client:
         client.add_worker("colocated", "c0", on_message)

@@ -155,7 +155,8 @@ def colocated_echo(n_tokens: int = 3):
     def on_message(w: FakeWorker, msg):
         if isinstance(msg, P.Generate):
             w.tokens(msg.request_id, [100 + i for i in range(n_tokens)],
-                     timeline=P.Timeline(wait_ms=0.5, prefill_ms=2.0, first_step_ms=1.0))
+                     timeline=P.Timeline(stamps={"taken": 1.0, "prefill_start": 1.0005, "prefill_end": 1.0025,
+                                                 "first_step_start": 1.003, "first_step_end": 1.004}))
     return on_message
 
 
@@ -328,9 +329,11 @@ class FakePair:
             elif self.prefill_fails:
                 w.send(P.RequestFailed(w.worker_id, msg.request_id, "transfer", "scripted transfer failure"))
             else:
-                w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, P.Timeline(wait_ms=0.1, prefill_ms=3.0),
-                                     transfer_ms=0.4, transfer_exposed_ms=0.2, kv_bytes=8192, copies=1))
-                self.d.tokens(msg.request_id, [42, 43, 44], timeline=P.Timeline(first_step_ms=1.5))
+                stamps = {"taken": 1.0, "prefill_start": 1.0001, "prefill_end": 1.0031, "kv_delivered": 1.0033}
+                w.send(P.PrefillDone(w.worker_id, msg.request_id, 42, P.Timeline(stamps=stamps),
+                                     transfer_ms=0.4, kv_bytes=8192, copies=1))
+                self.d.tokens(msg.request_id, [42, 43, 44],
+                              timeline=P.Timeline(stamps={"first_step_start": 2.0, "first_step_end": 2.0015}))
 
 
 def test_disaggregated_request_flow(tokenizer):

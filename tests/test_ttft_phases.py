@@ -114,18 +114,22 @@ def test_phases_sum_to_ttft_on_a_live_server(tiny_pdserve):
 
 def test_a_missing_stamp_goes_to_unattributed_not_into_another_phase():
     clock = Clock(arrival=10.0, prepared=10.001, dispatched=10.003, token1_landed=10.020, first_token=10.021)
-    worker = P.Timeline(inbox_ms=1.0, wait_ms=2.0, prefill_ms=10.0, emit_ms=0.5)
-    full = ttft_phases(clock, worker, worker, None, disaggregated=False)
+    # a worker's stamps are on its own clock (here ~500 s ahead of the router's): only their differences count
+    full_stamps = {"arrived": 500.0, "taken": 500.001, "prefill_start": 500.003, "prefill_end": 500.013,
+                   "token1": 500.013, "token1_sent": 500.0135}
+    worker = P.Timeline(stamps=full_stamps)
+    full = ttft_phases(clock, worker, worker, disaggregated=False)
     assert full == {"parse": 1.0, "route": 2.0, "inbox": 1.0, "prefill_queue": 2.0, "prefill": 10.0,
                     "transfer_exposed": None, "decode_pickup": None, "hops": 3.5, "first_token_send": 1.5,
                     "unattributed": 0.0}
     # a worker without emit stamps: its round trip cannot be split into work and flight
-    old = P.Timeline(inbox_ms=1.0, wait_ms=2.0, prefill_ms=10.0)
-    part = ttft_phases(clock, old, old, None, disaggregated=False)
+    old = P.Timeline(stamps={k: v for k, v in full_stamps.items() if k != "token1_sent"})
+    part = ttft_phases(clock, old, old, disaggregated=False)
     assert part["hops"] is None and part["first_token_send"] == 1.0 and part["unattributed"] == 4.0
     # disaggregated: the prefill worker's stretches, then the decode worker's
-    decode = P.Timeline(pickup_ms=0.7, emit_ms=0.3)
-    dis = ttft_phases(clock, old, decode, 1.5, disaggregated=True)
+    prefill = P.Timeline(stamps={**old.stamps, "kv_delivered": 500.0145})
+    decode = P.Timeline(stamps={"kv_received": 70.0, "token1": 70.0007, "token1_sent": 70.001})
+    dis = ttft_phases(clock, prefill, decode, disaggregated=True)
     assert (dis["transfer_exposed"], dis["decode_pickup"], dis["hops"], dis["unattributed"]) == (1.5, 0.7, 1.5, 0.0)
     for split in (full, part, dis):
         assert sum(v for v in split.values() if v is not None) == pytest.approx(21.0, abs=1e-3)

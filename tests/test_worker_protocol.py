@@ -18,9 +18,10 @@ TO_ROUTER = [
     P.Heartbeat("decode-0", "tcp://10.0.0.2:7201", 990, 3, 7, 1.5e9),
     P.Goodbye("decode-0", "signal SIGTERM"),
     P.Reserved("decode-0", "r1", [4, 5, 6], "tcp://10.0.0.2:7300"),
-    P.PrefillDone("prefill-0", "r1", 42, P.Timeline(wait_ms=0.1, prefill_ms=30.0), 1.2, 0.3, 1 << 20, 2),
+    P.PrefillDone("prefill-0", "r1", 42, P.Timeline({"taken": 7.0, "prefill_start": 7.25, "prefill_end": 7.5}),
+                  1.2, 1 << 20, 2),
     P.Tokens("decode-0", [P.TokenOut("r1", 42, " Paris"), P.TokenOut("r1", 13, ".", True, "stop",
-                                                                      P.Timeline(first_step_ms=5.0))]),
+                                                                      P.Timeline({"token1_sent": 9.5}))]),
     P.RequestFailed("prefill-0", "r1", "transfer", "peer gone"),
 ]
 TO_WORKER = [

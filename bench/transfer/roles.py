@@ -48,7 +48,7 @@ import uuid
 import msgspec
 import torch
 
-from pdserve.bench.engine.steps import sync
+from pdserve.bench.engine.decode import sync
 from pdserve.bench.transfer.check import break_sender, parse_fault, poison, prompt_ids, scrub
 from pdserve.bench.transfer.pools import paged_copy, parse_method, release, scatter
 from pdserve.settings.worker import EngineConfig
@@ -59,6 +59,7 @@ from pdserve.settings.keys import load_worker_keys
 from pdserve.protocol import kv as P
 from pdserve.settings.worker import TransferConfig
 from pdserve.protocol.enums import MODES
+from pdserve.protocol.phases import ms
 from pdserve.workers.transfer.registry import make_receiver, make_sender
 from pdserve.workers.transfer.ipc import map_cuda, map_shm, wait_event
 
@@ -340,7 +341,7 @@ class DecodeSide:
         exact = (not failed and tokens_equal and first_equal and step is None
                  and len(logits) == len(ref["logits"]) - 1)
         out = {"exact": exact, "tokens_equal": tokens_equal, "first_logits_equal": first_equal,
-               "first_step_ms": None if req.first_step_end is None else (req.first_step_end - req.first_step_start) * 1e3,
+               "first_step_ms": ms(req.stamps.first_step_start, req.stamps.first_step_end),
                "colocated_first_step_ms": ref["first_step_ms"]}
         if failed:
             out["mismatch"] = f"decoding from the transferred KV failed: {req.error}"
@@ -365,7 +366,7 @@ class DecodeSide:
             logits += [o.logits for o in self.engine.step() if o.request_id == req.request_id]
         return {"prompt": prompt, "seed": seed, "tokens": req.output_ids, "logits": logits,
                 "first_sha": logits_digest(logits[0]),
-                "first_step_ms": (req.first_step_end - req.first_step_start) * 1e3}
+                "first_step_ms": ms(req.stamps.first_step_start, req.stamps.first_step_end)}
 
     # ---- the seed's method ----------------------------------------------------------------------
 

@@ -43,7 +43,8 @@ from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine.device import check_device, kv_budget_bytes, torch_dtype
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
 from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto, root_name
-from pdserve.workers.engine.request import IllegalTransition, InvalidRequest, Request, SamplingParams, Status
+from pdserve.workers.engine.request import (IllegalTransition, InvalidRequest, Request, SamplingParams, Status,
+                                           stamp_end, stamp_start)
 from pdserve.workers.engine.runner import ModelRunner
 from pdserve.workers.engine.sampler import Sampler, SamplingError, not_finite
 from pdserve.protocol.control import TokenLogprobs
@@ -259,15 +260,11 @@ class Engine:
         """The outputs of a launched step: its tokens read back (waiting for them if need be), each
         recorded as a synchronous step records it; then the blocks it held back go free."""
         tokens, ok = step.wait() if step.done else ([], [])
-        end = time.monotonic()
+        stamp_end([r for r in step.done if not r.finished], step.start, time.monotonic())
         outs = []
         for r, tok, fine in zip(step.done, tokens, ok):
             if r.finished:  # aborted or failed since: nothing more to say
                 continue
-            if r.prefill_end is None and r.status is Status.PREFILLING:
-                r.prefill_end = end
-            elif r.first_step_start == step.start:
-                r.first_step_end = end
             later = overlap.pop_pending(r) - 1  # the step after this one's token, already launched
             token = tok if fine else not_finite(r)
             outs.append(self._emit(r, token, None))
@@ -338,7 +335,7 @@ class Engine:
                 raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
             self.scheduler.take_blocks(req, hit, need)
             req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
-            req.prefill_start = time.monotonic()
+            req.stamps.prefill_start = time.monotonic()
             self.blocks.count(len(req.prompt_ids), req.cached_tokens)
             if lower:  # reloading is cheaper than computing them (the cost model): this worker waits for it
                 self.scheduler.start_reload(req, lower)
@@ -352,10 +349,11 @@ class Engine:
             [req.first_logprobs] = self.sampler.token_logprobs(logits, [req], [token])
             if isinstance(req.first_logprobs, SamplingError):
                 raise req.first_logprobs
-            req.prefill_end = time.monotonic()
+            stamp_end([req], req.stamps.prefill_start, time.monotonic())
             self._name_blocks(req)
             if self.tiers is not None:
-                self.tiers.observe_prefill(len(req.prompt_ids) - req.cached_tokens, req.prefill_end - computed_from)
+                computed = len(req.prompt_ids) - req.cached_tokens
+                self.tiers.observe_prefill(computed, req.stamps.prefill_end - computed_from)
         except BaseException as e:
             self._finish(req, "error", f"{type(e).__name__}: {e}")
             raise
@@ -487,8 +485,9 @@ class Engine:
             return self._failed(req, str(token))
         if req.status is Status.PREFILLING:  # its prompt is complete: token 1
             req.start_running()
-            if self.tiers is not None and req.prefill_end is not None and req.prefill_start is not None:
-                self.tiers.observe_prefill(len(req.prompt_ids) - req.cached_tokens, req.prefill_end - req.prefill_start)
+            s = req.stamps
+            if self.tiers is not None and s.prefill_end is not None and s.prefill_start is not None:
+                self.tiers.observe_prefill(len(req.prompt_ids) - req.cached_tokens, s.prefill_end - s.prefill_start)
         return self._append(req, token, logits)
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> StepOutput:
@@ -595,21 +594,3 @@ def with_logprobs(out: StepOutput, logprobs: TokenLogprobs | None) -> StepOutput
             out.prompt_logprobs = req.prompt_logprobs
     return out
 
-
-def stamp_start(work: list[tuple[Request, int]]) -> float:
-    """Stamp the step's start on the requests whose prefill or first decode step it is."""
-    start = time.monotonic()
-    for r, _ in work:
-        if not r.output_ids:
-            r.prefill_start = r.prefill_start or start
-        elif len(r.output_ids) == 1 and r.first_step_start is None:
-            r.first_step_start = start
-    return start
-
-
-def stamp_end(done: list[Request], start: float, end: float) -> None:
-    for r in done:
-        if not r.output_ids and r.prefill_end is None:
-            r.prefill_end = end
-        elif r.first_step_start == start:
-            r.first_step_end = end

@@ -84,6 +84,29 @@ class KVTarget:
     skip_tokens: int = 0  # leading prompt tokens whose KV it holds already (a multiple of the block size)
 
 
+@dataclass
+class Stamps:
+    """When things happened to one request on this worker: time.monotonic() seconds of this process, None
+    where its path here has no such moment. They go to the router by name (roles/base.py: P.Timeline),
+    which subtracts one of them from another of the same worker, never from another process's: the
+    phases of protocol/phases.py name the pairs. A new stamp is a field here and the line that sets it."""
+
+    arrived: float = field(default_factory=time.monotonic)  # its message reached the worker's socket
+    taken: float | None = None  # the worker's loop handled that message
+    prefill_start: float | None = None
+    prefill_end: float | None = None  # its prompt computed and token 1 sampled
+    kv_delivered: float | None = None  # prefill: its KV in the decode worker's blocks, as this sender saw it
+    kv_received: float | None = None  # decode: the KV receiver reported the KV in
+    token1: float | None = None  # token 1 exists here: sampled at prefill end, or (decode) adopted with the KV
+    token1_sent: float | None = None  # token 1's message handed to the router socket
+    first_step_start: float | None = None  # first decode step (the one that makes token 2)
+    first_step_end: float | None = None
+
+    def named(self) -> dict[str, float]:
+        """The stamps set, by name (the wire's Timeline.stamps)."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
 @dataclass(eq=False)  # a request is itself, not its fields: queues find and remove it by identity
 class Request:
     request_id: str
@@ -114,16 +137,7 @@ class Request:
     cached_tokens: int = 0
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, reloaded per tier ("host", "disk")
     reload_s: float | None = None  # how long those reloads took
-    # timeline, time.monotonic() seconds of this process; the roles turn it into P.Timeline
-    arrived: float = field(default_factory=time.monotonic)  # its message reached the worker's socket
-    taken: float | None = None  # the worker's loop handled that message
-    prefill_start: float | None = None
-    prefill_end: float | None = None
-    landed: float | None = None  # decode: the KV receiver reported the KV in
-    adopted_at: float | None = None  # decode: adopt() returned token 1
-    token1_sent: float | None = None  # token 1's message handed to the router socket
-    first_step_start: float | None = None  # first decode step (the one that makes token 2)
-    first_step_end: float | None = None
+    stamps: Stamps = field(default_factory=Stamps)  # its timeline on this worker
 
     # ---- the ladder ----------------------------------------------------------------------------
 
@@ -199,3 +213,30 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+# ---- the engine's stamps: one pair for every way a step runs (synchronous, overlapped, prefill only) --
+
+
+def stamp_start(work: list[tuple[Request, int]]) -> float:
+    """Stamp a step's start on the requests whose prefill or first decode step it is (a token still on
+    the device counts in output_ids: overlap.PENDING)."""
+    start = time.monotonic()
+    for r, _ in work:
+        s = r.stamps
+        if not r.output_ids:
+            s.prefill_start = s.prefill_start or start
+        elif len(r.output_ids) == 1 and s.first_step_start is None:
+            s.first_step_start = start
+    return start
+
+
+def stamp_end(done: list[Request], start: float, end: float) -> None:
+    """Stamp the end of the step that began at `start` on the requests it made a token for: token 1
+    (the prefill is over; an adopted request's came with its KV) or token 2 (their first decode step)."""
+    for r in done:
+        s = r.stamps
+        if s.prefill_end is None and not r.adopted:
+            s.prefill_end = s.token1 = end
+        elif s.first_step_start == start:
+            s.first_step_end = end

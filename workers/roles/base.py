@@ -1,7 +1,7 @@
 """What every role shares: the worker it lives in, token messages, failure reports, timelines.
 
 A role keeps no record of its requests: each lives in the engine (`engine.requests`, its status
-on the ladder of workers/engine/request.py, its timeline stamps on the Request itself), and the
+on the ladder of workers/engine/request.py, its timeline in the Request's Stamps), and the
 role looks it up there. A role turns control messages into engine calls and engine outputs into
 messages. What the heartbeat thread reports (queue depth, running) is a count the main thread
 publishes after each tick, so that thread never reads the engine.
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import FailureKind
 from pdserve.workers.engine.request import Request, Status
-from pdserve.protocol.phases import ms
 
 if TYPE_CHECKING:
     from pdserve.workers.engine.engine import StepOutput
@@ -25,13 +24,10 @@ log = logging.getLogger("pdserve.worker")
 
 
 def timeline(r: Request) -> P.Timeline:
-    """What this worker measured of a request, on its own clock (stamps a role did not set stay None)."""
-    made = r.adopted_at if r.adopted_at is not None else r.prefill_end  # token 1 exists from here
-    return P.Timeline(inbox_ms=ms(r.arrived, r.taken), wait_ms=ms(r.taken, r.prefill_start),
-                      prefill_ms=ms(r.prefill_start, r.prefill_end), pickup_ms=ms(r.landed, r.adopted_at),
-                      emit_ms=ms(made, r.token1_sent), first_step_ms=ms(r.first_step_start, r.first_step_end),
-                      cached_tokens=r.cached_tokens, host_tokens=r.tier_tokens.get("host", 0),
-                      disk_tokens=r.tier_tokens.get("disk", 0),
+    """What this worker measured of a request, on its own clock: its stamps by name (those not set are
+    left out), its cached tokens and their reloads."""
+    return P.Timeline(stamps=r.stamps.named(), cached_tokens=r.cached_tokens,
+                      host_tokens=r.tier_tokens.get("host", 0), disk_tokens=r.tier_tokens.get("disk", 0),
                       reload_ms=None if r.reload_s is None else r.reload_s * 1e3)
 
 
@@ -103,8 +99,8 @@ class Role:
             if o.error is not None:
                 self.fail(r.request_id, FailureKind.INTERNAL, f"on {self.worker_id}: {o.error}")
                 continue
-            if r.token1_sent is None:
-                r.token1_sent = sent
+            if r.stamps.token1_sent is None:
+                r.stamps.token1_sent = sent
                 self.observe_prefill(r)
             tokens.append(P.TokenOut(r.request_id, o.token_id, o.text_delta, o.finished, o.finish_reason,
                                      timeline(r) if o.finished else None, o.logprobs, o.prompt_logprobs))

@@ -19,7 +19,7 @@ import logging
 
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import FailureKind
-from pdserve.workers.engine.request import InvalidRequest, Request, Status
+from pdserve.workers.engine.request import InvalidRequest, Request, Stamps, Status
 from pdserve.workers.roles.base import Role, now
 
 log = logging.getLogger("pdserve.worker")
@@ -32,7 +32,7 @@ class ColocatedRole(Role):
         taken = now()
         if isinstance(msg, P.Generate):
             req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
-                          arrived=taken if arrived is None else arrived, taken=taken)
+                          stamps=Stamps(arrived=taken if arrived is None else arrived, taken=taken))
             try:
                 self.engine.add_request(req)
             except InvalidRequest as e:

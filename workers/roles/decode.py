@@ -106,7 +106,7 @@ class DecodeRole(Role):
             rid = req.request_id
             if now() >= req.deadline:
                 error = (f"decode worker {self.worker_id} had no room for {len(req.prompt_ids)} prompt tokens "
-                         f"within {req.deadline - req.arrived:.1f}s ({self.engine.blocks.num_free} blocks free); "
+                         f"within {req.deadline - req.stamps.arrived:.1f}s ({self.engine.blocks.num_free} blocks free); "
                          f"add decode workers or KV memory (--kv-memory-gb)")
                 self.engine.fail(rid, error)
                 self.fail(rid, FailureKind.CAPACITY, error)
@@ -153,7 +153,7 @@ class DecodeRole(Role):
             except InvalidRequest as e:  # the engine finished it and freed its blocks
                 self.fail(rid, FailureKind.INVALID, str(e))
                 continue
-            req.landed, req.adopted_at = arrival.reported_at, now()
+            req.stamps.kv_received, req.stamps.token1 = arrival.reported_at, now()
             adopted.append(first)
         self.emit(adopted)  # token 1 of each, in one message
 

@@ -85,10 +85,11 @@ class KVReport:
 
     def observe(self, req) -> None:
         """A request's prefill is over: its computed tokens over its prefill time."""
-        if req.prefill_start is None or req.prefill_end is None:
+        s = req.stamps
+        if s.prefill_start is None or s.prefill_end is None:
             return
         tokens = len(req.prompt_ids) - req.cached_tokens
-        seconds = req.prefill_end - req.prefill_start
+        seconds = s.prefill_end - s.prefill_start
         if tokens <= 0 or seconds <= 0:
             return
         ms = seconds * 1e3

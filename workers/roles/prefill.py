@@ -47,7 +47,7 @@ import time
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import FailureKind
 from pdserve.workers.engine.block_pool import OutOfBlocks
-from pdserve.workers.engine.request import InvalidRequest, KVTarget, Request, Status
+from pdserve.workers.engine.request import InvalidRequest, KVTarget, Request, Stamps, Status
 from pdserve.workers.engine.sampler import SamplingError
 from pdserve.workers.roles.base import Role, now, timeline
 from pdserve.workers.transfer.base import PeerState, State, Transfer, TransferStats
@@ -79,8 +79,8 @@ class PrefillRole(Role):
         if isinstance(msg, P.Prefill):
             taken = now()
             received = taken if arrived is None else arrived
-            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling, arrived=received,
-                          taken=taken, deadline=received + msg.deadline_s,
+            req = Request(msg.request_id, list(msg.prompt_ids), msg.sampling,
+                          stamps=Stamps(arrived=received, taken=taken), deadline=received + msg.deadline_s,
                           send_to=KVTarget(msg.decode_worker, msg.kv_address, list(msg.dst_blocks), msg.skip_tokens))
             try:
                 bs = self.engine.layout.block_size
@@ -142,7 +142,7 @@ class PrefillRole(Role):
 
     def _run(self, req: Request) -> None:
         rid, to = req.request_id, req.send_to
-        budget_s = req.deadline - req.arrived
+        budget_s = req.deadline - req.stamps.arrived
         transfer = None
 
         def open_transfer(src_blocks: list[int]):  # the decode worker holds the first skip_tokens already
@@ -161,7 +161,7 @@ class PrefillRole(Role):
 
         try:
             if now() >= req.deadline:
-                raise PrefillDeadline(f"request {rid}: waited {now() - req.arrived:.1f}s in the prefill queue, past "
+                raise PrefillDeadline(f"request {rid}: waited {now() - req.stamps.arrived:.1f}s in the prefill queue, past "
                                       f"its deadline of {budget_s:.1f}s; add prefill workers or raise "
                                       f"the router's --kv-deadline")
             result = self.engine.prefill_only(req, on_layer if self.mode == "layer" else None)
@@ -203,18 +203,19 @@ class PrefillRole(Role):
         rid = req.request_id
         self.engine.release(rid)
         self.observe_prefill(req)
+        s = req.stamps  # the last copy complete, on this worker's clock (and not before the prefill's end)
+        s.kv_delivered = max(s.prefill_end, monotonic(stats.finished_at))
         self.worker.send(P.PrefillDone(
             worker_id=self.worker_id, request_id=rid, first_token=first_token, timeline=timeline(req),
             transfer_ms=(stats.finished_at - stats.started_at) * 1e3,
-            transfer_exposed_ms=max(0.0, (stats.finished_at - wall_clock(req.prefill_end)) * 1e3),
             kv_bytes=stats.num_bytes, copies=stats.copies, first_logprobs=req.first_logprobs,
             prompt_logprobs=None if req.params.prompt_logprobs is None else req.prompt_logprobs,
         ))
 
 
-def wall_clock(mono: float) -> float:
-    """A time.monotonic() stamp of this process as time.time(), to compare with the transport's stamps."""
-    return mono + (time.time() - time.monotonic())
+def monotonic(wall: float) -> float:
+    """A time.time() stamp (the transport's) on this process's time.monotonic() clock."""
+    return wall - (time.time() - time.monotonic())
 
 
 def _failure_kind(e: Exception) -> FailureKind:
