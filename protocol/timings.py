@@ -1,6 +1,6 @@
 """A request's `timings` object: one typed struct from the router to the client.
 
-The router builds it (server/timeline.py, from the durations each worker measured on its own clock),
+The router builds it (server/timeline.py, from the stamps each worker took on its own clock),
 /metrics histograms it (server/metrics.py), the response carries it as JSON (top level of a
 non-streaming response, last SSE event of a streaming one), and the client reads it back into the
 same struct (client.Timings is this class). A new field is one line here, plus where it is
