@@ -3,7 +3,9 @@
 One owner: the engine's `requests` dict holds every request this worker knows, from the moment its
 message is taken until it finishes; its `status` is the one record of where it stands, and it moves
 only through the named methods below, each of which checks where it comes from (an illegal move
-raises IllegalTransition naming the request and both states). Torch-free: testable alone.
+raises IllegalTransition naming the request and both states). Its timeline here is one record beside
+it, Stamps (the engine's step stamps it through stamp_start/stamp_end at the bottom, the roles the
+rest). Torch-free: testable alone.
 
 The ladder, per role (each arrow is one named method below; every state but CANCELLING may also
 finish(): an abort or a failure):
