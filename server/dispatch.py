@@ -7,8 +7,7 @@
       .execute(plan)                  a plan's Token/Done events; /metrics counts the request, its ticket
                                       is released however it ends
       .execute_all(plans)             (choice index, event) of the n sequences of one prompt
-      .drain(timeout_s) / .abort_in_flight(reason)
-                                      SIGTERM: stop admitting, let in-flight requests finish, fail the rest
+      .drain(timeout_s)               SIGTERM: stop admitting, let in-flight requests finish, fail the rest
 
 Which workers serve a request is server/routing.py's; how they are driven, server/plans.py's; the
 request's vocabulary (Job in, Token and Done out) is server/job.py's.
@@ -19,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from pdserve.server.admission import Admission
 from pdserve.server.errors import APIError
 from pdserve.server.job import Done, Token
-from pdserve.server.link import Shutdown, WorkerLink
+from pdserve.server.link import WorkerLink
 from pdserve.server.metrics import Metrics
 from pdserve.server.plans import PREFILL_REPORT_GRACE_S
 from pdserve.server.pool import WorkerPool
@@ -39,7 +37,7 @@ log = logging.getLogger("pdserve.router")
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, pool: WorkerPool, metrics: Metrics):
-        self.cfg, self.pool, self.metrics = cfg, pool, metrics
+        self.metrics = metrics
         self.admission = Admission(cfg, pool, metrics)
         self.link = WorkerLink(cfg, pool, metrics)
 
@@ -121,13 +119,6 @@ class Dispatcher:
 
     # ---- shutting down ----------------------------------------------------------------------------
 
-    def abort_in_flight(self, reason: str) -> int:
-        """Fail every request in flight now (the drain timeout passed); their workers are told to abort."""
-        now = time.monotonic()
-        for q in self.pool.inboxes.values():
-            q.put_nowait((Shutdown(reason), now))
-        return len(self.pool.inboxes)
-
     async def drain(self, timeout_s: float) -> tuple[int, int]:
         """Stop admitting (new requests get 503 + Retry-After), let what is in flight finish for up to
         timeout_s, then fail the rest with an error that says so. (in flight at the start, aborted)"""
@@ -138,8 +129,8 @@ class Dispatcher:
                     pending, timeout_s)
         if await adm.wait_idle(timeout_s):
             return pending, 0
-        aborted = self.abort_in_flight(f"the server is shutting down and its drain timeout ({timeout_s:.0f}s, "
-                                       f"--drain-timeout) passed before this request finished")
+        aborted = self.link.shut_down(f"the server is shutting down and its drain timeout ({timeout_s:.0f}s, "
+                                      f"--drain-timeout) passed before this request finished")
         log.warning("drain timeout: aborted %d requests", aborted)
         await adm.wait_idle(PREFILL_REPORT_GRACE_S)  # their errors reach the clients; the workers are told
         await asyncio.sleep(0.1)  # the aborts to the workers go out (spawned sends)

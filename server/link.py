@@ -11,12 +11,15 @@ sees of the router. The Dispatcher makes one and hands it to every plan it runs.
       .raise_for(msg, job)                a worker's failure (or the drain's Shutdown) as the APIError it means
       .abort(rid, *workers)               Abort to those of the workers still alive, sent in the background
       .stream(job, policy)                the request's TokenStream (its stamps and token metrics)
+      .shut_down(reason)                  the Dispatcher's drain, past its timeout: every request in flight
+                                          fails now (Shutdown in its inbox); its run aborts its workers
       .close()                            cancel the aborts still being sent (the router stops)
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import FailureKind, Policy
@@ -99,6 +102,13 @@ class WorkerLink:
         for w in workers:
             if self._pool.is_alive(w.id):
                 self._spawn(self._pool.send(w, P.Abort(rid, "the router gave up on the request")))
+
+    def shut_down(self, reason: str) -> int:
+        """Shutdown into every open inbox: each request's run raises it (503 shutting_down). How many."""
+        now = time.monotonic()
+        for q in self._pool.inboxes.values():
+            q.put_nowait((Shutdown(reason), now))
+        return len(self._pool.inboxes)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
