@@ -24,11 +24,12 @@ from pdserve.protocol.enums import TRANSPORTS  # a new transport is tested here 
 from pdserve.workers.engine.block_pool import BlockPool, paired_runs
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
 from pdserve.workers.transfer import fake, registry
-from pdserve.workers.transfer.base import LIVE, MOVES, State
+from pdserve.workers.transfer.base import LIVE, MOVES, PeerState, State
 from pdserve.workers.transfer.errors import IllegalMove, LayoutMismatch, TransferError
+from pdserve.workers.transfer.peers import DEAD_RETRY_S, Peer
 from pdserve.workers.transfer.plan import descriptors, make_plan
 from pdserve.workers.transfer.registry import make_receiver, make_sender
-from pdserve.workers.transfer.sender import Peer, SenderTransfer
+from pdserve.workers.transfer.sender_transfer import SenderTransfer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,7 +120,7 @@ class CountedTransfer(SenderTransfer):
 def counted(sender: QuietSender, request_id: str) -> CountedTransfer:
     """A one-block transfer to a peer that is never reached."""
     plan = make_plan(request_id, [1], [2], 16, SRC_LAYOUT, LAYOUT)
-    return CountedTransfer(sender, Peer("tcp://127.0.0.1:1", None, None), plan)
+    return CountedTransfer(sender, Peer("tcp://127.0.0.1:1"), plan)
 
 
 def test_a_transfer_moves_only_along_its_ladder():
@@ -149,6 +150,20 @@ def test_a_transfer_moves_only_along_its_ladder():
         t._transition("accept")
     t.io_step()  # no write in flight: the receiver is told
     assert t.state is State.FAILED and t.over and isinstance(sender.sent[-1], P.Abort)
+
+
+def test_a_peer_is_one_record_with_its_own_ladder():
+    now = time.monotonic()
+    p = Peer("tcp://127.0.0.1:1")
+    assert p.look(now) is PeerState.CONNECTING
+    p.ready.set_exception(TransferError("refused"))
+    assert p.look(now) is PeerState.DEAD and p.why == "refused"
+    assert p.look(now + DEAD_RETRY_S) is None  # tried again: a new Peer
+    p = Peer("tcp://127.0.0.1:1")
+    p.ready.set_result(p)
+    assert p.look(now) is PeerState.READY
+    p.alive, p.lost = False, "it disconnected"
+    assert p.look(now) is PeerState.DEAD and p.why == "it disconnected"
 
 
 def test_protocol_round_trip_and_no_pickle():
@@ -224,7 +239,7 @@ def test_the_fake_transport_is_for_tests_only():
         registry.transport("fake")
     with pytest.raises(ValueError, match="unknown fault"):
         fake.make_sender(KVCache(SRC_LAYOUT, "cpu"), TransferConfig(transport="zmq"), "slow")
-    for name in (*TRANSPORTS, "base", "sender", "receiver", "endpoint"):  # the real code carries no test knob
+    for name in (*TRANSPORTS, "base", "peers", "sender", "sender_transfer", "receiver", "endpoint"):  # no test knob
         assert not re.search(r"\bfault", (PACKAGE / f"{name}.py").read_text()), name
 
 

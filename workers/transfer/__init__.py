@@ -2,8 +2,10 @@
 
     base.py       the interface the roles call (KVSender, KVReceiver, Transfer) and what they get back
     registry.py   transport name -> workers/transfer/<name>.py; make_sender, make_receiver
-    errors.py     TransferError, LayoutMismatch
-    sender.py     the prefill side every transport shares: handshake, peers, a transfer's state ladder
+    errors.py     TransferError, LayoutMismatch; IllegalMove (a bug: a move its ladder has no rung for)
+    sender.py     the prefill side every transport shares: handshake, the I/O loop
+    peers.py      the decode workers a sender talks to: one Peer per handshake, with its state
+    sender_transfer.py   one transfer on the prefill side: its ladder (base.State, base.MOVES), finish, abort
     receiver.py   the decode side every transport shares: handshake, reservations, deadlines, arrivals
     endpoint.py   the I/O thread behind each of them (ZMQ sockets, CURVE)
     plan.py       a request's move as paired runs of blocks; NIXL descriptors
@@ -23,7 +25,7 @@ How to add a transport `foo`
            transport = "foo"
            def _transport_info(self, hello): return P.FooInfo(...)
 
-       class FooTransfer(SenderTransfer):            # sender.py's docstring has every hook
+       class FooTransfer(SenderTransfer):            # sender_transfer.py's docstring has every hook
            def _post(self, layers): ...              # I/O thread: start the writes of these layers;
                                                      # return how many the receiver counts
        class Sender(ChannelSender):

@@ -45,7 +45,8 @@ TransferError naming the request, the peer and what to check.
 
 This module holds the interface only (what the roles call, what they get back). make_sender and
 make_receiver: registry.py; the errors: errors.py; the wire messages: protocol/kv.py; the shared
-plumbing (sockets, handshake, deadlines) every transport builds on: sender.py, receiver.py.
+plumbing (sockets, handshake, deadlines) every transport builds on: sender.py (with peers.py and
+sender_transfer.py), receiver.py.
 """
 
 from __future__ import annotations

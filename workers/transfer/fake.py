@@ -33,8 +33,10 @@ import msgspec
 from pdserve.protocol import kv as P
 from pdserve.workers.transfer import registry
 from pdserve.workers.transfer.base import Arrival
+from pdserve.workers.transfer.peers import Peer
 from pdserve.workers.transfer.receiver import ChannelReceiver, Expected
-from pdserve.workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+from pdserve.workers.transfer.sender import ChannelSender
+from pdserve.workers.transfer.sender_transfer import SenderTransfer
 
 if TYPE_CHECKING:
     from pdserve.settings.worker import TransferConfig

@@ -49,9 +49,11 @@ from pdserve.protocol import kv as P
 from pdserve.workers.engine.kv_cache import SHM_PREFIX
 from pdserve.workers.transfer.base import WRITING, State
 from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.peers import Peer
 from pdserve.workers.transfer.plan import Plan
 from pdserve.workers.transfer.receiver import ChannelReceiver
-from pdserve.workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+from pdserve.workers.transfer.sender import ChannelSender
+from pdserve.workers.transfer.sender_transfer import SenderTransfer
 
 PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: 2D (else per-layer) copies from this request size up
 INDEX_RUNS = 8  # more runs than this (a fragmented pool): copy by block index

@@ -56,11 +56,13 @@ import torch
 
 from pdserve.protocol import kv as P
 from pdserve.workers.engine.kv_cache import KVLayout
-from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.endpoint import log
+from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.peers import Peer
 from pdserve.workers.transfer.plan import Plan, descriptors
 from pdserve.workers.transfer.receiver import ChannelReceiver
-from pdserve.workers.transfer.sender import ChannelSender, Peer, SenderTransfer
+from pdserve.workers.transfer.sender import ChannelSender
+from pdserve.workers.transfer.sender_transfer import SenderTransfer
 from pdserve.workers.transfer.ucx_log import Lane, UcxLog, configure
 
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
@@ -287,7 +289,7 @@ class Sender(ChannelSender):
         """While a finish() waits for writes in flight, poll them without a nap (a 50 us nap is ~100 us
         of sleep, 7% of a 1.8 GiB bulk write on one H200); layer mode's writes during prefill keep it."""
         wait_s = super()._tick()
-        finishing = any(t.handles and t.finishing is not None for p in self._peers.values()
+        finishing = any(t.handles and t.finishing is not None for p in self._connected.values()
                         for t in p.transfers.values())
         return 0.0 if finishing else wait_s
 

@@ -54,8 +54,10 @@ import zmq
 
 from pdserve.protocol import kv as P
 from pdserve.workers.transfer.errors import TransferError
+from pdserve.workers.transfer.peers import Peer
 from pdserve.workers.transfer.receiver import ChannelReceiver, Expected
-from pdserve.workers.transfer.sender import ZERO_COPY_MIN, ChannelSender, Peer, SenderTransfer
+from pdserve.workers.transfer.sender import ZERO_COPY_MIN, ChannelSender
+from pdserve.workers.transfer.sender_transfer import SenderTransfer
 
 FRAME_BYTES = 8 * 2**20  # at most this per frame (one block more where a single block is larger)
 SLOTS_PER_STREAM = 2  # GPU: pinned staging buffers of FRAME_BYTES per data stream
