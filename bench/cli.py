@@ -10,7 +10,8 @@
     pdserve-bench plan      colocated or xP:yD for N GPUs, predicted from an engine profile (bench/load/planner.py)
     pdserve-bench offload   recompute vs reload per KV tier, every reload checked (bench/transfer/offload.py)
 
-Each module exposes `add_arguments(parser)` and `run(args) -> int`.
+Each module exposes `add_arguments(parser)` and `run(args) -> int`; parse_counts reads the token counts
+their flags share (`--lengths 1k,4k,16384`: 1k = 1024).
 """
 
 from __future__ import annotations
@@ -30,6 +31,22 @@ SUBCOMMANDS = {
     "plan": ("pdserve.bench.load.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
     "offload": ("pdserve.bench.transfer.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
+
+
+def parse_counts(text: str) -> list[int]:
+    """"1k, 4k,16384" -> [1024, 4096, 16384]; every count positive, at least one."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        value = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
+        if value <= 0:
+            raise ValueError(f"counts must be positive, got {part!r}")
+        out.append(value)
+    if not out:
+        raise ValueError(f"no counts in {text!r}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@
     finish(record)    -> dict   at the end: the same GPU readings again ("gpu_end")
     gpu_state(devices)          the readings alone: SM and memory clock (MHz), power draw and
                                 limit (W), temperature (C), one dict per GPU; None without nvidia-smi
+    machine_slug(device)        the device's name for result files: "nvidia-h200", "cpu-x86-64"
 
 A GPU at its power limit lowers its clock during long runs; start and end readings show it.
 Torch is imported only to name CUDA devices, so `collect([])` works in torch-free processes.
@@ -18,6 +19,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import shlex
 import socket
 import subprocess
@@ -167,3 +169,14 @@ def describe(record: dict) -> str:
     v = record.get("versions", {})
     return (f"commit {commit}, {where}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
             f"triton {v.get('triton')}, {record.get('date')}")
+
+
+def machine_slug(device) -> str:
+    """`device` (a torch.device) named for result files."""
+    if device.type == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu-{platform.machine()}"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from pdserve.bench import cli
 from pdserve.bench.engine import steps
 from pdserve.settings.worker import EngineConfig
 from pdserve.bench.engine.decode import mixed_contexts
@@ -132,9 +133,9 @@ def test_points_that_do_not_fit_are_skipped_and_listed(tmp_path):
 
 
 def test_parse_counts():
-    assert steps.parse_counts("1k, 4k,16384") == [1024, 4096, 16384]
+    assert cli.parse_counts("1k, 4k,16384") == [1024, 4096, 16384]
     with pytest.raises(ValueError):
-        steps.parse_counts("0")
+        cli.parse_counts("0")
 
 
 def test_offline_bench_cpu_smoke(tmp_path):

@@ -31,7 +31,8 @@ import torch
 from pdserve.bench.engine import decode as dec
 from pdserve.bench.engine import mixed as mx
 from pdserve.bench import provenance
-from pdserve.bench.engine.steps import hf_twin, kv_bytes_per_token, machine_slug, parse_counts
+from pdserve.bench.cli import parse_counts
+from pdserve.bench.engine.steps import hf_twin, kv_bytes_per_token
 
 FLOOR_LIMIT = 1.4  # the default config's wall time / its floor
 
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             "measured": table[default_name]["over_floor"],
             "met": None if table[default_name]["over_floor"] is None else table[default_name]["over_floor"] <= FLOOR_LIMIT}},
     }
-    out = Path(args.out) if args.out else provenance.RESULTS_DIR / f"offline-{machine_slug(device)}-{datetime.date.today().isoformat()}.json"
+    out = Path(args.out) if args.out else provenance.RESULTS_DIR / f"offline-{provenance.machine_slug(device)}-{datetime.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"offline: {args.prompts} prompts ({sum(lengths)} tokens) x {args.out_tokens} out; floor {floor:.2f} s "

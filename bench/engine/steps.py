@@ -43,8 +43,6 @@ import datetime
 import gc
 import itertools
 import json
-import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -53,6 +51,7 @@ from typing import Callable
 import torch
 
 from pdserve.bench import ab, provenance
+from pdserve.bench.cli import parse_counts
 from pdserve.bench.engine import decode as dec
 from pdserve.bench.engine import mixed as mx
 from pdserve.bench.engine.report import markdown, targets
@@ -91,39 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--out", default=None, help="JSON path (default bench/results/engine-<machine>-<date>.json)")
 
 
-def parse_counts(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        value = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
-        if value <= 0:
-            raise ValueError(f"counts must be positive, got {part!r}")
-        out.append(value)
-    if not out:
-        raise ValueError(f"no counts in {text!r}")
-    return out
-
-
-sync = dec.sync
-
-
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
+    dec.sync(device)
     start = time.perf_counter()
     fn()
-    sync(device)
+    dec.sync(device)
     return (time.perf_counter() - start) * 1e3
 
 
 def random_ids(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def machine_slug(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def log(msg: str) -> None:
@@ -350,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     }
     result["targets"] = targets(result)
     out = Path(args.out) if args.out else provenance.RESULTS_DIR / (
-        f"engine-{machine_slug(device)}-{datetime.date.today().isoformat()}.json")
+        f"engine-{provenance.machine_slug(device)}-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     log(f"wrote {out} after {result['config']['run_s']} s")

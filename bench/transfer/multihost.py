@@ -49,7 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.bench import provenance
-from pdserve.bench.engine.steps import parse_counts
+from pdserve.bench.cli import parse_counts
 from pdserve.bench.transfer.table import Child, log, measure_length, one_run
 from pdserve.bench.transfer.check import run_seed
 

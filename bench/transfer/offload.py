@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench import ab, provenance
-from pdserve.bench.engine.steps import machine_slug, parse_counts
+from pdserve.bench.cli import parse_counts
 from pdserve.bench.transfer.offload_arms import ARMS, FAULTS, Bench, parse_fault
 from pdserve.workers.engine.block_pool import blocks_for
 
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     parse_fault(args.fault)
     device = torch.device(args.device)
     out = Path(args.out) if args.out else provenance.RESULTS_DIR / (
-        f"offload-{machine_slug(device)}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        f"offload-{provenance.machine_slug(device)}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     out.parent.mkdir(parents=True, exist_ok=True)
     prov = provenance.collect([str(device)])
     t0 = time.monotonic()

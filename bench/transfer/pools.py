@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.engine.steps import sync
+from pdserve.bench.engine.decode import sync
 from pdserve.settings.keys import new_deployment, write_worker_keys
 from pdserve.protocol.enums import TRANSPORTS
 from pdserve.workers.transfer.ipc import CUDA_MEMCPY_DEVICE_TO_DEVICE, cuda_memcpy2d

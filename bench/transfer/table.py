@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench import ab, provenance
-from pdserve.bench.engine.steps import machine_slug, parse_counts
+from pdserve.bench.cli import parse_counts
 from pdserve.bench.transfer.check import FAULTS, parse_fault, run_seed
 from pdserve.bench.transfer.pools import parse_method, worker_keys
 from pdserve.bench.transfer.table_report import aggregate, markdown, targets
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     prov = provenance.collect([args.device, args.decode_device])
     out = Path(args.out) if args.out else provenance.RESULTS_DIR / (
-        f"transfer-{machine_slug(device)}-{datetime.date.today().isoformat()}")
+        f"transfer-{provenance.machine_slug(device)}-{datetime.date.today().isoformat()}")
     out.parent.mkdir(parents=True, exist_ok=True)
     bw_bytes = (args.bandwidth_mib or (1024 if device.type == "cuda" else 64)) * 2**20
 
