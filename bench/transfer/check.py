@@ -8,6 +8,8 @@ destinations, and a fault knob that proves the check catches a transport that dr
                                    instead of holding an earlier run's KV of the same prompt
     scrub(pool)                    after a run was judged: NaN -> 0 all over the pool, so a poisoned
                                    block a broken run left behind cannot leak into the next run
+    step_logits(engine, req)       step the engine until `req` (added or adopted) finishes: the logits
+                                   of each of its steps, to compare bitwise with the reference's
     FAULTS / parse_fault / break_sender   the sender side's deliberate faults (tests only):
         skip-block:K   every request's block K (negative: from the end) is never sent
         skip-all       nothing is sent; the transfer still reports success
@@ -33,6 +35,13 @@ FAULTS = ("skip-block:K", "skip-all")
 
 def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def step_logits(engine, req) -> list:
+    logits = []
+    while not req.finished:
+        logits += [o.logits for o in engine.step() if o.request_id == req.request_id]
+    return logits
 
 
 def run_seed(*parts) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.engine.decode import sync
-from pdserve.bench.transfer.check import poison, prompt_ids, run_seed, scrub
+from pdserve.bench.transfer.check import poison, prompt_ids, run_seed, scrub, step_logits
 from pdserve.workers.engine.block_pool import blocks_for, paired_runs, runs
 
 ARMS = ("recompute", "plain-pinned", "gpu", "pinned", "pageable", "disk")
@@ -113,9 +113,7 @@ class Bench:
         req = Request(f"ref-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
                       return_logits=True)
         self.engine.add_request(req)
-        logits = []
-        while not req.finished:
-            logits += [o.logits for o in self.engine.step() if o.request_id == req.request_id]
+        logits = step_logits(self.engine, req)
         if req.finish_reason == "error":
             raise RuntimeError(f"the reference run failed: {req.error}")
         return {"tokens": list(req.output_ids), "logits": logits}
@@ -285,9 +283,7 @@ class Bench:
             self.engine.adopt(req, ctx["first"]["token"])
         except Exception as e:
             return {**out, "exact": False, "mismatch": f"adopt failed: {e}"}
-        logits = []
-        while not req.finished:
-            logits += [o.logits for o in self.engine.step() if o.request_id == rid]
+        logits = step_logits(self.engine, req)
         ref = ctx["ref"]
         step = next((i + 1 for i, (a, b) in enumerate(zip(logits, ref["logits"][1:]))
                      if a is None or not torch.equal(a, b)), None)

@@ -49,7 +49,7 @@ import msgspec
 import torch
 
 from pdserve.bench.engine.decode import sync
-from pdserve.bench.transfer.check import break_sender, parse_fault, poison, prompt_ids, scrub
+from pdserve.bench.transfer.check import break_sender, parse_fault, poison, prompt_ids, scrub, step_logits
 from pdserve.bench.transfer.pools import paged_copy, parse_method, release, scatter
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine.engine import Engine
@@ -328,9 +328,7 @@ class DecodeSide:
         req = Request(rid, ref["prompt"], SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
                       return_logits=True)
         self.engine.adopt(req, cmd["first_token"])
-        logits = []
-        while not req.finished:
-            logits += [o.logits for o in self.engine.step() if o.request_id == rid]
+        logits = step_logits(self.engine, req)
         self._done(rid)
         tokens_equal = req.output_ids == ref["tokens"]
         first_equal = cmd["logits_sha"] == ref["first_sha"]
@@ -361,9 +359,7 @@ class DecodeSide:
         req = Request(f"colocated-{n}-{seed}", prompt, SamplingParams(max_tokens=self.args.tokens, ignore_eos=True),
                       return_logits=True)
         self.engine.add_request(req)
-        logits = []
-        while not req.finished:
-            logits += [o.logits for o in self.engine.step() if o.request_id == req.request_id]
+        logits = step_logits(self.engine, req)
         return {"prompt": prompt, "seed": seed, "tokens": req.output_ids, "logits": logits,
                 "first_sha": logits_digest(logits[0]),
                 "first_step_ms": ms(req.stamps.first_step_start, req.stamps.first_step_end)}
