@@ -24,7 +24,7 @@ from pdserve.protocol.enums import TRANSPORTS  # a new transport is tested here 
 from pdserve.workers.engine.block_pool import BlockPool, paired_runs
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
 from pdserve.workers.transfer import fake, registry
-from pdserve.workers.transfer.base import LIVE, MOVES, PeerState, State
+from pdserve.workers.transfer.base import LIVE, MOVES, PeerState, TransferState
 from pdserve.workers.transfer.errors import IllegalMove, LayoutMismatch, TransferError
 from pdserve.workers.transfer.peers import DEAD_RETRY_S, Peer
 from pdserve.workers.transfer.plan import descriptors, make_plan
@@ -84,14 +84,14 @@ def test_descriptors_address_layer_major_runs():
 def test_the_transfer_ladder_is_one_table():
     """base.MOVES is a transfer's whole ladder: every state is reached from OPENED, DONE and FAILED end
     it, and every live state can fail both ways."""
-    reached, grew = {State.OPENED}, True
+    reached, grew = {TransferState.OPENED}, True
     while grew:
         more = {to for to, sources in MOVES.values() if sources & reached}
         grew, reached = not more <= reached, reached | more
-    assert reached == set(State)
-    ends = {State.DONE, State.FAILED}
+    assert reached == set(TransferState)
+    ends = {TransferState.DONE, TransferState.FAILED}
     assert all(not (sources & ends) for _, sources in MOVES.values())
-    assert MOVES["fail"][1] == MOVES["fail_quietly"][1] == LIVE == set(State) - ends - {State.ABORTING}
+    assert MOVES["fail"][1] == MOVES["fail_quietly"][1] == LIVE == set(TransferState) - ends - {TransferState.ABORTING}
 
 
 class QuietSender:
@@ -129,27 +129,27 @@ def test_a_transfer_moves_only_along_its_ladder():
     with pytest.raises(IllegalMove, match="poll\\(\\) before start_finish"):
         t.poll()
     t.on_ack(P.Ack("r", True))  # an answer that comes out of turn is ignored
-    assert t.state is State.OPENED
+    assert t.state is TransferState.OPENED
     with pytest.raises(IllegalMove, match="cannot send done while opened"):
         t._transition("send_done")
     t.on_accept()
     t.start_finish(first_token=5, deadline_s=5)
-    assert t.poll() is None and t.state is State.LANDING  # the I/O thread has not posted yet
+    assert t.poll() is None and t.state is TransferState.LANDING  # the I/O thread has not posted yet
     t.io_step()  # nothing queued, nothing in flight: every byte landed
-    assert t.poll() is None and t.state is State.ACKING and isinstance(sender.sent[-1], P.Done)
+    assert t.poll() is None and t.state is TransferState.ACKING and isinstance(sender.sent[-1], P.Done)
     t.on_ack(P.Ack("r", True))
-    assert t.poll().num_bytes == LAYOUT.num_layers * LAYOUT.block_bytes and t.state is State.DONE and t.over
+    assert t.poll().num_bytes == LAYOUT.num_layers * LAYOUT.block_bytes and t.state is TransferState.DONE and t.over
     t.abort("too late")  # a done transfer stays done
-    assert t.state is State.DONE and t.error is None
+    assert t.state is TransferState.DONE and t.error is None
 
     t = counted(sender, "s")
     t.abort("changed my mind")
     t.fail(TransferError("a second failure"))  # the first one counts
-    assert t.state is State.ABORTING and "changed my mind" in str(t.error)
+    assert t.state is TransferState.ABORTING and "changed my mind" in str(t.error)
     with pytest.raises(TransferError, match="changed my mind"):  # a move from a failed state raises the failure
         t._transition("accept")
     t.io_step()  # no write in flight: the receiver is told
-    assert t.state is State.FAILED and t.over and isinstance(sender.sent[-1], P.Abort)
+    assert t.state is TransferState.FAILED and t.over and isinstance(sender.sent[-1], P.Abort)
 
 
 def test_a_peer_is_one_record_with_its_own_ladder():
@@ -448,7 +448,7 @@ def test_writes_that_do_not_complete_never_block_poll(pair, transport):
             calls.append(time.monotonic() - before)
             states.add(t.state)
             time.sleep(0.01)
-    assert states - {State.OPENED} == {State.LANDING}  # the accept was due, then the writes
+    assert states - {TransferState.OPENED} == {TransferState.LANDING}  # the accept was due, then the writes
     assert len(calls) > 20  # polled many times while the writes were due
     assert max(calls) < 0.2, max(calls)  # none of them waited for the writes
     assert 0.9 < time.monotonic() - start < 3.0

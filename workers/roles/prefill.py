@@ -50,7 +50,7 @@ from pdserve.workers.engine.block_pool import OutOfBlocks
 from pdserve.workers.engine.request import InvalidRequest, KVTarget, Request, Stamps, Status
 from pdserve.workers.engine.sampler import SamplingError
 from pdserve.workers.roles.base import Role, now, timeline
-from pdserve.workers.transfer.base import PeerState, State, Transfer, TransferStats
+from pdserve.workers.transfer.base import PeerState, Transfer, TransferState, TransferStats
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.registry import make_sender
 
@@ -193,7 +193,7 @@ class PrefillRole(Role):
 
     def _failed(self, req: Request, transfer: Transfer | None, e: Exception) -> None:
         rid = req.request_id
-        if transfer is not None and transfer.state is not State.DONE:
+        if transfer is not None and transfer.state is not TransferState.DONE:
             transfer.abort(f"{type(e).__name__}: {e}")
         text = _failure_text(e, self.worker_id, req.send_to.worker_id)
         self.engine.fail(rid, text)  # no-op where prefill_only already finished it

@@ -5,7 +5,7 @@
     errors.py     TransferError, LayoutMismatch; IllegalMove (a bug: a move its ladder has no rung for)
     sender.py     the prefill side every transport shares: handshake, the I/O loop
     peers.py      the decode workers a sender talks to: one Peer per handshake, with its state
-    sender_transfer.py   one transfer on the prefill side: its ladder (base.State, base.MOVES), finish, abort
+    sender_transfer.py   one transfer on the prefill side: its ladder (base.TransferState, base.MOVES), finish, abort
     receiver.py   the decode side every transport shares: handshake, reservations, deadlines, arrivals
     endpoint.py   the I/O thread behind each of them (ZMQ sockets, CURVE)
     plan.py       a request's move as paired runs of blocks; NIXL descriptors

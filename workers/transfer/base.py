@@ -33,7 +33,7 @@ Prefill side (sender), one per prefill worker:
     Transfer.abort(reason)                  give up; the receiver is told
     .close()
 
-States of a transfer (State, MOVES): OPENED -> TRANSFERRING -> LANDING -> ACKING -> DONE, or
+States of a transfer (TransferState, MOVES): OPENED -> TRANSFERRING -> LANDING -> ACKING -> DONE, or
 ABORTING -> FAILED (or FAILED at once) from any of the first four. The receiver accepts a transfer
 (answer to the sender's Begin) before any byte is written into its blocks, and a request it
 gave up on is refused, so a late sender never writes into blocks that went back to the pool.
@@ -67,7 +67,7 @@ class PeerState(enum.Enum):
     DEAD = "dead"
 
 
-class State(enum.Enum):
+class TransferState(enum.Enum):
     """A transfer's ladder on the prefill side; MOVES has every legal step."""
 
     OPENED = "opened"  # the Begin is on its way; layers handed over wait for the receiver's Accept
@@ -80,25 +80,26 @@ class State(enum.Enum):
 
 
 # not over yet: a failure still counts
-LIVE = frozenset({State.OPENED, State.TRANSFERRING, State.LANDING, State.ACKING})
+LIVE = frozenset({TransferState.OPENED, TransferState.TRANSFERRING, TransferState.LANDING,
+                  TransferState.ACKING})
 # accepted and not over: queued writes may go out (in ACKING only a test's held ones, fake.py)
-WRITING = frozenset({State.TRANSFERRING, State.LANDING, State.ACKING})
+WRITING = frozenset({TransferState.TRANSFERRING, TransferState.LANDING, TransferState.ACKING})
 # each named move: where it leads, and the states it may start from (the whole ladder, in one place)
-MOVES: dict[str, tuple[State, frozenset[State]]] = {
+MOVES: dict[str, tuple[TransferState, frozenset[TransferState]]] = {
     # I/O thread: the receiver's Accept
-    "accept": (State.TRANSFERRING, frozenset({State.OPENED})),
+    "accept": (TransferState.TRANSFERRING, frozenset({TransferState.OPENED})),
     # poll(), finishing: the last layers handed over to the transport
-    "land": (State.LANDING, frozenset({State.TRANSFERRING})),
+    "land": (TransferState.LANDING, frozenset({TransferState.TRANSFERRING})),
     # poll(): every byte landed; the Done goes out
-    "send_done": (State.ACKING, frozenset({State.LANDING})),
+    "send_done": (TransferState.ACKING, frozenset({TransferState.LANDING})),
     # I/O thread: the receiver's Ack
-    "acked": (State.DONE, frozenset({State.ACKING})),
+    "acked": (TransferState.DONE, frozenset({TransferState.ACKING})),
     # a failure the receiver must hear of: its Abort waits until none of our writes can land
-    "fail": (State.ABORTING, LIVE),
+    "fail": (TransferState.ABORTING, LIVE),
     # a failure the receiver knows of (it refused), or the receiver is gone
-    "fail_quietly": (State.FAILED, LIVE),
+    "fail_quietly": (TransferState.FAILED, LIVE),
     # I/O thread: the Abort went out
-    "aborted": (State.FAILED, frozenset({State.ABORTING})),
+    "aborted": (TransferState.FAILED, frozenset({TransferState.ABORTING})),
 }
 
 
@@ -137,7 +138,7 @@ class TransferStats:
 class Transfer(ABC):
     request_id: str
     peer: str
-    state: State
+    state: TransferState
 
     @abstractmethod
     def layer_done(self, layer: int) -> None: ...

@@ -47,7 +47,7 @@ import torch
 
 from pdserve.protocol import kv as P
 from pdserve.workers.engine.kv_cache import SHM_PREFIX
-from pdserve.workers.transfer.base import WRITING, State
+from pdserve.workers.transfer.base import WRITING, TransferState
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
 from pdserve.workers.transfer.plan import Plan
@@ -154,7 +154,7 @@ class IpcTransfer(SenderTransfer):
             self.pending.append((slice(None), ready))
         else:
             self.pending += [(layer, ready) for layer in layers]
-        if self.state is not State.OPENED:
+        if self.state is not TransferState.OPENED:
             self._flush()
 
     def _landed(self, deadline: float) -> None:

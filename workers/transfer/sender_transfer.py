@@ -1,7 +1,7 @@
 """One transfer on the prefill side, shared by all transports: its ladder, the finish/abort template,
 and the queue of writes the I/O thread posts.
 
-Life cycle of a transfer (Transfer.state, base.State; base.MOVES has every legal move):
+Life cycle of a transfer (Transfer.state, base.TransferState; base.MOVES has every legal move):
 
     open()          OPENED        Begin sent (the sender's open(); it shakes hands first with a new peer)
     Accept          TRANSFERRING  writes may go out; before it, layer_done() only queues
@@ -48,7 +48,7 @@ import msgspec
 import torch
 
 from pdserve.protocol import kv as P
-from pdserve.workers.transfer.base import LIVE, MOVES, WRITING, State, Transfer, TransferStats
+from pdserve.workers.transfer.base import LIVE, MOVES, WRITING, Transfer, TransferState, TransferStats
 from pdserve.workers.transfer.errors import IllegalMove, TransferError
 from pdserve.workers.transfer.integrity import block_checksums
 from pdserve.workers.transfer.peers import Peer
@@ -84,7 +84,7 @@ class SenderTransfer(Transfer):
         self.cfg = sender.cfg
         self.src = sender.kv.pool
         self.layered = sender.cfg.mode == "layer"
-        self.state = State.OPENED  # moved only by _transition (under lock; `moved` wakes finish())
+        self.state = TransferState.OPENED  # moved only by _transition (under lock; `moved` wakes finish())
         self.error: TransferError | None = None  # ABORTING, FAILED: why
         self.lock = threading.RLock()
         self.moved = threading.Condition(self.lock)
@@ -131,8 +131,8 @@ class SenderTransfer(Transfer):
     def wait_accepted(self, timeout_s: float) -> bool:
         """Wait (at most timeout_s) for the receiver's Accept: True once it came, False on a failure or timeout."""
         with self.moved:
-            self.moved.wait_for(lambda: self.state is not State.OPENED, timeout_s)
-            return self.state in WRITING or self.state is State.DONE
+            self.moved.wait_for(lambda: self.state is not TransferState.OPENED, timeout_s)
+            return self.state in WRITING or self.state is TransferState.DONE
 
     def start_finish(self, first_token: int, deadline_s: float | None = None) -> None:
         """Prefill is over: move what is left once the decode worker accepted, then tell it "kv done";
@@ -149,16 +149,16 @@ class SenderTransfer(Transfer):
             raise IllegalMove(f"request {self.request_id}: poll() before start_finish()")
         try:
             self.raise_if_failed()
-            if self.state is State.OPENED:
+            if self.state is TransferState.OPENED:
                 return self._due("the decode worker's accept")
-            if self.state is State.TRANSFERRING:
+            if self.state is TransferState.TRANSFERRING:
                 rest = [layer for layer in range(self.plan.num_layers) if layer not in self.layers_sent]
                 self.layers_sent.update(rest)
                 if rest:
                     self._move(rest)
                 self._transition("land")
                 self.landing = self._landed(self._deadline)
-            if self.state is State.LANDING:  # the writes are posted: wait for them without blocking
+            if self.state is TransferState.LANDING:  # the writes are posted: wait for them without blocking
                 if self.landing is not None:
                     if not self.landing.done():
                         return self._due("completion of the KV writes")
@@ -168,7 +168,7 @@ class SenderTransfer(Transfer):
                 done = P.Done(self.request_id, self._first_token, self.plan.num_bytes, self.started_at,
                               self.finished_at, self.writes, self._checksums())
                 self.sender._submit(self.sender.send, self.p, done)
-            if self.state is State.ACKING:
+            if self.state is TransferState.ACKING:
                 return self._due("the decode worker's ack of the done notice")
             self.raise_if_failed()
         except TransferError as e:
@@ -242,7 +242,7 @@ class SenderTransfer(Transfer):
 
     def on_accept(self) -> None:
         with self.lock:
-            if self.state is State.OPENED:
+            if self.state is TransferState.OPENED:
                 self._transition("accept")
 
     def on_ack(self, msg: P.Ack) -> None:
@@ -251,7 +251,7 @@ class SenderTransfer(Transfer):
                                     f"done notice: {msg.error}; free the request's prefill blocks"), reachable=False)
             return
         with self.lock:
-            if self.state is State.ACKING:
+            if self.state is TransferState.ACKING:
                 if not self.sender.one_sided:  # the bytes landed when the receiver wrote them
                     self.finished_at = time.time()
                 self._transition("acked")
@@ -272,20 +272,20 @@ class SenderTransfer(Transfer):
                 and not self.queue and not self._in_flight:
             self.finished_at = time.time()
             self.finishing.set_result(None)
-        if self.state is State.ABORTING and not self._in_flight:
+        if self.state is TransferState.ABORTING and not self._in_flight:
             self.sender.send(self.p, P.Abort(self.request_id, str(self.error)))
             self._transition("aborted")
 
     @property
     def over(self) -> bool:
         """Nothing more to do on the I/O thread: forget it."""
-        return self.state is State.DONE or self.state is State.FAILED
+        return self.state is TransferState.DONE or self.state is TransferState.FAILED
 
     def busy(self) -> bool:
         """The loop should come back without a nap: posts waiting on a GPU event, NIXL writes in flight,
         an Abort waiting for the last write."""
         queued = bool(self.queue) and self.state in WRITING
-        return queued or (self._in_flight and (self.polls_writes or self.state is State.ABORTING))
+        return queued or (self._in_flight and (self.polls_writes or self.state is TransferState.ABORTING))
 
     def discard(self) -> None:
         """The peer is gone: forget what is queued, release what is in flight."""
