@@ -1,6 +1,6 @@
 """The decode side's endpoint, shared by all transports: handshake, reservations, deadlines, arrivals.
 
-Life cycle of an expected transfer (on the receiver's I/O thread):
+Life cycle of an expected transfer (Expected.state, a ReceiveState; on the receiver's I/O thread):
 
     expect()            WAITING     blocks reserved; a Begin naming other blocks, or an id not expected, is rejected
     Begin               ACCEPTED    Accept sent: the sender may write into the blocks now; began() reports it
@@ -73,7 +73,9 @@ from pdserve.workers.transfer.integrity import first_mismatch
 log = logging.getLogger("pdserve.transfer")
 
 
-class Phase(enum.Enum):
+class ReceiveState(enum.Enum):
+    """Where an expected transfer stands on the receiving side (the life cycle above)."""
+
     WAITING = "waiting"
     ACCEPTED = "accepted"
     CANCELLING = "cancelling"
@@ -88,7 +90,7 @@ class Expected:
         self.block_set = frozenset(block_ids)
         self.deadline_s = deadline_s
         self.deadline = time.monotonic() + deadline_s
-        self.phase = Phase.WAITING
+        self.state = ReceiveState.WAITING
         self.sender: bytes | None = None  # ROUTER identity of the sender that began it
         self.done: P.Done | None = None
         self.received = 0  # zmq: chunks written; nixl: notifications seen
@@ -139,7 +141,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
         with self._lock:
             if self._broken is not None:  # the I/O thread is gone: fail everything still waiting; blocks a
                 for exp in self._expected.values():  # sender may still write into stay held for good
-                    held = self.one_sided and exp.phase is not Phase.WAITING
+                    held = self.one_sided and exp.state is not ReceiveState.WAITING
                     self._arrivals.append(Arrival(exp.request_id, False, error=f"request {exp.request_id}: "
                                                   f"the KV receiver failed ({self._broken})",
                                                   reported_at=time.monotonic(), released=not held))
@@ -162,7 +164,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
     def figures(self) -> tuple[int, int, int]:
         """(fenced waits so far, blocks a fence holds now, integrity failures so far)"""
         with self._lock:
-            held = sum(len(e.block_ids) for e in self._expected.values() if e.phase is Phase.CANCELLING)
+            held = sum(len(e.block_ids) for e in self._expected.values() if e.state is ReceiveState.CANCELLING)
         return self.fenced_waits, held, self.integrity_failures
 
     def close(self) -> None:
@@ -274,20 +276,20 @@ class ChannelReceiver(Endpoint, KVReceiver):
             if exp is None or exp.give_up is not None:
                 error = (f"decode worker at {self.address} is not waiting for request {rid} (not reserved there, "
                          "cancelled, or past its deadline); free the prefill blocks and retry the request")
-            elif exp.phase is not Phase.WAITING:
+            elif exp.state is not ReceiveState.WAITING:
                 error = f"request {rid} is already being sent by another transfer"
             elif exp.block_ids != list(msg.dst_blocks):
                 error = (f"request {rid}: the transfer names destination blocks {msg.dst_blocks[:8]}..., the "
                          f"reservation holds {exp.block_ids[:8]}...; pass the block ids reserve() returned")
             else:
-                exp.phase, exp.sender, error = Phase.ACCEPTED, ident, None
+                exp.state, exp.sender, error = ReceiveState.ACCEPTED, ident, None
                 self._began.append(rid)
         self._send(ident, P.Reject(rid, error) if error else P.Accept(rid))
 
     def _on_chunk(self, ident: bytes, chunk: P.Chunk, data: memoryview) -> None:
         with self._lock:
             exp = self._expected.get(chunk.request_id)
-        if exp is None or exp.phase is not Phase.ACCEPTED or exp.sender != ident or exp.give_up:
+        if exp is None or exp.state is not ReceiveState.ACCEPTED or exp.sender != ident or exp.give_up:
             return  # late frames of a request we gave up on: dropped, never written
         L = self.layout
         layers = L.num_layers if chunk.layer == -1 else 1
@@ -312,7 +314,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
         if exp is None or exp.sender != ident:
             self._send(ident, P.Ack(msg.request_id, False, f"decode worker at {self.address} is not waiting for "
                                     f"request {msg.request_id} any more (deadline passed or cancelled)"))
-        elif exp.phase is Phase.CANCELLING:  # it finished before it saw our Cancel: no more writes
+        elif exp.state is ReceiveState.CANCELLING:  # it finished before it saw our Cancel: no more writes
             self._send(ident, P.Ack(msg.request_id, False, exp.give_up))
             self._report(exp, Arrival(exp.request_id, False, error=exp.give_up))
         else:
@@ -332,23 +334,24 @@ class ChannelReceiver(Endpoint, KVReceiver):
             pending = list(self._expected.values())
         wait_s = IDLE_S
         for exp in pending:
-            if exp.give_up is None and exp.phase is Phase.ACCEPTED and exp.done is not None and self._landed(exp):
+            if exp.give_up is None and exp.state is ReceiveState.ACCEPTED and exp.done is not None \
+                    and self._landed(exp):
                 self._arrive(exp)
                 continue
             if exp.give_up is None and now > exp.deadline:
                 exp.give_up = (f"request {exp.request_id}: its KV did not arrive within {exp.deadline_s:.1f} s "
-                               f"({exp.phase.value}); free its blocks")
-            if exp.give_up is not None and exp.phase is not Phase.CANCELLING:
+                               f"({exp.state.value}); free its blocks")
+            if exp.give_up is not None and exp.state is not ReceiveState.CANCELLING:
                 self._give_up(exp, exp.give_up)
-            elif exp.phase is Phase.CANCELLING and self._sender_gone(exp):
+            elif exp.state is ReceiveState.CANCELLING and self._sender_gone(exp):
                 self._report(exp, Arrival(exp.request_id, False, error=f"{exp.give_up} (the prefill worker's "
                                           "process exited)"))
-            elif exp.phase is Phase.CANCELLING and now > exp.grace_deadline and not exp.overdue:
+            elif exp.state is ReceiveState.CANCELLING and now > exp.grace_deadline and not exp.overdue:
                 exp.overdue = True
                 log.warning("request %s: the prefill worker did not confirm within %.1f s that it stopped writing "
                             "into %d blocks; they stay held until it does or its process exits",
                             exp.request_id, self.cfg.cancel_grace_s, len(exp.block_ids))
-            elif self.needs_progress and exp.phase is not Phase.WAITING:
+            elif self.needs_progress and exp.state is not ReceiveState.WAITING:
                 # data moving: make progress now and then; once the Done is in, watch for the last notes
                 wait_s = min(wait_s, NOW_S if exp.done is not None else MOVING_S)
         return wait_s
@@ -381,7 +384,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
 
     def _give_up(self, exp: Expected, reason: str) -> None:
         exp.give_up = exp.give_up or reason
-        if exp.phase is Phase.WAITING:
+        if exp.state is ReceiveState.WAITING:
             self._report(exp, Arrival(exp.request_id, False, error=exp.give_up))
             return
         self._send(exp.sender, P.Cancel(exp.request_id, exp.give_up))
@@ -393,7 +396,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
     def _fence(self, exp: Expected) -> None:
         """The request fails now; its blocks are held until the sender confirms it stopped writing, or
         its process is gone."""
-        exp.phase = Phase.CANCELLING
+        exp.state = ReceiveState.CANCELLING
         exp.grace_deadline = time.monotonic() + self.cfg.cancel_grace_s
         self.fenced_waits += 1
         with self._lock:
