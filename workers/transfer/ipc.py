@@ -7,11 +7,11 @@ The decode pool is mapped ONCE per peer into the prefill process, at the handsha
           CUDA IPC only works between two processes (a process cannot open its own handle); the
           decode GPU may differ from the prefill GPU (peer access: the copies then go over NVLink).
     CPU   the decode engine keeps its pool in a /dev/shm file (kv_shared=True, KVCache.shm_path); the
-          sender maps it (mmap, MAP_SHARED) only after checking it is one: named as KVCache names its
-          pools (/dev/shm/pdserve-kv-<pid>-<8 hex>), opened without following links, a regular file
-          with one link, owned by this user, exactly the size the handshake's layout needs. Anything
-          else is refused and never opened for writing, so a handshake cannot point the sender's
-          writes at another file.
+          sender maps it (mmap, MAP_SHARED) only after checking it is one: named as pdserve names its
+          pools (protocol/shm.py's POOL_NAME: /dev/shm/pdserve-kv-<pid>-<8 hex>), opened without
+          following links, a regular file with one link, owned by this user, exactly the size the
+          handshake's layout needs. Anything else is refused and never opened for writing, so a
+          handshake cannot point the sender's writes at another file.
 
 Copies, per paired run of blocks (plan.Plan.runs), never per block:
     bulk   finish(): one strided copy_ per run for all layers, dst[:, d:d+n] <- src[:, s:s+n]; on GPU
@@ -39,14 +39,13 @@ import logging
 import math
 import mmap
 import os
-import re
 import stat
 import time
 
 import torch
 
 from pdserve.protocol import kv as P
-from pdserve.workers.engine.kv_cache import SHM_PREFIX
+from pdserve.protocol.shm import POOL_NAME, SHM_PREFIX
 from pdserve.workers.transfer.base import WRITING, TransferState
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
@@ -58,7 +57,6 @@ from pdserve.workers.transfer.sender_transfer import SenderTransfer
 PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: 2D (else per-layer) copies from this request size up
 INDEX_RUNS = 8  # more runs than this (a fragmented pool): copy by block index
 log = logging.getLogger("pdserve.transfer")
-POOL_NAME = re.compile(re.escape(SHM_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{8}")  # KVCache's names, nothing else
 SPIN_S = 2e-3  # finish(): spin this long on the side stream's event before napping between queries
 
 
