@@ -108,7 +108,7 @@ def serve(argv: list[str]) -> int:
     stopper = {"worker": None}
     if cfg.parent_pid is not None:
         def abandon(parent_died: bool) -> None:
-            """Still loading: the KV pool may exist already (workers/engine/kv_cache.py SHM_PREFIX)."""
+            """Still loading: the KV pool may exist already (protocol/shm.py names it)."""
             remove_pools(os.getpid())
             if parent_died and cfg.run_dir:
                 shutil.rmtree(cfg.run_dir, ignore_errors=True)

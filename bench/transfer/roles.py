@@ -53,13 +53,13 @@ from pdserve.bench.transfer.check import break_sender, parse_fault, poison, prom
 from pdserve.bench.transfer.pools import paged_copy, parse_method, release, scatter
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine.engine import Engine
-from pdserve.workers.engine.kv_cache import SHM_PREFIX
 from pdserve.workers.engine.request import Request, SamplingParams
 from pdserve.settings.keys import load_worker_keys
 from pdserve.protocol import kv as P
 from pdserve.settings.worker import TransferConfig
 from pdserve.protocol.enums import MODES
 from pdserve.protocol.phases import ms
+from pdserve.protocol.shm import SHM_PREFIX
 from pdserve.workers.transfer.registry import make_receiver, make_sender
 from pdserve.workers.transfer.ipc import map_cuda, map_shm, wait_event
 

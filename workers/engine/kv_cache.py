@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.protocol.shm import SHM_PREFIX, create_pool, remove_pools  # noqa: F401  (SHM_PREFIX: the ipc transport's)
+from pdserve.protocol.shm import create_pool, remove_pools
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
