@@ -83,7 +83,7 @@ def test_batched_greedy_equals_transformers_generate(name, chunking):
 
 def test_smollm2_answers_in_real_text():
     engine = make_engine("smollm2-135m")
-    prompt = engine.encode_prompt("What is the capital of France?", chat=True)
+    prompt = engine.text.encode_prompt("What is the capital of France?", chat=True)
     [req] = engine.generate([prompt], SamplingParams(max_tokens=20))
     assert "Paris" in req.text, req.text
 
@@ -221,7 +221,7 @@ def test_small_pool_makes_requests_wait_and_all_complete():
 
 def test_stop_strings_eos_and_max_tokens():
     engine = make_engine("smollm2-135m")
-    prompt = engine.encode_prompt("What is the capital of France?", chat=True)
+    prompt = engine.text.encode_prompt("What is the capital of France?", chat=True)
     [full] = engine.generate([prompt], SamplingParams(max_tokens=20))
     assert "Paris" in full.text
     cut = full.text.index("Paris")

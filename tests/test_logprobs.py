@@ -47,7 +47,7 @@ CHUNKINGS = {"chunk512": {}, "chunk7": {"chunk_tokens": 7}, "unchunked": {"chunk
 def test_prompt_and_token_logprobs_match_transformers(reference, model, chunking, monkeypatch):
     monkeypatch.setattr(runner_module, "PROMPT_LOGPROB_ROWS", 5)  # slices shorter than a chunk, and ragged
     eng = Engine(EngineConfig(model=model, num_blocks=NUM_BLOCKS, **CHUNKINGS[chunking]))
-    prompt = PROMPT if model == "tiny" else eng.encode_prompt("The capital of France is Paris, and the capital of "
+    prompt = PROMPT if model == "tiny" else eng.text.encode_prompt("The capital of France is Paris, and the capital of "
                                                               "Italy is Rome. The capital of Spain is")
     req = Request("r", prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=3),
                   return_logits=True)

@@ -95,14 +95,14 @@ def test_nan_logits_in_one_row_fail_that_request_alone(engine, expected, monkeyp
 
 
 def test_a_detokenization_error_fails_that_request_alone(engine, expected, monkeypatch):
-    detokenize = engine._detokenize
+    detokenize = engine.text.detokenize
 
     def broken(req):
         if req.request_id == "bad" and len(req.output_ids) == 4:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         return detokenize(req)
 
-    monkeypatch.setattr(engine, "_detokenize", broken)
+    monkeypatch.setattr(engine.text, "detokenize", broken)
     reqs = batch()
     bad = Request("bad", prompt(12, 5), SEEDED)
     run(engine, reqs + [bad])

@@ -33,7 +33,7 @@ def finished(shell: Shell, rid: str) -> bool:
 @pytest.fixture(scope="module")
 def reference():
     eng = engine()
-    prompt = eng.encode_prompt("The capital of France is")
+    prompt = eng.text.encode_prompt("The capital of France is")
     [req] = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
     return prompt, req.output_ids
 

@@ -158,7 +158,7 @@ def generate(argv: list[str]) -> int:
     from pdserve.workers.engine.engine import Engine
 
     engine = Engine(cfg)
-    ids = engine.encode_prompt(args.prompt, chat=args.chat)
+    ids = engine.text.encode_prompt(args.prompt, chat=args.chat)
     try:
         [req] = engine.generate([ids], params)
     except InvalidRequest as e:

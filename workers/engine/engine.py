@@ -17,6 +17,9 @@ For the roles:
                aborted while a write may land (CANCELLING), release(id) once none can
     any        abort(id), fail(id, error): FINISHED, blocks freed; no-op for an id not here
 
+The prefill and decode calls are in handoff.py (KVHandoff, Engine's base class); a token's text and
+stop checks in text.py (ModelText, `engine.text`).
+
 The step (STYLE: scheduler decides, runner computes, engine records):
     work = scheduler.schedule()            # [(request, positions to compute)]: decodes, prompt chunks
     logits = runner.run(work)              # one row per request whose prompt or token is complete
@@ -32,49 +35,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
-from pdserve.workers.engine import attention, overlap
-from pdserve.workers.engine.block_pool import OutOfBlocks, blocks_for
 from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine import overlap
+from pdserve.workers.engine.block_pool import blocks_for
 from pdserve.workers.engine.device import check_device, kv_budget_bytes, torch_dtype
+from pdserve.workers.engine.handoff import KVHandoff
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
+from pdserve.workers.engine.outputs import StepOutput, with_logprobs
 from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto, root_name
 from pdserve.workers.engine.request import (IllegalTransition, InvalidRequest, Request, SamplingParams, Status,
                                            stamp_end, stamp_start)
 from pdserve.workers.engine.runner import ModelRunner
 from pdserve.workers.engine.sampler import Sampler, SamplingError, not_finite
-from pdserve.protocol.control import TokenLogprobs
 from pdserve.workers.engine.scheduler import Scheduler
+from pdserve.workers.engine.text import ModelText
 
 log = logging.getLogger("pdserve.engine")
 
 
-@dataclass
-class StepOutput:
-    request_id: str
-    token_id: int  # -1 when error is set
-    text_delta: str
-    finished: bool
-    finish_reason: str | None = None
-    logits: torch.Tensor | None = None  # [vocab] float32 on CPU, when the request asked for it
-    logprobs: TokenLogprobs | None = None  # this token's, when the request asked (params.logprobs)
-    prompt_logprobs: list[TokenLogprobs] | None = None  # with token 1, when it asked (params.prompt_logprobs)
-    error: str | None = None  # the request failed (finish_reason "error"): what went wrong
-    request: Request | None = field(default=None, repr=False)  # the request itself (its timeline)
-
-
-@dataclass
-class PrefillResult:
-    first_token: int
-    logits: torch.Tensor  # [vocab] float32, on the engine's device
-    block_ids: list[int]
-
-
-class Engine:
+class Engine(KVHandoff):
     def __init__(self, config: EngineConfig, loaded=None, disk_key: bytes | None = None):
         """disk_key: the deployment's key for the disk tier's entries (WorkerKeys.disk_key); None: the
         tier folder's own key."""
@@ -96,19 +79,10 @@ class Engine:
         self.blocks = PrefixCache(self.layout.num_blocks - 1, enabled=config.prefix_cache)
         # cached KV is only comparable under the same model and layout (the prefix cache's root name)
         self.prefix_root = root_name(self.model_name, self.layout.describe())
-        self.scheduler = Scheduler(self.blocks, config.block_size, config.max_num_seqs, config.max_batched_tokens,
-                                   config.chunked_prefill, config.chunk_tokens, self.prefix_root,
-                                   config.chunk_attention_tokens)
-        self.runner = ModelRunner(self.model, self.kv, config.block_size, self.layout.num_blocks - 1,
-                                  config.max_num_seqs, self.max_model_len, config.cuda_graphs,
-                                  kernels=config.attention != "reference" and attention.use_kernels(self.device),
-                                  prefix_kernel=config.attention == "triton",
-                                  compile_layers=config.compile and self.device.type == "cuda",
-                                  fuse_qkv=config.fuse_qkv and self.device.type == "cuda",
-                                  mixed_tokens=max(config.mixed_graph_tokens, config.chunk_tokens + config.max_num_seqs)
-                                  if config.mixed_graph_tokens else 0)
+        self.runner = ModelRunner(self.model, self.kv, config, self.max_model_len)
         self.tiers = self._tiers(config, disk_key)
-        self.scheduler.tiers = self.tiers
+        self.scheduler = Scheduler(self.blocks, config, self.prefix_root, self.tiers)
+        self.text = ModelText(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # every request on this worker, until it finishes
@@ -160,16 +134,7 @@ class Engine:
                 spent += mixed.capture()
         return spent
 
-    # ---- prompts -------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    # ---- prompts ---------------------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
         n = len(req.prompt_ids)
@@ -318,120 +283,6 @@ class Engine:
                 if out.request_id == req.request_id:
                     yield out
 
-    # ---- prefill role --------------------------------------------------------------------------
-
-    def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:
-        """Prefill one request now and sample its first token (WAITING -> PREFILLING -> SENDING); its
-        blocks stay until release(). Admits it if the caller has not. On any error (OutOfBlocks, its
-        SamplingError, the forward's) the request is finished and its blocks freed, then it raises."""
-        if self.requests.get(req.request_id) is not req:
-            self.admit(req)
-        req.start_prefill()
-        try:
-            hit = self.scheduler.cached_prefix(req)
-            lower = self.scheduler.lower_prefix(req, len(hit))
-            need = blocks_for(len(req.prompt_ids), self.layout.block_size) - len(hit)
-            if not self.blocks.can_allocate(need, hit):
-                raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
-            self.scheduler.take_blocks(req, hit, need)
-            req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
-            req.stamps.prefill_start = time.monotonic()
-            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
-            if lower:  # reloading is cheaper than computing them (the cost model): this worker waits for it
-                self.scheduler.start_reload(req, lower)
-                self.tiers.poll(req, wait=True)
-            computed_from = time.monotonic()
-            logits = self.runner.prefill([req], on_layer)
-            [token] = self.sampler.sample(logits, [req])
-            token = self._prompt_logprobs_done(req, token)
-            if isinstance(token, SamplingError):
-                raise token
-            [req.first_logprobs] = self.sampler.token_logprobs(logits, [req], [token])
-            if isinstance(req.first_logprobs, SamplingError):
-                raise req.first_logprobs
-            stamp_end([req], req.stamps.prefill_start, time.monotonic())
-            self._name_blocks(req)
-            if self.tiers is not None:
-                computed = len(req.prompt_ids) - req.cached_tokens
-                self.tiers.observe_prefill(computed, req.stamps.prefill_end - computed_from)
-        except BaseException as e:
-            self._finish(req, "error", f"{type(e).__name__}: {e}")
-            raise
-        req.output_ids = [token]
-        req.start_sending()
-        return PrefillResult(first_token=token, logits=logits[0], block_ids=list(req.block_ids))
-
-    def release(self, request_id: str) -> None:
-        """The transfer is over: the blocks of a SENDING (prefill worker) or RESERVED, RECEIVING or
-        CANCELLING (decode worker) request go back; no-op for an id not here."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            req.release()
-            self._forget(req)
-
-    # ---- decode role ---------------------------------------------------------------------------
-
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Blocks for num_tokens of prompt KV (WAITING -> RESERVED), for an admitted request or, for an
-        id not seen yet, a bare reservation whose request comes with adopt(). An admitted request's
-        leading blocks may be ones the prefix cache holds: `req.cached_tokens` says how many tokens
-        they cover, and a transfer writes only the blocks after them. None: no room now (an admitted
-        request stays WAITING)."""
-        req = self.requests.get(request_id) or Request(request_id, [])
-        hit = self.scheduler.cached_prefix(req) if req.prompt_ids and num_tokens == len(req.prompt_ids) else []
-        need = blocks_for(num_tokens, self.layout.block_size) - len(hit)
-        if req.status is Status.WAITING and not self.blocks.can_allocate(need, hit):
-            return None
-        whole = req.prompt_ids and num_tokens == len(req.prompt_ids)
-        lower = self.scheduler.lower_prefix(req, len(hit)) if whole else []
-        req.reserve()
-        self.scheduler.take_blocks(req, hit, need)
-        req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
-        if req.prompt_ids:
-            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
-        if lower:  # held in host memory (or on disk) and cheaper to reload than to receive: reloaded now
-            self.scheduler.start_reload(req, lower)
-            self.tiers.poll(req, wait=True)  # cached_tokens grows by what landed; the sender skips it
-        self.requests[request_id] = req
-        return list(req.block_ids)
-
-    def begin_receiving(self, request_id: str) -> None:
-        """The sender began writing into the request's blocks (RESERVED -> RECEIVING)."""
-        self._get(request_id).start_receiving()
-
-    def cancel(self, request_id: str) -> None:
-        """Aborted while a write may still land (RESERVED or RECEIVING -> CANCELLING): its blocks stay
-        until release(), once the KV receiver says no write can reach them."""
-        self._get(request_id).cancel()
-
-    def adopt(self, req: Request, first_token: int) -> StepOutput:
-        """Continue a request whose prompt KV sits in its reserved blocks (RESERVED or RECEIVING ->
-        RUNNING); returns the output of its first token (which may finish it, or fail it). Raises
-        InvalidRequest, with the request finished and its blocks freed, if they cannot be used."""
-        held = self._get(req.request_id)
-        held.start_running()
-        if held is not req:  # reserved by id alone: the request itself comes now
-            req.take_over(held)
-            self.requests[req.request_id] = req
-        try:
-            if held is not req:
-                self.validate(req)
-            if len(req.block_ids) * self.layout.block_size < len(req.prompt_ids):
-                raise InvalidRequest(f"request {req.request_id}: {len(req.block_ids)} blocks cannot hold "
-                                     f"{len(req.prompt_ids)} prompt tokens")
-            if not 0 <= first_token < self.vocab_size:
-                raise InvalidRequest(f"request {req.request_id}: first token {first_token} is outside the "
-                                     f"vocabulary (0..{self.vocab_size - 1})")
-        except InvalidRequest as e:
-            self._finish(req, "error", str(e))  # the reservation ends here: its blocks go back
-            raise
-        req.num_computed = len(req.prompt_ids)
-        req.output_ids = []
-        req.adopted = True
-        self._name_blocks(req)  # the prompt's KV is all here now
-        self.scheduler.adopt(req)
-        return self._append(req, first_token, None)
-
     # ---- the end of a request ------------------------------------------------------------------
 
     def abort(self, request_id: str) -> None:
@@ -493,7 +344,7 @@ class Engine:
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> StepOutput:
         req.output_ids.append(token)
         try:
-            delta, reason = self._text_and_stop(req, token)
+            delta, reason = self.text.text_and_stop(req, token)
         except Exception as e:  # this request's text, not the batch's
             return self._failed(req, f"request {req.request_id}: detokenizing generated token "
                                      f"{len(req.output_ids) - 1} (id {token}) failed: {type(e).__name__}: {e}")
@@ -521,42 +372,6 @@ class Engine:
         error = f"the engine step that computed it failed: {type(e).__name__}: {e}"
         return [self._failed(r, f"request {r.request_id}: {error}") for r, _ in work]
 
-    def _text_and_stop(self, req: Request, token: int) -> tuple[str, str | None]:
-        """The text the newest token adds, and why the request stops here (None: it goes on)."""
-        p = req.params
-        reason = None
-        early = len(req.output_ids) < p.min_tokens  # vLLM: no stop checks until min_tokens are generated
-        if not early and (token in self.eos_token_ids and not p.ignore_eos or token in p.stop_token_ids):
-            reason = "stop"
-        delta = self._detokenize(req)
-        if reason is None and p.stop and not early:
-            hit = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                before = len(req.text) - len(delta)
-                hit += max(len(s) for s in p.stop if req.text.startswith(s, hit)) if p.include_stop_str_in_output else 0
-                req.text = req.text[:hit]
-                delta = req.text[before:] if hit > before else ""
-                reason = "stop"
-        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens > self.max_model_len):
-            reason = "length"
-        return delta, reason
-
-    def _detokenize(self, req: Request) -> str:
-        """The text the newest token adds, decoding only a few tokens of context each time
-        (a token's text can depend on its neighbours, e.g. a leading space or a split
-        UTF-8 character, which shows as U+FFFD until the next token completes it)."""
-        ids = req.output_ids
-        decode = self.tokenizer.decode
-        skip = req.params.skip_special_tokens
-        before = decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
-        after = decode(ids[req.prefix_offset:], skip_special_tokens=skip)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        delta = after[len(before):]
-        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-        req.text += delta
-        return delta
-
     def stats(self) -> dict[str, int]:
         counts = {s.value: n for s, n in self.counts().items() if s is not Status.FINISHED}
         b = self.blocks
@@ -583,14 +398,3 @@ class Engine:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = self.scheduler.tiers = None
-
-
-def with_logprobs(out: StepOutput, logprobs: TokenLogprobs | None) -> StepOutput:
-    """A step's output with the logprobs its request asked for (token 1 brings the prompt's)."""
-    req = out.request
-    if out.error is None:
-        out.logprobs = logprobs
-        if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
-            out.prompt_logprobs = req.prompt_logprobs
-    return out
-

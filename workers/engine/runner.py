@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine import attention, fusion, step_inputs
 from pdserve.workers.engine.kv_cache import KVCache
 from pdserve.workers.engine.request import Request
@@ -51,17 +52,25 @@ def compile_decoder_layers(model) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, block_size: int, scratch_block: int,
-                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool, kernels: bool = False,
-                 compile_layers: bool = False, fuse_qkv: bool = False, prefix_kernel: bool = False,
-                 mixed_tokens: int = 0):
+    def __init__(self, model, kv: KVCache, config: EngineConfig, max_model_len: int):
+        """What the config asks of the forward (kernels, graphs, compiled and fused layers) is taken as
+        this device allows: on the CPU, no CUDA graphs, no compile, no fused Q/K/V. The pool's last
+        block is the scratch block (padding rows of a graphed batch write there)."""
+        cuda = kv.device.type == "cuda"
         self.model = model
         self.kv = kv
-        self.block_size = block_size
-        self.scratch_block = scratch_block  # padding rows of a graphed batch write here
+        self.block_size = config.block_size
+        self.scratch_block = kv.layout.num_blocks - 1  # padding rows of a graphed batch write here
         self.device = kv.device
-        self.kernels = kernels  # decode attention through paged_kernel (CUDA), else the reference path
-        self.prefix_kernel = kernels and prefix_kernel  # prefix chunks through paged_kernel too
+        # decode attention through paged_kernel (CUDA), else the reference path; prefix chunks too with "triton"
+        self.kernels = config.attention != "reference" and attention.use_kernels(self.device)
+        self.prefix_kernel = self.kernels and config.attention == "triton"
+        compile_layers = config.compile and cuda
+        cuda_graphs = config.cuda_graphs and cuda
+        max_num_seqs = config.max_num_seqs
+        # steps with prompt tokens, up to this many tokens: piecewise graphs (they hold a chunk and the decodes)
+        mixed_tokens = (max(config.mixed_graph_tokens, config.chunk_tokens + max_num_seqs)
+                        if config.mixed_graph_tokens else 0)
         model.config._attn_implementation = attention.register()
         for sub in model.modules():  # some models keep a per-sub-module config
             cfg = getattr(sub, "config", None)
@@ -69,22 +78,22 @@ class ModelRunner:
                 cfg._attn_implementation = model.config._attn_implementation
         # transformers returns a 4-D mask as-is, so it builds none; attention ignores it
         self.placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        if fuse_qkv:
+        if config.fuse_qkv and cuda:
             fusion.fuse_qkv(model)
         if compile_layers:
             compile_decoder_layers(model)
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs:
             from pdserve.workers.engine.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // block_size))
+            self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // self.block_size))
         self.mixed = None  # steps with prompt tokens, up to mixed_tokens of them: piecewise graphs
         if mixed_tokens:
             from pdserve.workers.engine.graphs import MixedGraphs
             from pdserve.workers.engine.layers import cuttable
 
             if cuttable(model):
-                self.mixed = MixedGraphs(self, mixed_tokens, max_num_seqs, use_graphs=cuda_graphs and self.device.type == "cuda",
+                self.mixed = MixedGraphs(self, mixed_tokens, max_num_seqs, use_graphs=cuda_graphs,
                                          compile=compile_layers)
             else:
                 log.info("%s is not a Llama-style decoder: steps with prompt tokens run eagerly", type(model).__name__)

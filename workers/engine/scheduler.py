@@ -35,24 +35,28 @@ Both:
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pdserve.workers.engine.block_pool import blocks_for
 from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto
 from pdserve.workers.engine.request import IllegalTransition, Request, Status
 
+if TYPE_CHECKING:
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.tiering import Tiers
+
 
 class Scheduler:
-    def __init__(self, blocks: PrefixCache, block_size: int, max_num_seqs: int, max_batched_tokens: int,
-                 chunked: bool = False, chunk_tokens: int = 512, root: bytes = b"", attention_tokens: int = 0):
+    def __init__(self, blocks: PrefixCache, config: EngineConfig, root: bytes = b"", tiers: Tiers | None = None):
         self.blocks = blocks
         self.root = root  # the prefix cache's root name (model and layout)
-        self.tiers = None  # tiering.Tiers: prefixes reloaded from host memory or disk (the engine sets it)
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_batched_tokens = max_batched_tokens
-        self.chunked = chunked
-        self.chunk_tokens = chunk_tokens
-        self.attention_tokens = attention_tokens  # see _weight; 0: every prompt token counts 1
+        self.tiers = tiers  # prefixes reloaded from the KV tiers below the pool (None: none)
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_batched_tokens = config.max_batched_tokens
+        self.chunked = config.chunked_prefill
+        self.chunk_tokens = config.chunk_tokens
+        self.attention_tokens = config.chunk_attention_tokens  # see _weight; 0: every prompt token counts 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._last_was_prefill = False

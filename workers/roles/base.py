@@ -18,7 +18,7 @@ from pdserve.protocol.enums import FailureKind
 from pdserve.workers.engine.request import Request, Status
 
 if TYPE_CHECKING:
-    from pdserve.workers.engine.engine import StepOutput
+    from pdserve.workers.engine.outputs import StepOutput
 
 log = logging.getLogger("pdserve.worker")
 
