@@ -47,7 +47,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from pdserve.protocol.blocks import NAME_BYTES
-from pdserve.protocol.enums import FailureKind, Mode, Role, Transport
+from pdserve.protocol.enums import TIERS, FailureKind, Mode, Role, Transport
 from pdserve.protocol.sampling import LOGPROB_FLOOR, MAX_LOGPROBS, Sampling
 # PROTOCOL_VERSION, ProtocolError and encode: the control side reads them through this module
 from pdserve.protocol.wire import (MAX_INT32, MAX_PROMPT_TOKENS, PROTOCOL_VERSION, Address, BlockIds, Count, Id,  # noqa: F401
@@ -60,7 +60,10 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 BlockName = Annotated[bytes, msgspec.Meta(min_length=NAME_BYTES, max_length=NAME_BYTES)]
-KVTier = Literal["gpu", "host", "disk"]  # "gpu": the worker's own KV pool (on a GPU or the CPU)
+# a KV tier below a worker's own pool (protocol.enums.Tier: the one list); every per-tier figure is keyed by it
+TierName = Literal[TIERS]
+KVTier = Literal[("gpu", *TIERS)]  # where a block name is held; "gpu": the worker's own KV pool (a GPU or the CPU)
+PerTier = msgspec.Meta(max_length=len(TIERS))  # a dict keyed by TierName holds one entry per tier at most
 MAX_KV_NAMES = 4096  # block names in one KVEvents (64 KiB of names): more wait for the next one
 
 
@@ -92,8 +95,7 @@ class Timeline(msgspec.Struct, frozen=True):
 
     stamps: Annotated[dict[StampName, Stamp], msgspec.Meta(max_length=32)] = {}
     cached_tokens: Count | None = None  # prompt tokens whose KV this worker reused (its prefix cache)
-    host_tokens: Count | None = None  # ... of them, reloaded from its host memory tier
-    disk_tokens: Count | None = None  # ... and from its disk tier
+    tier_tokens: Annotated[dict[TierName, Count], PerTier] = {}  # ... of them, reloaded from each tier below the pool
     reload_ms: float | None = None  # how long those reloads took
 
 
@@ -134,19 +136,19 @@ class CacheFigures(msgspec.Struct, frozen=True):
 
     queried_tokens: Count = 0
     gpu_hit_tokens: Count = 0
-    host_hit_tokens: Count = 0
-    disk_hit_tokens: Count = 0
-    host: TierFigures | None = None
-    disk: TierFigures | None = None
+    tier_hit_tokens: Annotated[dict[TierName, Count], PerTier] = {}  # reloaded from each tier below the pool
+    tiers: Annotated[dict[TierName, TierFigures], PerTier] = {}  # the tiers below the pool this worker has
+
+    def hit_tokens(self) -> int:
+        """Prompt tokens found in any tier (not recomputed)."""
+        return self.gpu_hit_tokens + sum(self.tier_hit_tokens.values())
 
     def as_stats(self) -> dict:
         """The shape server/metrics.py's observe_kv_tiers() takes."""
-        tiers = {name: msgspec.structs.asdict(t) for name, t in (("host", self.host), ("disk", self.disk)) if t}
+        tiers = {name: msgspec.structs.asdict(t) for name, t in self.tiers.items()}
         # "device": the worker's own KV pool, on a GPU or the CPU (timings.reused_tokens names it so too)
-        hits = {"device": self.gpu_hit_tokens, "host": self.host_hit_tokens, "disk": self.disk_hit_tokens}
-        return {"prefix_cache_queries": self.queried_tokens,
-                "prefix_cache_hits": {k: v for k, v in hits.items() if k == "device" or k in tiers},
-                "tiers": tiers}
+        hits = {"device": self.gpu_hit_tokens, **{t: n for t, n in self.tier_hit_tokens.items() if t in tiers}}
+        return {"prefix_cache_queries": self.queried_tokens, "prefix_cache_hits": hits, "tiers": tiers}
 
 
 class FaultFigures(msgspec.Struct, frozen=True):
@@ -176,8 +178,8 @@ class KVCosts(msgspec.Struct, frozen=True):
     bytes_per_token: Count = 0
     prefill_ms_per_token: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] | None = None  # None: none measured yet
     prefill_ms_fixed: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0  # what any prefill costs besides
-    host_gbps: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] | None = None
-    disk_gbps: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] | None = None
+    # GB/s each tier below the pool reloads at, as measured (a tier not measured yet is absent)
+    tier_gbps: Annotated[dict[TierName, Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]], PerTier] = {}
     queued_tokens: Count = 0
 
 
@@ -195,8 +197,8 @@ class KVEvents(msgspec.Struct, tag="kv_events", frozen=True):
     worker_id: Id
     seq: Count
     reset: bool = False
-    stored: Annotated[list[TierNames], msgspec.Meta(max_length=3)] = []
-    removed: Annotated[list[TierNames], msgspec.Meta(max_length=3)] = []
+    stored: Annotated[list[TierNames], msgspec.Meta(max_length=1 + len(TIERS))] = []
+    removed: Annotated[list[TierNames], msgspec.Meta(max_length=1 + len(TIERS))] = []
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):

@@ -59,8 +59,18 @@ class FailureKind(Name):
     INTERNAL = "internal"  # a bug or a fault on the worker
 
 
+class Tier(Name):
+    """A KV tier below a worker's own pool (workers/engine/kv_tiers/), nearest first: the one list of tier
+    names that the wire (CacheFigures, KVCosts, KVEvents, Timeline), the timings (reused_tokens, route),
+    the metrics and the router's pricing loop over."""
+
+    HOST = "host"  # host memory (pinned on CUDA): kv_tiers/host.py
+    DISK = "disk"  # a local directory below it: kv_tiers/disk.py
+
+
 ROLES = Role.values()
 TRANSPORTS = Transport.values()
 MODES = Mode.values()
 POLICIES = Policy.values()
 FAILURE_KINDS = FailureKind.values()
+TIERS = Tier.values()

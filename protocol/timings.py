@@ -10,6 +10,8 @@ Every field may be missing when the client reads another OpenAI-compatible serve
 pdserve: a missing field reads as None, and fields this version does not know are kept in `extra`.
 `ttft_phases_ms` is the time to first token split into the phases of protocol/phases.py (name -> ms,
 in timeline order; None where the request's path has no such phase); they sum to `ttft_ms`.
+Per-tier figures are keyed by KV_PLACES (the worker's own pool, then each tier of protocol.enums.Tier):
+`reused_tokens` is an object of them, `route` has one `expected_<place>_tokens` field each.
 
 Standard library only: the router, the client and the load bench import it without torch.
 """
@@ -21,20 +23,15 @@ import typing
 from dataclasses import dataclass, field, fields
 
 from pdserve.protocol import phases as PH
+from pdserve.protocol.enums import TIERS
+
+# where a request's cached KV can come from: the worker's own pool ("device": on a GPU or the CPU), then
+# each tier below it, nearest first
+KV_PLACES = ("device", *TIERS)
 
 
 class TimingsError(ValueError):
     """A `timings` object whose field has the wrong type (the client raises its ProtocolError for it)."""
-
-
-@dataclass(frozen=True)
-class ReusedTokens:
-    """Where a request's cached prompt tokens came from: the worker's own KV pool (on its device, a GPU or
-    the CPU), host memory, disk."""
-
-    device: int = 0
-    host: int = 0
-    disk: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,9 +62,9 @@ class Route:
 
     worker: str = ""  # colocated: the worker; disaggregated: "prefill/decode"
     rule: str = ""
-    expected_device_tokens: int = 0  # in the worker's own KV pool (its GPU, or the CPU)
-    expected_host_tokens: int = 0
-    expected_disk_tokens: int = 0
+    # KV_PLACES -> the cached prompt tokens expected there (JSON: one field per place, expected_device_tokens,
+    # expected_host_tokens, ...; 0 where none)
+    expected_tokens: dict[str, int] = field(default_factory=dict, metadata={"json": "expected_{}_tokens"})
     # the worker's part as priced (queue ahead, prefill, reload, load): compare with the prefill_queue and
     # prefill phases; None: the worker had measured nothing yet
     predicted_ttft_ms: float | None = None
@@ -96,7 +93,7 @@ class Timings:
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache gave (not computed)
     recomputed_tokens: int | None = None  # prompt tokens computed for this request
-    reused_tokens: ReusedTokens | None = None  # where the cached tokens came from
+    reused_tokens: dict[str, int] | None = None  # where the cached tokens came from: KV_PLACES -> tokens
     reload_ms: float | None = None  # reloading cached KV from host memory or disk
     kv_skipped_tokens: int | None = None  # disaggregated: held by the decode worker already, not transferred
     failover: Failover | None = None  # set when the request ran a second time (--failover)
@@ -162,6 +159,8 @@ class Timings:
                 out.append((f.name, ", ".join(f"{k} {v}" for k, v in _plain(value).items())))
             elif isinstance(value, list):
                 out.extend((f.name, ", ".join(f"{k} {v}" for k, v in _plain(m).items())) for m in value)
+            elif isinstance(value, dict):
+                out.append((f.name, ", ".join(f"{k} {v}" for k, v in value.items())))
             else:
                 out.append((f.name, str(value)))
             if f.name == "ttft_ms" and self.ttft_phases_ms:
@@ -181,7 +180,8 @@ _HINTS = {k: v for k, v in typing.get_type_hints(Timings).items() if k != "extra
 
 
 def _read(name: str, hint, value):
-    """One JSON value as the field's type says (int, float, str, a phase split, a nested struct)."""
+    """One JSON value as the field's type says (int, float, str, a phase split, tokens per place, a nested
+    struct)."""
     kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     kind = kinds[0]
     if kind is float:
@@ -196,19 +196,39 @@ def _read(name: str, hint, value):
         if isinstance(value, str):
             return value
     elif typing.get_origin(kind) is dict:
-        return _phases(value)
+        return _phases(value) if name == PH.FIELD else _per_place(name, value)
     elif typing.get_origin(kind) is list and isinstance(value, list):
         return [_read(name, typing.get_args(kind)[0], v) for v in value]
     elif dataclasses.is_dataclass(kind) and isinstance(value, dict):
-        names = {f.name.rstrip("_"): f.name for f in fields(kind)}
-        return kind(**{names[k]: v for k, v in value.items() if k in names})
+        names = {f.name.rstrip("_"): f.name for f in fields(kind) if "json" not in f.metadata}
+        args = {names[k]: v for k, v in value.items() if k in names}
+        for f in fields(kind):
+            if "json" in f.metadata:  # one JSON field per place
+                args[f.name] = {p: value[key] for p in KV_PLACES if (key := f.metadata["json"].format(p)) in value}
+        return kind(**args)
     raise TimingsError(f"timings.{name} should be {getattr(kind, '__name__', kind)}, got {value!r}; the server's "
                        "timings object does not follow the pdserve schema")
 
 
 def _plain(value) -> dict:
-    """A nested struct as its JSON object (from_ -> "from")."""
-    return {k.rstrip("_"): v for k, v in dataclasses.asdict(value).items()}
+    """A nested struct as its JSON object (from_ -> "from"; a field keyed by place: one JSON field per place,
+    every place present)."""
+    out = {}
+    for f in fields(value):
+        v = getattr(value, f.name)
+        if "json" in f.metadata:
+            out.update({f.metadata["json"].format(p): v.get(p, 0) for p in KV_PLACES})
+        else:
+            out[f.name.rstrip("_")] = v
+    return out
+
+
+def _per_place(name: str, value) -> dict[str, int]:
+    """Tokens per place (KV_PLACES, in that order; every place present, places this version does not know
+    dropped)."""
+    if not isinstance(value, dict):
+        raise TimingsError(f"timings.{name} should be an object of place -> tokens, got {value!r}")
+    return {p: 0 if value.get(p) is None else _read(f"{name}.{p}", int, value[p]) for p in KV_PLACES}
 
 
 def _phases(value) -> dict[str, float | None]:

@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from pdserve.protocol.blocks import block_names
-from pdserve.protocol.enums import Policy
+from pdserve.protocol.enums import TIERS, Policy
 from pdserve.protocol.timings import Route
 from pdserve.server.kv_index import KVIndex
 
@@ -75,13 +75,13 @@ def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) ->
     gpu = next((i for i, t in enumerate(tiers[:usable]) if t != "gpu"), usable)
     cached = {"gpu": gpu * bs}
     reload_ms = 0.0
-    for tier in ("host", "disk"):  # below the pool: the leading run after the GPU hit, tier by tier
+    for tier in TIERS:  # below the pool: the leading run after the GPU hit, tier by tier, nearest first
         n = 0
         while gpu + n < usable and tiers[gpu + n] == tier:
             n += 1
         if not n:
             continue
-        gbps = getattr(c, f"{tier}_gbps", None) if c is not None else None
+        gbps = c.tier_gbps.get(tier) if c is not None else None
         cost = None if gbps is None or not c.bytes_per_token else n * bs * c.bytes_per_token / (gbps * 1e6)
         if cost is not None and cost >= n * bs * per_token:
             break  # slower than recomputing: the engine computes these and everything after them
@@ -165,6 +165,6 @@ def route_taken(worker: str, e: Estimate | None, auto: str | None) -> Route:
     if e is None:
         return Route(worker=worker, rule="least-loaded", auto=auto or "")
     c = e.cached
-    return Route(worker=worker, rule="kv", expected_device_tokens=c.get("gpu", 0),
-                 expected_host_tokens=c.get("host", 0), expected_disk_tokens=c.get("disk", 0),
+    expected = {"device": c.get("gpu", 0), **{t: c.get(t, 0) for t in TIERS}}
+    return Route(worker=worker, rule="kv", expected_tokens=expected,
                  predicted_ttft_ms=round(e.ttft_ms, 3) if e.measured else None, auto=auto or "")

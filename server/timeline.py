@@ -33,7 +33,8 @@ from dataclasses import dataclass, fields
 from pdserve.protocol import phases as PH
 from pdserve.protocol import control as P
 from pdserve.protocol.phases import ms
-from pdserve.protocol.timings import ReusedTokens, Timings
+from pdserve.protocol.enums import TIERS
+from pdserve.protocol.timings import Timings
 
 
 @dataclass
@@ -110,9 +111,7 @@ def timings(*, policy: str, clock: Clock, prompt_tokens: int, completion_tokens:
         # the prefix cache: the prompt tokens the computing worker computed (cached_tokens: those whose KV
         # it reused, as measured), and (disaggregated) those the decode worker held already, not transferred
         recomputed_tokens=None if cached is None else prompt_tokens - cached,
-        reused_tokens=None if cached is None else ReusedTokens(
-            device=cached - (pre.host_tokens or 0) - (pre.disk_tokens or 0),
-            host=pre.host_tokens or 0, disk=pre.disk_tokens or 0),
+        reused_tokens=None if cached is None else reused(cached, pre.tier_tokens),
         kv_skipped_tokens=kv_skipped_tokens if disaggregated else None,
     )
 
@@ -151,3 +150,10 @@ def _sum(*parts: float | None) -> float | None:
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
+
+
+def reused(cached: int, tier_tokens: dict[str, int]) -> dict[str, int]:
+    """timings.reused_tokens: of the cached prompt tokens, those reloaded from each tier below the worker's
+    pool (its Timeline's tier_tokens), the rest its pool's own ("device")."""
+    tiers = {t: tier_tokens.get(t, 0) for t in TIERS}
+    return {"device": cached - sum(tiers.values()), **tiers}

@@ -88,7 +88,7 @@ def colocated(wid: str, costs: P.KVCosts, inflight: int = 0) -> WorkerState:
 @pytest.mark.parametrize("host_gbps, where", [(100.0, "a"), (0.001, "b")])
 def test_host_tier_prefix_goes_where_reload_beats_recompute(host_gbps, where):
     # 1 ms a token to compute; 1 MB of KV a token: 100 GB/s reloads 160 tokens in 1.6 ms, 1 MB/s in 160 s
-    a = colocated("a", P.KVCosts(bytes_per_token=10**6, prefill_ms_per_token=1.0, host_gbps=host_gbps), inflight=1)
+    a = colocated("a", P.KVCosts(bytes_per_token=10**6, prefill_ms_per_token=1.0, tier_gbps={"host": host_gbps}), inflight=1)
     b = colocated("b", P.KVCosts(bytes_per_token=10**6, prefill_ms_per_token=1.0))
     prompt = list(range(1000, 1170))  # 10 full blocks and 10 tokens
     pool = Pool(a, b)

@@ -64,7 +64,7 @@ def test_host_round_trip_is_bitwise(kv):
     assert handle.error is None and handle.loaded == 7 and handle.bytes == 7 * ENTRY
     assert handle.done() and handle.seconds >= 0 and set(handle.tier_seconds) == {"host"}
     assert torch.equal(kv.pool[:, [12, 13, 20, 21, 22, 3, 4]], expected)
-    s = tier.stats()["host"]
+    s = tier.figures()
     assert (s.entries, s.bytes, s.capacity_bytes) == (7, 7 * ENTRY, 16 * ENTRY)
     assert s.stored_bytes == 7 * ENTRY and s.loaded_bytes == 7 * ENTRY
     assert "host" in tier.cost._gbps  # the finished load fed the cost model
@@ -77,7 +77,7 @@ def test_a_held_hash_is_not_stored_twice(kv):
     kv_before = kv.pool[:, [0, 1, 2]].clone()
     kv.pool[:, [0, 1, 2]] = 7.0  # if stored again, the slots would now hold 7s
     assert tier.store(kv.pool, list(zip(hs, [0, 1, 2]))) == 3
-    assert tier.stats()["host"].stored_bytes == 3 * ENTRY
+    assert tier.figures().stored_bytes == 3 * ENTRY
     handle, _ = round_trip(tier, kv.pool, hs, [0, 1, 2], [5, 6, 7])
     assert handle.error is None and torch.equal(kv.pool[:, [5, 6, 7]], kv_before)
 
@@ -89,7 +89,7 @@ def test_lookup_stops_at_the_first_miss(kv):
     assert tier.lookup([a, b, c]) == ["host"]
     assert tier.lookup([b, a]) == []
     assert tier.lookup([a, c]) == ["host", "host"]
-    s = tier.stats()["host"]
+    s = tier.figures()
     assert (s.hits, s.misses) == (3, 2)
 
 
@@ -100,7 +100,7 @@ def test_lru_eviction_without_disk_drops_the_least_recently_used(kv):
     tier.load(kv.pool, [(old[0], 10), (old[1], 11)]).wait(10)  # used: now the most recent
     assert tier.store(kv.pool, list(zip(new, [4, 5]))) == 2
     assert [tier.lookup([h]) for h in old] == [["host"], ["host"], [], []]
-    assert tier.stats()["host"].evicted == 2 and tier.stats()["host"].entries == 4
+    assert tier.figures().evicted == 2 and tier.figures().entries == 4
 
 
 def test_lru_eviction_under_pressure_goes_to_disk_and_comes_back(kv, tmp_path):
@@ -112,15 +112,14 @@ def test_lru_eviction_under_pressure_goes_to_disk_and_comes_back(kv, tmp_path):
     tier.store(kv.pool, list(zip(b, [6, 7])))  # fills it: a[2], a[3] leave for disk, in the background
     tier.flush()
     assert tier.lookup(a) == ["host", "host", "disk", "disk", "host", "host"]
-    assert tier.stats()["disk"].entries == 2 and len(list(tmp_path.glob("*.kv"))) == 1  # one file per batch
+    assert tier.disk.figures().entries == 2 and len(list(tmp_path.glob("*.kv"))) == 1  # one file per batch
     assert tier.store(kv.pool, list(zip(c, [8, 9]))) == 2  # room was kept: nothing dropped
     tier.flush()
-    assert tier.lookup(a[4:]) == ["disk", "disk"] and tier.stats()["host"].dropped == 0
+    assert tier.lookup(a[4:]) == ["disk", "disk"] and tier.figures().dropped == 0
     handle, expected = round_trip(tier, kv.pool, a, list(range(6)), [20, 21, 22, 23, 24, 25])
     assert handle.error is None and handle.loaded == 6 and set(handle.tier_seconds) == {"host", "disk"}
     assert torch.equal(kv.pool[:, 20:26], expected)
-    s = tier.stats()
-    assert s["disk"].loaded_bytes == 4 * ENTRY and s["host"].loaded_bytes == (2 + 2) * ENTRY
+    assert tier.disk.figures().loaded_bytes == 4 * ENTRY and tier.figures().loaded_bytes == (2 + 2) * ENTRY
 
 
 def test_without_room_kept_the_filling_store_is_dropped_not_waited_for(kv, tmp_path):
@@ -128,7 +127,7 @@ def test_without_room_kept_the_filling_store_is_dropped_not_waited_for(kv, tmp_p
     old, new = hashes("old", 4), hashes("new", 2)
     tier.store(kv.pool, list(zip(old, range(4))))
     assert tier.store(kv.pool, list(zip(new, [4, 5]))) == 0  # the LRU pair is still being written
-    assert tier.stats()["host"].dropped == 2
+    assert tier.figures().dropped == 2
     tier.flush()
     assert tier.lookup(old[:2]) == ["disk", "disk"] and tier.slots.num_free == 2
 
@@ -140,7 +139,7 @@ def test_evict_ahead_keeps_room_for_the_next_store(kv, tmp_path):
     tier.flush()
     assert tier.slots.num_free == 4
     assert tier.store(kv.pool, list(zip(second, range(8, 12)))) == 4  # room now, no drop
-    assert tier.stats()["host"].dropped == 0
+    assert tier.figures().dropped == 0
     tier.flush()
     assert tier.lookup(first[:4]) == ["disk"] * 4
 
@@ -151,11 +150,11 @@ def test_disk_round_trip_promotes_to_host(kv, tmp_path):
     tier.store(kv.pool, list(zip(hs, [1, 3, 5, 7, 9])))
     assert tier.spill(hs) == 5
     tier.flush()
-    assert tier.lookup(hs) == ["disk"] * 5 and tier.stats()["host"].entries == 0
+    assert tier.lookup(hs) == ["disk"] * 5 and tier.figures().entries == 0
     handle, expected = round_trip(tier, kv.pool, hs, [1, 3, 5, 7, 9], [20, 21, 22, 23, 24])
     assert handle.error is None and torch.equal(kv.pool[:, 20:25], expected)
     assert tier.lookup(hs) == ["host"] * 5  # read back into host slots, and still on disk
-    assert tier.stats()["disk"].entries == 5
+    assert tier.disk.figures().entries == 5
 
 
 def spilled(kv, path, hs, blocks, model="tiny"):
@@ -209,7 +208,7 @@ def test_a_corrupt_byte_is_a_miss_never_served(kv, tmp_path):
     assert torch.isnan(kv.pool[:, 12]).all()  # the corrupt entry never reached the pool
     assert torch.equal(kv.pool[:, 13], expected[:, 3])  # its intact neighbour did
     assert tier.lookup(hs) == ["host", "host"]  # forgotten: the next lookup stops there
-    assert tier.stats()["disk"].corrupt == 1
+    assert tier.disk.figures().corrupt == 1
 
 
 def test_a_corrupt_header_is_not_indexed(kv, tmp_path):
@@ -244,7 +243,7 @@ def test_disk_is_lru_by_size(kv, tmp_path):
         tier.spill(hs)
         tier.flush()
     assert [tier.lookup(hs) for hs in runs] == [[], ["disk"] * 2, ["disk"] * 2]
-    assert len(list(tmp_path.glob("*.kv"))) == 2 and disk.stats().bytes <= disk.capacity_bytes
+    assert len(list(tmp_path.glob("*.kv"))) == 2 and disk.figures().bytes <= disk.capacity_bytes
 
 
 def test_capacity_accounting_returns_to_zero(kv, tmp_path):
@@ -255,12 +254,12 @@ def test_capacity_accounting_returns_to_zero(kv, tmp_path):
     tier.spill(hs[:3])
     tier.store(kv.pool, list(zip(hs[6:], range(6, 10))))  # evicts to disk under pressure
     tier.flush()
-    assert tier.stats()["disk"].entries > 0 and tier.stats()["host"].entries > 0
+    assert tier.disk.figures().entries > 0 and tier.figures().entries > 0
     tier.discard(hs)
     tier.flush()
-    s = tier.stats()
-    assert (s["host"].entries, s["host"].bytes) == (0, 0) and tier.slots.num_free == 6
-    assert (s["disk"].entries, s["disk"].bytes) == (0, 0)
+    host, disk = tier.figures(), tier.disk.figures()
+    assert (host.entries, host.bytes) == (0, 0) and tier.slots.num_free == 6
+    assert (disk.entries, disk.bytes) == (0, 0)
     assert list(tmp_path.glob("*.kv")) == [] and tier.lookup(hs) == []
 
 
@@ -279,14 +278,14 @@ def test_a_pool_of_another_layout_is_refused(kv):
         tier.store(other.pool, [(b"x", 0)])
     with pytest.raises(ValueError, match="does not match"):
         tier.load(other.pool, [(b"x", 0)])
-    assert tier.slots.num_free == 4 and tier.stats()["host"].entries == 0
+    assert tier.slots.num_free == 4 and tier.figures().entries == 0
 
 
 def test_a_full_store_keeps_its_leading_blocks(kv):
     tier = host_tier(kv, 3)
     hs = hashes("f", 5)
     assert tier.store(kv.pool, list(zip(hs, range(5)))) == 3
-    assert tier.lookup(hs) == ["host"] * 3 and tier.stats()["host"].dropped == 2
+    assert tier.lookup(hs) == ["host"] * 3 and tier.figures().dropped == 2
 
 
 def test_probes_seed_the_cost_model(tmp_path):

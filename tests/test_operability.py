@@ -122,10 +122,10 @@ def test_stats_line_while_there_is_work_and_once_after():
     assert re.search(r"prompt throughput 4\.0 tokens/s, generation throughput 2\.0 tokens/s, running 2 reqs, "
                      r"waiting 1 reqs, KV cache usage 25\.0% \(2/8 blocks\)", line), line
     s._since -= 10
-    hits = P.CacheFigures(queried_tokens=100, gpu_hit_tokens=30, host_hit_tokens=10)
+    hits = P.CacheFigures(queried_tokens=100, gpu_hit_tokens=30, tier_hit_tokens={"host": 10})
     assert ", prefix cache hit rate 40.0%" in s.maybe_log(1, 0, 8, 8, hits)
     s._since -= 10
-    more = P.CacheFigures(queried_tokens=150, gpu_hit_tokens=30, host_hit_tokens=15)
+    more = P.CacheFigures(queried_tokens=150, gpu_hit_tokens=30, tier_hit_tokens={"host": 15})
     assert ", prefix cache hit rate 10.0%" in s.maybe_log(1, 0, 8, 8, more)  # this interval's: 5 of 50
     s._since -= 10
     assert "generation throughput 0.0 tokens/s" in s.maybe_log(0, 0, 8, 8)  # the load ended

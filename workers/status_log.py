@@ -76,13 +76,12 @@ class StatsLine:
                     f"{waiting} reqs, KV cache usage {100 * used / max(num_blocks, 1):.1f}% ({used}/{num_blocks} "
                     f"blocks)")
             if cache is not None:
-                seen = (cache.queried_tokens, cache.gpu_hit_tokens + cache.host_hit_tokens + cache.disk_hit_tokens)
+                seen = (cache.queried_tokens, cache.hit_tokens())
                 queried, hit = seen[0] - self._cache_seen[0], seen[1] - self._cache_seen[1]
                 line += f", prefix cache hit rate {100 * hit / queried:.1f}%" if queried > 0 else ""
             log.info("%s", line)
         if cache is not None:
-            self._cache_seen = (cache.queried_tokens,
-                                cache.gpu_hit_tokens + cache.host_hit_tokens + cache.disk_hit_tokens)
+            self._cache_seen = (cache.queried_tokens, cache.hit_tokens())
         self._was_busy = busy
         self.prompt_tokens = self.generation_tokens = 0
         self._since = now

@@ -247,11 +247,9 @@ class Worker:
 
     def cache_figures(self) -> P.CacheFigures | None:
         try:  # read from the heartbeat thread: figures a step is updating may be one step old
-            s = self.engine.cache_stats()
+            return self.engine.cache_figures()
         except RuntimeError:  # a dict changed size under us: the next heartbeat has them
             return None
-        tiers = {k: P.TierFigures(**s.pop(k)) for k in ("host", "disk") if k in s}
-        return P.CacheFigures(**s, **tiers)
 
     def send(self, msg) -> None:
         self.stats.sent(msg)

@@ -39,8 +39,9 @@ from typing import Iterator
 
 import torch
 
+from pdserve.protocol.control import CacheFigures, TierFigures
 from pdserve.settings.worker import EngineConfig
-from pdserve.workers.engine import overlap
+from pdserve.workers.engine import overlap, tiering
 from pdserve.workers.engine.block_pool import blocks_for
 from pdserve.workers.engine.device import check_device, kv_budget_bytes, torch_dtype
 from pdserve.workers.engine.handoff import KVHandoff
@@ -80,7 +81,8 @@ class Engine(KVHandoff):
         # cached KV is only comparable under the same model and layout (the prefix cache's root name)
         self.prefix_root = root_name(self.model_name, self.layout.describe())
         self.runner = ModelRunner(self.model, self.kv, config, self.max_model_len)
-        self.tiers = self._tiers(config, disk_key)
+        self.tiers = tiering.build(config, self.layout, self.device, self.model_name, self.blocks, self.kv.pool,
+                                   disk_key)
         self.scheduler = Scheduler(self.blocks, config, self.prefix_root, self.tiers)
         self.text = ModelText(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.device, self.eos_token_ids)
@@ -104,23 +106,6 @@ class Engine(KVHandoff):
         # the pool holds one block more than requests may use: the scratch block
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)
 
-    def _tiers(self, config: EngineConfig, disk_key: bytes | None):
-        """The host tier (and disk below it) for blocks the prefix cache keeps, if asked for."""
-        if not (config.prefix_cache and config.host_cache_gb):
-            return None
-        from pdserve.workers.engine.kv_tiers.disk import DiskTier
-        from pdserve.workers.engine.kv_tiers.host import HostTier
-        from pdserve.workers.engine.tiering import Tiers
-
-        disk = None
-        if config.disk_cache_dir:
-            disk = DiskTier(config.disk_cache_dir, int(config.disk_cache_gb * 2**30), self.layout, self.model_name,
-                            key=disk_key)
-        host = HostTier(self.layout, int(config.host_cache_gb * 2**30), self.device, pinned=True, disk=disk)
-        log.info("KV tiers: host %.1f GiB (%d blocks)%s", config.host_cache_gb, host.num_slots,
-                 f", disk {config.disk_cache_gb:.1f} GiB in {config.disk_cache_dir}" if disk else "")
-        return Tiers(self.blocks, self.kv.pool, host, self.layout.block_size)
-
     def warmup(self) -> float:
         """CUDA: capture the decode graph of every (batch, block table) bucket ahead of traffic,
         largest first so the shared memory pool is sized once; returns seconds spent (0 on CPU
@@ -133,8 +118,6 @@ class Engine(KVHandoff):
             if mixed is not None:
                 spent += mixed.capture()
         return spent
-
-    # ---- prompts ---------------------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
         n = len(req.prompt_ids)
@@ -378,17 +361,17 @@ class Engine(KVHandoff):
         return {"free_blocks": b.num_free, "total_blocks": b.num_blocks, "cached_blocks": b.num_cached,
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens, **counts}
 
-    def cache_stats(self) -> dict:
-        """The prefix cache and its tiers, cumulative (the fields of protocol.CacheFigures)."""
-        b = self.blocks
-        out = {"queried_tokens": b.queried_tokens, "gpu_hit_tokens": b.hit_tokens}
-        if self.tiers is not None:
-            out["host_hit_tokens"] = self.tiers.reloaded_tokens["host"]
-            out["disk_hit_tokens"] = self.tiers.reloaded_tokens["disk"]
-            for name, s in self.tiers.host.stats().items():
-                out[name] = {"usage_bytes": s.bytes, "capacity_bytes": s.capacity_bytes,
-                             "offload_bytes": s.stored_bytes, "reload_bytes": s.loaded_bytes}
-        return out
+    def cache_figures(self) -> CacheFigures:
+        """The prefix cache and its tiers, cumulative (what a heartbeat carries)."""
+        b, tiers = self.blocks, self.tiers
+        if tiers is None:
+            return CacheFigures(queried_tokens=b.queried_tokens, gpu_hit_tokens=b.hit_tokens)
+        figures = {t.name: t.figures() for t in tiers.levels}
+        return CacheFigures(queried_tokens=b.queried_tokens, gpu_hit_tokens=b.hit_tokens,
+                            tier_hit_tokens=dict(tiers.reloaded_tokens),
+                            tiers={name: TierFigures(usage_bytes=s.bytes, capacity_bytes=s.capacity_bytes,
+                                                     offload_bytes=s.stored_bytes, reload_bytes=s.loaded_bytes)
+                                   for name, s in figures.items()})
 
     def close(self) -> None:
         """Let go of what outlives a dropped engine: a step in flight, the tiers' threads and files in flight."""

@@ -1,7 +1,11 @@
 """The engine's side of the KV tiers: which cached blocks go down to host memory (and disk), and
 when a prompt's prefix is reloaded from there instead of recomputed.
 
-    Tiers(engine's pool, HostTier)
+    build(config, layout, device, model_name, blocks, pool, disk_key) -> Tiers | None   what the config asks for
+    Tiers(engine's prefix cache, pool, HostTier)
+    levels                          the tiers below the pool, nearest first: each has name, lookup, load,
+                                    store, names() and figures() (HostTier drives the one below it)
+    reloaded_tokens                 {tier name: prompt tokens reloaded from it}, cumulative
     offload(req)                    a request is over: its named blocks are copied down, in the
                                     background (skipping those the tier holds); the GPU copies stay
                                     cached until evicted, so eviction itself costs nothing
@@ -21,6 +25,10 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.protocol.enums import TIERS
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.kv_cache import KVLayout
+from pdserve.workers.engine.kv_tiers.disk import DiskTier
 from pdserve.workers.engine.kv_tiers.host import HostTier
 from pdserve.workers.engine.kv_tiers.load import LoadHandle
 from pdserve.workers.engine.request import Request
@@ -28,15 +36,32 @@ from pdserve.workers.engine.request import Request
 log = logging.getLogger("pdserve.engine")
 
 
+def build(config: EngineConfig, layout: KVLayout, device, model_name: str, blocks, pool,
+          disk_key: bytes | None = None) -> "Tiers | None":
+    """The host tier (and disk below it) for blocks the prefix cache keeps, if the config asks for them.
+    disk_key: the deployment's key for the disk tier's entries (WorkerKeys.disk_key); None: the tier
+    folder's own key."""
+    if not (config.prefix_cache and config.host_cache_gb):
+        return None
+    disk = None
+    if config.disk_cache_dir:
+        disk = DiskTier(config.disk_cache_dir, int(config.disk_cache_gb * 2**30), layout, model_name, key=disk_key)
+    host = HostTier(layout, int(config.host_cache_gb * 2**30), device, pinned=True, disk=disk)
+    log.info("KV tiers: host %.1f GiB (%d blocks)%s", config.host_cache_gb, host.num_slots,
+             f", disk {config.disk_cache_gb:.1f} GiB in {config.disk_cache_dir}" if disk else "")
+    return Tiers(blocks, pool, host, layout.block_size)
+
+
 class Tiers:
     def __init__(self, blocks, pool, host: HostTier, block_size: int):
         self.blocks = blocks  # the PrefixCache
         self.pool = pool  # KVCache.pool
-        self.host = host
+        self.host = host  # the nearest tier: the engine's stores and loads go through it
+        self.levels = [host] + ([host.disk] if host.disk is not None else [])
         self.block_size = block_size
         self.bytes_per_token = host.layout.bytes_per_token
         self.loads: dict[int, tuple[LoadHandle, list[str], int]] = {}  # id(req) -> (handle, tiers, first block)
-        self.reloaded_tokens = {"host": 0, "disk": 0}
+        self.reloaded_tokens = dict.fromkeys(TIERS, 0)
         blocks.on_evict = host.before_reuse
 
     def offload(self, req: Request) -> None:

@@ -27,7 +27,7 @@ def timeline(r: Request) -> P.Timeline:
     """What this worker measured of a request, on its own clock: its stamps by name (those not set are
     left out), its cached tokens and their reloads."""
     return P.Timeline(stamps=r.stamps.named(), cached_tokens=r.cached_tokens,
-                      host_tokens=r.tier_tokens.get("host", 0), disk_tokens=r.tier_tokens.get("disk", 0),
+                      tier_tokens=dict(r.tier_tokens),
                       reload_ms=None if r.reload_s is None else r.reload_s * 1e3)
 
 

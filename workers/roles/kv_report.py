@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 
 from pdserve.protocol import control as P
+from pdserve.protocol.enums import TIERS
 
 RESYNC_EVERY = 600  # reports between full ones (a stale index heals within this many heartbeats)
 DECAY = 0.95  # prefill observations: each older one weighs this much less (a fit over the last ~20)
@@ -28,7 +29,7 @@ class KVReport:
         self.engine = engine
         self.worker_id = worker_id
         self.seq = 0
-        self._sent: dict[str, set[bytes]] = {"gpu": set(), "host": set(), "disk": set()}
+        self._sent: dict[str, set[bytes]] = {tier: set() for tier in ("gpu", *TIERS)}  # P.KVTier
         self._reset = True
         self._fit = [0.0] * 5  # decayed sums over prefills: n, tokens, ms, tokens^2, tokens x ms
         self._lock = threading.Lock()
@@ -47,10 +48,8 @@ class KVReport:
         except RuntimeError:
             return None
         tiers = getattr(eng, "tiers", None)
-        if tiers is not None:
-            out["host"] = set(tiers.host.names())
-            if tiers.host.disk is not None:
-                out["disk"] = set(tiers.host.disk.names())
+        for tier in tiers.levels if tiers is not None else ():
+            out[tier.name] = set(tier.names())
         return out
 
     def events(self) -> P.KVEvents | None:
@@ -114,12 +113,12 @@ class KVReport:
     def costs(self) -> P.KVCosts:
         eng = self.engine
         tiers = getattr(eng, "tiers", None)
-        host = tiers.host.cost.bandwidth_gbps("host") if tiers is not None else None
-        disk = tiers.host.cost.bandwidth_gbps("disk") if tiers is not None else None
+        gbps = {t.name: tiers.host.cost.bandwidth_gbps(t.name) for t in tiers.levels} if tiers is not None else {}
         try:
             queued = sum(len(r.prompt_ids) - r.num_computed for r in list(eng.scheduler.waiting))
         except RuntimeError:  # the deque changed under us
             queued = 0
         per_token, fixed = self.prefill_model()
         return P.KVCosts(bytes_per_token=eng.layout.bytes_per_token, prefill_ms_per_token=per_token,
-                         prefill_ms_fixed=fixed, host_gbps=host, disk_gbps=disk, queued_tokens=max(0, queued))
+                         prefill_ms_fixed=fixed, tier_gbps={t: g for t, g in gbps.items() if g is not None},
+                         queued_tokens=max(0, queued))

@@ -184,14 +184,14 @@ class HostCopies:
                     self._copy_in(pool, self.host, rows, blocks)
                     end = self._event(s, timing=True)
                 handle._events.append(end)
-                handle._parts["host"] = [nbytes, start, end, 0.0]
+                handle._parts[self.name] = [nbytes, start, end, 0.0]
                 for _, _, e, b in hosted:
                     e.read = end
                     self._gpu_writes[b] = end
             else:
                 t0 = time.perf_counter()
                 self._copy_in(pool, self.host, rows, blocks)
-                handle._parts["host"] = [nbytes, time.perf_counter() - t0, None, 0.0]
+                handle._parts[self.name] = [nbytes, time.perf_counter() - t0, None, 0.0]
         handle.bytes += nbytes
         self._stats.loaded_bytes += nbytes
 
@@ -258,5 +258,5 @@ class HostCopies:
             with self._lock:  # after self._issue is let go: load() takes _lock, then _issue
                 for b in blocks:
                     self._gpu_writes[b] = end
-        handle._parts["disk"] = part
+        handle._parts[self.disk.name] = part
         handle.bytes += nbytes

@@ -10,7 +10,7 @@ tier with a file format and threads of its own (a writer, a pool of readers), an
 no tensor: it writes and reads bytes from and into the host slots the HostTier hands it.
     DiskTier(directory, capacity_bytes, layout, model_id, key=None)   key: the deployment's MAC key
     contains(hash), put(entries, ready, done), read(hashes, buffers) -> [error | None], discard(hashes),
-    flush(), drop_page_cache(method) -> str, probe_gbps(), stats(), files(), close()
+    name ("disk"), flush(), drop_page_cache(method) -> str, probe_gbps(), figures(), files(), close()
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdserve.protocol.auth import Throttle
+from pdserve.protocol.enums import Tier
 from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.engine.kv_tiers.files import (MAC, MAC_BYTES, DiskTierError, align, folder_key, is_own_regular, mac,
                                                    open_regular, private_dir, read_all, run_with_deadline, write_all)
@@ -80,6 +81,7 @@ class DiskTier:
     served. A read that outlasts read_timeout_s is a miss too: its file is forgotten (never waited on
     again), and the bytes it may still bring land in a buffer of its own, never in the caller's."""
 
+    name = Tier.DISK.value
     SUFFIX = ".kv"
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, layout: KVLayout, model_id: str,
@@ -100,7 +102,7 @@ class DiskTier:
         self._files: OrderedDict[str, _File] = OrderedDict()  # LRU first
         self._where: dict[bytes, tuple[str, int]] = {}  # hash -> (file, index)
         self._bytes = 0
-        self._stats = TierStats("disk", capacity_bytes=capacity_bytes)
+        self._stats = TierStats(self.name, capacity_bytes=capacity_bytes)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # write jobs queued or running
@@ -373,7 +375,7 @@ class DiskTier:
         with self._lock:
             return list(self._where)
 
-    def stats(self) -> TierStats:
+    def figures(self) -> TierStats:
         with self._lock:
             s = TierStats(**asdict(self._stats))
             s.entries, s.bytes = len(self._where), self._bytes

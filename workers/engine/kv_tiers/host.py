@@ -9,11 +9,12 @@ the load path, are in copies.py.
     store(pool, [(hash, gpu_block)]) -> int   copy those blocks out, async; held hashes skipped; LRU
                                               entries go to disk in the background, or are dropped
     before_reuse(gpu_blocks)                  the current stream waits for pending stores reading them
+    name                                      "host" (protocol.enums.Tier)
     lookup([hash]) -> ["host" | "disk"]       the tier of each leading hash held; stops at the first miss
     load(pool, [(hash, gpu_block)]) -> LoadHandle   copy those entries into the blocks, async (copies.py)
     spill([hash]) -> int                      push host entries to disk now (their host slots freed)
     discard([hash])                           forget entries in every tier
-    stats() -> {"host": TierStats, "disk": TierStats}   occupancy, bytes in and out, hits and misses
+    figures() -> TierStats                    occupancy, bytes in and out, hits and misses (the disk's: disk.figures())
     cost                                      a CostModel seeded by probe copies, fed by every finished load
     flush() / close()                         wait for every copy and disk write (tests, bench, shutdown)
 """
@@ -28,6 +29,7 @@ from dataclasses import asdict
 
 import torch
 
+from pdserve.protocol.enums import Tier
 from pdserve.workers.engine.block_pool import BlockPool
 from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.engine.kv_tiers.copies import HostCopies, _Entry
@@ -42,6 +44,8 @@ class HostTier(HostCopies):
     it). evict_ahead: with a disk, the fraction of slots kept free or on their way to disk, so a
     store finds room while the writer drains (a store that finds too little room keeps its
     leading blocks and counts the rest as dropped; it never waits for the disk)."""
+
+    name = Tier.HOST.value
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, device, pinned: bool = True,
                  disk: DiskTier | None = None, *, staging_bytes: int = 128 << 20, evict_ahead: float = 0.1,
@@ -93,14 +97,14 @@ class HostTier(HostCopies):
         self._retired: list = []  # events of copies that touched slots freed since (slot reuse waits)
         self._gpu_reads: dict[int, object] = {}  # GPU block -> the pending store reading it
         self._gpu_writes: dict[int, object] = {}  # GPU block -> the pending load writing it
-        self._stats = TierStats("host", capacity_bytes=self.num_slots * self.entry_bytes)
+        self._stats = TierStats(self.name, capacity_bytes=self.num_slots * self.entry_bytes)
         self._lock = threading.Lock()  # bookkeeping: the caller's thread and the tiers' threads
         self._issue = threading.Lock()  # the load stream and its staging buffer: one chunk at a time
         self.evict_ahead = math.ceil(evict_ahead * self.num_slots) if disk is not None else 0
         if probe:
-            self.cost.seed_bandwidth("host", self._probe())
+            self.cost.seed_bandwidth(self.name, self._probe())
             if disk is not None:
-                self.cost.seed_bandwidth("disk", disk.probe_gbps())
+                self.cost.seed_bandwidth(disk.name, disk.probe_gbps())
 
     # ---- bookkeeping (under self._lock) -----------------------------------------------------
 
@@ -233,7 +237,7 @@ class HostTier(HostCopies):
             for h in hashes:
                 if h in self._entries or h in self._leaving:
                     self._stats.hits += 1
-                    out.append("host")
+                    out.append(self.name)
                     continue
                 self._stats.misses += 1
                 found = self.disk is not None and self.disk.contains(h)
@@ -241,7 +245,7 @@ class HostTier(HostCopies):
                     self.disk._count(found)
                 if not found:
                     break
-                out.append("disk")
+                out.append(self.disk.name)
         return out
 
     def spill(self, hashes: list[bytes]) -> int:
@@ -281,15 +285,12 @@ class HostTier(HostCopies):
         with self._lock:
             return list(self._entries) + list(self._leaving)
 
-    def stats(self) -> dict[str, TierStats]:
+    def figures(self) -> TierStats:
         with self._lock:
             s = TierStats(**asdict(self._stats))
             s.entries = len(self._entries) + len(self._leaving)
             s.bytes = s.entries * self.entry_bytes
-            out = {"host": s}
-        if self.disk is not None:
-            out["disk"] = self.disk.stats()
-        return out
+        return s
 
     def flush(self) -> None:
         """Wait (host) for every queued copy and disk write."""

@@ -1,4 +1,4 @@
-"""TierStats: the counters every KV tier reports (a HostTier's stats() returns one per tier).
+"""TierStats: the counters every KV tier reports (each tier's figures() returns its own).
 
 Its own module because both tiers fill it and the worker's heartbeat carries it up to /metrics
 (server/metrics.py's observe_kv_tiers), so neither tier's module should own it.
