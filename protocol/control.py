@@ -209,7 +209,7 @@ class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
 class Reserved(msgspec.Struct, tag="reserved", frozen=True):
     worker_id: Id
     request_id: Id
-    block_ids: BlockIds  # the blocks a transfer fills: those after the cached_tokens this worker holds
+    dst_blocks: BlockIds  # the blocks a transfer fills (Prefill.dst_blocks): those after the cached_tokens held here
     kv_address: Address
     cached_tokens: Count = 0  # leading prompt tokens whose KV is already here (its prefix cache)
 

@@ -195,7 +195,7 @@ class DisaggregatedPlan:
                                 f"({cfg.kv_deadline_s:.0f}s); add decode workers or raise --kv-deadline")
             job.clock.dispatched = time.monotonic()
             await link.send(pre, P.Prefill(rid, job.prompt_ids, job.sampling, dec.id, reserved.kv_address,
-                                           reserved.block_ids, prefill_deadline, reserved.cached_tokens))
+                                           reserved.dst_blocks, prefill_deadline, reserved.cached_tokens))
             stream = link.stream(job, self.policy)
             # token 1's logprobs (and the prompt's) come with P's report: D's tokens wait for it, if asked
             held: list[tuple[P.TokenOut, float]] | None = [] if needs_prefill_report(job.sampling) else None

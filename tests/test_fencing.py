@@ -89,7 +89,7 @@ class Cluster:
 
     def prefill(self, rid: str, prompt: list[int], reserved: P.Reserved) -> None:
         self.p.role.handle(P.Prefill(rid, prompt, SAMPLING, self.d.worker_id, reserved.kv_address,
-                                     reserved.block_ids, 8.0))
+                                     reserved.dst_blocks, 8.0))
 
     def status(self, rid: str):
         req = self.d.engine.requests.get(rid)
@@ -123,12 +123,12 @@ def run_round(c: Cluster, rng: random.Random, i: int, reference) -> tuple[int, i
     c.pump(lambda: a in c.failed or c.status(a) != "receiving", timeout_s=5)
     settle = time.monotonic() + 0.3  # the receiver's report reaches the role: A's blocks go back, or stay fenced
     c.pump(lambda: c.status(a) is None or time.monotonic() > settle)
-    log.append(f"{a} {how}: {c.status(a)}, blocks {ra.block_ids}")
+    log.append(f"{a} {how}: {c.status(a)}, blocks {ra.dst_blocks}")
     rb = c.reserve(b, pb)
     c.prefill(b, pb, rb)
     c.pump(lambda: c.tokens(b) or c.ended(b))  # B's KV arrived (and passed its checksum), it decodes
     c.p.role.sender.release(a)  # A's writes land now
-    log.append(f"{b}: blocks {rb.block_ids}")
+    log.append(f"{b}: blocks {rb.dst_blocks}")
     # noise: requests aborted at each phase, or left to finish
     noise = []
     for j, phase in enumerate(rng.sample(["before_prefill", "after_prefill", "running", "none"], 3)):

@@ -120,7 +120,7 @@ def run_disaggregated(sampling: P.Sampling, prompt: list[int]) -> tuple[P.Prefil
     try:
         d.role.handle(P.Reserve("r", prompt, sampling, deadline_s=10.0))
         [reserved] = d.take(P.Reserved)
-        p.role.handle(P.Prefill("r", prompt, sampling, d.worker_id, reserved.kv_address, reserved.block_ids, 8.0))
+        p.role.handle(P.Prefill("r", prompt, sampling, d.worker_id, reserved.kv_address, reserved.dst_blocks, 8.0))
         pump([p, d], lambda: finished(d, "r"))
         pump([p, d], lambda: any(isinstance(m, P.PrefillDone) for m in p.sent))
         [done] = p.take(P.PrefillDone)

@@ -231,14 +231,14 @@ def test_decode_worker_holds_the_prefix_and_only_the_rest_moves(transport, mode)
         for rid, prompt in (("t1", first), ("t2", second)):
             d.role.handle(P.Reserve(rid, prompt, sampling, deadline_s=10.0))
             [res] = d.take(P.Reserved)
-            p.role.handle(P.Prefill(rid, prompt, sampling, d.worker_id, res.kv_address, res.block_ids, 8.0,
+            p.role.handle(P.Prefill(rid, prompt, sampling, d.worker_id, res.kv_address, res.dst_blocks, 8.0,
                                     res.cached_tokens))
             pump([p, d], lambda: any(o.finished for o in tokens_of(d, rid)))
             [done[rid]] = p.take(P.PrefillDone)
             done[rid] = (res, done[rid])
         (res1, pd1), (res2, pd2) = done["t1"], done["t2"]
         assert res1.cached_tokens == 0 and res2.cached_tokens == 64
-        assert len(res2.block_ids) == 2  # (91 - 64) tokens: two blocks move, four stay put
+        assert len(res2.dst_blocks) == 2  # (91 - 64) tokens: two blocks move, four stay put
         assert pd2.kv_bytes == 2 * BS * layout.bytes_per_token < pd1.kv_bytes
         assert pd2.timeline.cached_tokens == 64  # the prefill worker reused its own copy too
         assert [o.token_id for o in tokens_of(d, "t2")] == want.output_ids

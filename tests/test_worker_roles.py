@@ -48,15 +48,15 @@ def test_disaggregated_roles_match_colocated(reference, transport, mode):
         sampling = P.Sampling(max_tokens=8, ignore_eos=True)
         d.role.handle(P.Reserve("r1", prompt, sampling, deadline_s=10.0))
         [reserved] = d.take(P.Reserved)
-        assert len(reserved.block_ids) * 16 >= len(prompt) and reserved.kv_address == d.role.kv_address
-        p.role.handle(P.Prefill("r1", prompt, sampling, d.worker_id, reserved.kv_address, reserved.block_ids, 8.0))
+        assert len(reserved.dst_blocks) * 16 >= len(prompt) and reserved.kv_address == d.role.kv_address
+        p.role.handle(P.Prefill("r1", prompt, sampling, d.worker_id, reserved.kv_address, reserved.dst_blocks, 8.0))
         pump([p, d], lambda: finished(d, "r1"))
         [done] = p.take(P.PrefillDone)
         outs = tokens_of(d, "r1")
         assert [o.token_id for o in outs] == expected
         assert outs[0].token_id == done.first_token  # the first token came with the KV, emitted first
         layout = p.engine.layout
-        assert done.kv_bytes == len(reserved.block_ids) * layout.block_size * layout.bytes_per_token  # whole blocks
+        assert done.kv_bytes == len(reserved.dst_blocks) * layout.block_size * layout.bytes_per_token  # whole blocks
         pre, dec = done.timeline.stamps, outs[-1].timeline.stamps  # each worker's own clock
         assert pre["prefill_end"] > pre["prefill_start"] and pre["kv_delivered"] >= pre["prefill_end"]
         assert dec["first_step_end"] > dec["first_step_start"] and dec["token1"] >= dec["kv_received"]

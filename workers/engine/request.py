@@ -82,7 +82,7 @@ class KVTarget:
 
     worker_id: str
     address: str  # that worker's KV receiver
-    block_ids: list[int]  # its reserved blocks for our blocks from skip_tokens // block_size on
+    dst_blocks: list[int]  # its reserved blocks for our blocks from skip_tokens // block_size on (Prefill.dst_blocks)
     skip_tokens: int = 0  # leading prompt tokens whose KV it holds already (a multiple of the block size)
 
 

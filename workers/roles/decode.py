@@ -114,14 +114,14 @@ class DecodeRole(Role):
             blocks = self.engine.reserve(rid, len(req.prompt_ids))
             if blocks is None:
                 return
-            fill = blocks[req.cached_tokens // self.engine.layout.block_size:]  # the rest is cached here
+            dst_blocks = blocks[req.cached_tokens // self.engine.layout.block_size:]  # the rest is cached here
             try:
-                self.receiver.expect(rid, fill, max(0.0, req.deadline - now()))
+                self.receiver.expect(rid, dst_blocks, max(0.0, req.deadline - now()))
             except TransferError as e:
                 self.engine.fail(rid, str(e))
                 self.fail(rid, FailureKind.TRANSFER, f"decode worker {self.worker_id} cannot take KV for request {rid}: {e}")
                 continue
-            self.worker.send(P.Reserved(self.worker_id, rid, fill, self.kv_address, req.cached_tokens))
+            self.worker.send(P.Reserved(self.worker_id, rid, dst_blocks, self.kv_address, req.cached_tokens))
 
     def _follow_transfers(self) -> None:
         for rid in self.receiver.began():

@@ -147,7 +147,7 @@ class PrefillRole(Role):
 
         def open_transfer(src_blocks: list[int]):  # the decode worker holds the first skip_tokens already
             skip = to.skip_tokens // self.engine.layout.block_size
-            return self.sender.open(rid, to.address, list(src_blocks[skip:]), list(to.block_ids),
+            return self.sender.open(rid, to.address, list(src_blocks[skip:]), list(to.dst_blocks),
                                     len(req.prompt_ids) - to.skip_tokens)
 
         def on_layer(layer: int) -> None:

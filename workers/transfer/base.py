@@ -3,7 +3,7 @@
 Decode side (receiver), one per decode worker, made once at start:
     registry.make_receiver(kv, cfg)         bind the endpoint senders reach; register/export the pool once
     .address                                the endpoint (e.g. tcp://10.0.0.2:7300) to give to senders
-    .expect(request_id, block_ids, deadline_s)   blocks are reserved and wait for this request's KV
+    .expect(request_id, dst_blocks, deadline_s)  blocks are reserved and wait for this request's KV
     .poll() -> list[Arrival]                transfers that landed, failed or missed their deadline (non-blocking);
                                             free the blocks of every Arrival with ok=False and released=True;
                                             released=False: fail the request, keep its blocks (fenced) until
@@ -163,7 +163,7 @@ class KVReceiver(ABC):
         self.kv, self.cfg = kv, cfg
 
     @abstractmethod
-    def expect(self, request_id: str, block_ids: list[int], deadline_s: float | None = None) -> None: ...
+    def expect(self, request_id: str, dst_blocks: list[int], deadline_s: float | None = None) -> None: ...
 
     @abstractmethod
     def poll(self) -> list[Arrival]: ...

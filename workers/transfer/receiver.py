@@ -84,10 +84,10 @@ class ReceiveState(enum.Enum):
 class Expected:
     """One reservation waiting for its KV (touched under the receiver's lock)."""
 
-    def __init__(self, request_id: str, block_ids: list[int], deadline_s: float):
+    def __init__(self, request_id: str, dst_blocks: list[int], deadline_s: float):
         self.request_id = request_id
-        self.block_ids = list(block_ids)
-        self.block_set = frozenset(block_ids)
+        self.dst_blocks = list(dst_blocks)
+        self.block_set = frozenset(dst_blocks)
         self.deadline_s = deadline_s
         self.deadline = time.monotonic() + deadline_s
         self.state = ReceiveState.WAITING
@@ -123,10 +123,10 @@ class ChannelReceiver(Endpoint, KVReceiver):
 
     # ---- public (engine thread) ------------------------------------------------------------
 
-    def expect(self, request_id: str, block_ids: list[int], deadline_s: float | None = None) -> None:
-        if not block_ids:
+    def expect(self, request_id: str, dst_blocks: list[int], deadline_s: float | None = None) -> None:
+        if not dst_blocks:
             raise TransferError(f"request {request_id}: expect() needs the reserved block ids, got none")
-        bad = [b for b in block_ids if not 0 <= b < self.layout.num_blocks]
+        bad = [b for b in dst_blocks if not 0 <= b < self.layout.num_blocks]
         if bad:
             raise TransferError(f"request {request_id}: blocks {bad[:5]} outside the pool of {self.layout.num_blocks}")
         with self._lock:
@@ -135,7 +135,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
             if request_id in self._expected:
                 raise TransferError(f"request {request_id} is already expected; use a new request id")
             deadline_s = self.cfg.deadline_s if deadline_s is None else deadline_s
-            self._expected[request_id] = Expected(request_id, block_ids, deadline_s)
+            self._expected[request_id] = Expected(request_id, dst_blocks, deadline_s)
 
     def poll(self) -> list[Arrival]:
         with self._lock:
@@ -164,7 +164,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
     def figures(self) -> tuple[int, int, int]:
         """(fenced waits so far, blocks a fence holds now, integrity failures so far)"""
         with self._lock:
-            held = sum(len(e.block_ids) for e in self._expected.values() if e.state is ReceiveState.CANCELLING)
+            held = sum(len(e.dst_blocks) for e in self._expected.values() if e.state is ReceiveState.CANCELLING)
         return self.fenced_waits, held, self.integrity_failures
 
     def close(self) -> None:
@@ -278,9 +278,9 @@ class ChannelReceiver(Endpoint, KVReceiver):
                          "cancelled, or past its deadline); free the prefill blocks and retry the request")
             elif exp.state is not ReceiveState.WAITING:
                 error = f"request {rid} is already being sent by another transfer"
-            elif exp.block_ids != list(msg.dst_blocks):
+            elif exp.dst_blocks != list(msg.dst_blocks):
                 error = (f"request {rid}: the transfer names destination blocks {msg.dst_blocks[:8]}..., the "
-                         f"reservation holds {exp.block_ids[:8]}...; pass the block ids reserve() returned")
+                         f"reservation holds {exp.dst_blocks[:8]}...; pass the block ids reserve() returned")
             else:
                 exp.state, exp.sender, error = ReceiveState.ACCEPTED, ident, None
                 self._began.append(rid)
@@ -350,7 +350,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
                 exp.overdue = True
                 log.warning("request %s: the prefill worker did not confirm within %.1f s that it stopped writing "
                             "into %d blocks; they stay held until it does or its process exits",
-                            exp.request_id, self.cfg.cancel_grace_s, len(exp.block_ids))
+                            exp.request_id, self.cfg.cancel_grace_s, len(exp.dst_blocks))
             elif self.needs_progress and exp.state is not ReceiveState.WAITING:
                 # data moving: make progress now and then; once the Done is in, watch for the last notes
                 wait_s = min(wait_s, NOW_S if exp.done is not None else MOVING_S)
@@ -370,7 +370,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
         if self.stream is not None:
             self.stream.synchronize()
         if self.cfg.checksum:
-            differs = first_mismatch(self.kv.pool, exp.block_ids, list(done.checksums))
+            differs = first_mismatch(self.kv.pool, exp.dst_blocks, list(done.checksums))
             if differs is not None:
                 self.integrity_failures += 1
                 log.error("request %s: integrity check failed: %s", exp.request_id, differs)
