@@ -21,16 +21,17 @@ import logging
 from collections import OrderedDict
 
 from pdserve.protocol import control as P
+from pdserve.protocol.enums import TIERS
 
 log = logging.getLogger("pdserve.router")
 
-TIERS = ("gpu", "host", "disk")  # best first: reading a name from an earlier one is cheaper
-BIT = {t: 1 << i for i, t in enumerate(TIERS)}
+BEST_FIRST = ("gpu", *TIERS)  # every P.KVTier: reading a name from an earlier one is cheaper
+BIT = {t: 1 << i for i, t in enumerate(BEST_FIRST)}
 MAX_ENTRIES = 4_000_000  # (name, worker) pairs: ~0.5 GB at most; a 16-token block each
 
 
 def best_tier(bits: int) -> str | None:
-    return next((t for t in TIERS if bits & BIT[t]), None)
+    return next((t for t in BEST_FIRST if bits & BIT[t]), None)
 
 
 class KVIndex:

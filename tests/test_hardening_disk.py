@@ -34,14 +34,14 @@ def entries(seed: int) -> list[tuple[bytes, memoryview]]:
 
 def written(folder, seed: int = 0) -> DiskTier:
     tier = DiskTier(folder, 1 << 20, LAYOUT, "tiny")
-    tier.put(entries(seed))
+    tier.store(entries(seed))
     assert tier.flush(10)
     return tier
 
 
 def read_back(tier: DiskTier) -> tuple[list, list[bytearray]]:
     bufs = [bytearray(b"\xee" * ENTRY) for _ in HASHES]
-    return tier.read(HASHES, [memoryview(b) for b in bufs]), bufs
+    return tier.load(HASHES, [memoryview(b) for b in bufs]), bufs
 
 
 def test_what_the_disk_tier_writes_is_private(tmp_path):
@@ -206,7 +206,7 @@ def test_entries_are_keyed_by_the_deployment_not_by_the_folder(tmp_path):
     _, other = new_deployment()
     assert ours.disk_key() != other.disk_key() and len(ours.disk_key()) == 32
     tier = DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny", key=ours.disk_key())
-    tier.put(entries(3))
+    tier.store(entries(3))
     assert tier.flush(10)
     tier.close()
     again = DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny", key=ours.disk_key())

@@ -28,13 +28,13 @@ def abort_while_loading(tmp_path, monkeypatch, fenced: bool) -> tuple[float, boo
     eng.generate([p], PARAMS)
     evict_everything(eng, p)
     eng.tiers.host.disk.flush()
-    real_read = eng.tiers.host.disk.read
+    real_read = eng.tiers.host.disk.load
 
     def slow_read(hashes, buffers):
         time.sleep(READ_DELAY_S)
         return real_read(hashes, buffers)
 
-    monkeypatch.setattr(eng.tiers.host.disk, "read", slow_read)
+    monkeypatch.setattr(eng.tiers.host.disk, "load", slow_read)
     if not fenced:
         real_poll = eng.tiers.poll
         monkeypatch.setattr(eng.tiers, "poll", lambda req, wait=False: real_poll(req, wait=False))

@@ -213,7 +213,7 @@ class HostCopies:
                                       pin_memory=self.pinned)
                     rows, raw = list(range(len(on_disk))), memoryview(src.view(-1).view(torch.uint8).numpy())
                     bufs = [raw[k * E:(k + 1) * E] for k in range(len(on_disk))]
-                errors = self.disk.read([h for _, h, _ in on_disk], bufs)
+                errors = self.disk.load([h for _, h, _ in on_disk], bufs)
                 read_s = time.perf_counter() - t0
                 good = [k for k, why in enumerate(errors) if why is None]
                 for k, why in enumerate(errors):

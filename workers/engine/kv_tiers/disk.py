@@ -9,8 +9,10 @@ without following links and only if regular, and every read has a deadline. Its 
 tier with a file format and threads of its own (a writer, a pool of readers), and it touches
 no tensor: it writes and reads bytes from and into the host slots the HostTier hands it.
     DiskTier(directory, capacity_bytes, layout, model_id, key=None)   key: the deployment's MAC key
-    contains(hash), put(entries, ready, done), read(hashes, buffers) -> [error | None], discard(hashes),
-    name ("disk"), flush(), drop_page_cache(method) -> str, probe_gbps(), figures(), files(), close()
+    name ("disk"), contains(hash), discard(hashes), names(), figures() -> TierStats
+    store(entries, ready, done)                    the host slots' bytes written, in the background
+    load(hashes, buffers) -> [error | None]        read and verified into the host's buffers
+    flush(), drop_page_cache(method) -> str, probe_gbps(), files(), close()
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class DiskTier:
     def contains(self, h: bytes) -> bool:
         return h in self._where
 
-    def put(self, entries: list[tuple[bytes, memoryview]], ready: Callable[[], None] | None = None,
+    def store(self, entries: list[tuple[bytes, memoryview]], ready: Callable[[], None] | None = None,
             done: Callable[[bool], None] | None = None) -> None:
         """Write these entries in the background (the writer thread calls ready() first, e.g. to
         wait until the bytes have landed in the buffers, and done(ok) once it no longer reads them)."""
@@ -267,7 +269,7 @@ class DiskTier:
             self._stats.stored_bytes += len(group) * self.entry_bytes
             self._evict_over_capacity()
 
-    def read(self, hashes: list[bytes], buffers: list[memoryview]) -> list[str | None]:
+    def load(self, hashes: list[bytes], buffers: list[memoryview]) -> list[str | None]:
         """Read each entry into its buffer (entry_bytes, writable) and verify it; per entry None or
         why it was refused. A refused entry is forgotten: the next lookup misses it. Returns within
         read_timeout_s (plus the copies in progress): what has not been read by then is refused."""

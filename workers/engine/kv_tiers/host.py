@@ -156,7 +156,7 @@ class HostTier(HostCopies):
                         self.disk.discard([h])
 
         E = self.entry_bytes
-        self.disk.put([(h, self._host_bytes[e.slot * E:(e.slot + 1) * E]) for h, e in spill], ready, done)
+        self.disk.store([(h, self._host_bytes[e.slot * E:(e.slot + 1) * E]) for h, e in spill], ready, done)
 
     def _wait_retired(self, stream) -> None:
         # kept until complete, not until waited on: a disk read may land in the slot later
