@@ -174,7 +174,7 @@ class Scheduler:
         self.tiers.start(req, req.block_names[k:k + n], req.block_ids[k:k + n], lower, k)
 
     def lower_prefix(self, req: Request, gpu_blocks: int) -> list[str]:
-        """The tier ("host" | "disk") of each block after the GPU hit to reload rather than compute."""
+        """The tier (a protocol.enums.Tier name) of each block after the GPU hit to reload rather than compute."""
         full = (req.num_tokens - 1) // self.block_size
         if self.tiers is None or full <= gpu_blocks:
             return []
