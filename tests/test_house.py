@@ -23,10 +23,6 @@ WALLS = {
     "bench": FOLDERS,
 }
 MAX_LINES = 450
-# rooms still over MAX_LINES while the house's second pass splits them (each leaves this list when split)
-OVER_TODAY = set()
-# circles the second pass is breaking (each leaves this list when broken)
-CIRCLES_TODAY = []
 
 
 def modules(root: Path = ROOT, folders=FOLDERS) -> dict[str, Path]:
@@ -105,10 +101,8 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circles_anywhere():
-    found = [c for c in circles(graph(modules())) if c not in CIRCLES_TODAY]
+    found = circles(graph(modules()))
     assert found == [], "import circles: " + "; ".join(" <-> ".join(c) for c in found)
-    gone = [c for c in CIRCLES_TODAY if c not in circles(graph(modules()))]
-    assert gone == [], f"broken already: take them off CIRCLES_TODAY: {gone}"
 
 
 def test_the_circle_finder_finds_a_circle(tmp_path):
@@ -138,10 +132,8 @@ def test_each_package_imports_only_below_it():
 
 def test_no_room_over_450_lines():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in modules().values()}
-    over = {path: n for path, n in sizes.items() if n > MAX_LINES and path not in OVER_TODAY}
+    over = {path: n for path, n in sizes.items() if n > MAX_LINES}
     assert over == {}, f"rooms over {MAX_LINES} lines: {over}"
-    split_already = sorted(path for path in OVER_TODAY if sizes.get(path, 0) <= MAX_LINES)
-    assert split_already == [], f"under {MAX_LINES} lines now: take them off OVER_TODAY: {split_already}"
 
 
 @pytest.mark.timeout(180)
