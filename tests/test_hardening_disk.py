@@ -176,7 +176,7 @@ def test_a_load_over_a_hung_disk_ends_and_the_request_recomputes(tmp_path, monke
     kv.pool.copy_(torch.randn(LAYOUT.shape, generator=torch.Generator().manual_seed(3)))
     disk = DiskTier(tmp_path / "cache", 1 << 20, LAYOUT, "tiny")
     disk.read_timeout_s = 0.5
-    tier = HostTier(LAYOUT, 8 * ENTRY, "cpu", disk=disk, probe=False)
+    tier = HostTier(LAYOUT, 8 * ENTRY, "cpu", below=disk, probe=False)
     tier.store(kv.pool, list(zip(HASHES, [0, 1, 2, 3])))
     tier.spill(HASHES)
     tier.flush()
@@ -222,6 +222,6 @@ def test_entries_are_keyed_by_the_deployment_not_by_the_folder(tmp_path):
     e = Engine(EngineConfig(model="tiny", num_blocks=32, host_cache_gb=0.01, disk_cache_dir=str(tmp_path / "e")),
                disk_key=ours.disk_key())
     try:
-        assert e.tiers.host.disk._key == ours.disk_key()
+        assert e.tiers.host.below._key == ours.disk_key()
     finally:
         e.close()

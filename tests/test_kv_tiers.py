@@ -36,7 +36,7 @@ def kv(request):
 
 
 def host_tier(kv: KVCache, slots: int, disk: DiskTier | None = None, **kw) -> HostTier:
-    return HostTier(LAYOUT, slots * ENTRY, kv.device, disk=disk, probe=False, **kw)
+    return HostTier(LAYOUT, slots * ENTRY, kv.device, below=disk, probe=False, **kw)
 
 
 def disk_tier(path, entries: int = 64, model: str = "tiny", layout: KVLayout = LAYOUT) -> DiskTier:
@@ -112,14 +112,14 @@ def test_lru_eviction_under_pressure_goes_to_disk_and_comes_back(kv, tmp_path):
     tier.store(kv.pool, list(zip(b, [6, 7])))  # fills it: a[2], a[3] leave for disk, in the background
     tier.flush()
     assert tier.lookup(a) == ["host", "host", "disk", "disk", "host", "host"]
-    assert tier.disk.figures().entries == 2 and len(list(tmp_path.glob("*.kv"))) == 1  # one file per batch
+    assert tier.below.figures().entries == 2 and len(list(tmp_path.glob("*.kv"))) == 1  # one file per batch
     assert tier.store(kv.pool, list(zip(c, [8, 9]))) == 2  # room was kept: nothing dropped
     tier.flush()
     assert tier.lookup(a[4:]) == ["disk", "disk"] and tier.figures().dropped == 0
     handle, expected = round_trip(tier, kv.pool, a, list(range(6)), [20, 21, 22, 23, 24, 25])
     assert handle.error is None and handle.loaded == 6 and set(handle.tier_seconds) == {"host", "disk"}
     assert torch.equal(kv.pool[:, 20:26], expected)
-    assert tier.disk.figures().loaded_bytes == 4 * ENTRY and tier.figures().loaded_bytes == (2 + 2) * ENTRY
+    assert tier.below.figures().loaded_bytes == 4 * ENTRY and tier.figures().loaded_bytes == (2 + 2) * ENTRY
 
 
 def test_without_room_kept_the_filling_store_is_dropped_not_waited_for(kv, tmp_path):
@@ -154,7 +154,7 @@ def test_disk_round_trip_promotes_to_host(kv, tmp_path):
     handle, expected = round_trip(tier, kv.pool, hs, [1, 3, 5, 7, 9], [20, 21, 22, 23, 24])
     assert handle.error is None and torch.equal(kv.pool[:, 20:25], expected)
     assert tier.lookup(hs) == ["host"] * 5  # read back into host slots, and still on disk
-    assert tier.disk.figures().entries == 5
+    assert tier.below.figures().entries == 5
 
 
 def spilled(kv, path, hs, blocks, model="tiny"):
@@ -208,7 +208,7 @@ def test_a_corrupt_byte_is_a_miss_never_served(kv, tmp_path):
     assert torch.isnan(kv.pool[:, 12]).all()  # the corrupt entry never reached the pool
     assert torch.equal(kv.pool[:, 13], expected[:, 3])  # its intact neighbour did
     assert tier.lookup(hs) == ["host", "host"]  # forgotten: the next lookup stops there
-    assert tier.disk.figures().corrupt == 1
+    assert tier.below.figures().corrupt == 1
 
 
 def test_a_corrupt_header_is_not_indexed(kv, tmp_path):
@@ -254,10 +254,10 @@ def test_capacity_accounting_returns_to_zero(kv, tmp_path):
     tier.spill(hs[:3])
     tier.store(kv.pool, list(zip(hs[6:], range(6, 10))))  # evicts to disk under pressure
     tier.flush()
-    assert tier.disk.figures().entries > 0 and tier.figures().entries > 0
+    assert tier.below.figures().entries > 0 and tier.figures().entries > 0
     tier.discard(hs)
     tier.flush()
-    host, disk = tier.figures(), tier.disk.figures()
+    host, disk = tier.figures(), tier.below.figures()
     assert (host.entries, host.bytes) == (0, 0) and tier.slots.num_free == 6
     assert (disk.entries, disk.bytes) == (0, 0)
     assert list(tmp_path.glob("*.kv")) == [] and tier.lookup(hs) == []
@@ -289,7 +289,7 @@ def test_a_full_store_keeps_its_leading_blocks(kv):
 
 
 def test_probes_seed_the_cost_model(tmp_path):
-    tier = HostTier(LAYOUT, 8 * ENTRY, "cpu", disk=DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny"))
+    tier = HostTier(LAYOUT, 8 * ENTRY, "cpu", below=DiskTier(tmp_path, 1 << 20, LAYOUT, "tiny"))
     assert tier.cost.bandwidth_gbps("host") > 0 and tier.cost.bandwidth_gbps("disk") > 0
     assert [p.name for p in tmp_path.iterdir()] == ["kv.key"]  # the probe file is gone; the folder's MAC key stays
 

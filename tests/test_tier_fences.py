@@ -27,14 +27,14 @@ def abort_while_loading(tmp_path, monkeypatch, fenced: bool) -> tuple[float, boo
     p = prompt(4, 70)
     eng.generate([p], PARAMS)
     evict_everything(eng, p)
-    eng.tiers.host.disk.flush()
-    real_read = eng.tiers.host.disk.load
+    eng.tiers.host.below.flush()
+    real_read = eng.tiers.host.below.load
 
     def slow_read(hashes, buffers):
         time.sleep(READ_DELAY_S)
         return real_read(hashes, buffers)
 
-    monkeypatch.setattr(eng.tiers.host.disk, "load", slow_read)
+    monkeypatch.setattr(eng.tiers.host.below, "load", slow_read)
     if not fenced:
         real_poll = eng.tiers.poll
         monkeypatch.setattr(eng.tiers, "poll", lambda req, wait=False: real_poll(req, wait=False))

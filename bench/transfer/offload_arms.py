@@ -89,7 +89,7 @@ class Bench:
             self.disk_dir = Path(args.disk_dir) if args.disk_dir else Path(tempfile.mkdtemp(
                 prefix="offload-disk-", dir=out.parent))
             self.disk = DiskTier(self.disk_dir, 2 * cap + (64 << 20), L, model_id=self.engine.model_name)
-            self.tiers["disk"] = HostTier(L, cap, self.device, pinned=True, disk=self.disk, evict_ahead=0.0)
+            self.tiers["disk"] = HostTier(L, cap, self.device, pinned=True, below=self.disk, evict_ahead=0.0)
         self.gpu_buf = torch.empty((nb, L.num_layers, self.row), dtype=L.torch_dtype, device=self.device) \
             if "gpu" in self.arms else None
         if "plain-pinned" in self.arms:

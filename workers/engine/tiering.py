@@ -1,10 +1,12 @@
 """The engine's side of the KV tiers: which cached blocks go down to host memory (and disk), and
 when a prompt's prefix is reloaded from there instead of recomputed.
 
-    build(config, layout, device, model_name, blocks, pool, disk_key) -> Tiers | None   what the config asks for
+    build(config, layout, device, model_name, blocks, pool, disk_key) -> Tiers | None   what the config asks for:
+                                    for each protocol.enums.Tier, farthest first, kv_tiers/<name>.py's
+                                    build(setting, below) (kv_tiers/base.py: how to add a tier)
     Tiers(engine's prefix cache, pool, HostTier)
-    levels                          the tiers below the pool, nearest first: each has name, lookup, load,
-                                    store, names() and figures() (HostTier drives the one below it)
+    levels                          the tiers below the pool, nearest first (each a kv_tiers.base.KVTier:
+                                    name, lookup, load, store, names() and figures(); each drives the one below it)
     reloaded_tokens                 {tier name: prompt tokens reloaded from it}, cumulative
     offload(req)                    a request is over: its named blocks are copied down, in the
                                     background (skipping those the tier holds); the GPU copies stay
@@ -23,33 +25,40 @@ blocks, which is on its critical path; a store after a request ends is not on an
 
 from __future__ import annotations
 
+import importlib
 import logging
 
-from pdserve.protocol.enums import TIERS
+from pdserve.protocol.enums import TIERS, Tier
 from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine import kv_tiers
 from pdserve.workers.engine.kv_cache import KVLayout
-from pdserve.workers.engine.kv_tiers.disk import DiskTier
+from pdserve.workers.engine.kv_tiers.base import KVTier, TierSetting, chain
 from pdserve.workers.engine.kv_tiers.host import HostTier
 from pdserve.workers.engine.kv_tiers.load import LoadHandle
 from pdserve.workers.engine.request import Request
 
 log = logging.getLogger("pdserve.engine")
 
+MODULES = {tier: f"{kv_tiers.__name__}.{tier.value}" for tier in Tier}  # each tier's module: kv_tiers/<name>.py
+
 
 def build(config: EngineConfig, layout: KVLayout, device, model_name: str, blocks, pool,
           disk_key: bytes | None = None) -> "Tiers | None":
-    """The host tier (and disk below it) for blocks the prefix cache keeps, if the config asks for them.
-    disk_key: the deployment's key for the disk tier's entries (WorkerKeys.disk_key); None: the tier
-    folder's own key."""
-    if not (config.prefix_cache and config.host_cache_gb):
+    """The tiers below the pool for blocks the prefix cache keeps, if the config asks for them (the
+    nearest, host memory, first of all). disk_key: the deployment's key for the disk tier's entries
+    (WorkerKeys.disk_key); None: the tier folder's own key."""
+    if not config.prefix_cache:
         return None
-    disk = None
-    if config.disk_cache_dir:
-        disk = DiskTier(config.disk_cache_dir, int(config.disk_cache_gb * 2**30), layout, model_name, key=disk_key)
-    host = HostTier(layout, int(config.host_cache_gb * 2**30), device, pinned=True, disk=disk)
-    log.info("KV tiers: host %.1f GiB (%d blocks)%s", config.host_cache_gb, host.num_slots,
-             f", disk {config.disk_cache_gb:.1f} GiB in {config.disk_cache_dir}" if disk else "")
-    return Tiers(blocks, pool, host, layout.block_size)
+    setting = TierSetting(config, layout, device, model_name, disk_key)
+    below: KVTier | None = None
+    for tier in reversed(Tier):  # farthest first: each tier is built over the one below it
+        below = importlib.import_module(MODULES[tier]).build(setting, below) or below
+    if not isinstance(below, HostTier):  # the engine stores into and loads from host memory
+        if below is not None:
+            below.close()
+        return None
+    log.info("KV tiers: %s", ", ".join(f"{t.name} {t.figures().capacity_bytes / 2**30:.1f} GiB" for t in chain(below)))
+    return Tiers(blocks, pool, below, layout.block_size)
 
 
 class Tiers:
@@ -57,7 +66,7 @@ class Tiers:
         self.blocks = blocks  # the PrefixCache
         self.pool = pool  # KVCache.pool
         self.host = host  # the nearest tier: the engine's stores and loads go through it
-        self.levels = [host] + ([host.disk] if host.disk is not None else [])
+        self.levels: list[KVTier] = chain(host)
         self.block_size = block_size
         self.bytes_per_token = host.layout.bytes_per_token
         self.loads: dict[int, tuple[LoadHandle, list[str], int]] = {}  # id(req) -> (handle, tiers, first block)

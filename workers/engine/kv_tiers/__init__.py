@@ -3,17 +3,19 @@ under it, and the cost model that chooses between reloading a cached prefix and 
 
 An entry is one whole block, every layer (`pool[:, b]`: entry_bytes = num_layers x
 KVLayout.block_bytes), named by the prefix cache's block hash (bytes, opaque here). The engine
-drives a HostTier from one caller thread (through workers/engine/tiering.py); the tiers' own
-threads only write files, read files and free slots.
+drives a HostTier from one caller thread (through workers/engine/tiering.py), and each tier the
+one below it; the tiers' own threads only write files, read files and free slots.
 
 One concept per module (each docstring lists its primitives):
-    host.py    HostTier: the slot memory and its bookkeeping (LRU, spill to disk, discard, stats)
+    base.py    KVTier: what every tier answers (name, lookup, load, store, figures, ...); TierSetting,
+               what a tier module's build() takes; how to add a tier
+    host.py    HostTier: the slot memory and its bookkeeping (LRU, spill to the tier below, discard, stats)
     copies.py  the copies between GPU blocks and host slots, both ways (staging, streams, runs; CUDA),
-               and the load path that spans the host and disk tiers
+               and the load path that spans the host tier and the one below it
     load.py    LoadHandle: one load in flight, what the engine polls
     disk.py    DiskTier: files per batch (model, layout, per-block keyed MAC), restart-safe, LRU by file
     files.py   the disk tier's files kept private and checked: folder, regular files, key, MAC, deadlines
     cost.py    CostModel: reload or recompute (torch-free)
     stats.py   TierStats: the counters each tier reports
-This file imports nothing, so that cost.py and stats.py load without torch.
+This file imports nothing, so that base.py, cost.py and stats.py load without torch.
 """

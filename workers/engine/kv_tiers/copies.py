@@ -4,11 +4,12 @@ HostCopies is a part of HostTier (its base class), kept here so that host.py rea
 bookkeeping: this is the only code that knows the tensors' shapes, the staging buffers and the
 CUDA kernels. It uses what HostTier.__init__ sets up: layout, device, cuda, entry_bytes,
 num_slots, host, _row, _stage, _stage_out, _stage_in (and, for a load, the tier's locks, entries,
-slots and disk).
+slots and the tier below).
     load(pool, [(hash, gpu_block)]) -> LoadHandle   copy those entries into the blocks, async: host
-                                              entries at once on the load stream; disk entries read
-                                              and verified by a thread into host slots (promoted),
+                                              entries at once on the load stream; entries below (disk)
+                                              read and verified by a thread into host slots (promoted),
                                               then copied in (load.py: the handle)
+    probe_gbps() -> float                     host -> device bandwidth of one copy into staging
 
 Copies (CUDA; never a host sync on the caller's thread): a store records an event on the current
 stream, a side stream waits on it, gathers the blocks into a device staging buffer (`pool` viewed
@@ -41,7 +42,7 @@ class _Entry:
     slot: int
     written: object | None = None  # CUDA event: the store's copy into the slot (None: landed)
     read: object | None = None  # CUDA event: the latest copy out of the slot
-    discarded: bool = False  # discarded while its disk write was queued
+    discarded: bool = False  # discarded while its write below was queued
 
 
 class HostCopies:
@@ -112,7 +113,7 @@ class HostCopies:
         ev.record(stream)
         return ev
 
-    def _probe(self) -> float:
+    def probe_gbps(self) -> float:
         """Host -> device bandwidth of one copy of up to 32 MiB of slots into staging (GB/s), at start."""
         n = max(1, min(self._stage, self.num_slots, (32 << 20) // self.entry_bytes))
         with torch.inference_mode():
@@ -128,16 +129,16 @@ class HostCopies:
                 best = min(best, time.perf_counter() - start)
         return n * self.entry_bytes / max(best, 1e-9) / 1e9
 
-    # ---- the load path (HostTier.load): host entries at once, disk entries through a thread ----------
+    # ---- the load path (HostTier.load): host entries at once, entries below through a thread -------
 
     def load(self, pool: torch.Tensor, items: list[tuple[bytes, int]]) -> LoadHandle:
         """Copy these entries into the given GPU blocks, asynchronously. Host entries go at once on
-        the load stream; disk entries are read and verified by a thread into host slots (they stay
+        the load stream; entries below (disk) are read and verified by a thread into host slots (they stay
         there: promoted), then copied. An entry in no tier ends the load there (handle.error)."""
         self._blocks_view(pool)
         handle = LoadHandle(len(items), self.cost, self.device)
         hosted: list[tuple[int, bytes, _Entry, int]] = []
-        on_disk: list[tuple[int, bytes, int]] = []
+        below: list[tuple[int, bytes, int]] = []  # held by the tier below
         with self._lock:
             for i, (h, b) in enumerate(items):
                 e = self._entries.get(h) or self._leaving.get(h)
@@ -145,28 +146,28 @@ class HostCopies:
                     if h in self._entries:
                         self._entries.move_to_end(h)
                     hosted.append((i, h, e, b))
-                elif self.disk is not None and self.disk.contains(h):
-                    on_disk.append((i, h, b))
+                elif self.below is not None and self.below.contains(h):
+                    below.append((i, h, b))
                 else:
                     handle._fail(i, f"block {i} of the load (hash {h.hex()[:16]}) is in no tier; recompute it")
                     break
             spill, slots = [], None
-            if on_disk:
-                spill = self._make_room(len(on_disk), {h for _, h, _, _ in hosted})
-                if self.slots.num_free >= len(on_disk):
-                    slots = self.slots.allocate(len(on_disk))
+            if below:
+                spill = self._make_room(len(below), {h for _, h, _, _ in hosted})
+                if self.slots.num_free >= len(below):
+                    slots = self.slots.allocate(len(below))
                 spill += self._make_room(self.evict_ahead, {h for _, h, _, _ in hosted})
             retired = list(self._retired)
-            dst = [b for *_, b in hosted] + [b for *_, b in on_disk]
+            dst = [b for *_, b in hosted] + [b for *_, b in below]
             guards = {id(v): v for b in dst for v in (self._gpu_reads.get(b), self._gpu_writes.get(b)) if v is not None}
             guards = list(guards.values())
             ready = self._event(torch.cuda.current_stream(self.device)) if self.cuda else None
             if hosted:
                 self._issue_hosted(handle, pool, hosted, ready, guards)
-        self._send_to_disk(spill)
-        if on_disk:
-            handle._thread = threading.Thread(target=self._load_from_disk, name="pdserve-kv-disk-load",
-                                              args=(handle, pool, on_disk, slots, retired, ready, guards), daemon=True)
+        self._send_below(spill)
+        if below:
+            handle._thread = threading.Thread(target=self._load_from_below, name=f"pdserve-kv-{self.below.name}-load",
+                                              args=(handle, pool, below, slots, retired, ready, guards), daemon=True)
             handle._thread.start()
         return handle
 
@@ -195,9 +196,9 @@ class HostCopies:
         handle.bytes += nbytes
         self._stats.loaded_bytes += nbytes
 
-    def _load_from_disk(self, handle: LoadHandle, pool, on_disk, slots, retired, ready, guards) -> None:
-        """A thread: read + verify the disk entries into host slots (or a temporary buffer when the
-        host tier has no room), copy the good ones in, then promote them to host entries."""
+    def _load_from_below(self, handle: LoadHandle, pool, items, slots, retired, ready, guards) -> None:
+        """A thread: read + verify the entries below (on disk) into host slots (or a temporary buffer
+        when the host tier has no room), copy the good ones in, then promote them to host entries."""
         promoted = False
         try:
             with torch.inference_mode():
@@ -209,35 +210,35 @@ class HostCopies:
                     src, rows, promoted = self.host, slots, True
                     bufs = [self._host_bytes[s * E:(s + 1) * E] for s in slots]
                 else:
-                    src = torch.empty((len(on_disk), self.layout.num_layers, self._row), dtype=self.layout.torch_dtype,
+                    src = torch.empty((len(items), self.layout.num_layers, self._row), dtype=self.layout.torch_dtype,
                                       pin_memory=self.pinned)
-                    rows, raw = list(range(len(on_disk))), memoryview(src.view(-1).view(torch.uint8).numpy())
-                    bufs = [raw[k * E:(k + 1) * E] for k in range(len(on_disk))]
-                errors = self.disk.load([h for _, h, _ in on_disk], bufs)
+                    rows, raw = list(range(len(items))), memoryview(src.view(-1).view(torch.uint8).numpy())
+                    bufs = [raw[k * E:(k + 1) * E] for k in range(len(items))]
+                errors = self.below.load([h for _, h, _ in items], bufs)
                 read_s = time.perf_counter() - t0
                 good = [k for k, why in enumerate(errors) if why is None]
                 for k, why in enumerate(errors):
                     if why is not None:
-                        handle._fail(on_disk[k][0], f"block {on_disk[k][0]} of the load: {why}; recompute it")
+                        handle._fail(items[k][0], f"block {items[k][0]} of the load: {why}; recompute it")
                 if good:
-                    self._issue_from_disk(handle, pool, src, [rows[k] for k in good],
-                                          [on_disk[k][2] for k in good], ready, guards, read_s)
+                    self._issue_from_below(handle, pool, src, [rows[k] for k in good],
+                                           [items[k][2] for k in good], ready, guards, read_s)
         except BaseException as e:  # the handle carries it; the caller recomputes
-            log.exception("a disk load of %d entries failed", len(on_disk))
-            handle._fail(on_disk[0][0], f"disk load failed: {type(e).__name__}: {e}; recompute")
-            errors = ["failed"] * len(on_disk)
+            log.exception("a %s load of %d entries failed", self.below.name, len(items))
+            handle._fail(items[0][0], f"{self.below.name} load failed: {type(e).__name__}: {e}; recompute")
+            errors = ["failed"] * len(items)
         finally:
             if promoted:
                 with self._lock:
                     end = handle._events[-1] if handle._events and self.cuda else None
-                    for k, (_, h, _) in enumerate(on_disk):
+                    for k, (_, h, _) in enumerate(items):
                         e = _Entry(slots[k], None, end)
                         if errors[k] is None and h not in self._entries and h not in self._leaving:
                             self._entries[h] = e
                         else:
                             self._free(e)
 
-    def _issue_from_disk(self, handle, pool, src, rows, blocks, ready, guards, read_s) -> None:
+    def _issue_from_below(self, handle, pool, src, rows, blocks, ready, guards, read_s) -> None:
         nbytes = len(blocks) * self.entry_bytes
         with self._issue:
             if self.cuda:
@@ -258,5 +259,5 @@ class HostCopies:
             with self._lock:  # after self._issue is let go: load() takes _lock, then _issue
                 for b in blocks:
                     self._gpu_writes[b] = end
-        handle._parts[self.disk.name] = part
+        handle._parts[self.below.name] = part
         handle.bytes += nbytes

@@ -1,4 +1,4 @@
-"""DiskTier: KV entries on local disk, below a HostTier (the engine makes it; the HostTier drives it).
+"""DiskTier: KV entries on local disk, below a HostTier (tiering.build makes it; the HostTier drives it).
 
 One file per batch of entries written together, each file naming the model and the layout and
 each block carrying its keyed MAC, so a restarted worker serves only what matches, what it (or its
@@ -9,7 +9,8 @@ without following links and only if regular, and every read has a deadline. Its 
 tier with a file format and threads of its own (a writer, a pool of readers), and it touches
 no tensor: it writes and reads bytes from and into the host slots the HostTier hands it.
     DiskTier(directory, capacity_bytes, layout, model_id, key=None)   key: the deployment's MAC key
-    name ("disk"), contains(hash), discard(hashes), names(), figures() -> TierStats
+    build(setting, below) -> DiskTier | None       what the config asks for (tiering.build)
+    name ("disk"), below, contains(hash), lookup(hashes), discard(hashes), names(), figures() -> TierStats
     store(entries, ready, done)                    the host slots' bytes written, in the background
     load(hashes, buffers) -> [error | None]        read and verified into the host's buffers
     flush(), drop_page_cache(method) -> str, probe_gbps(), files(), close()
@@ -24,7 +25,6 @@ import os
 import queue
 import struct
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +35,9 @@ from typing import Callable
 from pdserve.protocol.auth import Throttle
 from pdserve.protocol.enums import Tier
 from pdserve.workers.engine.kv_cache import KVLayout
-from pdserve.workers.engine.kv_tiers.files import (MAC, MAC_BYTES, DiskTierError, align, folder_key, is_own_regular, mac,
-                                                   open_regular, private_dir, read_all, run_with_deadline, write_all)
+from pdserve.workers.engine.kv_tiers.base import KVTier, TierSetting
+from pdserve.workers.engine.kv_tiers.files import (MAC, MAC_BYTES, align, folder_key, is_own_regular, mac, open_regular,
+                                                   private_dir, read_all, read_gbps, run_with_deadline, write_all)
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 log = logging.getLogger("pdserve.kv_tiers")
@@ -88,7 +89,8 @@ class DiskTier:
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, layout: KVLayout, model_id: str,
                  *, fsync: bool = False, read_threads: int = 8, max_file_bytes: int = 256 << 20,
-                 key: bytes | None = None, read_timeout_s: float = READ_TIMEOUT_S):
+                 key: bytes | None = None, read_timeout_s: float = READ_TIMEOUT_S, below: KVTier | None = None):
+        self.below = below  # entries leave this tier only by eviction: none move down; lookup, discard, flush reach it
         self.dir = private_dir(Path(directory))
         self._key = key if key is not None else folder_key(self.dir)
         self.read_timeout_s = read_timeout_s
@@ -193,6 +195,19 @@ class DiskTier:
 
     def contains(self, h: bytes) -> bool:
         return h in self._where
+
+    def lookup(self, hashes: list[bytes]) -> list[str]:
+        out = []
+        for h in hashes:
+            with self._lock:
+                found = h in self._where
+                self._stats.hits += found
+                self._stats.misses += not found
+            got = [self.name] if found else self.below.lookup([h]) if self.below is not None else []
+            if not got:
+                break
+            out += got
+        return out
 
     def store(self, entries: list[tuple[bytes, memoryview]], ready: Callable[[], None] | None = None,
             done: Callable[[bool], None] | None = None) -> None:
@@ -354,23 +369,21 @@ class DiskTier:
         if f.live == 0:
             self._remove_file(name)
 
-    def _count(self, hit: bool) -> None:
-        with self._lock:
-            if hit:
-                self._stats.hits += 1
-            else:
-                self._stats.misses += 1
-
     def discard(self, hashes: list[bytes]) -> None:
         with self._lock:
             for h in hashes:
                 if h in self._where:
                     self._forget(h)
+        if self.below is not None:
+            self.below.discard(hashes)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is on disk (or failed); False on timeout."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+            done = self._idle.wait_for(lambda: self._pending == 0, timeout)
+        if self.below is not None:
+            self.below.flush()
+        return done
 
     def names(self) -> list[bytes]:
         """The names this tier holds now (the router's index)."""
@@ -416,27 +429,22 @@ class DiskTier:
 
     def probe_gbps(self, nbytes: int = 16 << 20) -> float:
         """Read bandwidth of a file written, synced and dropped from the page cache (GB/s)."""
-        path = self.dir / f".probe-{uuid.uuid4().hex[:8]}.tmp-{os.getpid()}"
-        data = os.urandom(nbytes)
-        buf = bytearray(nbytes)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                write_all(fd, memoryview(data))
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                start = time.perf_counter()
-                read_all(fd, memoryview(buf), 0)
-                seconds = time.perf_counter() - start
-            finally:
-                os.close(fd)
-        finally:
-            path.unlink(missing_ok=True)
-        return nbytes / max(seconds, 1e-9) / 1e9
+        return read_gbps(self.dir, nbytes)
 
     def close(self) -> None:
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
         self._macs.shutdown(wait=True)
+        if self.below is not None:
+            self.below.close()
+
+
+def build(setting: TierSetting, below: KVTier | None) -> DiskTier | None:
+    """The disk tier, if the config asks for one (--disk-cache-dir)."""
+    config = setting.config
+    if not config.disk_cache_dir:
+        return None
+    return DiskTier(config.disk_cache_dir, int(config.disk_cache_gb * 2**30), setting.layout, setting.model_name,
+                    key=setting.key, below=below)
 

@@ -11,6 +11,7 @@ feed it forged entries, so:
     run_with_deadline(jobs, threads, timeout_s) -> late   reads that may hang, on daemon threads, waited
                              on for timeout_s at most; what a late job delivers afterwards is dropped
     align(n), write_all(fd, buf), read_all(fd, buf, offset) -> n   page-aligned sizes, whole writes and reads
+    read_gbps(folder, nbytes) -> GB/s   a file written, synced, dropped from the page cache and read back
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import stat
 import threading
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger("pdserve.kv_tiers")
@@ -179,3 +181,24 @@ def read_all(fd: int, buf: memoryview, offset: int) -> int:
             break
         got += n
     return got
+
+
+def read_gbps(directory: Path, nbytes: int = 16 << 20) -> float:
+    """Read bandwidth of a file written, synced and dropped from the page cache (GB/s)."""
+    path = directory / f".probe-{uuid.uuid4().hex[:8]}.tmp-{os.getpid()}"
+    data = os.urandom(nbytes)
+    buf = bytearray(nbytes)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            write_all(fd, memoryview(data))
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            start = time.perf_counter()
+            read_all(fd, memoryview(buf), 0)
+            seconds = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return nbytes / max(seconds, 1e-9) / 1e9

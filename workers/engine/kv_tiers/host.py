@@ -1,22 +1,25 @@
-"""HostTier: host slots for evicted GPU blocks (pinned on CUDA), LRU, with an optional DiskTier below.
+"""HostTier: host slots for evicted GPU blocks (pinned on CUDA), LRU, with an optional tier below (disk).
 
 The engine's entry point to the tiers (one caller thread; the tiers' own threads only write
 files, read files and free slots). This module holds the slot memory (anonymous pages locked
 with cudaHostRegister) and the bookkeeping: which hash holds which slot, what is on its way to
-disk, which pending copies a GPU block or a freed slot must wait for. The copies themselves, and
+the tier below, which pending copies a GPU block or a freed slot must wait for. The copies themselves, and
 the load path, are in copies.py.
-    HostTier(layout, capacity_bytes, device, pinned=True, disk=None)   slots allocated once
+    HostTier(layout, capacity_bytes, device, pinned=True, below=None)   slots allocated once; below: a KVTier
+    build(setting, below) -> HostTier | None  what the config asks for (tiering.build)
     store(pool, [(hash, gpu_block)]) -> int   copy those blocks out, async; held hashes skipped; LRU
-                                              entries go to disk in the background, or are dropped
+                                              entries go below in the background, or are dropped
     before_reuse(gpu_blocks)                  the current stream waits for pending stores reading them
     name                                      "host" (protocol.enums.Tier)
-    lookup([hash]) -> ["host" | "disk"]       the tier of each leading hash held; stops at the first miss
+    contains(hash) -> bool                    held here (counts nothing)
+    lookup([hash]) -> [tier]                  the tier of each leading hash held here or below; stops at the first miss
     load(pool, [(hash, gpu_block)]) -> LoadHandle   copy those entries into the blocks, async (copies.py)
-    spill([hash]) -> int                      push host entries to disk now (their host slots freed)
+    spill([hash]) -> int                      push host entries to the tier below now (their host slots freed)
     discard([hash])                           forget entries in every tier
-    figures() -> TierStats                    occupancy, bytes in and out, hits and misses (the disk's: disk.figures())
-    cost                                      a CostModel seeded by probe copies, fed by every finished load
-    flush() / close()                         wait for every copy and disk write (tests, bench, shutdown)
+    figures() -> TierStats                    occupancy, bytes in and out, hits and misses (the tier below's: below.figures())
+    probe_gbps() -> float                     host -> device bandwidth of one copy into staging, at start (copies.py)
+    cost                                      a CostModel seeded by each tier's probe_gbps(), fed by every finished load
+    flush() / close()                         wait for every copy and every write below (tests, bench, shutdown)
 """
 
 from __future__ import annotations
@@ -34,21 +37,21 @@ from pdserve.workers.engine.block_pool import BlockPool
 from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.engine.kv_tiers.copies import HostCopies, _Entry
 from pdserve.workers.engine.kv_tiers.cost import CostModel
-from pdserve.workers.engine.kv_tiers.disk import DiskTier
+from pdserve.workers.engine.kv_tiers.base import KVTier, TierSetting, chain
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 
 class HostTier(HostCopies):
-    """Host slots for evicted GPU blocks, LRU, with an optional DiskTier below (see the module
+    """Host slots for evicted GPU blocks, LRU, with an optional tier below (see the module
     docstrings of host.py and copies.py). staging_bytes: each side stream's device staging buffer (copies go in chunks of
-    it). evict_ahead: with a disk, the fraction of slots kept free or on their way to disk, so a
-    store finds room while the writer drains (a store that finds too little room keeps its
-    leading blocks and counts the rest as dropped; it never waits for the disk)."""
+    it). evict_ahead: with a tier below, the fraction of slots kept free or on their way down, so a
+    store finds room while its writer drains (a store that finds too little room keeps its
+    leading blocks and counts the rest as dropped; it never waits for the tier below)."""
 
     name = Tier.HOST.value
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, device, pinned: bool = True,
-                 disk: DiskTier | None = None, *, staging_bytes: int = 128 << 20, evict_ahead: float = 0.1,
+                 below: KVTier | None = None, *, staging_bytes: int = 128 << 20, evict_ahead: float = 0.1,
                  probe: bool = True):
         self.layout = layout
         self.device = torch.device(device)
@@ -59,10 +62,10 @@ class HostTier(HostCopies):
         self.num_slots = capacity_bytes // self.entry_bytes
         if self.num_slots < 1:
             raise ValueError(f"host tier of {capacity_bytes} bytes holds no block of {self.entry_bytes} bytes")
-        if disk is not None and disk.entry_bytes != self.entry_bytes:
-            raise ValueError("the disk tier was made for another layout")
+        if below is not None and below.entry_bytes != self.entry_bytes:
+            raise ValueError(f"the {below.name} tier was made for another layout")
         self.pinned = pinned and self.cuda  # pinned memory needs CUDA; on the CPU it is plain memory
-        self.disk = disk
+        self.below = below
         self.cost = CostModel(layout.bytes_per_token)
         row = layout.block_bytes // layout.itemsize  # elements of one block of one layer
         self._row = row
@@ -93,18 +96,17 @@ class HostTier(HostCopies):
         self._in_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
         self.slots = BlockPool(self.num_slots)
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # resident, LRU first
-        self._leaving: dict[bytes, _Entry] = {}  # queued for disk: still readable, slot freed once written
+        self._leaving: dict[bytes, _Entry] = {}  # queued for the tier below: still readable, slot freed once written
         self._retired: list = []  # events of copies that touched slots freed since (slot reuse waits)
         self._gpu_reads: dict[int, object] = {}  # GPU block -> the pending store reading it
         self._gpu_writes: dict[int, object] = {}  # GPU block -> the pending load writing it
         self._stats = TierStats(self.name, capacity_bytes=self.num_slots * self.entry_bytes)
         self._lock = threading.Lock()  # bookkeeping: the caller's thread and the tiers' threads
         self._issue = threading.Lock()  # the load stream and its staging buffer: one chunk at a time
-        self.evict_ahead = math.ceil(evict_ahead * self.num_slots) if disk is not None else 0
+        self.evict_ahead = math.ceil(evict_ahead * self.num_slots) if below is not None else 0
         if probe:
-            self.cost.seed_bandwidth(self.name, self._probe())
-            if disk is not None:
-                self.cost.seed_bandwidth(disk.name, disk.probe_gbps())
+            for tier in chain(self):
+                self.cost.seed_bandwidth(tier.name, tier.probe_gbps())
 
     # ---- bookkeeping (under self._lock) -----------------------------------------------------
 
@@ -113,13 +115,13 @@ class HostTier(HostCopies):
         self._retired += [ev for ev in (e.written, e.read) if ev is not None]
 
     def _make_room(self, target: int, protect: set[bytes]) -> list[tuple[bytes, _Entry]]:
-        """Evict LRU entries until `target` slots are free (no disk), or free + on their way to disk
-        (with a disk: entries already there are freed at once); returns the entries to write.
+        """Evict LRU entries until `target` slots are free (no tier below), or free + on their way
+        down (with one: entries it holds already are freed at once); returns the entries to write.
         Called with the slots a copy needs before taking them, then with evict_ahead after."""
         spill: list[tuple[bytes, _Entry]] = []
 
         def have() -> int:
-            return self.slots.num_free + (len(self._leaving) if self.disk is not None else 0)
+            return self.slots.num_free + (len(self._leaving) if self.below is not None else 0)
 
         if have() >= target:
             return spill
@@ -130,14 +132,14 @@ class HostTier(HostCopies):
                 continue
             e = self._entries.pop(h)
             self._stats.evicted += 1
-            if self.disk is not None and not self.disk.contains(h):
+            if self.below is not None and not self.below.contains(h):
                 self._leaving[h] = e
                 spill.append((h, e))
             else:
                 self._free(e)
         return spill
 
-    def _send_to_disk(self, spill: list[tuple[bytes, _Entry]]) -> None:
+    def _send_below(self, spill: list[tuple[bytes, _Entry]]) -> None:
         if not spill:
             return
         events = {id(e.written): e.written for _, e in spill if e.written is not None}
@@ -153,13 +155,13 @@ class HostTier(HostCopies):
                         del self._leaving[h]
                     self._free(e)
                     if e.discarded:
-                        self.disk.discard([h])
+                        self.below.discard([h])
 
         E = self.entry_bytes
-        self.disk.store([(h, self._host_bytes[e.slot * E:(e.slot + 1) * E]) for h, e in spill], ready, done)
+        self.below.store([(h, self._host_bytes[e.slot * E:(e.slot + 1) * E]) for h, e in spill], ready, done)
 
     def _wait_retired(self, stream) -> None:
-        # kept until complete, not until waited on: a disk read may land in the slot later
+        # kept until complete, not until waited on: a read from below may land in the slot later
         self._retired = [ev for ev in self._retired if not ev.query()]
         for ev in self._retired:
             stream.wait_event(ev)
@@ -212,7 +214,7 @@ class HostTier(HostCopies):
                     self._gpu_reads[b] = written
             self._stats.stored_bytes += room * self.entry_bytes
             spill += self._make_room(self.evict_ahead, set())
-        self._send_to_disk(spill)
+        self._send_below(spill)
         return held + room
 
     def before_reuse(self, block_ids: list[int]) -> None:
@@ -231,6 +233,10 @@ class HostTier(HostCopies):
             if not ev.query():
                 stream.wait_event(ev)
 
+    def contains(self, h: bytes) -> bool:
+        with self._lock:
+            return h in self._entries or h in self._leaving
+
     def lookup(self, hashes: list[bytes]) -> list[str]:
         out = []
         with self._lock:
@@ -240,19 +246,17 @@ class HostTier(HostCopies):
                     out.append(self.name)
                     continue
                 self._stats.misses += 1
-                found = self.disk is not None and self.disk.contains(h)
-                if self.disk is not None:
-                    self.disk._count(found)
+                found = self.below.lookup([h]) if self.below is not None else []
                 if not found:
                     break
-                out.append(self.disk.name)
+                out += found
         return out
 
     def spill(self, hashes: list[bytes]) -> int:
-        """Move these resident entries to disk now (already on disk: just dropped from host);
-        returns how many left the host tier."""
-        if self.disk is None:
-            raise ValueError("this host tier has no disk tier to spill to")
+        """Move these resident entries to the tier below now (already held there: just dropped from
+        host); returns how many left the host tier."""
+        if self.below is None:
+            raise ValueError("this host tier has no tier below to spill to")
         spill, n = [], 0
         with self._lock:
             for h in hashes:
@@ -260,12 +264,12 @@ class HostTier(HostCopies):
                 if e is None:
                     continue
                 n += 1
-                if self.disk.contains(h):
+                if self.below.contains(h):
                     self._free(e)
                 else:
                     self._leaving[h] = e
                     spill.append((h, e))
-        self._send_to_disk(spill)
+        self._send_below(spill)
         return n
 
     def discard(self, hashes: list[bytes]) -> None:
@@ -277,11 +281,11 @@ class HostTier(HostCopies):
                 e = self._leaving.pop(h, None)
                 if e is not None:
                     e.discarded = True  # its slot is freed once the writer is done with it
-            if self.disk is not None:
-                self.disk.discard(hashes)
+            if self.below is not None:
+                self.below.discard(hashes)
 
     def names(self) -> list[bytes]:
-        """The names this tier can serve now (those on their way to disk too); the router's index."""
+        """The names this tier can serve now (those on their way down too); the router's index."""
         with self._lock:
             return list(self._entries) + list(self._leaving)
 
@@ -293,12 +297,12 @@ class HostTier(HostCopies):
         return s
 
     def flush(self) -> None:
-        """Wait (host) for every queued copy and disk write."""
+        """Wait (host) for every queued copy and every write below."""
         if self.cuda:
             self._out_stream.synchronize()
             self._in_stream.synchronize()
-        if self.disk is not None:
-            self.disk.flush()
+        if self.below is not None:
+            self.below.flush()
 
     def __del__(self):  # dropped without close(): unlock the pages before the mapping goes
         if getattr(self, "_registered", False):
@@ -309,8 +313,16 @@ class HostTier(HostCopies):
 
     def close(self) -> None:
         self.flush()
-        if self.disk is not None:
-            self.disk.close()
+        if self.below is not None:
+            self.below.close()
         if self._registered:  # the pages stay mapped (self.host still views them), no longer locked
             torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
             self._registered = False
+
+
+def build(setting: TierSetting, below: KVTier | None) -> HostTier | None:
+    """The host tier, if the config asks for one (--host-cache-gb), over the tier below."""
+    config = setting.config
+    if not config.host_cache_gb:
+        return None
+    return HostTier(setting.layout, int(config.host_cache_gb * 2**30), setting.device, pinned=True, below=below)
