@@ -6,16 +6,22 @@ page-locked slots): `pytest tests/test_kv_tiers.py -k cuda` is the GPU path's qu
 from __future__ import annotations
 
 import hashlib
+import importlib
+import itertools
 import json
 import os
 
 import pytest
 import torch
 
+from pdserve.protocol.enums import Tier
+from pdserve.workers.engine import tiering
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.engine.kv_tiers.base import KVTier, chain
 from pdserve.workers.engine.kv_tiers.cost import CostModel
 from pdserve.workers.engine.kv_tiers.disk import HEAD, MAGIC, DiskTier
 from pdserve.workers.engine.kv_tiers.host import HostTier
+from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4, num_blocks=32)
 ENTRY = LAYOUT.num_layers * LAYOUT.block_bytes
@@ -419,3 +425,73 @@ def test_runs_and_scattered_blocks_both_round_trip(kv, blocks):
     dst = [b + 1 for b in blocks] if blocks[1] - blocks[0] == 2 else [20, 21, 22, 9, 10, 11]
     handle, expected = round_trip(tier, kv.pool, hs, blocks, dst)
     assert handle.error is None and torch.equal(kv.pool[:, dst], expected)
+
+
+class MemoryTier:
+    """A tier below the host that is not a disk: entries in a dict (what host.py must not need to know)."""
+
+    name, below = "memory", None
+
+    def __init__(self):
+        self.entry_bytes, self.held = ENTRY, {}
+
+    def contains(self, h):
+        return h in self.held
+
+    def lookup(self, hs):
+        return [self.name for _ in itertools.takewhile(self.held.__contains__, hs)]
+
+    def store(self, entries, ready=None, done=None):
+        ready and ready()
+        self.held.update((h, bytes(buf)) for h, buf in entries)
+        done and done(True)
+
+    def load(self, hs, buffers):
+        for h, buf in zip(hs, buffers):
+            buf.cast("B")[:] = self.held[h]
+        return [None] * len(hs)
+
+    def discard(self, hs):
+        for h in hs:
+            self.held.pop(h, None)
+
+    def names(self):
+        return list(self.held)
+
+    def figures(self):
+        return TierStats(self.name, entries=len(self.held))
+
+    def probe_gbps(self):
+        return 1.0
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_every_tier_answers_the_one_interface(tmp_path):
+    members = [m for m in vars(KVTier) if not m.startswith("_")] + list(KVTier.__annotations__)
+    host, disk = host_tier(KVCache(LAYOUT, "cpu"), 2, disk_tier(tmp_path)), MemoryTier()
+    for tier in (host, host.below, disk):
+        assert [m for m in members if not hasattr(tier, m)] == [], type(tier).__name__
+    assert [t.name for t in chain(host)] == ["host", "disk"]
+    assert all(callable(importlib.import_module(tiering.MODULES[t]).build) for t in Tier)
+    host.close()
+
+
+def test_the_host_tier_drives_any_tier_below_it(kv):
+    below = MemoryTier()
+    tier = HostTier(LAYOUT, 2 * ENTRY, kv.device, below=below, probe=False, evict_ahead=0.0)
+    hs = hashes("below", 4)
+    tier.store(kv.pool, list(zip(hs[:2], [0, 1])))
+    assert tier.spill(hs[:2]) == 2  # down to the tier below
+    tier.flush()
+    tier.store(kv.pool, list(zip(hs[2:], [2, 3])))
+    assert tier.lookup(hs) == ["memory", "memory", "host", "host"] and len(below.held) == 2
+    handle, expected = round_trip(tier, kv.pool, hs, [0, 1, 2, 3], [20, 21, 22, 23])
+    assert handle.error is None and torch.equal(kv.pool[:, 20:24], expected)
+    assert set(handle.tier_seconds) == {"host", "memory"}
+    tier.discard(hs)
+    assert below.held == {} and tier.lookup(hs) == []
