@@ -231,7 +231,7 @@ def test_stop_strings_eos_and_max_tokens():
     assert short.finish_reason == "length" and len(short.output_ids) == 3
     # the chat model ends its answer with an EOS token unless told to ignore it
     [long] = engine.generate([prompt], SamplingParams(max_tokens=200))
-    assert long.finish_reason == "stop" and long.output_ids[-1] in engine.eos_token_ids
+    assert long.finish_reason == "stop" and long.output_ids[-1] in engine.text.eos_token_ids
 
 
 @pytest.mark.parametrize(

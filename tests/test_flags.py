@@ -21,7 +21,7 @@ import pytest
 from pdserve.settings.keys import new_deployment, write_worker_keys
 from pdserve.settings.worker import EngineConfig, TransferConfig, WorkerConfig, read_worker_config, write_worker_config
 from pdserve.settings.flags import FLAG, from_args, option
-from pdserve.server import cli as S
+from pdserve.server import cli as server_cli
 from pdserve.server import launcher as L
 from pdserve.settings.router import RouterConfig
 from pdserve.workers import cli as W
@@ -57,8 +57,8 @@ def flags(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def test_every_flag_keeps_its_name_and_default():
     assert set(flags(W.serve_parser())) == WORKER_FLAGS
-    assert set(flags(S.router_parser())) == ROUTER_FLAGS | {"--keys"}
-    assert set(flags(S.pdserve_parser())) == ROUTER_FLAGS | PDSERVE_WORKER_FLAGS
+    assert set(flags(server_cli.router_parser())) == ROUTER_FLAGS | {"--keys"}
+    assert set(flags(server_cli.pdserve_parser())) == ROUTER_FLAGS | PDSERVE_WORKER_FLAGS
     args = W.serve_parser().parse_args(["--role", "decode", "--keys", "/k"])
     assert (args.block_size, args.max_num_seqs, args.chunk_tokens, args.kv_host, args.kv_port) == (16, 64, 512,
                                                                                                  "127.0.0.1", 0)
@@ -66,10 +66,10 @@ def test_every_flag_keeps_its_name_and_default():
     assert args.warmup and args.compile and args.prefix_cache and args.chunked_prefill and args.dtype is None
     assert W.worker_config(args) == replace(WorkerConfig("decode", worker_id=args.worker_id),
                                             engine=EngineConfig(kv_shared=True))
-    pd = S.pdserve_parser().parse_args([])
+    pd = server_cli.pdserve_parser().parse_args([])
     assert (pd.register, pd.device, pd.port, pd.max_body_mb, pd.expect_workers) == (None, None, 8000, 4 * 2**20, None)
-    assert S.router_parser().parse_args([]).register == RouterConfig.register == "tcp://127.0.0.1:7100"
-    assert S.router_config(S.router_parser().parse_args([]), None) == RouterConfig()
+    assert server_cli.router_parser().parse_args([]).register == RouterConfig.register == "tcp://127.0.0.1:7100"
+    assert server_cli.router_config(server_cli.router_parser().parse_args([]), None) == RouterConfig()
 
 
 def test_only_the_flags_of_no_config_are_written_by_hand():
@@ -78,7 +78,7 @@ def test_only_the_flags_of_no_config_are_written_by_hand():
     common = {"--config", "--help", "--version", "--log-level"}
     assert set(flags(W.serve_parser())) - derived == common | {"--worker-config", "--keys"}
     # (and --parent-pid, pdserve's own: the name of a WorkerConfig flag too, so not in this difference)
-    assert set(flags(S.pdserve_parser())) - derived == common | {
+    assert set(flags(server_cli.pdserve_parser())) - derived == common | {
         "--host", "--port", "--api-key-file", "--access-log", "--devices", "--prefill-workers",
         "--decode-workers", "--colocated-workers", "--no-colocated", "--worker-arg", "--no-restart",
         "--startup-timeout"}
@@ -86,7 +86,7 @@ def test_only_the_flags_of_no_config_are_written_by_hand():
 
 
 def test_the_flags_pdserve_offers_its_workers_are_the_workers_own():
-    worker, pdserve = flags(W.serve_parser()), flags(S.pdserve_parser())
+    worker, pdserve = flags(W.serve_parser()), flags(server_cli.pdserve_parser())
     shared = set(worker) & set(pdserve) - {"--config", "--help", "--version", "--log-level", "--parent-pid", "--model"}
     assert shared == set(worker) - PER_WORKER_FLAGS - {"--config", "--help", "--version", "--log-level",
                                                        "--parent-pid", "--model"}
@@ -115,20 +115,20 @@ def test_parsed_flags_build_the_configs():
     with pytest.raises(SystemExit):
         W.serve_parser().parse_args(["--role", "chef", "--keys", "/k"])
 
-    args = S.router_parser().parse_args(["--max-body-mb", "0.5", "--expect-workers", "prefill=2,decode=1",
+    args = server_cli.router_parser().parse_args(["--max-body-mb", "0.5", "--expect-workers", "prefill=2,decode=1",
                                          "--public-metrics", "--failover", "--heartbeat-interval", "0.25"])
-    cfg = S.router_config(args, None)
+    cfg = server_cli.router_config(args, None)
     assert (cfg.max_body_bytes, cfg.expected_workers) == (2**19, {"prefill": 2, "decode": 1})
     assert cfg.public_metrics and cfg.failover and cfg.heartbeat_interval_s == 0.25
     with pytest.raises(SystemExit):
-        S.router_parser().parse_args(["--expect-workers", "chef=2"])
+        server_cli.router_parser().parse_args(["--expect-workers", "chef=2"])
 
 
 def test_the_launcher_hands_each_worker_its_config_in_a_private_file(tmp_path):
-    args = S.pdserve_parser().parse_args(["--model", "tiny", "--num-blocks", "64", "--no-warmup", "--devices",
+    args = server_cli.pdserve_parser().parse_args(["--model", "tiny", "--num-blocks", "64", "--no-warmup", "--devices",
                                           "cpu", "--stats-interval", "2", "--worker-arg=--no-prefix-cache"])
     counts = {"prefill": 1, "decode": 1, "colocated": 1}
-    specs = S.plan(args, ["cuda:0", "cuda:1"], counts, "ipc:///run/register", str(tmp_path))
+    specs = server_cli.plan(args, ["cuda:0", "cuda:1"], counts, "ipc:///run/register", str(tmp_path))
     assert [(s.worker_id, s.engine.device) for s in specs] == [("prefill-0", "cuda:0"), ("decode-0", "cuda:1"),
                                                                ("colocated-0", "cuda:0")]
     _, worker_keys = new_deployment()

@@ -90,7 +90,7 @@ def test_min_tokens_holds_off_eos(engine, monkeypatch):
     p = prompt(20, 8)
     [plain] = engine.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))
     eos = plain.output_ids[1]  # pretend the model's second token is its end of sequence
-    monkeypatch.setattr(engine, "eos_token_ids", {eos})
+    monkeypatch.setattr(engine.text, "eos_token_ids", {eos})
     monkeypatch.setattr(engine.sampler, "eos_token_ids", [eos])
     [ends] = engine.generate([p], SamplingParams(max_tokens=8))
     assert ends.output_ids == plain.output_ids[:2] and ends.finish_reason == "stop"

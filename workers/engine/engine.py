@@ -71,7 +71,6 @@ class Engine(KVHandoff):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.eos_token_ids = set(loaded.eos_token_ids)
         self.max_model_len = config.max_model_len or loaded.max_model_len
         self.device = torch.device(config.device)
         self.layout = self._layout(config)
@@ -84,8 +83,9 @@ class Engine(KVHandoff):
         self.tiers = tiering.build(config, self.layout, self.device, self.model_name, self.blocks, self.kv.pool,
                                    disk_key)
         self.scheduler = Scheduler(self.blocks, config, self.prefix_root, self.tiers)
-        self.text = ModelText(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.sampler = Sampler(self.device, self.eos_token_ids)
+        # the end-of-sequence ids: the text side's stop check and the sampler's min_tokens ban
+        self.text = ModelText(self.tokenizer, set(loaded.eos_token_ids), self.max_model_len)
+        self.sampler = Sampler(self.device, loaded.eos_token_ids)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # every request on this worker, until it finishes
         # overlapped steps (overlap.py): on CUDA by default; never with the KV tiers (their copies run
