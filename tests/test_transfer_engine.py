@@ -54,8 +54,9 @@ def test_decode_from_transferred_cache_equals_colocated(tmp_path):
 
 
 def test_bench_cpu_smoke(tmp_path):
-    """The CPU smoke command of `pdserve-bench transfer`, with the seed's method beside ours."""
-    result = run_bench(tmp_path, "--model", "tiny", "--device", "cpu", "--lengths", "64,256", "--repeats", "2",
+    """The CPU smoke command of `pdserve-bench transfer`, with the seed's method beside ours, at one length
+    (several lengths: the test above)."""
+    result = run_bench(tmp_path, "--model", "tiny", "--device", "cpu", "--lengths", "256", "--repeats", "2",
                        "--transports", "ipc,zmq,nixl")
     assert_all_exact(result, ALL_METHODS)
     assert result["complete"] is True and result["provenance"]["gpu_end"] is None
@@ -63,7 +64,7 @@ def test_bench_cpu_smoke(tmp_path):
     assert row["kv_bytes"] == 256 * result["config"]["kv_bytes_per_token"]
     assert len(row["prefill_ms"]["runs"]) == 2 * 4  # one plain prefill per round, per transport and seed-copy
     seeds = [s for x in result["lengths"] for r in x["results"] for s in r["prompt_seeds"]]
-    assert len(set(seeds)) == len(seeds) == 2 * 2 * len(ALL_METHODS), "a prompt was reused"
+    assert len(set(seeds)) == len(seeds) == 2 * len(ALL_METHODS), "a prompt was reused"
     for r in row["results"]:
         assert r["transfer_ms"]["median"] > 0 and len(r["transfer_ms"]["runs"]) == 2
         assert r["exposed_ms"]["median"] >= 0 and r["first_step_ms"] > 0
