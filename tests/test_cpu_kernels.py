@@ -4,9 +4,9 @@ in CI and not on a user's machine.
 PyTorch picks its CPU kernels by the instructions it finds (AVX-512 and AMX here, AVX2 on many
 machines, plain vectorised code elsewhere); ATEN_CPU_CAPABILITY forces a lower choice. Tests that
 compare two code paths bitwise do so only where both run the same kernels on the same operands, and
-the others use a tolerance justified where they are defined; if either is wrong, one of these runs
-says so on this machine. Each capability's run is one pytest subprocess over the tests below (the
-ones whose verdict depends on float arithmetic), bounded in time."""
+the others use a tolerance justified where they are defined; if either is wrong, the run under the
+next capability down says so on this machine. That run is one pytest subprocess over the tests below
+(the ones whose verdict depends on float arithmetic), bounded in time."""
 
 from __future__ import annotations
 
@@ -36,24 +36,20 @@ LADDER = ["avx512", "avx2", "default"]  # x86, from the widest kernels down
 RUN_TIMEOUT_S = 420
 
 
-def with_capability(capability: str, threads: int | None = None) -> dict[str, str]:
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    if threads:  # side-by-side runs: one core each, not two runs spinning on both
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    env.pop("PYTEST_ADDOPTS", None)
+def with_capability(capability: str | None) -> dict[str, str]:
+    """The environment with ATEN_CPU_CAPABILITY set to `capability` (None: unset, the machine's own)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "PYTEST_ADDOPTS")}
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
     return env
 
 
-def native_capability() -> str:
+def chosen_capability(capability: str | None) -> str:
+    """The kernels torch picks under that environment, lower-case."""
     run = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=with_capability_unset())
+                         env=with_capability(capability), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout.strip().lower()
-
-
-def with_capability_unset() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    return env
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
@@ -61,25 +57,15 @@ def test_numerics_sensitive_tests_pass_under_other_cpu_kernels():
     """The next capability down from the machine's own (whose run is the suite itself): an AVX-512 or
     AMX machine reruns these tests under avx2, an AVX2 machine under default, so the kernels of every
     kind of machine are checked on the kind just above it."""
-    native = native_capability()
+    native = chosen_capability(None)
     below = LADDER[LADDER.index(native) + 1:] if native in LADDER else LADDER
-    others = [c for c in CAPABILITIES if c in below][:1]  # the next rung down: AVX-512 -> avx2, AVX2 -> default
-    if not others:
+    lower = [c for c in CAPABILITIES if c in below]
+    if not lower:
         pytest.skip(f"this CPU's kernels ({native}) are the plainest there are: no lower choice to run under")
-    for capability in others:
-        chosen = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                                env=with_capability(capability), capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert chosen.stdout.strip() == capability.upper(), (chosen.stdout, chosen.stderr[-2000:])
-    runs = {c: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *NUMERICS],
-                                env=with_capability(c, threads=max(1, (os.cpu_count() or 2) // len(others))), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=ROOT) for c in others}
-    try:
-        for capability, run in runs.items():
-            out, err = run.communicate(timeout=RUN_TIMEOUT_S)
-            assert run.returncode == 0, f"under ATEN_CPU_CAPABILITY={capability}:\n{out[-6000:]}\n{err[-2000:]}"
-            assert " passed" in out and " failed" not in out, out[-2000:]
-    finally:
-        for run in runs.values():
-            if run.poll() is None:
-                run.kill()
-                run.wait()
+    capability = lower[0]
+    assert chosen_capability(capability) == capability
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *NUMERICS],
+                         env=with_capability(capability), capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                         cwd=ROOT)
+    assert run.returncode == 0, f"under ATEN_CPU_CAPABILITY={capability}:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
+    assert " passed" in run.stdout and " failed" not in run.stdout
