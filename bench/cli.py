@@ -7,6 +7,7 @@
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/engine/paged_attention.py)
     pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/transfer/multihost.py)
     pdserve-bench atlas     prompt profiles x SLO pairs x rates, which arm wins each cell (bench/load/atlas.py)
+    pdserve-bench defaults  is the default configuration within a margin of the best measured one (bench/load/defaults.py)
     pdserve-bench plan      colocated or xP:yD for N GPUs, predicted from an engine profile (bench/load/planner.py)
     pdserve-bench offload   recompute vs reload per KV tier, every reload checked (bench/transfer/offload.py)
 
@@ -28,6 +29,8 @@ SUBCOMMANDS = {
     "attention": ("pdserve.bench.engine.paged_attention", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
     "multihost": ("pdserve.bench.transfer.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
     "atlas": ("pdserve.bench.load.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
+    "defaults": ("pdserve.bench.load.defaults", "is a default configuration within a margin of the best one, from "
+                 "capacity searches"),
     "plan": ("pdserve.bench.load.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
     "offload": ("pdserve.bench.transfer.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }

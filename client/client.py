@@ -283,6 +283,13 @@ class AsyncClient(_Base):
     async def models(self) -> list[str]:
         return _models(await self._get_json(MODELS))
 
+    async def health(self) -> dict:
+        """GET /health's body, whatever its status (503 while no worker can serve, or draining)."""
+        url = self._url("/health")
+        with _translated(self.base_url, url, self.timeout_s):
+            resp = await self._http.get(url)
+        return resp.json()
+
     async def resolve_model(self) -> str:
         if self.model is None:
             names = await self.models()

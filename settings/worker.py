@@ -21,6 +21,10 @@ from pdserve.settings.flags import flag
 DTYPES = ("float32", "float16", "bfloat16")  # workers/engine/kv_cache.py maps each to its torch dtype
 ATTENTION = ("auto", "triton", "reference")
 MODEL_HELP = "smollm2-135m, tiny, qwen2.5-7b or a local checkpoint dir"  # the router's --model too
+# the colocated chunk budget when --chunk-tokens is not given, by device kind: CUDA's is the best of a capacity
+# sweep on an H200 (docs/results.md, "The colocated worker's defaults"); the CPU's keeps a 2-core machine's
+# decodes moving between prompt chunks (a 512-token chunk of SmolLM2 takes about a second there)
+CHUNK_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
 @dataclass
@@ -38,7 +42,11 @@ class EngineConfig:
                                    "prompt runs alone)")
     # a step carries every running decode plus up to chunk_tokens prompt tokens
     chunked_prefill: bool = flag(True, "prefill whole prompts in steps of their own (running requests wait for them)")
-    chunk_tokens: int = flag(512, "prompt tokens per step; each step also carries every running request's next token")
+    # None: CHUNK_TOKENS of the device (resolved where used, step_chunk_tokens: the router builds one config
+    # and gives each worker its device afterwards)
+    chunk_tokens: int | None = flag(None, "prompt tokens per step (default: 8192 on CUDA, 512 on the CPU, by "
+                                    "measured capacity: docs/results.md); each step also carries every running "
+                                    "request's next token")
     # a prompt token at position p counts 1 + p / chunk_attention_tokens against chunk_tokens (scheduler.py);
     # 0: every token counts 1
     chunk_attention_tokens: int = 16384
@@ -77,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_memory_gb is not None and self.kv_memory_gb <= 0:
             raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
-        if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0 or self.chunk_tokens <= 0:
+        if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0 or (self.chunk_tokens or 1) <= 0:
             raise ValueError("max_num_seqs, max_batched_tokens and chunk_tokens must be positive")
         if self.host_cache_gb < 0 or self.disk_cache_gb <= 0:
             raise ValueError("host_cache_gb must be >= 0 and disk_cache_gb positive")
@@ -88,6 +96,12 @@ class EngineConfig:
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+
+
+    @property
+    def step_chunk_tokens(self) -> int:
+        """Prompt tokens per colocated step: --chunk-tokens, else this device kind's CHUNK_TOKENS."""
+        return self.chunk_tokens or CHUNK_TOKENS[self.device.partition(":")[0]]
 
 
 @dataclass

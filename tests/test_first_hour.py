@@ -58,6 +58,20 @@ def test_pdserve_takes_every_worker_flag(tmp_path):
         (False, 64, 1.0, str(tmp_path), False)
 
 
+def test_the_chunk_budget_without_a_flag_is_the_devices_measured_one(tmp_path):
+    """No --chunk-tokens: each worker's budget follows the device the router gives it after parsing (8192 on
+    CUDA, the best of the H200 capacity sweep; 512 on the CPU), an explicit one holds on every device."""
+    from pdserve.settings.worker import CHUNK_TOKENS
+
+    args = cli.pdserve_parser().parse_args([])
+    cpu, gpu = (cli.plan(args, [d], {"colocated": 1}, "ipc:///x", str(tmp_path))[0].engine for d in ("cpu", "cuda:0"))
+    assert (cpu.chunk_tokens, gpu.chunk_tokens) == (None, None)
+    assert (cpu.step_chunk_tokens, gpu.step_chunk_tokens) == (CHUNK_TOKENS["cpu"], CHUNK_TOKENS["cuda"]) == (512, 8192)
+    args = cli.pdserve_parser().parse_args(["--chunk-tokens", "2048"])
+    [spec] = cli.plan(args, ["cuda:0"], {"colocated": 1}, "ipc:///x", str(tmp_path))
+    assert spec.engine.step_chunk_tokens == 2048
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--gpu-memory-utilization", "0.9"], "--kv-memory-gb"),
     (["--max-model-length", "4096"], "--max-model-len"),

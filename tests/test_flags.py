@@ -60,7 +60,7 @@ def test_every_flag_keeps_its_name_and_default():
     assert set(flags(server_cli.router_parser())) == ROUTER_FLAGS | {"--keys"}
     assert set(flags(server_cli.pdserve_parser())) == ROUTER_FLAGS | PDSERVE_WORKER_FLAGS
     args = W.serve_parser().parse_args(["--role", "decode", "--keys", "/k"])
-    assert (args.block_size, args.max_num_seqs, args.chunk_tokens, args.kv_host, args.kv_port) == (16, 64, 512,
+    assert (args.block_size, args.max_num_seqs, args.chunk_tokens, args.kv_host, args.kv_port) == (16, 64, None,
                                                                                                  "127.0.0.1", 0)
     assert (args.handshake_timeout, args.stats_interval, args.router) == (30.0, 10.0, "tcp://127.0.0.1:7100")
     assert args.warmup and args.compile and args.prefix_cache and args.chunked_prefill and args.dtype is None

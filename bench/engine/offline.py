@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = next(model.parameters()).dtype
     twin = hf_twin(model) if args.peer else None
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    base = EngineConfig()
-    arms = {n: _scheduler_for(n, base.chunk_tokens) for n in names}
+    base = EngineConfig(device=str(device))
+    arms = {n: _scheduler_for(n, base.step_chunk_tokens) for n in names}
     widest = max(c for _, c in arms.values())
     engine = Engine(EngineConfig(model=loaded.name, device=str(device), dtype=dtype_name(dtype), prefix_cache=False,
                                  kv_memory_gb=args.kv_memory_gb,
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             engine.scheduler.chunked, engine.scheduler.chunk_tokens = arms[name]
             runs[name].append(mx.offline_run(engine, prompts, args.out_tokens, device))
-    engine.scheduler.chunked, engine.scheduler.chunk_tokens = True, base.chunk_tokens
+    engine.scheduler.chunked, engine.scheduler.chunk_tokens = True, base.step_chunk_tokens
 
     mean_len = round(statistics.mean(lengths))
     speed = mx.prefill_speed(engine, mean_len, 5, device, args.seed + 1)

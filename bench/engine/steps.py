@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         chunk = {"decodes": args.chunk_decodes, "context": parse_counts(args.chunk_context)[0],
                  "prompt": parse_counts(args.chunk_prompt)[0], "steady_steps": args.chunk_steady_steps,
                  "after_steps": 4, "seed": args.seed}
-        chunk_tokens = args.chunk_tokens or EngineConfig().chunk_tokens
+        chunk_tokens = args.chunk_tokens or EngineConfig(device=str(args.device)).step_chunk_tokens
         chunk["max_prefill_steps"] = dec.chunked_steps_bound(chunk["prompt"], chunk_tokens)
         chunk_steps = chunk["steady_steps"] + chunk["max_prefill_steps"] + chunk["after_steps"] + 4
         chunk_blocks = chunk["decodes"] * dec.blocks_for(chunk["context"] + chunk_steps, BLOCK_SIZE) \

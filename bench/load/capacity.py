@@ -55,6 +55,7 @@ class Probe:
     requests: int | None = None  # sent by the probe
     arrivals_s: float | None = None  # first to last scheduled send
     duration_s: float | None = None  # the run, first send to last answer
+    stopped_early_s: float | None = None  # when it stopped, certain to fail (bench/load/early_stop.py)
 
 
 @dataclass
@@ -264,7 +265,10 @@ async def capacity_and_sweep(measure: Callable[[float, str, float | None], Await
     cap = await search_capacity(probe, start_rate, max_probes=max_probes, precision=precision, target=target,
                                 out_of_time=out_of_time, fits=fits)
     for p, b in zip(cap.probes, blocks):
-        p.requests, p.arrivals_s, p.duration_s = b.get("num_prompts"), b.get("arrival_window_s"), b.get("duration")
+        stopped = b.get("stopped_early")  # a probe stopped early sent fewer than it planned: `requests` is the plan
+        p.requests = stopped["planned"] if stopped else b.get("num_prompts")
+        p.arrivals_s, p.duration_s = b.get("arrival_window_s"), b.get("duration")
+        p.stopped_early_s = stopped["stopped_at_s"] if stopped else None
     if cap.rate is not None:
         for factor in sorted({f for f in factors if f > 0}):
             if out_of_time() or not fits(cap.rate * factor):

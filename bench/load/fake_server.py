@@ -88,6 +88,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
     gpu = asyncio.Lock()
     cache = PrefixCache(cfg.prefix_cache_block) if cfg.prefix_cache_block > 0 else None
     arrivals = [0]  # completion requests seen (the first cfg.cold_requests are slow)
+    streaming = [0]  # streamed answers not yet ended (or dropped): /health's in_flight, as pdserve's workers
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -104,7 +105,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", "workers": [{"id": "fake-colocated-0", "in_flight": streaming[0]}]}
 
     async def handle(request: Request, chat: bool):
         body = await request.json()
@@ -202,6 +203,14 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
             return f"data: {json.dumps(data)}\n\n"
 
         async def events():
+            streaming[0] += 1
+            try:
+                async for chunk in answer():
+                    yield chunk
+            finally:
+                streaming[0] -= 1
+
+        async def answer():
             t = await prefill()
             if chat:
                 yield event("", None, role=True)

@@ -157,6 +157,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--probe-judge", choices=PROBE_JUDGES, default=PROBE_JUDGES[0],
                     help="a probe passes when >= --goodput-target met the SLOs and (goodput+queue, the default) its "
                          "queue did not grow over the window (lateness slope, bench/load/capacity.py)")
+    lo.add_argument("--no-probe-early-stop", dest="probe_early_stop", action="store_false",
+                    help="run every capacity probe whole (default: a probe stops once so many of its requests "
+                         "missed an SLO that it cannot pass, and the server is left to go idle: "
+                         "bench/load/early_stop.py)")
     lo.add_argument("--sweep-factors", type=_floats, default=[0.5, 1.0, 1.5], help="sweep rates = capacity x these")
     lo.add_argument("--arm-budget", type=float, default=math.inf,
                     help="seconds of search and sweep per arm; no further run starts past it (default: no limit)")

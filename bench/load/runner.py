@@ -5,6 +5,8 @@
     run_open_loop     each request at its planned time, whether or not earlier ones have answered
                       (with max_concurrency: at most that many in flight, later ones wait their turn,
                       as vllm bench serve's --max-concurrency)
+                      (with an EarlyStop: no more sends, and the requests in flight dropped, once the run can
+                      no longer meet its SLO target: bench/load/early_stop.py)
     run_closed_loop   a fixed number of requests in flight; the next goes when one finishes
     warmup_until_steady  unrecorded batches (sent at once) until two in a row agree on median TTFT
                       (bounded); any failure stops the run
@@ -24,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from pdserve.bench.load.capacity import is_steady
+from pdserve.bench.load.early_stop import CHECK_EVERY_S, EarlyStop
 from pdserve.bench.load.metrics import RequestRecord
 from pdserve.bench.load.workload import Sample
 from pdserve.client import AsyncClient, ClientError
@@ -59,13 +62,16 @@ def _body_extra(opts: SendOptions) -> dict:
     return extra
 
 
-async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions) -> RequestRecord:
+async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions,
+                   watch: EarlyStop | None = None) -> RequestRecord:
     rec = RequestRecord(index=p.index, policy=p.policy, prompt_len=p.sample.prompt_len,
                         expected_output_len=p.sample.output_len, planned_prompt_len=p.sample.prompt_len,
                         kind=p.sample.kind, conversation=p.conversation, turn=p.turn,
                         scheduled_s=p.send_at_s if p.send_at_s is not None else time.perf_counter() - t0)
     start = time.perf_counter()
     rec.start_s = start - t0
+    if watch is not None:
+        watch.started(p.index, start, p.sample.output_len)
     last = None
     events = 0
     try:
@@ -80,6 +86,8 @@ async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions
                 events += 1
                 if last is None:
                     rec.ttft_s = delta.arrival - start
+                    if watch is not None:
+                        watch.first_token(p.index, delta.arrival)
                 else:
                     rec.itls_s.append(delta.arrival - last)
                 last = delta.arrival
@@ -119,25 +127,70 @@ async def send_one(client: AsyncClient, p: Planned, t0: float, opts: SendOptions
 
 async def run_open_loop(client: AsyncClient, planned: list[Planned], opts: SendOptions,
                         on_done: Callable[[RequestRecord], None] = lambda r: None,
-                        max_concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
+                        max_concurrency: int | None = None,
+                        watch: EarlyStop | None = None) -> tuple[list[RequestRecord], float]:
     """Returns the records (in plan order) and the run's duration in seconds. A request held back by
-    max_concurrency keeps its planned send time (scheduled_s), so the wait shows as lateness."""
+    max_concurrency keeps its planned send time (scheduled_s), so the wait shows as lateness. With
+    `watch`, the run stops once watch.certain_fail(): nothing more is sent (those requests get no record)
+    and the requests in flight are dropped (each a failed record saying so); watch records when."""
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    stopped = asyncio.Event()
 
     async def go(p: Planned) -> RequestRecord:
         async with gate:
-            rec = await send_one(client, p, t0, opts)
+            rec = await send_one(client, p, t0, opts, watch)
+        if watch is not None:
+            watch.ended(rec)
         on_done(rec)
         return rec
 
+    async def monitor(sent: list) -> None:
+        while True:
+            now = time.perf_counter()
+            if watch.certain_fail(now):
+                watch.stop(now, t0, len(sent))
+                stopped.set()
+                return
+            await asyncio.sleep(CHECK_EVERY_S)
+
     t0 = time.perf_counter()
-    tasks = []
-    for p in sorted(planned, key=lambda p: p.send_at_s):
-        delay = t0 + p.send_at_s - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(go(p)))
-    records = await asyncio.gather(*tasks)
+    sent: list[tuple[Planned, asyncio.Task]] = []
+    watcher = asyncio.create_task(monitor(sent)) if watch is not None else None
+    try:
+        for p in sorted(planned, key=lambda p: p.send_at_s):
+            delay = t0 + p.send_at_s - time.perf_counter()
+            if delay > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stopped.wait(), delay)
+            if stopped.is_set():
+                break
+            sent.append((p, asyncio.create_task(go(p))))
+        tasks = [t for _, t in sent]
+        if watcher is not None and tasks:
+            halt = asyncio.ensure_future(stopped.wait())
+            pending = set(tasks)
+            while pending and not stopped.is_set():
+                _, pending = await asyncio.wait(pending | {halt}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(halt)
+            halt.cancel()
+            for t in pending:
+                t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=watch is not None)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    records = []
+    for (p, _), result in zip(sent, results):
+        if isinstance(result, asyncio.CancelledError):  # dropped when the run stopped early
+            records.append(RequestRecord(index=p.index, policy=p.policy, prompt_len=p.sample.prompt_len,
+                                         expected_output_len=p.sample.output_len,
+                                         planned_prompt_len=p.sample.prompt_len, kind=p.sample.kind,
+                                         scheduled_s=p.send_at_s, start_s=p.send_at_s,
+                                         error="dropped: the probe stopped once it could not meet its SLO target"))
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            records.append(result)
     duration = time.perf_counter() - t0
     return sorted(records, key=lambda r: r.index), duration
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import shlex
@@ -25,6 +26,7 @@ from pathlib import Path
 from pdserve.bench.load.capacity import (capacity_and_sweep, early_slowdown, meets_target, probe_passes, probe_requests,
                                     saturation, warmup_not_steady)
 from pdserve.bench.load.arms import Arm, ArmError, ArmServer, default_server_command
+from pdserve.bench.load.early_stop import SETTLE_TIMEOUT_S, EarlyStop, server_idle
 from pdserve.bench.load.multiturn import conversations, run_conversations, warmup_samples
 from pdserve.bench.load.runner import (Planned, SendOptions, WarmupFailed, run_closed_loop, run_open_loop,
                                        warmup_until_steady)
@@ -188,7 +190,7 @@ class Session:
         self.runs += 1
         return make_conversations(self.args, self.builder, text_seed=self.args.seed + 1000 * self.runs)
 
-    async def send(self, client, planned, point: LoadPoint, label: str):
+    async def send(self, client, planned, point: LoadPoint, label: str, watch: EarlyStop | None = None):
         from tqdm import tqdm
 
         bar = tqdm(total=len(planned), desc=label, disable=self.args.no_progress, file=sys.stderr)
@@ -196,7 +198,7 @@ class Session:
             if point.kind == "concurrency":
                 return await run_closed_loop(client, planned, int(point.value), self.opts, lambda r: bar.update())
             return await run_open_loop(client, planned, self.opts, lambda r: bar.update(),
-                                       max_concurrency=self.args.max_concurrency)
+                                       max_concurrency=self.args.max_concurrency, watch=watch)
         finally:
             bar.close()
 
@@ -246,7 +248,11 @@ class Session:
                                    probe_requests(point.value, self.args.run_seconds, self.args.num_prompts) if timed
                                    else None)
             planned = plan(samples, [arm.policy] if arm.policy else None, point, self.args)
-            records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}")
+            watch = EarlyStop(self.slos, self.args.goodput_target, len(planned)) \
+                if phase == "probe" and self.slos and self.args.probe_early_stop else None
+            records, duration = await self.send(client, planned, point, f"{arm.label} {point.label}", watch)
+            if watch is not None and watch.stopped:
+                watch.settle_s = await settle(client)
         block = result_block(records, duration, point, self.args, self.slos, self.percentiles, arm=arm.label,
                              policy=arm.policy, policy_runs="separate", phase=phase, factor=factor)
         if not point.conversations and point.kind == "rate":
@@ -255,6 +261,11 @@ class Session:
             if searched:
                 block["probe_seconds"] = self.args.probe_seconds
                 block["probe_min_requests"] = self.args.probe_min_requests or self.args.num_prompts
+        if not point.conversations and point.kind == "rate" and searched:
+            block["stopped_early"] = watch.to_dict() if watch is not None and watch.stopped else None
+            if block["stopped_early"]:  # what the partial run proved, not the share of what it sent
+                block["goodput_fraction"] = watch.bound()
+                block["meets_goodput_target"] = False
         self.first_run_cold(arm.label, block)
         sat = block["saturation"] or {}
         verdict = "" if block["meets_goodput_target"] is None else \
@@ -264,10 +275,26 @@ class Session:
                                                  self.args.probe_judge == "goodput+queue")
             verdict += f", probe {'passed' if block['probe_passed'] else 'failed'} ({self.args.probe_judge})"
         window = f" ({block['arrival_window_s']:.1f} s of arrivals)" if block.get("arrival_window_s") else ""
+        stop = block.get("stopped_early")
+        window += f", STOPPED EARLY ({stop['reason']}; server idle {stop['settle_s']:.1f} s later)" if stop else ""
         print(f"{arm.label} {phase} {point.label}: {block['completed']}/{block['num_prompts']} done in "
               f"{duration:.1f} s{window}{verdict}{', SATURATED' if sat.get('saturated') else ''}"
               f"{', COLD: ' + block['cold_reason'] if block['cold'] else ''}", file=sys.stderr)
         return block
+
+
+async def settle(client, timeout_s: float = SETTLE_TIMEOUT_S, every_s: float = 0.25) -> float:
+    """After a run stopped early: wait until the server reports nothing queued, running or in flight (the
+    dropped streams' requests aborted), so the next probe meets an empty server. Seconds it took; raises
+    ClientError's kin if the server never gets there."""
+    t0 = time.monotonic()
+    while True:
+        if server_idle(await client.health()):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"the server still had requests in flight {timeout_s:.0f} s after a probe stopped "
+                               "early: the next probe would not meet an empty server")
+        await asyncio.sleep(every_s)
 
 
 async def _arm_client(session: Session, arm, stack):

@@ -69,7 +69,7 @@ class ModelRunner:
         cuda_graphs = config.cuda_graphs and cuda
         max_num_seqs = config.max_num_seqs
         # steps with prompt tokens, up to this many tokens: piecewise graphs (they hold a chunk and the decodes)
-        mixed_tokens = (max(config.mixed_graph_tokens, config.chunk_tokens + max_num_seqs)
+        mixed_tokens = (max(config.mixed_graph_tokens, config.step_chunk_tokens + max_num_seqs)
                         if config.mixed_graph_tokens else 0)
         model.config._attn_implementation = attention.register()
         for sub in model.modules():  # some models keep a per-sub-module config

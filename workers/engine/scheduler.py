@@ -55,7 +55,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_batched_tokens = config.max_batched_tokens
         self.chunked = config.chunked_prefill
-        self.chunk_tokens = config.chunk_tokens
+        self.chunk_tokens = config.step_chunk_tokens
         self.attention_tokens = config.chunk_attention_tokens  # see _weight; 0: every prompt token counts 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

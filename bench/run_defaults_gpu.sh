@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Is the colocated worker's default chunk budget the best one measured (within 10%), and never below the
+# unchunked worker? One fresh pdserve per arm (one colocated worker alone on the GPU), a capacity search of
+# >= 60-s probes per arm, on one workload; then `pdserve-bench defaults` judges the brackets.
+#
+#   WORKLOAD=mixed bench/run_defaults_gpu.sh                 # every arm below, in order (~15 minutes on an H200)
+#   WORKLOAD=mixed ARMS=default,unchunked,chunk16384 bench/run_defaults_gpu.sh   # some arms (one call's worth)
+#   WORKLOAD=long ARMS=default,unchunked bench/run_defaults_gpu.sh
+#   WORKLOAD=mixed JUDGE=1 bench/run_defaults_gpu.sh         # only the verdict, from the arms measured so far
+#
+# Arms: default (no chunk flag: the worker's own default), chunkN (--chunk-tokens N), unchunked
+# (--no-chunked-prefill). The default arm's search runs first and in full (start START_RATE, doubling then
+# bisecting to PRECISION, at most MAX_PROBES). Every other arm needs only the probe that decides the verdict
+# (bench/load/defaults.py): it starts at the default's capacity / (1 - WITHIN) (the unchunked reference at the
+# default's capacity itself), at most OTHER_PROBES (REF_PROBES) probes; failing that first probe shows the
+# default within the margin of that arm (or at least the reference). A probe stops once it cannot pass
+# (bench/load/early_stop.py), so a failing one costs seconds, not minutes.
+#
+# Workloads: mixed: 75% of prompts uniform:256:1024, 25% uniform:4096:8192 tokens, 64 out, SLOs TTFT 2 s /
+# TPOT 100 ms, KV pool 16 GiB. long: uniform:8192:32000 tokens, 64 out, TTFT 4 s / TPOT 100 ms (a 32k prefill
+# alone takes ~1.1 s on an H200: a 2-s TTFT would leave no room for any queue), KV pool 40 GiB.
+# Arms already measured (RESULTS/<workload>/<arm>/results.json) are kept, not rerun: a sweep spans several
+# calls. Each arm's folder is tarred into $OUT/defaults-<workload>.tgz as soon as it ends (a call cut short
+# still returns what finished). Knobs: ARMS, START_RATE, PRECISION (0.1), MAX_PROBES (6), OTHER_PROBES (1),
+# REF_PROBES (3), WITHIN (0.10), PROBE_SECONDS (60), CALL_SECONDS (no arm starts past it; default 560),
+# ARM_MIN_SECONDS (150: the least an arm needs), RESULTS (bench/results/defaults-gpu), WL_FLAGS (the workload's
+# load flags instead), KV, GOODPUT, MODEL, DEVICES, PYTHON.
+# A CPU dry run of the script (tiny model, ~3 minutes on 2 cores):
+#   MODEL=tiny DEVICES=cpu KV=0.2 WL_FLAGS="--input-len uniform:16:64" GOODPUT="ttft:3000 tpot:500" START_RATE=2 \
+#     PROBE_SECONDS=8 MAX_PROBES=2 ARMS=default,unchunked,chunk64 RESULTS=/tmp/defaults WORKLOAD=mixed \
+#     bench/run_defaults_gpu.sh
+source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES; KV_GB set below per workload
+WORKLOAD=${WORKLOAD:?set WORKLOAD (mixed or long)}
+case $WORKLOAD in
+  mixed) WL=(--input-len uniform:256:1024 --long-fraction 0.25 --long-input-len uniform:4096:8192)
+         GOODPUT=${GOODPUT:-ttft:2000 tpot:100}; START_RATE=${START_RATE:-10}; KV=${KV:-16} ;;
+  long) WL=(--input-len uniform:8192:32000)
+        GOODPUT=${GOODPUT:-ttft:4000 tpot:100}; START_RATE=${START_RATE:-0.8}; KV=${KV:-40} ;;
+  *) echo "WORKLOAD is mixed or long, got '$WORKLOAD'"; exit 2 ;;
+esac
+if [ -n "${WL_FLAGS:-}" ]; then read -r -a WL <<< "$WL_FLAGS"; fi  # another workload (the CPU dry run below)
+ARMS=${ARMS:-default,unchunked,chunk16384,chunk2048,chunk512}
+OUTPUT_LEN=${OUTPUT_LEN:-64}
+PRECISION=${PRECISION:-0.1}
+MAX_PROBES=${MAX_PROBES:-6}
+OTHER_PROBES=${OTHER_PROBES:-1}
+REF_PROBES=${REF_PROBES:-3}
+WITHIN=${WITHIN:-0.10}
+PROBE_SECONDS=${PROBE_SECONDS:-60}
+CALL_SECONDS=${CALL_SECONDS:-560}
+ARM_MIN_SECONDS=${ARM_MIN_SECONDS:-150}
+RESULTS=${RESULTS:-bench/results/defaults-gpu}
+DIR="$RESULTS/$WORKLOAD"
+mkdir -p "$DIR"
+
+arm_flags() {  # the colocated worker's flags of an arm
+  case $1 in
+    default) echo "" ;;
+    unchunked) echo "--worker-arg=--no-chunked-prefill" ;;
+    chunk[0-9]*) echo "--worker-arg=--chunk-tokens=${1#chunk}" ;;
+    *) echo "an arm is default, unchunked or chunkN, got '$1'" >&2; return 2 ;;
+  esac
+}
+capacity_of() {  # the highest passing rate of an arm measured in DIR (empty: none)
+  "$PYTHON" -c "import json,sys; c=json.load(open(sys.argv[1]))['arms'][0]['capacity']['capacity_rate']; print(c or '')" \
+    "$DIR/$1/results.json" 2>/dev/null
+}
+judge() {
+  local from=()
+  for d in "$DIR"/*/; do [ -f "$d/results.json" ] && from+=(--from "$d"); done
+  if [ ! -f "$DIR/default/results.json" ]; then echo "no default arm measured in $DIR yet"; return 0; fi
+  local ref=()
+  [ -f "$DIR/unchunked/results.json" ] && ref=(--reference unchunked)
+  "$PYTHON" -m pdserve.bench.cli defaults "${from[@]}" --default default "${ref[@]}" --within "$WITHIN" \
+    --title "colocated chunk budget, $WORKLOAD workload, one GPU" --out "$DIR"
+}
+if [ "${JUDGE:-0}" = 1 ]; then judge; exit 0; fi
+
+T0=$SECONDS
+IFS=, read -r -a ARM_LIST <<< "$ARMS"
+for arm in "${ARM_LIST[@]}"; do
+  flags=$(arm_flags "$arm") || exit 2
+  if [ -f "$DIR/$arm/results.json" ]; then echo "arm $arm: measured already ($DIR/$arm), kept"; continue; fi
+  if (( SECONDS - T0 + ARM_MIN_SECONDS > CALL_SECONDS )); then
+    echo "arm $arm: not started, $((SECONDS - T0)) s of CALL_SECONDS $CALL_SECONDS gone"; continue
+  fi
+  if [ "$arm" = default ]; then
+    start=$START_RATE; probes=$MAX_PROBES; budget=$((CALL_SECONDS - (SECONDS - T0) - 90))
+  else
+    cap=$(capacity_of default || true)
+    if [ -z "$cap" ]; then echo "arm $arm: the default arm has no capacity yet (measure it first)"; continue; fi
+    if [ "$arm" = unchunked ]; then
+      start=$cap; probes=$REF_PROBES
+    else  # just under cap / (1 - WITHIN), so a fail there decides the margin despite rounding
+      start=$("$PYTHON" -c "print($cap / (1 - $WITHIN) * 0.999)"); probes=$OTHER_PROBES
+    fi
+    budget=$((CALL_SECONDS - (SECONDS - T0) - 90))
+  fi
+  echo "arm $arm: start $start req/s, at most $probes probes, budget $budget s"
+  # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
+  "$PYTHON" -m pdserve.bench.cli load \
+    --arm "$arm=colocated:--prefill-workers 0 --decode-workers 0 --colocated-workers 1 $flags" \
+    --server-args "--model $MODEL --devices $DEVICES --transport ipc --mode bulk --kv-memory-gb $KV" \
+    --server-timeout 300 --capacity-search --goodput $GOODPUT --search-start-rate "$start" \
+    --search-max-probes "$probes" --search-precision "$PRECISION" --probe-seconds "$PROBE_SECONDS" \
+    --probe-min-requests 24 --arm-budget "$budget" --sweep-factors '' \
+    "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 3 \
+    --request-timeout 300 --out "$DIR/$arm" --no-progress --no-plots || echo "arm $arm: load exited $?"
+  if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi
+done
+judge
+if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi
