@@ -23,6 +23,7 @@
 # calls. Each arm's folder is tarred into $OUT/defaults-<workload>.tgz as soon as it ends (a call cut short
 # still returns what finished). Knobs: ARMS, START_RATE, PRECISION (0.1), MAX_PROBES (6), OTHER_PROBES (1),
 # REF_PROBES (3), WITHIN (0.10), PROBE_SECONDS (60), CALL_SECONDS (no arm starts past it; default 560),
+# DEFAULT_BUDGET (330 s of probes for the default arm's search),
 # ARM_MIN_SECONDS (150: the least an arm needs), RESULTS (bench/results/defaults-gpu), WL_FLAGS (the workload's
 # load flags instead), KV, GOODPUT, MODEL, DEVICES, PYTHON.
 # A CPU dry run of the script (tiny model, ~3 minutes on 2 cores):
@@ -48,6 +49,7 @@ REF_PROBES=${REF_PROBES:-3}
 WITHIN=${WITHIN:-0.10}
 PROBE_SECONDS=${PROBE_SECONDS:-60}
 CALL_SECONDS=${CALL_SECONDS:-560}
+DEFAULT_BUDGET=${DEFAULT_BUDGET:-330}  # seconds of probes for the default arm's search
 ARM_MIN_SECONDS=${ARM_MIN_SECONDS:-150}
 RESULTS=${RESULTS:-bench/results/defaults-gpu}
 DIR="$RESULTS/$WORKLOAD"
@@ -86,6 +88,7 @@ for arm in "${ARM_LIST[@]}"; do
   fi
   if [ "$arm" = default ]; then
     start=$START_RATE; probes=$MAX_PROBES; budget=$((CALL_SECONDS - (SECONDS - T0) - 90))
+    budget=$(( budget < DEFAULT_BUDGET ? budget : DEFAULT_BUDGET ))
   else
     cap=$(capacity_of default || true)
     if [ -z "$cap" ]; then echo "arm $arm: the default arm has no capacity yet (measure it first)"; continue; fi
