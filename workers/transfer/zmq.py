@@ -52,6 +52,7 @@ import msgspec
 import torch
 import zmq
 
+from pdserve.protocol import auth
 from pdserve.protocol import kv as P
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
@@ -63,6 +64,9 @@ FRAME_BYTES = 8 * 2**20  # at most this per frame (one block more where a single
 SLOTS_PER_STREAM = 2  # GPU: pinned staging buffers of FRAME_BYTES per data stream
 TOKEN_PREFIX = b"d"  # a stream's routing id: prefix + token + stream index (ids may not start with 0)
 MAX_TOKENS = 4096  # handshakes remembered (oldest forgotten first)
+HEADER_BYTES = 4096  # a Chunk header is ~100 bytes (its request id at most 256)
+DATA_DOMAIN = b"pdserve-kv-data"  # the plaintext port's ZAP domain
+HANDSHAKE_MS = 5000  # a connection to the plaintext port that has not shown its token by then is cut
 
 
 def frame_blocks(block_bytes: int) -> int:
@@ -71,6 +75,11 @@ def frame_blocks(block_bytes: int) -> int:
 
 def max_frame_bytes(block_bytes: int) -> int:
     return frame_blocks(block_bytes) * block_bytes
+
+
+def data_frame_limit(block_bytes: int) -> int:
+    """The plaintext port's ZMQ_MAXMSGSIZE: a data frame (one layer's slice of a run) or its Chunk header."""
+    return max(max_frame_bytes(block_bytes), HEADER_BYTES)
 
 
 # ---- decode side ---------------------------------------------------------------------------------
@@ -96,7 +105,15 @@ class Receiver(ChannelReceiver):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(self.layout.block_bytes) + 4096)  # a bigger one: cut off
+            # libzmq buffers a message until its last frame and counts only whole ones against a high-water
+            # mark, so a peer that sends frames without end grows this process by what it sends: nobody but
+            # the holder of a token handed out over the CURVE channel gets past the handshake (the Gate
+            # answers for self.owners), and no frame of anyone is larger than a real one (a bigger one, or
+            # a handshake command of that size: the connection is cut)
+            auth.serve_tokens(sock, DATA_DOMAIN)
+            self._gate.tokens = self.owners.__contains__
+            sock.setsockopt(zmq.MAXMSGSIZE, data_frame_limit(self.layout.block_bytes))
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
             if self.cfg.port:
                 sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port + 1}")
                 port = self.cfg.port + 1
@@ -140,10 +157,11 @@ class Receiver(ChannelReceiver):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            owner = self._owner(frames[0].bytes) if len(frames) == 3 else None
-            if owner is None:
-                self._throttle("stranger", logging.WARNING, "%s: dropped a frame on the plaintext KV port from a "
-                               "stream no handshake named", self._name)
+            ident = frames[0].bytes
+            owner = self._owner(ident) if len(frames) == 3 else None
+            if owner is None or frames[1].get("User-Id") != ident[1:17].hex():
+                self._throttle("stranger", logging.WARNING, "%s: dropped a message on the plaintext KV port that "
+                               "is not one data frame of the stream its token names", self._name)
                 continue
             try:
                 msg = P.decode_to_receiver(frames[1].buffer)
@@ -343,6 +361,7 @@ class Sender(ChannelSender):
             sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: bounded by the requests in flight
             sock.setsockopt(zmq.ROUTING_ID, TOKEN_PREFIX + info.token + bytes([i]))
             if info.data_address:
+                auth.connect_token(sock, info.token)
                 sock.connect(info.data_address)
             else:
                 self._secure_client(sock)
