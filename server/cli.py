@@ -137,8 +137,9 @@ def plan(args, devices: list[str], counts: dict[str, int], router: str, run_dir:
 
     try:  # the device: each worker's own, dealt by plan_workers
         threads = args.threads or default_threads(sum(counts.values()))
+        # the disk tier keeps a key in its folder: this run's deployment keys end with it
         engine = from_args(EngineConfig, args, only=WORKER_FLAGS[EngineConfig], model=args.model, device=devices[0],
-                           threads=threads)
+                           threads=threads, disk_cache_own_key=True)
         transfer = from_args(TransferConfig, args, only=WORKER_FLAGS[TransferConfig])
         return plan_workers(counts, devices, engine, transfer=transfer, router=router, parent_pid=os.getpid(),
                             run_dir=run_dir, **values(WorkerConfig, args, only=WORKER_FLAGS[WorkerConfig]))

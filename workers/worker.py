@@ -201,7 +201,7 @@ class Worker:
         if engine is None:
             from pdserve.workers.engine.engine import Engine
 
-            engine = Engine(cfg.engine, disk_key=cfg.keys.disk_key() if cfg.keys is not None else None)
+            engine = Engine(cfg.engine, disk_key=cfg.disk_key())
             if cfg.role != "prefill":  # take the decode graphs before the first request (CUDA only)
                 spent = engine.warmup()
                 if spent:
