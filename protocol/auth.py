@@ -123,8 +123,9 @@ class Gate:
                 if name is not None:
                     self.sock.send_multipart([version, request_id, b"200", b"OK", name.encode(), b""])
                     continue
-                why = (f"its CURVE key {key.decode()} is not one this socket accepts ({' or '.join(self.allowed.values())} "
-                       f"key of this deployment)" if key else f"it offers {mechanism.decode(errors='replace')}, not CURVE")
+                names = " or ".join(self.allowed.values())
+                why = (f"its CURVE key {key.decode()} is not one this socket accepts ({names} key of this deployment)"
+                       if key else f"it offers {mechanism.decode(errors='replace')}, not CURVE")
             self.refused += 1
             who = address.decode(errors="replace") or "a local peer"
             self.throttle("refused", logging.WARNING, "%s: refused a connection from %s: %s", self.where, who, why)
