@@ -66,7 +66,7 @@ TOKEN_PREFIX = b"d"  # a stream's routing id: prefix + token + stream index (ids
 MAX_TOKENS = 4096  # handshakes remembered (oldest forgotten first)
 HEADER_BYTES = 4096  # a Chunk header is ~100 bytes (its request id at most 256)
 DATA_DOMAIN = b"pdserve-kv-data"  # the plaintext port's ZAP domain
-HANDSHAKE_MS = 5000  # a connection to the plaintext port that has not shown its token by then is cut
+HANDSHAKE_MS = 2000  # a connection to the plaintext port that has not shown its token by then is cut
 
 
 def frame_blocks(block_bytes: int) -> int:
