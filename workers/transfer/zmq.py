@@ -28,8 +28,10 @@ receiver handed out in this handshake's Welcome (over the authenticated channel)
 stream's frames to the sender that shook hands, and writes a frame only into blocks that sender's
 accepted request reserved (receiver.py's checks). With the deployment's keys the streams are CURVE
 like the channel; with --kv-plaintext on both sides they connect to a second, unencrypted port
-(--kv-port + 1, or any free port) that takes nothing but data frames of known tokens, at most one
-frame's size each. A prefill worker without --kv-plaintext refuses a receiver that offers only that.
+(--kv-port + 1, or any free port) that lets a connection in only if it shows its token in ZeroMQ's
+PLAIN handshake (answered by the ZAP gate from the tokens handed out), and takes nothing but data
+frames of that token's stream, at most one frame's size each. A prefill worker without --kv-plaintext
+refuses a receiver that offers only that.
 
 Receiver: each frame is copied into the reserved blocks by a writer thread (on GPU on that thread's
 stream, synchronised before the write counts). The arrival waits for the Done, for as many frames as
