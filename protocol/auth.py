@@ -11,6 +11,9 @@ Sockets (server = the side that binds; its Gate answers libzmq's ZAP requests):
     router   register PULL          server, router key; Gate lets in the worker key
     worker   control PULL           server, worker key; Gate lets in the router key only
     decode   KV receiver ROUTER     server, worker key; Gate lets in the worker key
+    decode   --kv-plaintext ROUTER  PLAIN server (no encryption); Gate lets in a password that is a token
+                                    the receiver handed out over the CURVE channel, refuses any other at
+                                    the handshake, before a byte of a message is read
     clients  router -> worker PUSH, worker -> router PUSH, prefill -> decode DEALER: each checks the
              server's public key in the handshake, so a process without the matching secret key cannot
              pose as the router or a worker, and everything after the handshake is encrypted
@@ -26,6 +29,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -60,6 +64,20 @@ def serve_curve(sock: zmq.Socket, pair: KeyPair) -> None:
     sock.curve_server = True
 
 
+def serve_tokens(sock: zmq.Socket, domain: bytes) -> None:
+    """Make `sock` a PLAIN server (before bind) whose clients need a token the context's Gate knows
+    (Gate.tokens): libzmq holds every connection at its handshake until the Gate answers, and drops it
+    on a refusal, so a peer without a token never gets a message frame read."""
+    sock.plain_server = True
+    sock.zap_domain = domain
+
+
+def connect_token(sock: zmq.Socket, token: bytes) -> None:
+    """Make `sock` a PLAIN client (before connect) presenting `token` (sent in clear: a bearer secret)."""
+    sock.plain_username = b"token"
+    sock.plain_password = token
+
+
 def connect_curve(sock: zmq.Socket, pair: KeyPair, server_public: bytes) -> None:
     """Make `sock` a CURVE client (before connect) of the server holding `server_public`'s secret."""
     sock.curve_secretkey = pair.secret
@@ -69,7 +87,8 @@ def connect_curve(sock: zmq.Socket, pair: KeyPair, server_public: bytes) -> None
 
 class Gate:
     """The ZAP handler of one ZMQ context: a CURVE client gets in if its public key is in `allowed`
-    (the name becomes the connection's User-Id); any other is refused and logged (throttled).
+    (the name becomes the connection's User-Id); a PLAIN client (serve_tokens) if `tokens(password)`
+    holds (its User-Id: the token in hex); any other is refused and logged (throttled).
 
     Bind it before the context's server sockets; answer it from the thread that polls them
     (poll `gate.sock`, call `answer()` when readable): libzmq holds a handshake until the answer."""
@@ -80,6 +99,7 @@ class Gate:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(ZAP_ENDPOINT)
         self.refused = 0
+        self.tokens: Callable[[bytes], bool] | None = None  # PLAIN: is this password a live token?
 
     def answer(self) -> None:
         while True:
@@ -91,15 +111,23 @@ class Gate:
                 self.sock.send_multipart([b"1.0", b"", b"500", b"malformed ZAP request", b"", b""])
                 continue
             version, request_id, _domain, address, _identity, mechanism, *creds = frames
-            key = z85.encode(creds[0]) if mechanism == b"CURVE" and creds and len(creds[0]) == 32 else None
-            name = self.allowed.get(key) if key is not None else None
-            if name is not None:
-                self.sock.send_multipart([version, request_id, b"200", b"OK", name.encode(), b""])
-                continue
+            if mechanism == b"PLAIN":
+                token = creds[1] if len(creds) == 2 else b""
+                if self.tokens is not None and token and self.tokens(token):
+                    self.sock.send_multipart([version, request_id, b"200", b"OK", token.hex().encode(), b""])
+                    continue
+                why = "its token is not one this worker handed out (or one it has forgotten)"
+            else:
+                key = z85.encode(creds[0]) if mechanism == b"CURVE" and creds and len(creds[0]) == 32 else None
+                name = self.allowed.get(key) if key is not None else None
+                if name is not None:
+                    self.sock.send_multipart([version, request_id, b"200", b"OK", name.encode(), b""])
+                    continue
+                names = " or ".join(self.allowed.values())
+                why = (f"its CURVE key {key.decode()} is not one this socket accepts ({names} key of this deployment)"
+                       if key else f"it offers {mechanism.decode(errors='replace')}, not CURVE")
             self.refused += 1
             who = address.decode(errors="replace") or "a local peer"
-            why = (f"its CURVE key {key.decode()} is not one this socket accepts ({' or '.join(self.allowed.values())} "
-                   f"key of this deployment)" if key else f"it offers {mechanism.decode(errors='replace')}, not CURVE")
             self.throttle("refused", logging.WARNING, "%s: refused a connection from %s: %s", self.where, who, why)
             self.sock.send_multipart([version, request_id, b"400", b"key not allowed", b"", b""])
 

@@ -137,8 +137,9 @@ def plan(args, devices: list[str], counts: dict[str, int], router: str, run_dir:
 
     try:  # the device: each worker's own, dealt by plan_workers
         threads = args.threads or default_threads(sum(counts.values()))
+        # the disk tier keeps a key in its folder: this run's deployment keys end with it
         engine = from_args(EngineConfig, args, only=WORKER_FLAGS[EngineConfig], model=args.model, device=devices[0],
-                           threads=threads)
+                           threads=threads, disk_cache_own_key=True)
         transfer = from_args(TransferConfig, args, only=WORKER_FLAGS[TransferConfig])
         return plan_workers(counts, devices, engine, transfer=transfer, router=router, parent_pid=os.getpid(),
                             run_dir=run_dir, **values(WorkerConfig, args, only=WORKER_FLAGS[WorkerConfig]))
@@ -248,7 +249,7 @@ async def serve(app, sock: socket.socket, args, after_start, on_stop=None) -> in
 
 
 def run_embedded(args) -> int:
-    from pdserve.server.launcher import Launcher, default_devices
+    from pdserve.server.launcher import Launcher, default_devices, device_problem
 
     counts = {Role.PREFILL: args.prefill_workers, Role.DECODE: args.decode_workers,
               Role.COLOCATED: 0 if args.no_colocated else args.colocated_workers}
@@ -257,6 +258,11 @@ def run_embedded(args) -> int:
     if not any(counts.values()):
         sys.exit("pdserve: no workers to start; drop --no-colocated or ask for prefill/decode workers")
     devices = [args.device] if args.device else (args.devices.split(",") if args.devices else default_devices())
+    given = "--device" if args.device else "--devices" if args.devices else None
+    problem = device_problem(devices, given) if given else None
+    if problem is not None:  # before any worker starts (each would fail the same way, after seconds)
+        print(f"pdserve: {problem}", file=sys.stderr)
+        return 2
     check_model(args.model, args.tokenizer)
     rundir = tempfile.mkdtemp(prefix="pdserve-")  # 0700: only this user can reach what is inside
     launcher = None

@@ -56,12 +56,33 @@ def default_devices() -> list[str]:
     /proc/driver/nvidia, no WSL GPU device, no nvidia-smi) has the CPU only, known without importing
     torch (seconds the workers' start would wait for); elsewhere torch counts what CUDA can use
     (CUDA_VISIBLE_DEVICES, a CPU-only torch build)."""
+    n = cuda_devices()
+    return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices the workers will see (0 without importing torch where no driver is to be seen)."""
     if not (glob.glob("/proc/driver/nvidia/gpus/*") or os.path.exists("/dev/dxg") or shutil.which("nvidia-smi")):
-        return ["cpu"]
+        return 0
     import torch
 
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_problem(devices: list[str], flag: str = "--devices") -> str | None:
+    """Why the workers could not start on `devices` (given by `flag`; checked before any starts), or None."""
+    wanted = {d: int(i or 0) for d in devices for kind, _, i in [d.partition(":")] if kind == "cuda" and
+              (i == "" or i.isdigit())}  # other spellings: refused by the worker config (plan)
+    if not wanted:
+        return None
+    n = cuda_devices()
+    missing = [d for d, i in wanted.items() if i >= n]
+    if not missing:
+        return None
+    if n == 0:
+        return (f"{flag} {','.join(missing)}: this machine has no CUDA GPU that torch can use; use {flag} cpu "
+                "(or leave it out: every GPU, else the CPU)")
+    return f"{flag} {','.join(missing)}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}; pick among them"
 
 
 def plan_workers(counts: dict[str, int], devices: list[str], engine: EngineConfig, **shared) -> list[WorkerConfig]:

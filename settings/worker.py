@@ -57,6 +57,10 @@ class EngineConfig:
     disk_cache_dir: str | None = flag(None, "with --host-cache-gb: a directory for blocks pushed out of host memory "
                                       "(written in the background)")
     disk_cache_gb: float = flag(16.0, "size of the --disk-cache-dir tier")
+    # the disk tier's MAC key: False, the deployment's (derived from the worker key: entries outlive a
+    # restart as long as the keys of `pdserve keygen` do); True, the folder's own kv.key (0600), kept
+    # across restarts: `pdserve` sets it, since it makes new deployment keys at each start
+    disk_cache_own_key: bool = False
     # CPU: put the pool in /dev/shm so another process can map it (the worker CLI sets it for ipc)
     kv_shared: bool = False
     max_model_len: int | None = flag(None, "context limit (default: the model's)")
@@ -168,6 +172,13 @@ class WorkerConfig:
             raise ValueError(f"unknown role {self.role!r}; choose one of {', '.join(ROLES)}")
         if self.worker_id is None:
             self.worker_id = f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+    def disk_key(self) -> bytes | None:
+        """The disk tier's MAC key: the deployment's (WorkerKeys.disk_key), or None, the tier folder's own
+        (kept across restarts): without keys, or where the deployment's keys are new at each start."""
+        if self.keys is None or self.engine.disk_cache_own_key:
+            return None
+        return self.keys.disk_key()
 
 
 def write_worker_config(cfg: WorkerConfig, path: str) -> None:

@@ -19,7 +19,8 @@ from pdserve.workers.engine import tiering
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
 from pdserve.workers.engine.kv_tiers.base import KVTier, chain
 from pdserve.workers.engine.kv_tiers.cost import CostModel
-from pdserve.workers.engine.kv_tiers.disk import HEAD, MAGIC, DiskTier
+from pdserve.workers.engine.kv_tiers.disk import DiskTier
+from pdserve.workers.engine.kv_tiers.disk_format import HEAD, MAGIC
 from pdserve.workers.engine.kv_tiers.host import HostTier
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 

@@ -1,10 +1,14 @@
 """The zmq transport's data path: frames cut at FRAME_BYTES over several streams, with CURVE (the
-deployment's keys) and with --kv-plaintext, strangers on the plaintext port, and the fence (a request
+deployment's keys) and with --kv-plaintext, strangers on the plaintext port (an endless multi-part
+message spoken in raw ZMTP holds nothing: no token, no handshake), and the fence (a request
 given up on is reported only once its pool writes in progress are done)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
+import struct
 import threading
 import time
 
@@ -139,6 +143,67 @@ def test_strangers_on_the_plaintext_port_write_nothing(keys):
         assert wait_arrival(recv, "x").ok and same(src, dst, [3, 4], [20, 21])
     finally:
         ctx.destroy(linger=0)
+        send.close(), recv.close(), dst.close()
+
+
+def rss_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+
+
+def endless_message(address: str, ident: bytes, password: bytes | None, mib: int) -> int:
+    """ZMTP 3.0 spoken by hand (libzmq's own senders hold a message until its last frame): a NULL
+    greeting and READY, or (with a password) PLAIN's HELLO and INITIATE, as a DEALER named `ident`; then
+    1 MiB frames that all say "more follows", without waiting for any answer. MiB the peer took."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+
+    def prop(name: bytes, value: bytes) -> bytes:
+        return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+
+    def command(body: bytes) -> bytes:
+        return bytes([0x04, len(body)]) + body
+
+    props = prop(b"Socket-Type", b"DEALER") + prop(b"Identity", ident)
+    if password is None:
+        mechanism, handshake = b"NULL", command(b"\x05READY" + props)
+    else:
+        hello = b"\x05HELLO" + bytes([5]) + b"token" + bytes([len(password)]) + password
+        mechanism, handshake = b"PLAIN", command(hello) + command(b"\x08INITIATE" + props)
+    part = b"\x03" + struct.pack(">Q", 2**20) + os.urandom(2**20)  # MORE | LONG, 8-byte size
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        try:
+            s.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\0") + bytes(32))
+            s.sendall(handshake)
+            for _ in range(mib):
+                s.sendall(part)
+                sent += 1
+        except OSError:  # cut off by the receiver
+            pass
+    return sent
+
+
+def test_an_endless_message_on_the_plaintext_port_is_cut_at_the_handshake(keys):
+    """Before: libzmq read all 128 MiB of a message that never ends into this process (+128 MiB), with a
+    made-up token in its routing id. Now a peer must show a token the receiver handed out before a frame
+    is read: without one (no mechanism, or a made-up token) it is cut at once, and the sender that holds
+    a token still moves its KV."""
+    src, dst = pools()
+    recv = make_receiver(dst, TransferConfig(transport="zmq", keys=keys, plaintext=True, deadline_s=10))
+    send = make_sender(src, TransferConfig(transport="zmq", keys=keys, plaintext=True, deadline_s=10))
+    try:
+        send.connect(recv.address, 5)
+        real = Z.TOKEN_PREFIX + next(iter(recv.owners)) + b"\0"  # the real stream's routing id
+        before = rss_mib()
+        took = [endless_message(recv.data_address, ident, password, 128)
+                for ident, password in ((Z.TOKEN_PREFIX + bytes(17), None), (real, None), (real, bytes(16)))]
+        time.sleep(0.3)
+        grown = rss_mib() - before
+        assert max(took) < 16 and grown < 32, f"the receiver took {took} MiB, grew {grown} MiB"
+        assert recv._gate.refused == 1  # the made-up token; the two without PLAIN never reach the gate
+        _, a = move(recv, send, "ok", [3, 4], [20, 21])
+        assert a.ok and same(src, dst, [3, 4], [20, 21])
+    finally:
         send.close(), recv.close(), dst.close()
 
 

@@ -104,6 +104,12 @@ def serve(argv: list[str]) -> int:
     except (KeyFileError, ValueError) as e:
         print(f"pdserve-worker: {e}", file=sys.stderr)
         return 2
+    from pdserve.workers.preflight import StartupError, preflight
+
+    problem = preflight(cfg)  # the ports and the device, before the model loads
+    if problem is not None:
+        print(f"pdserve-worker: {problem}", file=sys.stderr)
+        return 2
 
     stopper = {"worker": None}
     if cfg.parent_pid is not None:
@@ -129,7 +135,11 @@ def serve(argv: list[str]) -> int:
     from pdserve.workers.worker import Worker
 
     set_threads(cfg.engine.threads)
-    worker = Worker(cfg)
+    try:
+        worker = Worker(cfg)
+    except StartupError as e:
+        print(f"pdserve-worker: {e}", file=sys.stderr)
+        return 2
     stopper["worker"] = worker
     worker.install_signal_handlers()
     rc = worker.run()
@@ -149,10 +159,16 @@ def generate(argv: list[str]) -> int:
     except InvalidRequest as e:
         print(f"pdserve-worker generate: {e}", file=sys.stderr)
         return 2
+    from pdserve.workers.preflight import device_problem
+
     try:
         cfg = engine_config(args)
     except ValueError as e:
         print(f"pdserve-worker generate: {e}", file=sys.stderr)
+        return 2
+    problem = device_problem(cfg.device)
+    if problem is not None:
+        print(f"pdserve-worker generate: {problem}", file=sys.stderr)
         return 2
     set_threads(cfg.threads)
     from pdserve.workers.engine.engine import Engine

@@ -52,6 +52,7 @@ from pdserve.protocol import auth
 from pdserve.settings import keys
 from pdserve.protocol import control as P
 from pdserve.settings.worker import WorkerConfig
+from pdserve.workers.preflight import StartupError, describe_bind_error
 from pdserve.workers.roles.kv_report import KVReport
 from pdserve.workers.status_log import StatsLine, startup_line
 from pdserve.workers.warmup import warm_up
@@ -181,7 +182,10 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str, advertise_host: str | None) -
     parts = urlsplit(endpoint)
     if parts.scheme == "tcp" and parts.port == 0:
         endpoint = f"tcp://{parts.hostname}:*"
-    sock.bind(endpoint)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:  # checked before (preflight.py); taken since, or not an address of ours
+        raise StartupError(describe_bind_error("--control", endpoint, OSError(e.errno, e.strerror))) from None
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     parts = urlsplit(bound)
     if parts.scheme == "tcp" and parts.hostname in ("0.0.0.0", "::", "*"):
@@ -198,10 +202,14 @@ class Worker:
         self.worker_id: str = cfg.worker_id
         self.incarnation = secrets.token_hex(16)  # this process; the router binds our id to it
         self.throttle = auth.Throttle(log)
+        # the control port first: one that is taken fails the start before the model loads
+        self.ctx = zmq.Context()
+        self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host, cfg.keys, self.throttle)
+        self.address = self.inbox.address
         if engine is None:
             from pdserve.workers.engine.engine import Engine
 
-            engine = Engine(cfg.engine, disk_key=cfg.keys.disk_key() if cfg.keys is not None else None)
+            engine = Engine(cfg.engine, disk_key=cfg.disk_key())
             if cfg.role != "prefill":  # take the decode graphs before the first request (CUDA only)
                 spent = engine.warmup()
                 if spent:
@@ -212,9 +220,6 @@ class Worker:
         self.engine = engine
         self.stats = StatsLine(cfg.worker_id, cfg.stats_interval_s)
         self.kv_report = KVReport(engine, cfg.worker_id) if hasattr(engine, "prefix_root") else None
-        self.ctx = zmq.Context()
-        self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host, cfg.keys, self.throttle)
-        self.address = self.inbox.address
         self.router = RouterLink(self.ctx, cfg.router, self.incarnation, cfg.keys)
         self.role = make_role(cfg.role, self)
         self.registered = threading.Event()

@@ -28,8 +28,10 @@ receiver handed out in this handshake's Welcome (over the authenticated channel)
 stream's frames to the sender that shook hands, and writes a frame only into blocks that sender's
 accepted request reserved (receiver.py's checks). With the deployment's keys the streams are CURVE
 like the channel; with --kv-plaintext on both sides they connect to a second, unencrypted port
-(--kv-port + 1, or any free port) that takes nothing but data frames of known tokens, at most one
-frame's size each. A prefill worker without --kv-plaintext refuses a receiver that offers only that.
+(--kv-port + 1, or any free port) that lets a connection in only if it shows its token in ZeroMQ's
+PLAIN handshake (answered by the ZAP gate from the tokens handed out), and takes nothing but data
+frames of that token's stream, at most one frame's size each. A prefill worker without --kv-plaintext
+refuses a receiver that offers only that.
 
 Receiver: each frame is copied into the reserved blocks by a writer thread (on GPU on that thread's
 stream, synchronised before the write counts). The arrival waits for the Done, for as many frames as
@@ -52,6 +54,7 @@ import msgspec
 import torch
 import zmq
 
+from pdserve.protocol import auth
 from pdserve.protocol import kv as P
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
@@ -63,6 +66,9 @@ FRAME_BYTES = 8 * 2**20  # at most this per frame (one block more where a single
 SLOTS_PER_STREAM = 2  # GPU: pinned staging buffers of FRAME_BYTES per data stream
 TOKEN_PREFIX = b"d"  # a stream's routing id: prefix + token + stream index (ids may not start with 0)
 MAX_TOKENS = 4096  # handshakes remembered (oldest forgotten first)
+HEADER_BYTES = 4096  # a Chunk header is ~100 bytes (its request id at most 256)
+DATA_DOMAIN = b"pdserve-kv-data"  # the plaintext port's ZAP domain
+HANDSHAKE_MS = 2000  # a connection to the plaintext port that has not shown its token by then is cut
 
 
 def frame_blocks(block_bytes: int) -> int:
@@ -71,6 +77,11 @@ def frame_blocks(block_bytes: int) -> int:
 
 def max_frame_bytes(block_bytes: int) -> int:
     return frame_blocks(block_bytes) * block_bytes
+
+
+def data_frame_limit(block_bytes: int) -> int:
+    """The plaintext port's ZMQ_MAXMSGSIZE: a data frame (one layer's slice of a run) or its Chunk header."""
+    return max(max_frame_bytes(block_bytes), HEADER_BYTES)
 
 
 # ---- decode side ---------------------------------------------------------------------------------
@@ -96,7 +107,15 @@ class Receiver(ChannelReceiver):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(self.layout.block_bytes) + 4096)  # a bigger one: cut off
+            # libzmq buffers a message until its last frame and counts only whole ones against a high-water
+            # mark, so a peer that sends frames without end grows this process by what it sends: nobody but
+            # the holder of a token handed out over the CURVE channel gets past the handshake (the Gate
+            # answers for self.owners), and no frame of anyone is larger than a real one (a bigger one, or
+            # a handshake command of that size: the connection is cut)
+            auth.serve_tokens(sock, DATA_DOMAIN)
+            self._gate.tokens = self.owners.__contains__
+            sock.setsockopt(zmq.MAXMSGSIZE, data_frame_limit(self.layout.block_bytes))
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
             if self.cfg.port:
                 sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port + 1}")
                 port = self.cfg.port + 1
@@ -140,10 +159,11 @@ class Receiver(ChannelReceiver):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            owner = self._owner(frames[0].bytes) if len(frames) == 3 else None
-            if owner is None:
-                self._throttle("stranger", logging.WARNING, "%s: dropped a frame on the plaintext KV port from a "
-                               "stream no handshake named", self._name)
+            ident = frames[0].bytes
+            owner = self._owner(ident) if len(frames) == 3 else None
+            if owner is None or frames[1].get("User-Id") != ident[1:17].hex():
+                self._throttle("stranger", logging.WARNING, "%s: dropped a message on the plaintext KV port that "
+                               "is not one data frame of the stream its token names", self._name)
                 continue
             try:
                 msg = P.decode_to_receiver(frames[1].buffer)
@@ -343,6 +363,7 @@ class Sender(ChannelSender):
             sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: bounded by the requests in flight
             sock.setsockopt(zmq.ROUTING_ID, TOKEN_PREFIX + info.token + bytes([i]))
             if info.data_address:
+                auth.connect_token(sock, info.token)
                 sock.connect(info.data_address)
             else:
                 self._secure_client(sock)

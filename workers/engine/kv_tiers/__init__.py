@@ -14,6 +14,7 @@ One concept per module (each docstring lists its primitives):
                and the load path that spans the host tier and the one below it
     load.py    LoadHandle: one load in flight, what the engine polls
     disk.py    DiskTier: files per batch (model, layout, per-block keyed MAC), restart-safe, LRU by file
+    disk_format.py  its file format, and what a start keeps, counts and reclaims of what it finds
     files.py   the disk tier's files kept private and checked: folder, regular files, key, MAC, deadlines
     cost.py    CostModel: reload or recompute (torch-free)
     stats.py   TierStats: the counters each tier reports

@@ -2,7 +2,8 @@
 
 One file per batch of entries written together, each file naming the model and the layout and
 each block carrying its keyed MAC, so a restarted worker serves only what matches, what it (or its
-deployment) wrote, and a bad byte costs one block (the class docstring has the format). KV bytes
+deployment) wrote, and a bad byte costs one block (disk_format.py: the format, and what a start
+keeps and reclaims). KV bytes
 are the prompt in another form (layer 0's values are a function of the token alone), so the folder
 is private (0700, this user's, no one else may write it: refused otherwise), its files 0600, opened
 without following links and only if regular, and every read has a deadline. Its own module because it is the one
@@ -19,16 +20,14 @@ no tensor: it writes and reads bytes from and into the host slots the HostTier h
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import queue
-import struct
 import threading
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -36,31 +35,14 @@ from pdserve.protocol.auth import Throttle
 from pdserve.protocol.enums import Tier
 from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.engine.kv_tiers.base import KVTier, TierSetting
-from pdserve.workers.engine.kv_tiers.files import (MAC, MAC_BYTES, align, folder_key, is_own_regular, mac, open_regular,
-                                                   private_dir, read_all, read_gbps, run_with_deadline, write_all)
+from pdserve.workers.engine.kv_tiers.disk_format import SUFFIX, DiskFile, header, layout_fields, survey
+from pdserve.workers.engine.kv_tiers.files import (folder_key, mac, open_regular, private_dir, read_all, read_gbps,
+                                                   run_with_deadline, write_all)
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 log = logging.getLogger("pdserve.kv_tiers")
 
-MAGIC = b"PDSKV02\n"  # 01: crc32s, not keyed; such files are refused
-HEAD = struct.Struct(f"<Q{MAC_BYTES}s")  # header JSON length, its MAC
 READ_TIMEOUT_S = 10.0  # a read (a hung mount, a FIFO) that takes longer is a miss, and the file forgotten
-
-
-def _layout_fields(layout: KVLayout) -> dict:
-    fields = asdict(layout)
-    fields.pop("num_blocks")  # a restarted worker may size its pool differently
-    return fields
-
-
-@dataclass
-class _File:
-    name: str
-    hashes: list[bytes]
-    macs: list[str]
-    payload_offset: int
-    size: int
-    live: int  # entries still indexed from this file
 
 
 class DiskTier:
@@ -72,20 +54,19 @@ class DiskTier:
     blocks, and each block carries its own HMAC-SHA256 (over its hash and bytes, keyed) so a bad
     byte costs that block, not its file, and an entry rewritten by anyone without the key is refused.
 
-    A file: MAGIC, (json length, HMAC of the json), json {model, layout (KVLayout without
-    num_blocks), entry_bytes, entries: [[hash hex, HMAC hex], ...]}, padding to 4 KiB, the entries.
-    The key: the deployment's (`key`), else the folder's own KEY_FILE (0600, made on first use).
+    A file: disk_format.py. The key: the deployment's (`key`), else the folder's own KEY_FILE (0600,
+    made on first use; `pdserve`, whose deployment keys are new at each start, uses it).
     Written to a temporary name and renamed (atomic); no fsync by default: a cache need not survive
     a crash, and a file the crash truncated fails its size or checksum check, so it is refused.
-    On start the directory is indexed: files of another model or layout, or with a bad header,
-    are logged and left alone (never served, never deleted: the directory is one worker's, but a
-    mistake should not cost someone else's cache). LRU by file, bounded by capacity_bytes.
+    On start the directory is indexed (disk_format.survey): what no key of the deployment serves
+    (another key, truncated, a writer's leftovers) is deleted; files of another model or layout are
+    kept, never served, and counted against capacity_bytes (evicted first). LRU by file.
     Reads verify every block; a mismatch is a miss (logged, throttled; the entry forgotten), never
     served. A read that outlasts read_timeout_s is a miss too: its file is forgotten (never waited on
     again), and the bytes it may still bring land in a buffer of its own, never in the caller's."""
 
     name = Tier.DISK.value
-    SUFFIX = ".kv"
+    SUFFIX = SUFFIX
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, layout: KVLayout, model_id: str,
                  *, fsync: bool = False, read_threads: int = 8, max_file_bytes: int = 256 << 20,
@@ -102,8 +83,9 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.max_file_entries = max(1, max_file_bytes // self.entry_bytes)
-        self._meta = {"model": model_id, "layout": _layout_fields(layout), "entry_bytes": self.entry_bytes}
-        self._files: OrderedDict[str, _File] = OrderedDict()  # LRU first
+        self._meta = {"model": model_id, "layout": layout_fields(layout), "entry_bytes": self.entry_bytes}
+        self._files: OrderedDict[str, DiskFile] = OrderedDict()  # LRU first
+        self._other: OrderedDict[str, int] = OrderedDict()  # another model or layout's files: name -> bytes
         self._where: dict[bytes, tuple[str, int]] = {}  # hash -> (file, index)
         self._bytes = 0
         self._stats = TierStats(self.name, capacity_bytes=capacity_bytes)
@@ -119,52 +101,16 @@ class DiskTier:
     # ---- start: what a previous worker left --------------------------------------------------
 
     def _index(self) -> None:
-        for tmp in self.dir.glob(".*.tmp-*"):
-            try:
-                os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
-            except (ValueError, OverflowError, PermissionError):
-                continue
-            except ProcessLookupError:  # its writer died mid-write
-                if is_own_regular(tmp):
-                    tmp.unlink(missing_ok=True)
-        paths = sorted((p for p in self.dir.glob("*" + self.SUFFIX) if is_own_regular(p)),
-                       key=lambda p: p.lstat().st_mtime)
-        for path in paths:
-            try:
-                f = self._read_header(path)
-            except (OSError, ValueError, KeyError, TypeError) as e:  # a header we did not write
-                self._warn("header", logging.WARNING, "disk tier %s: not serving %s: %s", self.dir, path.name, e)
-                continue
+        found = survey(self.dir, self._key, self._meta, self.entry_bytes)
+        for f in found.files:
             self._add_file(f)
+        self._other = OrderedDict(found.other)
+        self._bytes += sum(found.other.values())
         self._evict_over_capacity()
-        if paths:
+        if found.files:
             log.info("disk tier %s: %d entries in %d files reused", self.dir, len(self._where), len(self._files))
 
-    def _read_header(self, path: Path) -> _File:
-        fd = open_regular(path)
-        with open(fd, "rb") as fh:
-            head = fh.read(len(MAGIC) + HEAD.size)
-            if len(head) < len(MAGIC) + HEAD.size or head[:len(MAGIC)] != MAGIC:
-                raise ValueError("not a pdserve KV file of this version (bad magic)")
-            length, signed = HEAD.unpack(head[len(MAGIC):])
-            if length > 1 << 28:
-                raise ValueError(f"header length {length} is implausible")
-            text = fh.read(length)
-            size = os.fstat(fd).st_size
-        if len(text) != length or not hmac.compare_digest(hmac.digest(self._key, text, MAC), signed):
-            raise ValueError("header MAC mismatch (corrupt, truncated, or not written with this key)")
-        meta = json.loads(text)
-        if meta.get("model") != self.model_id:
-            raise ValueError(f"written for model {meta.get('model')!r}, this worker serves {self.model_id!r}")
-        if meta.get("layout") != self._meta["layout"] or meta.get("entry_bytes") != self.entry_bytes:
-            raise ValueError(f"written for layout {meta.get('layout')}, this worker has {self._meta['layout']}")
-        entries = meta["entries"]
-        offset = align(len(MAGIC) + HEAD.size + length)
-        if size != offset + len(entries) * self.entry_bytes:
-            raise ValueError(f"{size} bytes, its header says {offset + len(entries) * self.entry_bytes} (truncated)")
-        return _File(path.name, [bytes.fromhex(h) for h, _ in entries], [str(m) for _, m in entries], offset, size, 0)
-
-    def _add_file(self, f: _File) -> None:
+    def _add_file(self, f: DiskFile) -> None:
         for i, h in enumerate(f.hashes):
             if h not in self._where:
                 self._where[h] = (f.name, i)
@@ -188,6 +134,10 @@ class DiskTier:
                 pass
 
     def _evict_over_capacity(self) -> None:
+        while self._bytes > self.capacity_bytes and self._other:  # what this worker cannot serve goes first
+            name, size = self._other.popitem(last=False)
+            self._bytes -= size
+            (self.dir / name).unlink(missing_ok=True)
         while self._bytes > self.capacity_bytes and self._files:
             self._remove_file(next(iter(self._files)))
 
@@ -260,9 +210,7 @@ class DiskTier:
 
     def _write_file(self, group: list[tuple[bytes, memoryview]]) -> None:
         macs = list(self._macs.map(lambda entry: mac(self._key, *entry), group))
-        text = json.dumps({**self._meta, "entries": [[h.hex(), m] for (h, _), m in zip(group, macs)]}).encode()
-        head = MAGIC + HEAD.pack(len(text), hmac.digest(self._key, text, MAC)) + text
-        head += b"\0" * (align(len(head)) - len(head))
+        head = header(self._key, self._meta, [(h, m) for (h, _), m in zip(group, macs)])
         name = f"{uuid.uuid4().hex}{self.SUFFIX}"
         tmp = self.dir / f".{name}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -278,7 +226,7 @@ class DiskTier:
             raise
         os.close(fd)
         os.replace(tmp, self.dir / name)
-        f = _File(name, [h for h, _ in group], macs, len(head), len(head) + len(group) * self.entry_bytes, 0)
+        f = DiskFile(name, [h for h, _ in group], macs, len(head), len(head) + len(group) * self.entry_bytes, 0)
         with self._lock:
             self._add_file(f)
             self._stats.stored_bytes += len(group) * self.entry_bytes
@@ -317,12 +265,12 @@ class DiskTier:
                     self._forget(h)
         return errors
 
-    def _read_parts(self, parts: list[tuple[_File, list[tuple[int, int]]]], hashes, buffers, errors) -> set[str]:
+    def _read_parts(self, parts: list[tuple[DiskFile, list[tuple[int, int]]]], hashes, buffers, errors) -> set[str]:
         """Read the parts, each entry into a buffer of the reading thread's own, verified, then copied
         into the caller's buffer unless the deadline passed (a read that returns after the caller gave
         up writes nothing the caller handed out). The files whose reads were late."""
 
-        def job(f: _File, part: list[tuple[int, int]]):
+        def job(f: DiskFile, part: list[tuple[int, int]]):
             def deliver(k: int, data, why: str | None) -> None:
                 if why is None:
                     buffers[k].cast("B")[:] = data
@@ -338,7 +286,7 @@ class DiskTier:
                     errors[k] = f"{f.name}: {why}"
         return {parts[j][0].name for j in late}
 
-    def _read_some(self, f: _File, part: list[tuple[int, int]], hashes, deliver) -> None:
+    def _read_some(self, f: DiskFile, part: list[tuple[int, int]], hashes, deliver) -> None:
         try:
             fd = open_regular(self.dir / f.name)
         except OSError as e:

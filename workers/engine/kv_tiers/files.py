@@ -6,7 +6,8 @@ feed it forged entries, so:
     open_regular(path)       an fd only on a regular file of this user with one link (no links followed;
                              a FIFO or device is refused without blocking on its open)
     is_own_regular(path)     the same test without opening (sweeps touch nothing else)
-    folder_key(path)         the folder's own MAC key (0600), when no deployment key is given
+    folder_key(path)         the folder's own MAC key (0600), kept across restarts: when no deployment
+                             key is given, or the deployment's keys are new at each start (`pdserve`)
     mac(key, hash, data)     an entry's keyed MAC (HMAC-SHA256 over its hash and bytes), hex
     run_with_deadline(jobs, threads, timeout_s) -> late   reads that may hang, on daemon threads, waited
                              on for timeout_s at most; what a late job delivers afterwards is dropped
@@ -85,27 +86,34 @@ def open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
 
 
 def folder_key(directory: Path) -> bytes:
-    """The folder's own MAC key (32 random bytes, 0600), made on first use."""
+    """The folder's own MAC key (32 random bytes, 0600), made on first use and kept: entries written
+    before a restart are served after it. Published whole (written under a temporary name, then linked
+    to KEY_FILE), so workers that start together over one folder agree on it."""
     path = directory / KEY_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        fd = open_regular(path)
+    if not os.path.lexists(path):
+        tmp = directory / f".{KEY_FILE}.{uuid.uuid4().hex[:8]}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            if os.fstat(fd).st_mode & 0o077:
-                raise DiskTierError(f"disk tier key {path} is readable by others; remove it (the entries it "
-                                    f"signed will be refused) or chmod 600 it")
-            key = os.read(fd, 64)
+            write_all(fd, memoryview(os.urandom(32)))
+            os.fsync(fd)  # a crash must not leave a short key that refuses every entry
         finally:
             os.close(fd)
-        if len(key) != 32:
-            raise DiskTierError(f"disk tier key {path} is not 32 bytes; remove it (the entries it signed are refused)")
-        return key
-    key = os.urandom(32)
+        try:
+            os.link(tmp, path)  # fails if another worker published first: its key is the folder's
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    fd = open_regular(path)
     try:
-        os.write(fd, key)
+        if os.fstat(fd).st_mode & 0o077:
+            raise DiskTierError(f"disk tier key {path} is readable by others; remove it (the entries it "
+                                f"signed will be refused) or chmod 600 it")
+        key = os.read(fd, 64)
     finally:
         os.close(fd)
+    if len(key) != 32:
+        raise DiskTierError(f"disk tier key {path} is not 32 bytes; remove it (the entries it signed are refused)")
     return key
 
 
