@@ -55,8 +55,8 @@ FIELDS: tuple[RequestField, ...] = (
     _f("n", BOTH, "OpenAI", IMPLEMENTED, 2, note="1..16"),
     _f("presence_penalty", BOTH, "OpenAI", IMPLEMENTED, 0.5),
     _f("frequency_penalty", BOTH, "OpenAI", IMPLEMENTED, 0.5),
-    _f("logit_bias", BOTH, "OpenAI", IMPLEMENTED, {"42": -100}, note="{token id: -100..100}, at most 1024; keys are ids of the vocabulary in digits 0-9 (a "
-       "400 names a bad key)"),
+    _f("logit_bias", BOTH, "OpenAI", IMPLEMENTED, {"42": -100}, note="{token id: -100..100}, at most 1024; keys "
+       "are ids of the vocabulary in digits 0-9 (a 400 names a bad key)"),
     _f("user", BOTH, "OpenAI", IMPLEMENTED, "u-1", note="an end user's tag: no effect on the output (as OpenAI's)"),
     _f("safety_identifier", BOTH, "OpenAI", IMPLEMENTED, "u-1", note="as `user`"),
     _f("logprobs", COMPLETIONS, "OpenAI", IMPLEMENTED, 2, note="0..5 alternatives (the legacy format)"),
