@@ -22,7 +22,7 @@ Bounded in bytes: at most max_bytes (MAX_BYTES, 512 MiB: ~3M entries), counted a
 (name, worker) entry, the most one takes as measured with tracemalloc (tests/test_kv_index.py): the
 16-byte name's object (49 bytes) and its slot in a dict, whose table is 1.5x to 6x its entries (it
 doubles as it grows, and keeps the slots of deleted names until its next resize): 100-115 bytes an
-entry while filling, up to ~165 under churn at the bound. Past the bound the worker holding the most
+entry while filling, up to ~170 under churn at the bound. Past the bound the worker holding the most
 names loses its least recently reported ones first (a forgotten name is a miss, like an evicted one):
 one worker's reports cannot push the others' out while it holds more than they do.
 """
