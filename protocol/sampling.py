@@ -27,6 +27,7 @@ MAX_STOP_CHARS = 4096  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 64  # bad_words per request, each a few token ids (MAX_BAD_WORD_TOKENS)
 MAX_BAD_WORD_TOKENS = 32
+MAX_BAD_WORDS_CHARS = 8192  # characters of a request's bad_words together (the router tokenizes each twice)
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range, -100..100
 LOGPROB_FLOOR = -9999.0  # a logprob of -inf travels (and is shown) as this, as vLLM does: JSON has no -inf

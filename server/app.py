@@ -126,7 +126,8 @@ class Router:
             ids = await self._off_loop(lambda p: req.encode(self.encoder, p), prompt, len(prompt))
         else:
             ids = self.encoder.check_ids(prompt)
-        ids = req.prepared_ids(ids, context, self.encoder)  # truncate_prompt_tokens; token ids the request names
+        # truncate_prompt_tokens; the token ids the request names checked, its bad words tokenized
+        ids = await self._off_loop(lambda i: req.prepared_ids(i, context, self.encoder), ids, req.named_size())
         if not ids:
             raise bad_request(f"`{param}` encodes to no tokens; send some text", param, "empty_prompt")
         n = len(ids)

@@ -55,7 +55,8 @@ FIELDS: tuple[RequestField, ...] = (
     _f("n", BOTH, "OpenAI", IMPLEMENTED, 2, note="1..16"),
     _f("presence_penalty", BOTH, "OpenAI", IMPLEMENTED, 0.5),
     _f("frequency_penalty", BOTH, "OpenAI", IMPLEMENTED, 0.5),
-    _f("logit_bias", BOTH, "OpenAI", IMPLEMENTED, {"42": -100}, note="{token id: -100..100}, at most 1024"),
+    _f("logit_bias", BOTH, "OpenAI", IMPLEMENTED, {"42": -100}, note="{token id: -100..100}, at most 1024; keys "
+       "are ids of the vocabulary in digits 0-9 (a 400 names a bad key)"),
     _f("user", BOTH, "OpenAI", IMPLEMENTED, "u-1", note="an end user's tag: no effect on the output (as OpenAI's)"),
     _f("safety_identifier", BOTH, "OpenAI", IMPLEMENTED, "u-1", note="as `user`"),
     _f("logprobs", COMPLETIONS, "OpenAI", IMPLEMENTED, 2, note="0..5 alternatives (the legacy format)"),
@@ -100,9 +101,10 @@ FIELDS: tuple[RequestField, ...] = (
        why="special tokens are always joined with spaces where the tokenizer puts them"),
     _f("truncate_prompt_tokens", BOTH, "vLLM", IMPLEMENTED, 3, note="keep the prompt's last N tokens (-1: as many "
        "as the context holds)"),
-    _f("allowed_token_ids", BOTH, "vLLM", IMPLEMENTED, [42, 43, 44]),
-    _f("bad_words", CHAT, "vLLM", IMPLEMENTED, ["Paris"], note="up to 64 words, each banned as text and with a "
-       "leading space"),
+    _f("allowed_token_ids", BOTH, "vLLM", IMPLEMENTED, [42, 43, 44], note="ids of the vocabulary, at most as many "
+       "as it holds"),
+    _f("bad_words", CHAT, "vLLM", IMPLEMENTED, ["Paris"], note="up to 64 words, 8192 characters in all, each at "
+       "most 32 tokens; each banned as text and with a leading space"),
     _f("bad_words", COMPLETIONS, "vLLM", IMPLEMENTED, ["Paris"], note="as for chat (vLLM reads it on chat only)"),
     _f("prompt_logprobs", BOTH, "vLLM", REFUSED, 1, why="use `echo` with `logprobs` on /v1/completions"),
     _f("use_beam_search", BOTH, "vLLM", NEUTRAL, True, [False], why="pdserve has no beam search"),

@@ -1,24 +1,36 @@
-"""The router's index of where KV blocks are: block name -> the workers that hold it, and in which tier.
+"""The router's index of where KV blocks are: per worker, the block names it holds and in which tiers.
 
-    KVIndex(max_entries)
+    KVIndex(max_bytes)
+      .register(worker_id)              a new incarnation that names its blocks: it holds nothing yet
       .apply(worker_id, KVEvents)       a worker's report (protocol/control.py): names its tiers gained, lost
-      .expect(worker_id, names)         the router sent it a prompt of these names: its pool will hold them
-      .forget(worker_id)                it restarted, was dropped, or a report was lost: its names go
+      .accepted(worker_id, names)       it took a request of this prompt (its first token came, or its
+                                        prefill report): its pool holds these names, before its report says so
+      .forget(worker_id)                it restarted, was dropped, or a report was lost: its names go, at once
+                                        for every lookup; their memory is freed by reap()
+      .reap(limit) -> left              free up to `limit` forgotten entries (the router's pool calls it in
+                                        slices between other work, so forgetting millions never stalls it)
       .held(worker_id, names) -> tiers  of a prompt's block names, the leading run that worker holds, each
                                         one's best tier ("gpu" before "host" before "disk")
 
-Fed by the workers' reports only, so it may be stale: a name it lists that the worker has evicted costs
-that request a recompute (the worker looks its own cache up; the index only steers), never a wrong answer.
-A lost report (a gap in `seq`) forgets the worker's names until its next full report (`reset`).
+Fed by what the workers say only, so it may be stale, never wrong: a name it lists that the worker has
+evicted costs that request a recompute (the worker looks its own cache up; the index only steers). The
+router's own guess when it chooses a worker is never indexed: a request the worker refuses (or that
+fails before its first token) leaves nothing behind. A lost report (a gap in `seq`) forgets the
+worker's names until its next full report (`reset`).
 
-Bounded: at most max_entries (name, worker) pairs; past it the names least recently reported go first
-(a forgotten name is a miss, like an evicted one). Each entry is a name's 16 bytes and a small dict.
+Bounded in bytes: at most max_bytes (MAX_BYTES, 512 MiB: ~3M entries), counted as ENTRY_BYTES per
+(name, worker) entry, the most one takes as measured with tracemalloc (tests/test_kv_index.py): the
+16-byte name's object (49 bytes) and its slot in a dict, whose table is 1.5x to 6x its entries (it
+doubles as it grows, and keeps the slots of deleted names until its next resize): 100-115 bytes an
+entry while filling, up to ~170 under churn at the bound. Past the bound the worker holding the most
+names loses its least recently reported ones first (a forgotten name is a miss, like an evicted one):
+one worker's reports cannot push the others' out while it holds more than they do.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from itertools import islice
 
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import TIERS
@@ -27,7 +39,10 @@ log = logging.getLogger("pdserve.router")
 
 BEST_FIRST = ("gpu", *TIERS)  # every P.KVTier: reading a name from an earlier one is cheaper
 BIT = {t: 1 << i for i, t in enumerate(BEST_FIRST)}
-MAX_ENTRIES = 4_000_000  # (name, worker) pairs: ~0.5 GB at most; a 16-token block each
+MAX_BYTES = 512 * 2**20  # the index's memory: ~3M (name, worker) entries, a 16-token block each
+ENTRY_BYTES = 176  # one (name, worker) entry at most, as measured (tests/test_kv_index.py), with a margin
+REAP_SLICE = 4096  # forgotten entries freed per reap() call: a millisecond or two
+EVICT_SLACK = 64  # past the bound, 1/64 of it goes at once
 
 
 def best_tier(bits: int) -> str | None:
@@ -35,12 +50,14 @@ def best_tier(bits: int) -> str | None:
 
 
 class KVIndex:
-    def __init__(self, max_entries: int = MAX_ENTRIES):
-        self.max_entries = max_entries
-        self._where: OrderedDict[bytes, dict[str, int]] = OrderedDict()  # name -> worker id -> tier bits
+    def __init__(self, max_bytes: int = MAX_BYTES):
+        self.max_bytes = max_bytes
+        self.max_entries = max(1, max_bytes // ENTRY_BYTES)
+        # worker id -> name -> tier bits, least recently reported first (a dict keeps the order of insertion)
+        self._held: dict[str, dict[bytes, int]] = {}
         self._seq: dict[str, int] = {}  # worker id -> the seq of its last report
-        self._count: dict[str, int] = {}  # worker id -> names it holds in the index
-        self.entries = 0
+        self._dying: list[dict[bytes, int]] = []  # forgotten, not freed yet (reap)
+        self.entries = 0  # (name, worker) pairs held, all workers
         self.lost_reports = 0  # gaps seen (each forgot a worker's names)
 
     def register(self, worker_id: str) -> None:
@@ -62,73 +79,87 @@ class KVIndex:
             log.info("worker %s: KV report %d after %s; forgetting its block names until its next full report",
                      worker_id, ev.seq, last)
             self.forget(worker_id)
-            self._seq[worker_id] = ev.seq  # its later reports apply; names they add are right
-        self._seq[worker_id] = ev.seq
-        for group in ev.removed:
+        self._seq[worker_id] = ev.seq  # its later reports apply; names they add are right
+        held = self._held.get(worker_id)
+        for group in ev.removed if held else ():
             bit = BIT[group.tier]
             for name in group.names:
-                holders = self._where.get(name)
-                if holders is None or not holders.get(worker_id, 0) & bit:
+                bits = held.get(name, 0)
+                if not bits & bit:
                     continue
-                left = holders[worker_id] & ~bit
-                if left:
-                    holders[worker_id] = left
+                if bits & ~bit:
+                    held[name] = bits & ~bit
                 else:
-                    self._drop(name, holders, worker_id)
+                    del held[name]
+                    self.entries -= 1
         for group in ev.stored:
             self._add(worker_id, group.tier, group.names)
 
-    def expect(self, worker_id: str, names: list[bytes]) -> None:
-        """The router sent a prompt of these block names to this worker: once prefilled, its pool holds
-        them, before the worker's next report says so (a conversation's next turn may come first). If
-        the request fails, or they are evicted unreported, the entries are stale: misses, until the
-        worker's next full report."""
+    def accepted(self, worker_id: str, names: list[bytes]) -> None:
+        """This worker took a request of a prompt of these block names (its first token, or its prefill
+        report, came): its pool holds them now, before its next report says so (a conversation's next
+        turn may come first). Evicted unreported later, they are stale: misses, until its next full
+        report."""
         if self.reporting(worker_id):
             self._add(worker_id, "gpu", names)
 
     def _add(self, worker_id: str, tier: str, names) -> None:
         bit = BIT[tier]
+        held = self._held.setdefault(worker_id, {})
         for name in names:
-            holders = self._where.get(name)
-            if holders is None:
-                holders = self._where[name] = {}
-            else:
-                self._where.move_to_end(name)
-            if worker_id not in holders:
-                self.entries += 1
-                self._count[worker_id] = self._count.get(worker_id, 0) + 1
-            holders[worker_id] = holders.get(worker_id, 0) | bit
-        while self.entries > self.max_entries:
-            name, holders = next(iter(self._where.items()))
-            for w in list(holders):
-                self._drop(name, holders, w)
+            bits = held.pop(name, None)  # and in again: to the end, the most recent
+            held[name] = bit if bits is None else bits | bit
+            self.entries += bits is None
+        if self.entries > self.max_entries:
+            self._evict()
 
-    def _drop(self, name: bytes, holders: dict[str, int], worker_id: str) -> None:
-        del holders[worker_id]
-        self.entries -= 1
-        self._count[worker_id] -= 1
-        if not holders:
-            del self._where[name]
+    def _evict(self) -> None:
+        """Below the bound by a slack (so that this runs once in so many names, not for each): the least
+        recently reported names of the worker holding the most go. A dict's oldest keys are its first
+        (one C-speed pass over the slots deleted before them, which its next resize drops)."""
+        while self.entries > self.max_entries - self.max_entries // EVICT_SLACK:
+            held = max(self._held.values(), key=len)
+            n = min(len(held), self.entries - self.max_entries + self.max_entries // EVICT_SLACK)
+            for name in list(islice(held, n)):
+                del held[name]
+            self.entries -= n
 
     def forget(self, worker_id: str) -> None:
+        """Its names are gone for every lookup now; their memory goes in reap()'s slices."""
         self._seq.pop(worker_id, None)
-        if not self._count.pop(worker_id, 0):
-            return
-        for name in [n for n, holders in self._where.items() if worker_id in holders]:
-            holders = self._where[name]
-            del holders[worker_id]
-            self.entries -= 1
-            if not holders:
-                del self._where[name]
+        held = self._held.pop(worker_id, None)
+        if held:
+            self.entries -= len(held)
+            self._dying.append(held)
+
+    def reap(self, limit: int = REAP_SLICE) -> int:
+        """Free up to `limit` forgotten entries; how many are left to free."""
+        while limit > 0 and self._dying:
+            held = self._dying[-1]
+            if len(held) <= limit:
+                limit -= len(held)
+                held.clear()
+                self._dying.pop()
+            else:
+                for _ in range(limit):
+                    held.popitem()
+                limit = 0
+        return self.dying
+
+    @property
+    def dying(self) -> int:
+        """Forgotten entries whose memory reap() has not freed yet."""
+        return sum(len(h) for h in self._dying)
 
     def held(self, worker_id: str, names: list[bytes]) -> list[str]:
+        held = self._held.get(worker_id)
         out = []
-        for name in names:
-            tier = best_tier(self._where.get(name, {}).get(worker_id, 0))
+        for name in names if held else ():
+            tier = best_tier(held.get(name, 0))
             if tier is None:
                 break
             out.append(tier)
         return out
 
     def names_of(self, worker_id: str) -> int:
-        return self._count.get(worker_id, 0)
+        return len(self._held.get(worker_id, ()))

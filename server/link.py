@@ -7,6 +7,7 @@ sees of the router. The Dispatcher makes one and hands it to every plan it runs.
       .attach(rid, w) / .detach(rid, w)   depend on a worker (losing it puts WorkerLost in the inbox; 503
                                           if it is gone already), and stop depending on it
       .send(w, msg)                       a control message to a worker
+      .accepted(w, kv_names)              w took the request: the KV index lists its prompt's block names there
       .next(inbox, job, who, timeout, what)  the request's next message within a deadline (else 504)
       .raise_for(msg, job)                a worker's failure (or the drain's Shutdown) as the APIError it means
       .abort(rid, *workers)               Abort to those of the workers still alive, sent in the background
@@ -57,6 +58,9 @@ class WorkerLink:
 
     def detach(self, rid: str, w: WorkerState) -> None:
         self._pool.detach(rid, w.id)
+
+    def accepted(self, w: WorkerState, kv_names: dict[str, list[bytes]]) -> None:
+        self._pool.accepted(w, kv_names.get(w.id, []))
 
     async def send(self, w: WorkerState, msg) -> None:
         await self._pool.send(w, msg)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, ClassVar, Union
 
 import msgspec
@@ -56,6 +56,11 @@ from pdserve.server.timeline import timings
 
 log = logging.getLogger("pdserve.router")
 
+# KV_NAMES: a plan's kv_names, {worker id: the prompt's block names as that worker names them}, from its
+# KV-aware choice; the router's KV index lists them on a worker only once that worker has taken the
+# request (its first token, or P's prefill report), never at the choice: a request a worker refuses, or
+# one that fails before, leaves nothing behind in the index (server/kv_index.py)
+
 PREFILL_DEADLINE_MARGIN_S = 1.0  # P's deadline ends at least this long before D's reservation does
 PREFILL_REPORT_GRACE_S = 10.0  # after D finished, how long to wait for P's (already sent) report
 
@@ -71,6 +76,7 @@ class ColocatedPlan:
     ticket: Ticket | None = None  # its admission; released when the request ends
     estimate: Estimate | None = None  # what the KV-aware choice expected (None: least loaded)
     migrate: Callable[[RequestPlan, Job], RequestPlan | None] | None = None  # --migrate (see the top)
+    kv_names: dict[str, list[bytes]] = field(default_factory=dict)  # see KV_NAMES
 
     @property
     def lead(self) -> WorkerState:
@@ -97,6 +103,8 @@ class ColocatedPlan:
             while not finished:
                 msg, landed = await link.next(inbox, job, w.id, link.cfg.token_timeout_s, "tokens")
                 if isinstance(msg, P.TokenOut):
+                    if not stream.count:  # W took it: its pool holds the prompt's KV
+                        link.accepted(w, self.kv_names)
                     yield stream.add(msg, landed)
                     finished = msg.finished
                     if finished:
@@ -127,6 +135,7 @@ class DisaggregatedPlan:
     fallback: Callable[[DisaggregatedPlan], RequestPlan | None] | None = None
     migrate: Callable[[RequestPlan, Job], RequestPlan | None] | None = None  # --migrate (see the top)
     estimate: Estimate | None = None  # the prefill worker's, by the KV-aware choice (None: least loaded)
+    kv_names: dict[str, list[bytes]] = field(default_factory=dict)  # see KV_NAMES
 
     @property
     def lead(self) -> WorkerState:
@@ -176,7 +185,7 @@ class DisaggregatedPlan:
         job, dec, pre, cfg = self.job, self.decode, self.prefill, link.cfg
         rid = job.request_id
         inbox = link.open_inbox(rid)
-        finished = prefill_reported = False
+        finished = prefill_reported = decoding = False
         report: P.PrefillDone | None = None
         try:
             link.attach(rid, dec)
@@ -203,8 +212,12 @@ class DisaggregatedPlan:
                 waiting_for = "tokens" if stream.count else "prefill and KV transfer"
                 timeout = cfg.token_timeout_s if stream.count else cfg.kv_deadline_s + 5.0
                 msg, landed = await link.next(inbox, job, self.route, timeout, waiting_for)
+                if isinstance(msg, P.TokenOut) and not decoding:  # token 1 came with the KV: D holds it
+                    decoding = True
+                    link.accepted(dec, self.kv_names)
                 if isinstance(msg, P.PrefillDone):
                     report, prefill_reported = msg, True
+                    link.accepted(pre, self.kv_names)  # P computed the prompt: its prefix cache holds it
                     link.detach(rid, pre)  # P's part is over: losing P no longer matters
                     for out, at in with_first_logprobs(held or [], report):
                         yield stream.add(out, at)

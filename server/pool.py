@@ -10,6 +10,9 @@
                                   as (message, time.monotonic() it landed on the router)
       .attach(request_id, worker) the request depends on that worker: if it is dropped, the inbox gets
                                   WorkerLost; only workers attached to a request can deliver to it
+      .accepted(worker, names)    that worker took a request of a prompt of these block names: the KV
+                                  index (server/kv_index.py) lists them there; a worker forgotten there
+                                  has its entries freed by a task of its own, in slices (reap)
 
 A worker is dropped when it says Goodbye, misses `heartbeat_misses` heartbeats in a row, or its
 supervisor saw its process exit (`lost`); nothing is routed to it afterwards and every request
@@ -119,6 +122,7 @@ class WorkerPool:
         self.kv = KVIndex()  # block name -> which worker holds it, in which tier (their KVEvents)
         self.address: str | None = None  # the bound registration endpoint
         self.changed = asyncio.Event()  # set on every registration or drop (for waiters)
+        self._forgotten = asyncio.Event()  # set when the KV index has forgotten entries to free
         self.throttle = auth.Throttle(log)
         # requests failed because their worker was dropped for silence: if that same process comes
         # back (it was slow, not dead) it is told to abort them, so it frees their blocks
@@ -134,7 +138,8 @@ class WorkerPool:
                                self.metrics, self.throttle)
         self.address = self._reader.address
         self._tasks = [asyncio.create_task(self._receive(), name="pool-receive"),
-                       asyncio.create_task(self._sweep(), name="pool-sweep")]
+                       asyncio.create_task(self._sweep(), name="pool-sweep"),
+                       asyncio.create_task(self._reap(), name="pool-reap")]
         log.info("workers register at %s (%s)", self.address,
                  "CURVE: only the deployment's worker key" if self.cfg.keys else "no authentication")
 
@@ -186,6 +191,13 @@ class WorkerPool:
         w = self.workers.get(worker_id)
         if w is not None:
             w.inflight.discard(request_id)
+
+    def accepted(self, worker: WorkerState, names: list[bytes]) -> None:
+        """`worker` took a request of a prompt of these block names: the KV index lists them there (only
+        while that incarnation lives: a dropped one's names are gone)."""
+        if names and self.workers.get(worker.id) is worker:
+            self.kv.accepted(worker.id, names)
+            worker.kv_names = self.kv.names_of(worker.id)
 
     def is_alive(self, worker_id: str) -> bool:
         return worker_id in self.workers
@@ -244,6 +256,7 @@ class WorkerPool:
         elif isinstance(msg, P.KVEvents):
             self.kv.apply(w.id, msg)
             w.kv_names = self.kv.names_of(w.id)
+            self._reap_forgotten()
         elif isinstance(msg, P.Goodbye):
             self._drop(w, f"it exited ({msg.reason})", logging.INFO)  # it said so: a crash is in its own log
         elif isinstance(msg, P.Tokens):
@@ -300,6 +313,7 @@ class WorkerPool:
             self.kv.forget(reg.worker_id)  # a new incarnation: what an earlier one held is gone
             if reg.block_root is not None:
                 self.kv.register(reg.worker_id)
+            self._reap_forgotten()
             self.workers[reg.worker_id] = w
             self.known[inc] = reg.worker_id
             for rid in self._orphans.pop((reg.worker_id, inc), ()):
@@ -374,6 +388,7 @@ class WorkerPool:
         del self.workers[w.id]
         self.known.pop(w.incarnation, None)
         self.kv.forget(w.id)
+        self._reap_forgotten()
         w.sock.close()
         log.log(level, "worker %s (%s) dropped: %s", w.id, w.role, reason)
         self.metrics.workers.labels(w.role).set(len(self.alive(w.role)))
@@ -386,6 +401,21 @@ class WorkerPool:
             while len(self._orphans) > MAX_ORPHANS:  # the oldest first: it is the least likely to come back
                 del self._orphans[next(iter(self._orphans))]
         self.changed.set()
+
+    # ---- the KV index's forgotten entries ---------------------------------------------------------
+
+    def _reap_forgotten(self) -> None:
+        if self.kv.dying:
+            self._forgotten.set()
+
+    async def _reap(self) -> None:
+        """Free what the KV index forgot (a dropped or restarted worker's millions of names) a slice at a
+        time, yielding between slices: /health and every request's tokens go on meanwhile."""
+        while True:
+            await self._forgotten.wait()
+            self._forgotten.clear()
+            while self.kv.reap():
+                await asyncio.sleep(0)
 
     def _deliver_lost(self, request_id: str, lost: WorkerLost) -> None:
         q = self.inboxes.get(request_id)

@@ -29,13 +29,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from pdserve.server.body import show
 from pdserve.server.errors import bad_request
 from pdserve.protocol.enums import POLICIES
-from pdserve.protocol.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
-                                       InvalidSampling, Sampling)
+from pdserve.protocol.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS, MAX_LOGIT_BIAS,
+                                       MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidSampling,
+                                       Sampling)
 from pdserve.protocol.wire import MAX_INT32, MAX_PROMPT_TOKENS
 
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's legacy bound); chat's top_logprobs: MAX_LOGPROBS
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: ASCII digits ("²" is a digit to str.isdigit, not to int)
 
 
 class StreamOptions(BaseModel):
@@ -131,9 +133,34 @@ class _Common(BaseModel):
                               f"{self.truncate_prompt_tokens}", "truncate_prompt_tokens")
         if self.bad_words is not None and (len(self.bad_words) > MAX_BAD_WORDS or not all(self.bad_words)):
             raise bad_request(f"`bad_words` takes at most {MAX_BAD_WORDS} non-empty words", "bad_words")
+        if self.bad_words is not None and sum(map(len, self.bad_words)) > MAX_BAD_WORDS_CHARS:
+            raise bad_request(f"`bad_words` holds {sum(map(len, self.bad_words))} characters; at most "
+                              f"{MAX_BAD_WORDS_CHARS} in all (each word at most {MAX_BAD_WORD_TOKENS} tokens)",
+                              "bad_words")
+        self._check_logit_bias()
         # every sampling bound, as the wire and the engine check it (protocol/sampling.py); max_tokens
         # may still be unset here (then up to the model's context, known once the prompt is tokenized)
         self._sampling(self.max_tokens if self.max_tokens is not None else MAX_INT32)
+
+    def _check_logit_bias(self) -> None:
+        """At most MAX_LOGIT_BIAS keys, each a token id in ASCII digits (the vocabulary: prepared_ids),
+        each value within -100..100; the 400 names the key at fault."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"`logit_bias` biases {len(bias)} tokens; at most {MAX_LOGIT_BIAS}", "logit_bias")
+        for key, value in bias.items():
+            if not _TOKEN_ID.fullmatch(key) or int(key) > MAX_INT32:
+                raise bad_request(f"`logit_bias` keys must be token ids written in digits 0-9 (at most 10 of "
+                                  f"them), got the key {show(key)}", "logit_bias")
+            if not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
+                raise bad_request(f"`logit_bias` values must be in [{-MAX_LOGIT_BIAS_VALUE:g}, "
+                                  f"{MAX_LOGIT_BIAS_VALUE:g}], got {value:g} for the key {show(key)}", "logit_bias")
+
+    def named_size(self) -> int:
+        """What prepared_ids() reads beside the prompt: characters of bad words (two spellings each) and
+        token ids (the router checks them off the event loop when there are many)."""
+        return (2 * sum(map(len, self.bad_words or [])) + len(self.allowed_token_ids or [])
+                + len(self.logit_bias or {}))
 
     def response_id(self, rid: str) -> str:
         """The id the response shows: pdserve's own (`rid`, unique: workers key their state by it), or the
@@ -157,17 +184,21 @@ class _Common(BaseModel):
             keep = context - 1  # at least one token of the context is left for the answer
         if keep is not None and keep > 0 and len(ids) > keep:
             ids = ids[-keep:]
-        encoder.check_ids(list(self.allowed_token_ids or []), "allowed_token_ids")
-        bias = self.logit_bias or {}
-        if any(not k.isdigit() for k in bias):
-            raise bad_request(f"`logit_bias` keys must be token ids (digits), got {show(list(bias))}", "logit_bias")
-        encoder.check_ids([int(k) for k in bias], "logit_bias")
+        allowed = self.allowed_token_ids or []
+        if len(allowed) > encoder.vocab_size:
+            raise bad_request(f"`allowed_token_ids` holds {len(allowed)} ids; at most the vocabulary's "
+                              f"{encoder.vocab_size}", "allowed_token_ids")
+        encoder.check_ids(allowed, "allowed_token_ids")
+        encoder.check_ids([int(k) for k in self.logit_bias or {}], "logit_bias")
         words = []
-        for w in self.bad_words or []:  # as written and after a space: the two spellings a word takes in text
-            for spelling in (w, " " + w.lstrip()):
+        for i, w in enumerate(self.bad_words or []):  # as written and after a space: the two spellings in text
+            for spelling in dict.fromkeys((w, " " + w.lstrip())):  # each once (" Paris" is both)
                 word = encoder.text(spelling, False)
+                if len(word) > MAX_BAD_WORD_TOKENS:
+                    raise bad_request(f"`bad_words[{i}]` is {len(word)} tokens ({show(spelling)}); a bad word "
+                                      f"may be at most {MAX_BAD_WORD_TOKENS}", "bad_words")
                 if word and word not in words:
-                    words.append(word[:MAX_BAD_WORD_TOKENS])
+                    words.append(word)
         self._bad_words_ids = words
         return ids
 
@@ -196,7 +227,7 @@ class _Common(BaseModel):
                             stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, min_p=self.min_p,
                             allowed_token_ids=list(self.allowed_token_ids or []), bad_words_ids=self._bad_words_ids,
-                            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items() if k.isdigit()},
+                            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},  # checked
                             include_stop_str_in_output=self.include_stop_str_in_output,
                             skip_special_tokens=self.skip_special_tokens).checked()
         except InvalidSampling as e:

@@ -55,6 +55,12 @@ def least_loaded(workers: list[WorkerState], need_blocks: int = 0) -> WorkerStat
     return min(roomy or workers, key=load)
 
 
+def named(est: Estimate | None) -> dict[str, list[bytes]]:
+    """{worker id: the prompt's block names there} of a KV-aware choice: what the plan has the KV index
+    list once that worker takes the request (never before: a worker may refuse it)."""
+    return {est.worker.id: est.names} if est is not None and est.names else {}
+
+
 # ---- the planner ----------------------------------------------------------------------------------
 
 
@@ -134,9 +140,11 @@ class Planner:
         if policy == Policy.COLOCATED:
             workers = self._alive(Role.COLOCATED)
             est = self._kv_choice(workers, job)
-            return ColocatedPlan(job, est.worker if est else least_loaded(workers), estimate=est)
-        prefill, decode, est = self._pair(job, without)
-        return DisaggregatedPlan(job, prefill, decode, fallback=fallback, estimate=est)
+            return ColocatedPlan(job, est.worker if est else least_loaded(workers), estimate=est,
+                                 kv_names=named(est))
+        prefill, decode, est, held = self._pair(job, without)
+        return DisaggregatedPlan(job, prefill, decode, fallback=fallback, estimate=est,
+                                 kv_names=named(est) | named(held))
 
     def _kv_choice(self, workers: list[WorkerState], job: Job) -> Estimate | None:
         """The KV-aware choice among `workers` (None: --routing least-loaded, or none reports yet); the
@@ -145,7 +153,6 @@ class Planner:
             return None
         est = choose(workers, self.pool.kv, job.prompt_ids)
         est.worker.pending[job.request_id] = est.uncached_tokens
-        self.pool.kv.expect(est.worker.id, est.names)  # its next turn may come before its report does
         est.worker.chosen += 1
         return est
 
@@ -187,10 +194,12 @@ class Planner:
             return nxt
         return None
 
-    def _pair(self, job: Job, without: str | None = None) -> tuple[WorkerState, WorkerState, Estimate | None]:
-        """(prefill, decode, estimate): of the decode workers some prefill worker can send KV to and with
-        free blocks for the prompt (any, if none has them), the one that holds most of the prompt (kv;
-        within the load rule) else the least loaded; then its prefill worker by the same choice."""
+    def _pair(self, job: Job, without: str | None = None) \
+            -> tuple[WorkerState, WorkerState, Estimate | None, Estimate | None]:
+        """(prefill, decode, the prefill's estimate, the decode's): of the decode workers some prefill worker
+        can send KV to and with free blocks for the prompt (any, if none has them), the one that holds most
+        of the prompt (kv; within the load rule) else the least loaded; then its prefill worker by the same
+        choice."""
         prompt_tokens = len(job.prompt_ids)
         decodes = [d for d in self._alive(Role.DECODE) if d.id != without]
         paired = [d for d in decodes if self._prefills_for(d)]
@@ -199,16 +208,16 @@ class Planner:
             raise NoWorker(f"no prefill worker matches a decode worker's transport and mode (decode: {have}); "
                            f"start prefill workers with the same --transport and --mode")
         need = P.blocks_for(prompt_tokens, min(d.info.block_size for d in paired))
-        decode = least_loaded(paired, need)
+        decode, kept = least_loaded(paired, need), None
         if self.cfg.routing == "kv" and reporting(paired, self.pool.kv):
             held = {d.id: choose([d], self.pool.kv, job.prompt_ids)
                     for d in not_overloaded([d for d in paired if d.free_blocks >= need] or paired)}
             decode = max((self.pool.workers[i] for i in held), key=lambda d: (
                 sum(held[d.id].cached.values()), -load(d)[0], d.free_blocks))
-            self.pool.kv.expect(decode.id, held[decode.id].names)  # it will hold the prompt's KV
+            kept = held[decode.id]
         prefills = self._prefills_for(decode)
         est = self._kv_choice(prefills, job)
-        return (est.worker if est else least_loaded(prefills)), decode, est
+        return (est.worker if est else least_loaded(prefills)), decode, est, kept
 
     def _prefills_for(self, d: WorkerState) -> list[WorkerState]:
         return [p for p in self.pool.alive(Role.PREFILL) if p.can_send_kv_to(d)]

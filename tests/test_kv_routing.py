@@ -20,7 +20,7 @@ from pdserve.protocol.enums import Role
 from pdserve.server.admission import Admission
 from pdserve.settings.router import RouterConfig
 from pdserve.server.job import Job
-from pdserve.server.kv_index import KVIndex
+from pdserve.server.kv_index import ENTRY_BYTES, KVIndex
 from pdserve.server.metrics import Metrics
 from pdserve.server.pool import WorkerState
 from pdserve.server.routing import Planner
@@ -46,18 +46,20 @@ def events(wid, seq, stored=(), removed=(), reset=False):
 
 def test_index_tiers_gaps_resets_and_bound():
     names = block_names(list(range(64)), BS, ROOT)
-    ix = KVIndex(max_entries=6)
+    ix = KVIndex(max_bytes=6 * ENTRY_BYTES)
     ix.apply("a", events("a", 0, [("gpu", names), ("host", names[:2])], reset=True))
     assert ix.held("a", names) == ["gpu"] * 4 and ix.held("b", names) == []
     ix.apply("a", events("a", 1, removed=[("gpu", names[:2])]))
     assert ix.held("a", names) == ["host", "host", "gpu", "gpu"]  # the head left the GPU: host memory has it
     ix.apply("a", events("a", 3, [("gpu", names)]))  # report 2 was lost: forget, then take this one
     assert ix.lost_reports == 1 and ix.held("a", names) == ["gpu"] * 4
-    ix.apply("b", events("b", 0, [("gpu", names)], reset=True))  # 8 pairs > 6: the oldest names go
-    assert ix.entries <= 6 and ix.held("b", names) == []  # the head went: nothing is reachable for b
+    ix.apply("b", events("b", 0, [("gpu", names[:3])], reset=True))  # 7 pairs > 6: a holds most, its oldest go
+    assert ix.entries == 6 and ix.held("a", names) == []  # the head went: nothing is reachable for a
+    assert ix.held("a", names[1:]) == ["gpu"] * 3 and ix.held("b", names) == ["gpu"] * 3
     ix.forget("a")
     ix.forget("b")
     assert ix.entries == 0 and ix.held("a", names) == []
+    assert ix.dying == 4 + 6 and ix.reap(4) == 6 and ix.reap() == 0  # (with a's before the gap) freed in slices
     with pytest.raises(P.ProtocolError):  # bounded on the wire: a name is 16 bytes
         P.decode_to_router(P.encode(P.FromWorker("inc", events("a", 0, [("gpu", [b"short"])]))))
 

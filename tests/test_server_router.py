@@ -38,7 +38,7 @@ def tokenizer():
 class FakeWorker(threading.Thread):
     def __init__(self, router: str, role: str, worker_id: str, on_message=None, *, model: str = "tiny",
                  version: int = P.PROTOCOL_VERSION, max_model_len: int = 64, transport: str | None = "ipc",
-                 queue_depth: int = 0, keys: keys.WorkerKeys | None = None):
+                 queue_depth: int = 0, keys: keys.WorkerKeys | None = None, block_root: bytes | None = None):
         super().__init__(daemon=True)
         self.router, self.role, self.worker_id = router, role, worker_id
         self.keys = keys
@@ -47,6 +47,7 @@ class FakeWorker(threading.Thread):
         self.model, self.version, self.max_model_len = model, version, max_model_len
         self.transport = transport if role != "colocated" else None
         self.queue_depth = queue_depth
+        self.block_root = block_root  # set: it names its blocks, and KV-aware routing counts it as reporting
         self.received: list = []
         self.acks: list[P.RegisterAck] = []
         self.silent = threading.Event()  # stop heartbeating and answering (a dead worker)
@@ -81,7 +82,7 @@ class FakeWorker(threading.Thread):
         push.connect(self.router)
         reg = P.Register(self.version, self.worker_id, self.role, self.address, self.model, self.max_model_len, 16,
                          1000, 1000, "cpu", "float32", 4242, self.transport, "bulk" if self.transport else None,
-                         "tcp://127.0.0.1:1" if self.role == "decode" else None)
+                         "tcp://127.0.0.1:1" if self.role == "decode" else None, block_root=self.block_root)
 
         def send(m) -> None:
             push.send(P.from_worker(self.incarnation, m))

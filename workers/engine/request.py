@@ -140,6 +140,9 @@ class Request:
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, reloaded per tier ("host", "disk")
     reload_s: float | None = None  # how long those reloads took
     stamps: Stamps = field(default_factory=Stamps)  # its timeline on this worker
+    # the sampler's [vocab] bool mask of params.allowed_token_ids, built at its first step and kept (the
+    # list is fixed for the request's life: rebuilding it from Python ints each step cost 60k+ ids a step)
+    allowed_mask: object | None = field(default=None, repr=False)
 
     # ---- the ladder ----------------------------------------------------------------------------
 

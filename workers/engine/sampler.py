@@ -6,13 +6,13 @@
 
 Processing first, only for the rows that need it (the common case, no penalties, masks or bias and
 min_tokens reached, costs nothing extra): logit_bias added (OpenAI's), every token outside
-allowed_token_ids and each bad word's next token (vLLM's: the word's last token where the output ends
-with the ones before it) masked to -inf; min_tokens masks EOS and stop_token_ids to -inf until reached;
-repetition_penalty (vLLM/HF: every token of the prompt or the output, logit / r if > 0 else * r),
-then frequency_penalty * count and presence_penalty * (count > 0) subtracted (OpenAI: output tokens
-only). The counts are per-row [rows, vocab] tensors built on the device for those rows alone, each
-step, from the request's own tokens (so a decode worker that adopted a request counts exactly what
-the colocated run counts).
+allowed_token_ids (a mask built at the request's first step and kept with it) and each bad word's
+next token (vLLM's: the word's last token where the output ends with the ones before it) masked to
+-inf; min_tokens masks EOS and stop_token_ids to -inf until reached; repetition_penalty (vLLM/HF:
+every token of the prompt or the output, logit / r if > 0 else * r), then frequency_penalty * count
+and presence_penalty * (count > 0) subtracted (OpenAI: output tokens only). The counts are per-row
+[rows, vocab] tensors built on the device for those rows alone, each step, from the request's own
+tokens (so a decode worker that adopted a request counts exactly what the colocated run counts).
 
 Greedy rows take one batched max, which also checks every row: a row holding NaN or +inf (its max
 is not finite) fails that request alone. Sampled rows apply temperature, top-k and top-p, then
@@ -144,7 +144,7 @@ class Sampler:
             rows = rows.index_put((at, ids), vals, accumulate=True)
         allowed = [j for j, r in enumerate(reqs) if r.params.allowed_token_ids]
         if allowed:
-            keep = token_counts([reqs[j].params.allowed_token_ids for j in allowed], vocab, dev) > 0  # [a, vocab]
+            keep = torch.stack([allowed_mask(reqs[j], vocab, dev) for j in allowed])  # [a, vocab] bool
             at = torch.tensor(allowed, dtype=torch.long, device=dev)
             rows[at] = rows[at].masked_fill(~keep, float("-inf"))
         banned = [(j, w[-1]) for j, r in enumerate(reqs) for w in r.params.bad_words_ids
@@ -230,6 +230,18 @@ def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torc
         pad = torch.tensor([x + [vocab] * (width - len(x)) for x in ids], dtype=torch.long, device=device)
         out.scatter_add_(1, pad, torch.ones(pad.shape, device=device))
     return out[:, :vocab]
+
+
+def allowed_mask(r: Request, vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] bool: the tokens r may generate (its allowed_token_ids), built at its first step and kept
+    with the request, so a step costs the same whatever the list's length. An id outside the vocabulary
+    raises (that request fails, alone)."""
+    mask = r.allowed_mask
+    if mask is None or mask.shape[0] != vocab or mask.device != device:
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        mask[torch.tensor(r.params.allowed_token_ids, dtype=torch.long, device=device)] = True
+        r.allowed_mask = mask
+    return mask
 
 
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
