@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 from pdserve.bench.load.capacity import probe_passes
+from pdserve.bench.load.metrics import SLO_METRICS, request_within
 
 PROFILES = {  # name -> the load bench's workload flags
     "short": ["--input-len", "uniform:128:512"],
@@ -47,9 +48,13 @@ def _slo(text: str) -> tuple[str, dict[str, float]]:
     name, eq, spec = text.partition("=")
     try:
         pairs = dict(item.split(":") for item in spec.split(","))
-        return name.strip(), {k.strip(): float(v) for k, v in pairs.items()}
+        slos = {k.strip(): float(v) for k, v in pairs.items()}
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"an SLO pair is NAME=ttft:MS,tpot:MS, got {text!r}") from e
+    if not name.strip() or not set(slos) <= set(SLO_METRICS):
+        raise argparse.ArgumentTypeError(f"an SLO pair is NAME=METRIC:MS,... with metrics of {', '.join(SLO_METRICS)}, "
+                                         f"got {text!r}")
+    return name.strip(), slos
 
 
 def parse_rates(text: str, profiles: list[str]) -> dict[str, list[float]]:
@@ -134,17 +139,10 @@ def load_argv(args, flags: list[str], rates: list[float], arms: list[str], out: 
     return argv
 
 
-def _meets(request: dict, slos: dict[str, float]) -> bool:
-    if not request.get("success"):
-        return False
-    values = {"ttft": request.get("ttft_s"), "tpot": request.get("tpot_s") or 0.0, "e2el": request.get("e2e_s")}
-    return all(values[m] is not None and values[m] * 1e3 <= limit for m, limit in slos.items())
-
-
 def judge_run(block: dict, slos: dict[str, float], target: float) -> dict:
     """One measured rate under one SLO pair: the share that met both, the queue, the verdict."""
     requests = block.get("requests") or []
-    fraction = sum(_meets(r, slos) for r in requests) / len(requests) if requests else None
+    fraction = sum(all(request_within(r, slos).values()) for r in requests) / len(requests) if requests else None
     verdict = probe_passes({"goodput_fraction": fraction, "saturation": block.get("saturation")}, target)
     return {"rate": block["request_rate"], "goodput_fraction": fraction, "passed": verdict,
             "queue_growing": (block.get("saturation") or {}).get("queue_growing"),
