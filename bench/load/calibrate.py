@@ -4,6 +4,7 @@ cannot fill are refused with the reason.
 
     calibration_argv(flags, arms, out, common)   the load bench's flags for that short run: every arm's own
                                      server, a warm-up, then PROMPTS requests closed-loop at each of CONCURRENCY
+                                     (the most in flight first)
     reach(run)                       per arm: a request alone (concurrency 1: its share within any SLOs, its
                                      latencies) and the throughput with CONCURRENCY[-1] in flight
     refusals(reach, slos, target)    the SLO pairs no arm can meet at any rate: most of its requests, sent alone,
@@ -33,7 +34,9 @@ class Unreachable(ValueError):
 
 def calibration_argv(flags: list[str], arms: list[str], out, common: list[str]) -> list[str]:
     return [*(x for arm in arms for x in ("--arm", arm)), *flags, *common,
-            "--concurrency", ",".join(str(c) for c in CONCURRENCY), "--num-prompts", str(PROMPTS),
+            # the throughput run first: an arm's first run after its warm-up can still be cold, and a request
+            # alone measured cold would refuse SLOs the warm server meets
+            "--concurrency", ",".join(str(c) for c in CONCURRENCY[::-1]), "--num-prompts", str(PROMPTS),
             "--warmup-batch", "2", "--warmup-max-batches", "3", "--out", str(out), "--no-progress", "--no-plots"]
 
 
