@@ -8,7 +8,8 @@ import json
 import sys
 
 from pdserve.bench import cli
-from pdserve.bench.load.atlas import capacity_on_grid, parse_rates, why_no_winner, winner
+from pdserve.bench.load.atlas import parse_rates
+from pdserve.bench.load.atlas_cells import capacity_on_grid, why_no_winner, winner
 
 FAKE = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0"
 
