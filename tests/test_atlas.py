@@ -80,7 +80,8 @@ def test_grid_capacity_and_winner():
 # ---- a machine of unknown reach: rates measured first, and no cell left empty without a reason -----------------
 
 COLO = "colo=colocated:--itl-ms 2 --prefill-ms-per-request 20 --prefill-ms-per-token 0.02"
-DISAGG = "disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 40 --prefill-ms-per-token 0.04 --transfer-ms-per-token 0"
+DISAGG = ("disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 40 --prefill-ms-per-token 0.04 "
+          "--transfer-ms-per-token 0")
 
 
 def atlas_argv(out, *extra) -> list[str]:

@@ -53,6 +53,8 @@ def test_a_second_invocation_is_fresh_and_reuse_on_purpose_is_stated(tmp_path):
     assert reused["prompt_text"]["reused"] and block["total_cached_tokens"] == 6 * 64
     assert block["cached_share"] == 64 / 70
     assert main_row(reused_md)[cached_column(reused_md)] == "91% (384 / 420 tok)"
+    assert reused["verdict"]["cached_share"] == {"default": 64 / 70} and second["verdict"]["cached_share"] == {
+        "default": 0.0}
     assert "reused on purpose (--reuse-prompts)" in reused_md and "served from a cache" not in reused_md
 
 

@@ -168,7 +168,8 @@ def test_the_planner_measures_a_profile_itself(tmp_path, capsys):
     rc = cli.main(["plan", "--measure", "tiny", "--device", "cpu", "--measure-args",
                    "--lengths 64,256 --pairs 1 --batches 1,4 --contexts 128,256 --repeats 2", "--gpus", "2",
                    "--input-len", "uniform:64:256",
-                   "--output-len", "8", "--goodput", "ttft:5000", "tpot:2000", "--probe-seconds", "5", "--out", str(out)])
+                   "--output-len", "8", "--goodput", "ttft:5000", "tpot:2000", "--probe-seconds", "5",
+                   "--out", str(out)])
     assert rc == 0, capsys.readouterr().err[-3000:]
     result = json.loads(out.read_text())
     assert result["profile"]["source"] == "measured: tiny on cpu"

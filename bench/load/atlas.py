@@ -299,7 +299,8 @@ def _measure(args) -> int:
         reach = {p: c["reach"] for p, c in calibration["profiles"].items()}
     least = sum(calibrate.minutes(rates[p], reach.get(p) or {a: {"throughput": None} for a in arms},
                                   args.run_seconds, args.min_requests) for p in rates)
-    print(f"atlas: {sum(map(len, rates.values()))} rates x {len(arms)} arms, at least {least:.0f} minutes", file=sys.stderr)
+    print(f"atlas: {sum(map(len, rates.values()))} rates x {len(arms)} arms, at least {least:.0f} minutes",
+          file=sys.stderr)
     if least > args.max_minutes:
         print(f"pdserve-bench atlas: refused: the grid needs at least {least:.0f} minutes (--max-minutes "
               f"{args.max_minutes:g}); give fewer --rates or --profiles, or a shorter --run-seconds", file=sys.stderr)

@@ -137,7 +137,8 @@ def calibrate(profiles: dict[str, list[str]], arms: list[str], slos: dict[str, d
         refused = refusals(arms_reach, slos)
         rates = grid(arms_reach, points) if len(refused) < len(slos) else []
         found[profile] = {"rates": rates, "refused": refused, "reach": {
-            a: {"throughput": r["throughput"], "alone": {k: v for k, v in (r["alone"] or {}).items() if k != "requests"}}
+            a: {"throughput": r["throughput"],
+                "alone": {k: v for k, v in (r["alone"] or {}).items() if k != "requests"}}
             for a, r in arms_reach.items()}}
         thr = ", ".join(f"{a} {r['throughput']:.3g}/s" for a, r in arms_reach.items() if r["throughput"])
         print(f"atlas: {profile}: throughput with {CONCURRENCY[-1]} in flight {thr or 'none'}; rates "

@@ -1,7 +1,7 @@
 """The runs of one `pdserve-bench load` invocation: what each run sends, and in what order.
 
     LoadPoint                      a rate, a concurrency or a trace speed (multi-turn: of conversations)
-    make_samples / plan            the prompts (lengths from --seed, text fresh per run and invocation) and their send times
+    make_samples / plan            the prompts (lengths from --seed, text fresh per run) and their send times
                                    (arrivals from --seed too: every arm meets the same schedule, scaled by 1/rate)
     Session.measure(client, arm, point)   one run of one arm -> a result block (throughput over its own
                                    duration, saturation judged, SLO target checked; multi-turn: TTFT and

@@ -135,12 +135,18 @@ def _points(run: dict) -> dict[str, list[dict]]:
 
 
 def judge(run: dict) -> dict:
-    """The verdict as data (results.json's "verdict"): the SLOs judged, whether assumed, and every point."""
+    """The verdict as data (results.json's "verdict"): the SLOs judged, whether assumed, every point, and each
+    arm's share of prompt tokens served from the server's cache over its runs (None: the server said nothing)."""
     slos, assumed = verdict_slos(run)
     target = run.get("goodput_target") or 0.9
+    told: dict[str, list[dict]] = {}
+    for b in run["results"]:
+        if b.get("completed") and b.get("cached_share") is not None:
+            told.setdefault(_arm(b), []).append(b)
     return {"slos_ms": slos, "assumed": assumed, "goodput_target": target, "compared_at": COMPARED_AT,
             "even_within": EVEN, "points": [judge_point(p, blocks, slos, not assumed, target)
-                                            for p, blocks in _points(run).items()]}
+                                            for p, blocks in _points(run).items()],
+            "cached_share": {arm: _pooled_share(mine) for arm, mine in told.items()}}
 
 
 # ---- in words ------------------------------------------------------------------------------
@@ -244,16 +250,14 @@ def _pooled_share(blocks: list[dict]) -> float:
 
 
 def cache_lines(run: dict) -> list[str]:
-    blocks = [b for b in run["results"] if b.get("completed")]
-    told = [b for b in blocks if b.get("cached_share") is not None]
+    told = [b for b in run["results"] if b.get("completed") and b.get("cached_share") is not None]
     if not told:
         return []
-    per_arm: dict[str, list[dict]] = {}
-    for b in told:
-        per_arm.setdefault(_arm(b), []).append(b)
+    runs = {arm: sum(_arm(b) == arm for b in told) for arm in dict.fromkeys(_arm(b) for b in told)}
     note = (run.get("prompt_text") or {}).get("note")
     lines = ["- prompt tokens served from the server's cache: "
-             + ", ".join(f"{arm} {_pooled_share(mine):.0%} over {len(mine)} run(s)" for arm, mine in per_arm.items())
+             + ", ".join(f"{arm} {share:.0%} over {runs[arm]} run(s)"
+                         for arm, share in judge(run)["cached_share"].items())
              + (f" ({note})" if note else "")]
     if expected_cold(run):
         warm = [(b, s) for b in told for s in [_cold_share(b)] if s is not None and s > COLD_CACHED_SHARE_MAX]
