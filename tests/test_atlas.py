@@ -8,7 +8,8 @@ import json
 import sys
 
 from pdserve.bench import cli
-from pdserve.bench.load.atlas import capacity_on_grid, parse_rates, winner
+from pdserve.bench.load.atlas import parse_rates
+from pdserve.bench.load.atlas_cells import capacity_on_grid, why_no_winner, winner
 
 FAKE = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0"
 
@@ -66,6 +67,72 @@ def test_grid_capacity_and_winner():
     assert winner({"a": {"capacity_rate": 2}, "b": {"capacity_rate": 4}}) == "b"
     assert winner({"a": {"capacity_rate": 2}, "b": {"capacity_rate": 2}}) == "tie"
     assert winner({"a": {"capacity_rate": None}, "b": {"capacity_rate": None}}) == "neither"
+    # a tie because the grid ran out says so; a tie at a rate both failed above is an answer
+    top = capacity_on_grid([{"rate": 1, "passed": True}])
+    assert "the grid ran out" in why_no_winner({"a": top, "b": top}, {"ttft": 1.0}, 0.9)
+    capped = capacity_on_grid(runs)
+    assert why_no_winner({"a": capped, "b": capped}, {"ttft": 1.0}, 0.9) is None
     assert parse_rates("1,4,2", ["short"]) == {"short": [1, 2, 4]}
     assert parse_rates("short=1;long=2,3", ["long"]) == {"long": [2, 3]}
     assert cli.main(["atlas", "--profiles", "huge"]) == 2
+
+
+# ---- a machine of unknown reach: rates measured first, and no cell left empty without a reason -----------------
+
+COLO = "colo=colocated:--itl-ms 2 --prefill-ms-per-request 20 --prefill-ms-per-token 0.02"
+DISAGG = ("disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 40 --prefill-ms-per-token 0.04 "
+          "--transfer-ms-per-token 0")
+
+
+def atlas_argv(out, *extra) -> list[str]:
+    return ["atlas", "--server-command", FAKE, "--arm", COLO, "--arm", DISAGG, "--profile", "short=--input-len 50",
+            "--profiles", "short", "--output-len", "3", "--run-seconds", "1", "--min-requests", "8",
+            "--burstiness", "50", "--warmup-batch", "0", "--out", str(out), *extra]
+
+
+def test_rates_auto_are_set_from_a_measured_calibration(tmp_path):
+    """--rates auto (the default without a GPU): a short closed-loop run per arm first; the grid spans from below
+    the slower arm's throughput to past the faster's, so the map has a winner (colo prefills twice as fast)."""
+    from pdserve.bench.load import calibrate
+
+    out = tmp_path / "atlas"
+    assert cli.main(atlas_argv(out, "--rates", "auto", "--slo", "loose=ttft:1000,tpot:80")) == 0
+    atlas = json.loads((out / "atlas.json").read_text())
+    reach = calibrate.reach(json.loads((out / "calibration" / "short" / "results.json").read_text()))
+    thr = {arm: r["throughput"] for arm, r in reach.items()}
+    assert thr["colo"] > thr["disagg"] > 0
+    rates = atlas["rates"]["short"]
+    assert rates == calibrate.grid(reach) and len(rates) == 4
+    assert rates[0] <= calibrate.LOW * thr["disagg"] * 1.1 and rates[-1] >= calibrate.HIGH * thr["colo"] * 0.9
+    [cell] = atlas["cells"]
+    assert cell["winner"] == "colo" and cell["why"] is None
+    assert "calibrated on this machine" in (out / "atlas.md").read_text()
+
+
+def test_slos_no_arm_can_meet_are_refused_before_the_grid(tmp_path, capsys):
+    """Every request sent alone takes >= 20 ms to its first token: a 5 ms TTFT SLO cannot be met at any rate, so
+    the atlas stops after the calibration, saying so, instead of running the grid into an empty map."""
+    out = tmp_path / "atlas"
+    assert cli.main(atlas_argv(out, "--rates", "auto", "--slo", "instant=ttft:5,tpot:80")) == 2
+    err = capsys.readouterr().err
+    assert "refused: no cell of the atlas can be measured on this machine" in err
+    assert "instant: no rate can meet these SLOs here" in err and "ttft <= 5 ms: 0%" in err
+    assert (out / "calibration" / "short" / "results.json").is_file() and not (out / "short").exists()
+
+
+def test_a_cell_no_arm_won_says_why(tmp_path):
+    """Given rates and an SLO pair no run meets: the cell is 'neither', and the map, the table and the JSON say
+    why (every rate failed; each arm's best share and the SLO it missed)."""
+    out = tmp_path / "atlas"
+    assert cli.main(atlas_argv(tmp_path / "long", "--rates", "4,8", "--max-minutes", "0.01")) == 2  # refused up front
+    assert not (tmp_path / "long" / "short").exists()
+    assert cli.main(atlas_argv(out, "--rates", "4,8", "--slo", "instant=ttft:5,tpot:80",
+                               "--slo", "loose=ttft:1000,tpot:80")) == 0
+    atlas = json.loads((out / "atlas.json").read_text())
+    cells = {c["slo"]: c for c in atlas["cells"]}
+    assert cells["instant"]["winner"] == "neither"
+    why = cells["instant"]["why"]
+    assert why.startswith("every grid rate failed the SLOs (>= 90% of requests within them, queue steady): ")
+    assert "colo at best 0% within them at 4/s (ttft <= 5 ms: 0%)" in why
+    assert cells["loose"]["winner"] != "neither"
+    assert f"- short x instant: **neither**: {why}" in (out / "atlas.md").read_text()

@@ -56,13 +56,15 @@ def test_the_verdict_says_which_arm_won_where_by_how_much_and_why():
             {"label": "disaggregated", "policy": "disaggregated", "server": {"command": "pdserve"},
              "capacity": capacity(16, 32)}]
     lines = verdict(markdown(run(blocks, arms)))
+    assert lines.pop(0).startswith("- SLOs judged: TTFT <= 3000 ms; latencies compared at p99")
     assert lines[0] == ("- capacity: **disaggregated** met the SLOs at the higher rate, 16/s against colocated "
                         "1.5/s: 10.67x, +14.5 req/s")
     assert lines[1].startswith("- rate 4/s: **disaggregated** met the SLOs and colocated did not (requests within "
                                "them: colocated 40%, disaggregated 95%)")
     assert "dominant TTFT phase: colocated prefill_queue (74% of TTFT), disaggregated prefill (89% of TTFT)" in lines[1]
     assert lines[2].startswith("- rate 1/s: every arm met the SLOs (colocated 95%, disaggregated 100%); "
-                               "**disaggregated**'s TTFT p50 is 1.50x lower (600 ms against 900 ms)")
+                               "**disaggregated** lower on TTFT p99 (1.50x, 1.20 s against 1.80 s), higher on none; "
+                               "within 5% on TPOT p99, ITL p99, E2E p99")
     assert any("one CPU for everything" in line and "2 CPU cores" in line for line in lines)
 
 
@@ -96,3 +98,77 @@ def test_every_mark_a_plot_draws_is_in_its_legend(tmp_path, monkeypatch):
             unnamed = [c for c in ax.containers if not c.get_label() or c.get_label().startswith("_")]
             drawn = {c.get_label() for c in ax.containers} - {None}
             assert len(ax.containers) == 0 or (unnamed and drawn & named), (ax.get_title(), named)
+
+
+# ---- every SLO judged: a verdict never rests on TTFT alone --------------------------------------------
+
+
+def measured(arm: str, ttft_ms: float, gap_ms: float, stall_ms: float = 0.0, n: int = 20, tokens: int = 16) -> dict:
+    """A block summarised from per-request records (bench/load/metrics.py): every request's first token after
+    ttft_ms (+1 ms per request), then gaps of gap_ms; with stall_ms, one gap of each request is that long."""
+    from pdserve.bench.load.metrics import RequestRecord, summarize
+
+    records = []
+    for i in range(n):
+        gaps = [gap_ms / 1e3] * (tokens - 1)
+        if stall_ms:
+            gaps[i % len(gaps)] = stall_ms / 1e3
+        ttft = (ttft_ms + i) / 1e3
+        records.append(RequestRecord(i, arm, 100, tokens, output_len=tokens, start_s=i * 0.1, scheduled_s=i * 0.1,
+                                     ttft_s=ttft, itls_s=gaps, e2e_s=ttft + sum(gaps), success=True))
+    return {"arm": arm, "policy": arm, "phase": "point", "load_label": "rate 2/s", "request_rate": 2.0,
+            **summarize(records, 5.0)}
+
+
+def no_slo_run(blocks) -> dict:
+    arms = [{"label": b["arm"], "policy": b["arm"], "server": {"command": "pdserve"}} for b in blocks]
+    return run(blocks, arms) | {"slos_ms": {}, "goodput_target": None}
+
+
+def test_ttft_for_one_arm_and_tpot_for_the_other_is_a_split_verdict():
+    """The CPU report that said "colocated 1.08x lower TTFT" while its decode was the slower: TTFT favours
+    colocated, TPOT and ITL favour disaggregated, both within the assumed SLOs: no single winner, and the SLOs
+    it assumed (no --goodput) are named."""
+    from pdserve.bench.load.verdict import ASSUMED_SLOS_MS, judge
+
+    blocks = [measured("colocated", ttft_ms=600.0, gap_ms=60.0), measured("disaggregated", ttft_ms=650.0, gap_ms=20.0)]
+    text = markdown(no_slo_run(blocks))
+    lines = verdict(text)
+    assert lines[0].startswith("- SLOs judged: TTFT <= 2000 ms, TPOT <= 100 ms, ITL (longest gap of a request) <= "
+                               "500 ms (**assumed**: no --goodput was given")
+    point = next(line for line in lines if line.startswith("- rate 2/s"))
+    assert "every arm met the SLOs (colocated 100%, disaggregated 100%)" in point
+    assert "**split, no single winner**: **colocated** lower on TTFT p99" in point
+    assert "**disaggregated** lower on TPOT p99 (3.00x, 20 ms against 60 ms), ITL p99 (3.00x" in point
+    assert "TTFT p50 is" not in text and "higher on none" not in point
+    [judged] = judge(no_slo_run(blocks))["points"]
+    assert judged["outcome"] == "split" and judged["winner"] is None
+    assert judged["favours"] == {"colocated": ["ttft"], "disaggregated": ["tpot", "itl", "e2el"]}
+    assert judge(no_slo_run(blocks))["slos_ms"] == ASSUMED_SLOS_MS and judge(no_slo_run(blocks))["assumed"]
+
+
+def test_a_stall_past_the_assumed_itl_slo_decides_against_the_lower_ttft():
+    """The same report's other half: colocated's TTFT was lower but its streams stalled (ITL p99 1558 ms against
+    199): under the assumed ITL SLO colocated misses and disaggregated wins, and the line says which SLO."""
+    blocks = [measured("colocated", ttft_ms=1800.0, gap_ms=20.0, stall_ms=1558.0, tokens=64),
+              measured("disaggregated", ttft_ms=1940.0, gap_ms=20.0, stall_ms=199.0, tokens=64)]
+    point = next(line for line in verdict(markdown(no_slo_run(blocks))) if line.startswith("- rate 2/s"))
+    assert point.startswith("- rate 2/s: **disaggregated** met the SLOs and colocated did not (requests within them: "
+                            "colocated 0%, disaggregated 100%) (colocated missed ITL (longest gap of a request) "
+                            "<= 500 ms (0% within))"), point
+
+
+def test_given_slos_are_judged_each_and_every_latency_compared():
+    """--goodput ttft:1000 tpot:50: both arms meet it; TTFT even, TPOT lower for one arm: that arm is better on
+    TPOT and no worse elsewhere (a winner by every latency, not by one alone)."""
+    from pdserve.bench.load.verdict import judge
+
+    blocks = [measured("colocated", ttft_ms=500.0, gap_ms=30.0), measured("disaggregated", ttft_ms=505.0, gap_ms=10.0)]
+    r = run(blocks, [{"label": b["arm"], "policy": b["arm"], "server": {"command": "x"}} for b in blocks])
+    r["slos_ms"] = {"ttft": 1000.0, "tpot": 50.0}
+    [judged] = judge(r)["points"]
+    assert not judge(r)["assumed"] and judged["outcome"] == "better" and judged["winner"] == "disaggregated"
+    assert judged["shares"]["colocated"] == {"each": {"ttft": 1.0, "tpot": 1.0}, "all": 1.0}
+    assert [c["lower"] for c in judged["latency"]] == [None, "disaggregated", "disaggregated", "disaggregated"]
+    point = next(line for line in verdict(markdown(r)) if line.startswith("- rate 2/s"))
+    assert "**disaggregated** lower on TPOT p99" in point and "within 5% on TTFT p99" in point

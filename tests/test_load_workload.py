@@ -197,6 +197,9 @@ def test_mooncake_loader_replays_timestamps_and_shared_prefixes(tmp_path):
     assert w0[:16] == w1[:16]  # hash ids 1, 2 shared: the same 16 words
     assert w0[16:20] != w1[16:20]  # block 3 vs block 4
     assert len(mooncake_samples(path, b, n=2)) == 2
+    # another run's (or invocation's) text seed: the same sharing, other words, so no earlier run's cache serves it
+    other = mooncake_samples(path, b, block_size=8, speedup=2.0, seed=1)
+    assert other[0].prompt.split()[:16] == other[1].prompt.split()[:16] and other[0].prompt != samples[0].prompt
     (tmp_path / "bad.jsonl").write_text(json.dumps({"timestamp": 0, "input_length": 3}) + "\n")
     with pytest.raises(WorkloadError, match="output_length"):
         mooncake_samples(tmp_path / "bad.jsonl", b)

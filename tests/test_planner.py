@@ -4,6 +4,7 @@ colocated must win (prefill-bound, loose TPOT) and where xP:yD must (a tight TPO
 chunks break)."""
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -160,14 +161,52 @@ def test_a_prediction_beside_a_measured_capacity(tmp_path):
 
 
 def test_the_planner_measures_a_profile_itself(tmp_path, capsys):
-    """--measure runs `pdserve-bench engine` on the tiny model first (a small grid) and plans from it."""
+    """--measure runs `pdserve-bench engine` on the tiny model first (a smaller grid than its CPU default) and plans
+    from it; SLOs loose enough for a loaded 2-core CPU (torch's threads oversubscribed there make a tiny decode
+    step take up to ~0.5 s)."""
     out = tmp_path / "plan.json"
     rc = cli.main(["plan", "--measure", "tiny", "--device", "cpu", "--measure-args",
-                   "--lengths 64,256 --pairs 1 --batches 1,4 --contexts 128,256 --mixed-batch 0 --chunk-decodes 0 "
-                   "--mixed-step '' --repeats 2 --warmup 1", "--gpus", "2", "--input-len", "uniform:64:256",
-                   "--output-len", "8", "--goodput", "ttft:1000", "tpot:100", "--probe-seconds", "5", "--out", str(out)])
+                   "--lengths 64,256 --pairs 1 --batches 1,4 --contexts 128,256 --repeats 2", "--gpus", "2",
+                   "--input-len", "uniform:64:256",
+                   "--output-len", "8", "--goodput", "ttft:5000", "tpot:2000", "--probe-seconds", "5",
+                   "--out", str(out)])
     assert rc == 0, capsys.readouterr().err[-3000:]
     result = json.loads(out.read_text())
     assert result["profile"]["source"] == "measured: tiny on cpu"
     assert sorted(result["profile"]["prefill_points"]) == ["256", "64"]
     assert result["recommended"] in {a["split"] for a in result["arms"]}
+
+
+def test_measuring_a_profile_fits_the_device_or_is_refused_up_front(capsys):
+    """plan --measure's own grid on a CPU is the profile's and small (the engine bench's defaults, 32k prompts and
+    64 x 16k contexts, need ~100 GiB of host memory for smollm2-135m); a model whose grid needs more than
+    --measure-memory-gb is refused before anything loads, saying what it needs and what to give instead."""
+    from pdserve.bench.load.plan_measure import GRIDS, engine_argv, needs
+
+    argv = engine_argv("tiny", "cpu", "--pairs 1")
+    assert argv[:5] == ["engine", "--model", "tiny", "--device", "cpu"] and argv[5:-2] == GRIDS["cpu"]
+    assert argv[-2:] == ["--pairs", "1"]  # --measure-args come last and win
+    assert "--chunk-decodes" in GRIDS["cpu"] and "--hf-decode-context" in GRIDS["cpu"]  # only what the plan reads
+    assert needs(argv)["total"] < 2 and needs(engine_argv("qwen2.5-7b", "cpu"))["weights"] > 14  # bf16 7.6B
+    engine_defaults = needs(["engine", "--model", "qwen2.5-7b", "--device", "cpu"])
+    assert engine_defaults["kv_pool"] > 8 * needs(engine_argv("qwen2.5-7b", "cpu"))["kv_pool"]
+    rc = cli.main(["plan", "--measure", "qwen2.5-7b", "--device", "cpu", "--goodput", "ttft:1000"])
+    err = capsys.readouterr().err
+    need = re.search(r"measuring qwen2.5-7b's profile on cpu with this grid needs about ([\d.]+) GiB \(weights 14", err)
+    assert rc == 2 and need and float(need.group(1)) > 8, err
+    assert "over --measure-memory-gb 8" in err and "measuring the profile:" not in err  # refused before it ran
+    assert cli.main(["plan", "--profile", str(ENGINE_JSON), "--goodput", "itl:100"]) == 2
+    assert "no per-token gaps" in capsys.readouterr().err
+
+
+def test_slos_a_request_alone_misses_are_named_not_searched_into_a_bracket_of_nothing():
+    """A decode step of 500 ms (a slow CPU's) cannot meet TPOT 100 ms at any rate: the plan says which SLO a
+    request alone already misses and by how much, where it said only '< lowest probe'."""
+    slow = _profile(20.0, alpha=500.0, beta=1.0)
+    result = plan(slow, Workload(_args()), _args(goodput=["ttft:1000", "tpot:100"], search_max_probes=4))
+    assert result["recommended"] is None
+    assert result["alone"]["misses"] == {"tpot": pytest.approx(501.0)}
+    assert result["alone"]["ms"]["ttft"] == pytest.approx(20.0)
+    assert all(a["probes"] == [] and a["predicted_capacity_rate"] is None for a in result["arms"])  # not searched
+    fast = plan(_profile(20.0, alpha=5.0, beta=1.0), Workload(_args()), _args(goodput=["ttft:1000", "tpot:100"]))
+    assert fast["alone"]["misses"] == {} and fast["recommended"] is not None

@@ -15,7 +15,9 @@ Each (profile, arm) runs every rate of its grid once, each run >= --run-seconds 
 verdict, not the run, so every pair is judged on the same requests: a rate passes when >= --goodput-target
 of its requests met both SLOs and its queue did not grow. An arm's capacity in a cell is the highest grid
 rate below which every rate passed (its bracket: that rate and the first failing one); the cell's winner
-is the arm with the higher capacity, "tie" when equal, "neither" when no arm passed the lowest rate.
+is the arm with the higher capacity, "tie" when equal, "neither" when no arm passed the lowest rate; a cell
+without a winner says why (bench/load/atlas_cells.py judges the cells). Where the machine's reach is unknown
+(no GPU, or --rates auto) a short calibration run sets the rates first (bench/load/calibrate.py).
 
 Writes atlas.json (the cells, every capacity and bracket, the runs' folders, provenance), atlas.md (the same
 as a table) and atlas.png (the map: one square per cell, coloured by its winner, each arm's capacity written
@@ -27,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
-from pdserve.bench.load.capacity import probe_passes
+from pdserve.bench.load.atlas_cells import cells_of
+from pdserve.bench.load.metrics import SLO_METRICS
 
 PROFILES = {  # name -> the load bench's workload flags
     "short": ["--input-len", "uniform:128:512"],
@@ -47,9 +52,13 @@ def _slo(text: str) -> tuple[str, dict[str, float]]:
     name, eq, spec = text.partition("=")
     try:
         pairs = dict(item.split(":") for item in spec.split(","))
-        return name.strip(), {k.strip(): float(v) for k, v in pairs.items()}
+        slos = {k.strip(): float(v) for k, v in pairs.items()}
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"an SLO pair is NAME=ttft:MS,tpot:MS, got {text!r}") from e
+    if not name.strip() or not set(slos) <= set(SLO_METRICS):
+        raise argparse.ArgumentTypeError(f"an SLO pair is NAME=METRIC:MS,... with metrics of {', '.join(SLO_METRICS)}, "
+                                         f"got {text!r}")
+    return name.strip(), slos
 
 
 def parse_rates(text: str, profiles: list[str]) -> dict[str, list[float]]:
@@ -84,7 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="64")
     p.add_argument("--slo", type=_slo, action="append", default=None, metavar="NAME=ttft:MS,tpot:MS",
                    help="an SLO pair (repeat; default tight=ttft:2000,tpot:25 and loose=ttft:2000,tpot:100)")
-    p.add_argument("--rates", default=DEFAULT_RATES, help="req/s: '1,2,4' or per profile 'short=2,4;long=1,2'")
+    p.add_argument("--rates", default=None,
+                   help="req/s: '1,2,4', per profile 'short=2,4;long=1,2', or 'auto': a short run of every arm per "
+                        "profile first, and rates from LOW x the slowest arm's throughput to HIGH x the fastest's "
+                        "(bench/load/calibrate.py; cells no arm can meet are refused with the reason). Default: "
+                        f"auto on a machine without a GPU (or --devices cpu), else {DEFAULT_RATES}")
+    p.add_argument("--max-minutes", type=float, default=math.inf,
+                   help="refuse a grid whose least time (arrivals, queues drained, server starts) is longer")
     p.add_argument("--run-seconds", type=float, default=60.0, help="seconds of arrivals per run, at least")
     p.add_argument("--min-requests", type=int, default=24, help="requests per run, at least")
     p.add_argument("--goodput-target", type=float, default=0.9)
@@ -119,14 +134,10 @@ def profiles_of(args) -> dict[str, list[str]]:
     return out
 
 
-def load_argv(args, flags: list[str], rates: list[float], arms: list[str], out: Path) -> list[str]:
-    argv = [x for arm in arms for x in ("--arm", arm)]
-    argv += ["--server-args", args.server_args, "--server-timeout", str(args.server_timeout),
-             "--request-timeout", str(args.request_timeout), *flags, "--output-len", args.output_len,
-             "--request-rates", ",".join(f"{r:g}" for r in rates), "--run-seconds", str(args.run_seconds),
-             "--num-prompts", str(args.min_requests), "--burstiness", str(args.burstiness), "--seed", str(args.seed),
-             "--warmup-batch", str(args.warmup_batch), "--warmup-max-batches", str(args.warmup_max_batches),
-             "--out", str(out), "--no-progress", "--no-plots"]
+def common_flags(args) -> list[str]:
+    """The load bench's flags every run of the atlas shares: the servers, the output length, the seed."""
+    argv = ["--server-args", args.server_args, "--server-timeout", str(args.server_timeout),
+            "--request-timeout", str(args.request_timeout), "--output-len", args.output_len, "--seed", str(args.seed)]
     if args.server_command:
         argv += ["--server-command", args.server_command]
     if args.tokenizer:
@@ -134,58 +145,12 @@ def load_argv(args, flags: list[str], rates: list[float], arms: list[str], out: 
     return argv
 
 
-def _meets(request: dict, slos: dict[str, float]) -> bool:
-    if not request.get("success"):
-        return False
-    values = {"ttft": request.get("ttft_s"), "tpot": request.get("tpot_s") or 0.0, "e2el": request.get("e2e_s")}
-    return all(values[m] is not None and values[m] * 1e3 <= limit for m, limit in slos.items())
-
-
-def judge_run(block: dict, slos: dict[str, float], target: float) -> dict:
-    """One measured rate under one SLO pair: the share that met both, the queue, the verdict."""
-    requests = block.get("requests") or []
-    fraction = sum(_meets(r, slos) for r in requests) / len(requests) if requests else None
-    verdict = probe_passes({"goodput_fraction": fraction, "saturation": block.get("saturation")}, target)
-    return {"rate": block["request_rate"], "goodput_fraction": fraction, "passed": verdict,
-            "queue_growing": (block.get("saturation") or {}).get("queue_growing"),
-            "requests": len(requests), "arrival_window_s": block.get("arrival_window_s")}
-
-
-def capacity_on_grid(judged: list[dict]) -> dict:
-    """The highest rate below which every rate of the grid passed; its bracket; whether the grid ran out."""
-    judged = sorted(judged, key=lambda j: j["rate"])
-    rate, first_fail = None, None
-    for j in judged:
-        if not j["passed"]:
-            first_fail = j["rate"]
-            break
-        rate = j["rate"]
-    return {"capacity_rate": rate, "first_failing_rate": first_fail, "bracket": [rate, first_fail],
-            "at_least": first_fail is None and rate is not None, "runs": judged}
-
-
-def winner(capacities: dict[str, dict]) -> str:
-    rated = {arm: c["capacity_rate"] or 0.0 for arm, c in capacities.items()}
-    top = max(rated.values(), default=0.0)
-    if top == 0.0:
-        return "neither"
-    best = [arm for arm, r in rated.items() if r == top]
-    return best[0] if len(best) == 1 else "tie"
-
-
-def cells_of(runs: dict[str, dict], slos: dict[str, dict], target: float) -> list[dict]:
-    """runs: profile -> its load results.json. One cell per (profile, SLO pair)."""
-    cells = []
-    for profile, run in runs.items():
-        arms = [a["label"] for a in run["arms"]]
-        for name, pair in slos.items():
-            caps = {}
-            for arm in arms:
-                blocks = [b for b in run["results"] if b["arm"] == arm and b["phase"] == "point"]
-                caps[arm] = capacity_on_grid([judge_run(b, pair, target) for b in blocks])
-            cells.append({"profile": profile, "slo": name, "slos_ms": pair, "winner": winner(caps),
-                          "capacities": caps})
-    return cells
+def load_argv(args, flags: list[str], rates: list[float], arms: list[str], out: Path) -> list[str]:
+    return [*(x for arm in arms for x in ("--arm", arm)), *common_flags(args), *flags,
+            "--request-rates", ",".join(f"{r:g}" for r in rates), "--run-seconds", str(args.run_seconds),
+            "--num-prompts", str(args.min_requests), "--burstiness", str(args.burstiness),
+            "--warmup-batch", str(args.warmup_batch), "--warmup-max-batches", str(args.warmup_max_batches),
+            "--out", str(out), "--no-progress", "--no-plots"]
 
 
 def _cap_text(c: dict) -> str:
@@ -203,13 +168,20 @@ def markdown(atlas: dict) -> str:
              "'<': the lowest failed.", "",
              "| profile | SLOs | winner | " + " | ".join(f"{a} (req/s)" for a in arms) + " |",
              "|---|---|---|" + "---|" * len(arms)]
+    notes: list[str] = []
     for c in atlas["cells"]:
         slos = ", ".join(f"{k} {v:g} ms" for k, v in c["slos_ms"].items())
         caps = [c["capacities"].get(a) for a in arms]
+        if c.get("why"):
+            notes.append(f"- {c['profile']} x {c['slo']}: **{c['winner']}**: {c['why']}")
         cols = ["-" if cap is None else f"{_cap_text(cap)} [" + ", ".join("-" if r is None else f"{r:g}"
                                                                           for r in cap["bracket"]) + "]"
                 for cap in caps]
         lines.append(f"| {c['profile']} | {c['slo']}: {slos} | {c['winner']} | " + " | ".join(cols) + " |")
+    if notes:
+        lines += ["", "Why no arm won:", "", *notes]
+    if atlas.get("calibration"):
+        lines += ["", f"Rates: {atlas['calibration']['note']}"]
     lines += ["", "Workloads: " + "; ".join(f"{p}: {w}" for p, w in atlas["profiles"].items()),
               f"Command: `{atlas['command']}`"]
     return "\n".join(lines) + "\n"
@@ -231,7 +203,10 @@ def plot_map(atlas: dict, path: Path) -> Path:
     for c in atlas["cells"]:
         x, y = slo_names.index(c["slo"]), len(profiles) - 1 - profiles.index(c["profile"])
         ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=colors[c["winner"]], edgecolor="black", alpha=0.85))
-        lines = [c["winner"]] + [f"{arm}: {_cap_text(c['capacities'][arm])}" for arm in arms]
+        lines = [c["winner"]] + [f"{arm}: {_cap_text(c['capacities'][arm])}" for arm in arms
+                                 if arm in c["capacities"]]
+        if c.get("why"):
+            lines.append(textwrap.fill(c["why"], 34, max_lines=4, placeholder=" ... (atlas.md)"))
         ax.text(x + 0.5, y + 0.5, "\n".join(lines), ha="center", va="center", fontsize=8)
     ax.set_xlim(0, len(slo_names))
     ax.set_ylim(0, len(profiles))
@@ -290,9 +265,10 @@ def run(args) -> int:
 
 
 def _measure(args) -> int:
-    from pdserve.bench.load import generator
+    from pdserve.bench.load import calibrate, generator
     from pdserve.bench.load.report import environment, write_json
 
+    env = environment()
     try:
         defined = profiles_of(args)
         profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
@@ -300,7 +276,8 @@ def _measure(args) -> int:
         if unknown or not profiles:
             raise ValueError(f"unknown profile(s) {unknown}; choose from {', '.join(defined)} or define one "
                              "with --profile NAME=LOAD_FLAGS")
-        rates = parse_rates(args.rates, profiles)
+        auto = args.rates == "auto" or (args.rates is None and calibrate.on_cpu(args.devices, env["machine"]["gpus"]))
+        rates = {} if auto else parse_rates(args.rates or DEFAULT_RATES, profiles)
         arms = args.arm or default_arms(args.devices)
         slos = dict(args.slo) if args.slo else SLO_PAIRS
         if args.run_seconds < 0 or args.min_requests < 1 or not 0 < args.goodput_target <= 1:
@@ -308,11 +285,28 @@ def _measure(args) -> int:
     except ValueError as e:
         print(f"pdserve-bench atlas: {e}", file=sys.stderr)
         return 2
-    env = environment()
     out = Path(args.out) if args.out else Path("bench") / "results" / f"atlas-{env['date']}"
     out.mkdir(parents=True, exist_ok=True)
+    calibration, reach = None, {}
+    if auto:
+        try:
+            calibration = calibrate.calibrate({p: defined[p] for p in profiles}, arms, slos, common_flags(args),
+                                              out / "calibration", generator.main)
+        except calibrate.Unreachable as e:
+            print(f"pdserve-bench atlas: refused: {e}", file=sys.stderr)
+            return 2
+        rates = {p: c["rates"] for p, c in calibration["profiles"].items() if c["rates"]}
+        reach = {p: c["reach"] for p, c in calibration["profiles"].items()}
+    least = sum(calibrate.minutes(rates[p], reach.get(p) or {a: {"throughput": None} for a in arms},
+                                  args.run_seconds, args.min_requests) for p in rates)
+    print(f"atlas: {sum(map(len, rates.values()))} rates x {len(arms)} arms, at least {least:.0f} minutes",
+          file=sys.stderr)
+    if least > args.max_minutes:
+        print(f"pdserve-bench atlas: refused: the grid needs at least {least:.0f} minutes (--max-minutes "
+              f"{args.max_minutes:g}); give fewer --rates or --profiles, or a shorter --run-seconds", file=sys.stderr)
+        return 2
     runs, codes = {}, {}
-    for profile in profiles:
+    for profile in rates:
         argv = load_argv(args, defined[profile], rates[profile], arms, out / profile)
         print(f"atlas: {profile}: pdserve-bench load {shlex.join(argv)}", file=sys.stderr)
         codes[profile] = generator.main(argv)
@@ -323,7 +317,7 @@ def _measure(args) -> int:
         print("pdserve-bench atlas: no profile produced results (see the load runs' errors above)", file=sys.stderr)
         return 1
     described = {p: shlex.join(defined[p]) + f" --output-len {args.output_len}" for p in profiles}
-    return _write(args, runs, codes, described, rates, arms, env, write_json)
+    return _write(args, runs, codes, described, rates, arms, env, write_json, calibration)
 
 
 def hardware(runs: dict[str, dict], env: dict) -> str:
@@ -336,11 +330,13 @@ def hardware(runs: dict[str, dict], env: dict) -> str:
     return text + (f" ({gpus.splitlines()[0].split(',')[0]})" if gpus else "")
 
 
-def _write(args, runs, codes, profiles, rates, arms, env, write_json) -> int:
+def _write(args, runs, codes, profiles, rates, arms, env, write_json, calibration: dict | None = None) -> int:
     out = Path(args.out) if args.out else Path("bench") / "results" / f"atlas-{env['date']}"
     out.mkdir(parents=True, exist_ok=True)
     slos = dict(args.slo) if args.slo else SLO_PAIRS
     labels = list(dict.fromkeys(a["label"] for r in runs.values() for a in r["arms"]))
+    # profiles calibrated but not measured: every SLO pair refused, each cell says why
+    refused = {p: c["refused"] for p, c in (calibration or {}).get("profiles", {}).items() if p not in runs}
     atlas = {"benchmark": "atlas", "environment": env, "command": shlex.join(["pdserve-bench", "atlas",
                                                                                *sys.argv[2:]]),
              "hardware": hardware(runs, env),
@@ -352,13 +348,15 @@ def _write(args, runs, codes, profiles, rates, arms, env, write_json) -> int:
              {p: "merged from " + ", ".join(args.from_dirs) for p in runs},
              "shortest_run_arrivals_s": {p: min((b.get("arrival_window_s") or 0.0 for b in r["results"]
                                                  if b["phase"] == "point"), default=None) for p, r in runs.items()},
-             "load_exit_codes": codes, "cells": cells_of(runs, slos, args.goodput_target)}
+             "load_exit_codes": codes, "calibration": calibration,
+             "cells": cells_of(runs, slos, args.goodput_target, refused)}
     if not args.no_plot:
         atlas["plot"] = plot_map(atlas, out / "atlas.png").name
     write_json(out / "atlas.json", atlas)
     (out / "atlas.md").write_text(markdown(atlas))
     for c in atlas["cells"]:
         caps = ", ".join(f"{arm} {_cap_text(cap)}" for arm, cap in c["capacities"].items())
-        print(f"{c['profile']:>6} x {c['slo']:<6} winner {c['winner']:<14} ({caps} req/s)")
+        print(f"{c['profile']:>6} x {c['slo']:<6} winner {c['winner']:<14} ({caps or 'not measured'} req/s)"
+              + (f": {c['why']}" if c.get("why") else ""))
     print(f"atlas in {out}/", file=sys.stderr)
     return 0 if all(code == 0 for code in codes.values()) else 1

@@ -7,8 +7,9 @@
 
 Each arm (a policy, or an --arm with its own fresh server) runs alone: its own runs, on the same
 seeded prompt lengths and the same seeded arrival schedule (at any rate, the same gaps scaled by
-1/rate), and its throughput from its own run's duration. --arm starts each arm's server in turn
-(`pdserve` by default), so arms get the same devices one after the other. Arms sharing one server
+1/rate), and its throughput from its own run's duration; the prompts' words are new per run and per
+invocation (a nonce, recorded) unless --text-seed or --reuse-prompts says otherwise. --arm starts each
+arm's server in turn (`pdserve` by default), so arms get the same devices one after the other. Arms sharing one server
 (--policies) alternate per load point (ABBA...). --policy-runs interleaved is the old shared run:
 request i goes with policy i mod n through one schedule, the offered rate is the total, and the
 policies time-share the server (labelled as such everywhere).
@@ -123,7 +124,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None,
                    help="count tokens exactly with this tokenizer (a pdserve model name or a local HF dir); "
                         "default: one token per generated word, ~4 characters per token for dataset text")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="prompt lengths and arrival times")
+    w.add_argument("--text-seed", type=int, default=None,
+                   help="the prompts' words (default: a fresh nonce per invocation, in results.json, so a second "
+                        "invocation against the same server does not meet its prefix cache)")
+    w.add_argument("--reuse-prompts", action="store_true",
+                   help="every run sends the same words (from --text-seed, else --seed): a warm prefix cache on "
+                        "purpose; the report gives the cached share either way")
 
     m = p.add_argument_group("multi-turn (--dataset multiturn, bench/load/multiturn.py)")
     m.add_argument("--conversations", type=int, default=8, help="conversations per run")
@@ -178,7 +185,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--stream-usage", action="store_true", help="send stream_options.include_usage")
     r.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     r.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                   help="SLOs for goodput, e.g. ttft:2000 tpot:50 (metrics: ttft, tpot, e2el)")
+                   help="SLOs for goodput and the verdict, e.g. ttft:2000 tpot:50 (metrics: ttft, tpot, itl: a "
+                        "request's longest gap, e2el); without it the verdict assumes ttft:2000 tpot:100 itl:500")
     r.add_argument("--percentiles", "--metric-percentiles", type=_floats, default=[50.0, 90.0, 99.0],
                    help="percentiles reported (50 and 99 always are)")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl",
@@ -339,7 +347,9 @@ def redacted(argv: list[str]) -> list[str]:
 def run(args) -> int:
     from pdserve.bench.load.report import environment, markdown, write_json
     from pdserve.bench.load.metrics import parse_slos
-    from pdserve.bench.load.workload import LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count
+    from pdserve.bench.load.verdict import judge
+    from pdserve.bench.load.workload import (LengthDist, PromptBuilder, WorkloadError, load_tokenizer, long_count,
+                                             prompt_text)
 
     try:
         resolve(args)
@@ -351,6 +361,8 @@ def run(args) -> int:
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         builder = PromptBuilder(load_tokenizer(args.tokenizer) if args.tokenizer else None)
+        text = prompt_text(args.seed, args.text_seed, args.reuse_prompts)
+        args.text_seed = text["text_seed"]
     except ValueError as e:  # WorkloadError included
         print(f"pdserve-bench load: {e}", file=sys.stderr)
         return 2
@@ -386,12 +398,14 @@ def run(args) -> int:
         "arms": arm_infos,
         "workload": workload_text(args),
         "long_prompts_per_run": n_long,
+        "prompt_text": text,
         "slos_ms": slos,
         "goodput_target": args.goodput_target if slos else None,
         "percentiles": percentiles,
         "args": _recorded_args(args),
         "results": blocks,
     }
+    run_record["verdict"] = judge(run_record)
     if not args.no_plots:
         from pdserve.bench.load.plots import plot_all
         run_record["plots"] = [p.name for p in plot_all(blocks, out)]

@@ -6,7 +6,10 @@ Definitions (those of `vllm bench serve`, so results compare):
     TPOT   (E2E - TTFT) / (output_len - 1), per request with output_len > 1
     E2EL   send -> end of the stream
     throughput   completed requests (tokens) / duration of the whole run (first send -> last answer)
-    goodput      requests meeting every given SLO / duration (a 1-token answer meets any TPOT SLO)
+    goodput      requests meeting every given SLO / duration (a 1-token answer meets any TPOT or ITL SLO)
+    SLOs         per request: ttft, tpot, e2el as above; itl its longest gap (the longest stall its reader saw)
+    cached share prompt tokens the server reported served from its cache / prompt tokens, over the
+                 requests that reported it
 Percentiles interpolate linearly (numpy's default). Empty sets give None, not 0.
 
 Server phases (from pdserve's `timings`, where present) are summarised the same way: queue, prefill,
@@ -20,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
-SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 SERVER_PHASES = {  # summary name -> timings field
     "queue": "queue_ms",
     "prefill": "prefill_ms",
@@ -83,11 +86,29 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def slo_values_ms(ttft_s: float | None, tpot_s: float | None, itls_s: list[float], e2e_s: float | None
+                  ) -> dict[str, float | None]:
+    """One request's value for each SLO metric, in ms; a one-token answer has no TPOT and no gap (0)."""
+    return {"ttft": None if ttft_s is None else ttft_s * 1e3, "tpot": (tpot_s or 0.0) * 1e3,
+            "itl": max(itls_s, default=0.0) * 1e3, "e2el": None if e2e_s is None else e2e_s * 1e3}
+
+
+def within_each(values_ms: dict[str, float | None], slos: dict[str, float]) -> dict[str, bool]:
+    """Per SLO: whether this value meets it (a missing value does not)."""
+    return {m: values_ms[m] is not None and values_ms[m] <= limit for m, limit in slos.items()}
+
+
 def meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
-    if not r.success:
-        return False
-    values_ms = {"ttft": r.ttft_s, "tpot": r.tpot_s if r.tpot_s is not None else 0.0, "e2el": r.e2e_s}
-    return all(values_ms[m] is not None and values_ms[m] * 1e3 <= limit for m, limit in slos.items())
+    return r.success and all(within_each(slo_values_ms(r.ttft_s, r.tpot_s, r.itls_s, r.e2e_s), slos).values())
+
+
+def request_within(request: dict, slos: dict[str, float]) -> dict[str, bool]:
+    """A request as results.json holds it (RequestRecord.to_dict): per SLO, whether it met it; a failed
+    request meets none."""
+    if not request.get("success"):
+        return dict.fromkeys(slos, False)
+    return within_each(slo_values_ms(request.get("ttft_s"), request.get("tpot_s"), request.get("itls_s") or [],
+                                     request.get("e2e_s")), slos)
 
 
 def pct_name(p: float) -> str:
@@ -142,6 +163,8 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     out["cached_tokens_reported"] = len(cached)
     out["total_cached_tokens"] = sum(cached) if cached else None
+    out["cache_reported_prompt_tokens"] = sum(r.prompt_len for r in ok if r.cached_tokens is not None)
+    out["cached_share"] = cached_share(ok)
     if any(r.turn is not None for r in records):
         out["per_turn"] = per_turn(records, percentiles)
     # per-request arrays, vllm's units: seconds for ttfts / itls
@@ -152,6 +175,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
     out["errors"] = [r.error or "" for r in records]
     out["requests"] = [r.to_dict() for r in records]
     return out
+
+
+def cached_share(records: list[RequestRecord]) -> float | None:
+    """Prompt tokens served from the server's cache / prompt tokens, over the requests that reported cached
+    tokens; None when none did (a server without a prefix cache, or one that does not say)."""
+    told = [r for r in records if r.cached_tokens is not None]
+    return sum(r.cached_tokens for r in told) / max(1, sum(r.prompt_len for r in told)) if told else None
 
 
 def ttft_split_ms(records: list[RequestRecord]) -> dict[str, float | None]:
@@ -228,8 +258,7 @@ def per_turn(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES) -> l
                "mean_prompt_tokens": float(np.mean([r.prompt_len for r in ok])) if ok else None,
                "cached_tokens_reported": len(cached),
                "mean_cached_tokens": float(np.mean([r.cached_tokens for r in cached])) if cached else None,
-               "cached_share": (sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_len for r in cached))
-                                if cached else None)}
+               "cached_share": cached_share(cached)}
         ttfts = [r.ttft_s * 1e3 for r in ok]
         row.update(stats_ms("ttft", ttfts, percentiles))
         row["min_ttft_ms"], row["max_ttft_ms"] = (min(ttfts), max(ttfts)) if ttfts else (None, None)

@@ -3,7 +3,7 @@ from a worker's measured profile.
 
     pdserve-bench plan --profile bench/results/engine-nvidia-h200-2026-12-01-4acfb30.json --gpus 2 \\
         --input-len uniform:1024:8192 --output-len 64 --goodput ttft:2000 tpot:25
-    pdserve-bench plan --measure tiny --device cpu --gpus 2 ...   # runs `pdserve-bench engine` first
+    pdserve-bench plan --measure tiny --device cpu --gpus 2 ...   # runs `pdserve-bench engine` first (plan_measure.py)
     pdserve-bench plan --profile engine.json --trace mooncake.jsonl ...   # a trace's prompt and reply lengths
 
 The profile: prefill time by prompt length and decode step time by batch x context, from `pdserve-bench
@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
-import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from pdserve.bench.load.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
 from pdserve.bench.load.metrics import RequestRecord, meets_slos, parse_slos
+from pdserve.bench.load.plan_measure import measure_profile
 from pdserve.bench.load.plan_sim import Profile, Req, Split, simulate
 from pdserve.bench.load.workload import LengthDist, long_count
 
@@ -40,10 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("profile (one of)")
     src.add_argument("--profile", default=None, help="a `pdserve-bench engine` JSON")
     src.add_argument("--measure", default=None, metavar="MODEL",
-                     help="measure this model's profile first with `pdserve-bench engine` (--device, small grid)")
+                     help="measure this model's profile first with `pdserve-bench engine` on a grid suited to "
+                          "--device (bench/load/plan_measure.py: on a CPU 128-1k prompts, batches 1-16 at 256-1k "
+                          "contexts)")
     src.add_argument("--device", default="cpu", help="--measure: the device")
-    src.add_argument("--measure-args", default="", help="--measure: more `pdserve-bench engine` flags, e.g. "
-                                                        "'--lengths 256,1k --batches 1,8 --contexts 512,1k'")
+    src.add_argument("--measure-args", default="", help="--measure: `pdserve-bench engine` flags over that grid, "
+                                                        "e.g. '--lengths 256,1k --batches 1,8 --contexts 512,1k'")
+    src.add_argument("--measure-memory-gb", type=float, default=8.0,
+                     help="--measure on a CPU: refuse, before loading anything, a grid the model needs more host "
+                          "memory for (estimated from its shapes)")
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", default="1024", help="N, fixed:N, uniform:LO:HI or normal:MEAN:STD tokens")
     w.add_argument("--output-len", default="128")
@@ -158,11 +161,14 @@ def splits_for(gpus: int, args) -> list[Split]:
 
 def plan(profile: Profile, workload: Workload, args) -> dict:
     slos = parse_slos(args.goodput)
+    lone = alone(profile, workload, slos, args.goodput_target)
     arms = []
     for split in splits_for(args.gpus, args):
-        cap, probes = predict(split, profile, workload, slos, target=args.goodput_target,
-                              probe_seconds=args.probe_seconds, min_requests=args.probe_min_requests,
-                              precision=args.search_precision, max_probes=args.search_max_probes, seed=args.seed)
+        # a request alone already over an SLO: no rate passes, and a search would halve towards zero
+        cap, probes = (Capacity(None, None, args.search_precision, args.goodput_target), []) if lone["misses"] else \
+            predict(split, profile, workload, slos, target=args.goodput_target, probe_seconds=args.probe_seconds,
+                    min_requests=args.probe_min_requests, precision=args.search_precision,
+                    max_probes=args.search_max_probes, seed=args.seed)
         at = next((b for b in probes if b["request_rate"] == cap.rate), {})
         arms.append({"split": split.label, "prefill_workers": split.prefill, "decode_workers": split.decode,
                      "colocated": split.prefill == 0, "chunk": split.chunk if split.prefill == 0 else None,
@@ -172,7 +178,20 @@ def plan(profile: Profile, workload: Workload, args) -> dict:
     return {"benchmark": "plan", "gpus": args.gpus, "workload": workload.text, "slos_ms": slos,
             "goodput_target": args.goodput_target, "profile": profile.to_dict(),
             "model": "bench/load/plan_sim.py (a simulation from the profile, not a measurement)",
-            "arms": arms, "recommended": best}
+            "alone": lone, "arms": arms, "recommended": best}
+
+
+def alone(profile: Profile, workload: Workload, slos: dict[str, float], target: float) -> dict:
+    """A request with a worker to itself (no queue, no other row): its TTFT (its prefill), TPOT (one-row decode
+    steps at its mean context) and E2E, at the goodput target's quantile over the workload's lengths; `misses`:
+    the SLOs those values are already over, which no split can meet at any rate."""
+    lengths = workload.lengths(200)
+    ttft = np.array([profile.prefill(0, p) for p, _ in lengths])
+    tpot = np.array([profile.decode(1, p + o // 2) for p, o in lengths])
+    e2e = ttft + tpot * np.array([max(0, o - 1) for _, o in lengths])
+    q = 100 * target
+    values = {m: float(np.percentile(v, q)) for m, v in (("ttft", ttft), ("tpot", tpot), ("e2el", e2e))}
+    return {"quantile": q, "ms": values, "misses": {m: values[m] for m, limit in slos.items() if values[m] > limit}}
 
 
 def recommend(arms: list[dict], precision: float) -> str | None:
@@ -214,23 +233,6 @@ def compare(arms: list[dict], specs: list[str]) -> list[dict]:
     return out
 
 
-def measure_profile(model: str, device: str, extra: str = "") -> Profile:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "engine.json"
-        argv = ["engine", "--model", model, "--device", device, "--out", str(out), *shlex.split(extra)]
-        print("measuring the profile: pdserve-bench " + " ".join(argv), file=sys.stderr)
-        from pdserve.bench import cli
-
-        with contextlib.redirect_stdout(sys.stderr):  # the engine's tables: the plan's stdout stays the plan
-            try:
-                rc = cli.main(argv)
-            except SystemExit as e:  # a flag the engine bench refused
-                rc = e.code
-        if rc != 0:
-            raise ValueError(f"measuring the profile failed (pdserve-bench engine exited {rc})")
-        return Profile.from_engine_json(json.loads(out.read_text()), source=f"measured: {model} on {device}")
-
-
 def run(args) -> int:
     try:
         if (args.profile is None) == (args.measure is None):
@@ -240,9 +242,10 @@ def run(args) -> int:
         if not args.goodput:
             raise ValueError("give the SLOs the split must meet: --goodput ttft:MS tpot:MS")
         workload = Workload(args)
-        parse_slos(args.goodput)
+        if "itl" in parse_slos(args.goodput):
+            raise ValueError("the planner's simulation has no per-token gaps: give its SLOs as ttft, tpot or e2el")
         profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile) \
-            if args.profile else measure_profile(args.measure, args.device, args.measure_args)
+            if args.profile else measure_profile(args.measure, args.device, args.measure_args, args.measure_memory_gb)
     except (ValueError, OSError, KeyError) as e:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
@@ -256,13 +259,20 @@ def run(args) -> int:
     print(f"{args.gpus} GPU(s), {workload.text}, SLOs {result['slos_ms']} (>= {args.goodput_target:.0%})")
     print(f"{'split':<28} {'predicted req/s':>16} {'per GPU':>9}  bracket")
     for a in result["arms"]:
-        rate = "< lowest probe" if a["capacity_rate"] is None else f"{a['capacity_rate']:.3g}"
+        rate = f"{a['capacity_rate']:.3g}" if a["capacity_rate"] is not None else \
+            "none (alone)" if result["alone"]["misses"] else "< lowest probe"
         per = "-" if a["per_gpu"] is None else f"{a['per_gpu']:.3g}"
         print(f"{a['split']:<28} {rate:>16} {per:>9}  {a['bracket']}")
     for v in result["validation"]:
         err = "-" if v["error"] is None else f"{v['error']:+.0%}"
         print(f"validated: {v['split']}: predicted {v['predicted_capacity_rate'] or 0:.3g}, measured "
               f"{v['measured_capacity_rate']} req/s (bracket {v['measured_bracket']}), error {err}")
+    misses = result["alone"]["misses"]
+    if misses:
+        print(f"no split meets the SLOs at any rate: a request alone on one worker is already over them (p"
+              f"{result['alone']['quantile']:g}: " + ", ".join(f"{m} {v:.0f} ms > {result['slos_ms'][m]:g}"
+                                                             for m, v in misses.items())
+              + f"; profile {profile.source}); loosen the SLOs or measure a faster device")
     print(f"recommended: {result['recommended']} (a prediction of bench/load/plan_sim.py: validate it with "
           "pdserve-bench load --capacity-search)")
     if args.out:

@@ -99,6 +99,14 @@ def _saturated(block: dict) -> str:
     return f"**yes** ({signals})" if sat["saturated"] else f"no ({signals})"
 
 
+def _cached(block: dict) -> str:
+    """The share of the run's prompt tokens the server said it served from its cache; '-': it said nothing."""
+    share = block.get("cached_share")
+    if share is None:
+        return "-"
+    return f"{share:.0%} ({block['total_cached_tokens']} / {block.get('cache_reported_prompt_tokens') or '?'} tok)"
+
+
 def _cold(block: dict) -> str:
     if "cold" not in block:  # written before the flag existed
         return "-"
@@ -203,6 +211,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         f"- policy runs: **{policy_runs}**: {run.get('policy_runs_note', '')}",
         *_arm_lines(run),
         f"- workload: {run['workload']}",
+        *([f"- prompt text: {run['prompt_text']['note']}"] if run.get("prompt_text") else []),
         f"- machine: {env['machine']['hostname']}, {env['machine']['platform']}, "
         f"GPUs: {env['machine']['gpus'] or 'none seen'}",
         f"- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
@@ -228,7 +237,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         "",
         *_table_head(["arm", "phase", "load", "done", "failed", "duration (s)", "req/s", "out tok/s",
                       *(f"TTFT {p}" for p in ps), "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "E2E p50",
-                      "E2E p99", "goodput req/s", "SLOs met", "saturated (ratio / growth)",
+                      "E2E p99", "goodput req/s", "SLOs met", "cached share", "saturated (ratio / growth)",
                       "cold (TTFT / TPOT ratio)"]),
     ]
     for b in blocks:
@@ -239,7 +248,7 @@ def markdown(run: dict, percentiles=(50.0, 90.0, 99.0)) -> str:
         row += [_fmt(b[f"{p}_ttft_ms"]) for p in ps]
         row += [_fmt(b["median_tpot_ms"], 2), _fmt(b["p99_tpot_ms"], 2), _fmt(b["median_itl_ms"], 2),
                 _fmt(b["p99_itl_ms"], 2), _fmt(b["median_e2el_ms"]), _fmt(b["p99_e2el_ms"]),
-                _fmt(b["request_goodput"], 2), met, _saturated(b), _cold(b)]
+                _fmt(b["request_goodput"], 2), met, _cached(b), _saturated(b), _cold(b)]
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
     if any(b["timings_reported"] for b in blocks):
         lines += [

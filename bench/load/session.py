@@ -161,7 +161,7 @@ def own_span(records) -> float:
 
 class Session:
     """One benchmark invocation: the arguments, the prompt builder, and a counter that gives every
-    run fresh prompt text (lengths and arrivals stay those of --seed)."""
+    run fresh prompt text (lengths and arrivals stay those of --seed; the words those of args.text_seed)."""
 
     def __init__(self, args, builder, slos, percentiles, out: Path):
         self.args, self.builder, self.slos, self.percentiles, self.out = args, builder, slos, percentiles, out
@@ -178,8 +178,13 @@ class Session:
             mark_cold(block, warmup_not_steady(self.warmups.get(label)))
 
     def samples(self, copies: int = 1, n: int | None = None):
+        return make_samples(self.args, self.builder, copies, text_seed=self.next_text_seed(), n=n)
+
+    def next_text_seed(self) -> int:
+        """The next run's words: from the invocation's text seed (a fresh nonce unless asked otherwise,
+        workload.prompt_text), new per run unless --reuse-prompts."""
         self.runs += 1
-        return make_samples(self.args, self.builder, copies, text_seed=self.args.seed + 1000 * self.runs, n=n)
+        return self.args.text_seed + (0 if self.args.reuse_prompts else 1000 * self.runs)
 
     def probe_size(self, rate: float) -> int:
         """Requests of a capacity-search run at `rate`: --probe-seconds of arrivals, >= --probe-min-requests."""
@@ -187,8 +192,7 @@ class Session:
         return probe_requests(rate, a.probe_seconds, a.probe_min_requests or a.num_prompts)
 
     def conversations(self):
-        self.runs += 1
-        return make_conversations(self.args, self.builder, text_seed=self.args.seed + 1000 * self.runs)
+        return make_conversations(self.args, self.builder, text_seed=self.next_text_seed())
 
     async def send(self, client, planned, point: LoadPoint, label: str, watch: EarlyStop | None = None):
         from tqdm import tqdm
@@ -228,7 +232,7 @@ class Session:
     async def _warmup(self, client, policy: str | None, samples) -> dict:
         a = self.args
         batch = warmup_batch(samples, a.warmup_batch)
-        fresh = (lambda k: retext(batch, self.builder, a.seed + 7919 * (k + 1))) \
+        fresh = (lambda k: retext(batch, self.builder, a.text_seed + 7919 * (k + 1))) \
             if a.dataset in ("synthetic", "multiturn") \
             else (lambda k: batch)
         report = await warmup_until_steady(client, fresh, policy, self.opts, max_batches=a.warmup_max_batches,

@@ -5,6 +5,8 @@
     synthetic_samples(...)                    lengths drawn from distributions, with a long/short mix
                                               (exactly long_count(n, fraction) long prompts)
     retext(samples, builder, seed)            the same synthetic lengths with fresh words
+    prompt_text(seed, text_seed, reuse)       where an invocation's words come from: a fresh nonce unless a
+                                              text seed or reuse was asked for (recorded in results.json)
     sharegpt_samples(path, ...)               first human turn as prompt, first reply's length as output
     mooncake_samples(path, ...)               a JSONL trace replayed at its timestamps; equal hash_ids
                                               give equal text blocks (a shared prefix stays shared)
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -164,6 +167,24 @@ def retext(samples: list[Sample], builder: PromptBuilder, seed: int) -> list[Sam
             for s in samples]
 
 
+def prompt_text(seed: int, text_seed: int | None = None, reuse: bool = False) -> dict:
+    """The invocation's text seed and how it was chosen. By default a random nonce: two invocations with the
+    same --seed send the same lengths and arrivals but new words, so a server's prefix cache from the first
+    cannot serve the second. text_seed: reproducible text (each run still its own); reuse: every run sends
+    the same text (from text_seed, else --seed), so later runs and invocations meet a warm prefix cache."""
+    nonce = None if text_seed is not None or reuse else secrets.randbelow(2**31)
+    base = nonce if nonce is not None else (seed if text_seed is None else text_seed)
+    if reuse:
+        note = (f"reused on purpose (--reuse-prompts): every run sends the same text, from text seed {base}; a "
+                "server with a prefix cache serves later runs and invocations from it")
+    elif nonce is None:
+        note = (f"text seed {base} given: each run its own text, the same as any invocation with this text seed "
+                "(a server that saw it may serve it from its cache)")
+    else:
+        note = f"fresh: each run its own text, from this invocation's nonce {nonce}"
+    return {"text_seed": base, "nonce": nonce, "reused": reuse or nonce is None, "per_run": not reuse, "note": note}
+
+
 def _read_text(path: str | Path) -> str:
     try:
         return Path(path).read_text()
@@ -205,7 +226,8 @@ def sharegpt_samples(path: str | Path, n: int, builder: PromptBuilder, *, seed: 
 
 def mooncake_samples(path: str | Path, builder: PromptBuilder, *, n: int | None = None, block_size: int = 512,
                      speedup: float = 1.0, seed: int = 0) -> list[Sample]:
-    """Mooncake JSONL: {"timestamp": ms, "input_length", "output_length", "hash_ids": [...]} per line."""
+    """Mooncake JSONL: {"timestamp": ms, "input_length", "output_length", "hash_ids": [...]} per line. A hash
+    id's words come from it and `seed`: shared within a run, new for another seed."""
     if speedup <= 0:
         raise WorkloadError(f"trace speedup must be > 0, got {speedup}")
     rows = []
@@ -233,7 +255,7 @@ def mooncake_samples(path: str | Path, builder: PromptBuilder, *, n: int | None 
         words: list[str] = []
         for h in row.get("hash_ids") or []:
             if h not in blocks:
-                blocks[h] = builder.words(block_size, random.Random(f"block-{h}"))
+                blocks[h] = builder.words(block_size, random.Random(f"block-{seed}-{h}"))
             words.extend(blocks[h])
         words = words[:n_in] + builder.words(max(0, n_in - len(words)), rng)
         out.append(Sample(builder.text(words), n_in, max(1, int(row["output_length"])),
