@@ -31,7 +31,7 @@ WORKLOAD=(--input-len "$INPUT_LEN" --long-fraction "$LONG_FRACTION" --long-input
 
 if [ "${COMPARE:-0}" = 1 ]; then
   MEASURED=()
-  declare -A SPLIT=([colocated]="colocated x1 chunk 512" [colocated-unchunked]="colocated x1 unchunked"
+  declare -A SPLIT=([colocated]="colocated x1 chunk 8192" [colocated-unchunked]="colocated x1 unchunked"
                     [disaggregated]="1P:1D sharing 1 GPU")
   for arm in colocated colocated-unchunked disaggregated; do
     if [ -f "$OUT/$arm/results.json" ]; then MEASURED+=(--measured "${SPLIT[$arm]}=$OUT/$arm/results.json:$arm"); fi

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.settings.worker import EngineConfig
 from pdserve.bench.load.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
 from pdserve.bench.load.metrics import RequestRecord, meets_slos, parse_slos
 from pdserve.bench.load.plan_measure import measure_profile
@@ -57,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
     d = p.add_argument_group("deployment")
     d.add_argument("--gpus", type=int, default=2, help="workers to split (one GPU each)")
-    d.add_argument("--chunk", type=int, default=512, help="colocated chunked prefill: prompt tokens per step")
+    d.add_argument("--chunk", type=int, default=None, help="colocated chunked prefill: prompt tokens per step "
+                   "(default: the worker's own for the profile's device, 8192 on CUDA, 512 on the CPU)")
     d.add_argument("--max-batch", type=int, default=256, help="decoding rows a worker holds")
     d.add_argument("--link-gbps", type=float, default=100.0, help="GB/s of the KV link between P and D")
     d.add_argument("--transfer-fixed-ms", type=float, default=0.5, help="fixed cost of one KV move")
@@ -246,6 +248,11 @@ def run(args) -> int:
             raise ValueError("the planner's simulation has no per-token gaps: give its SLOs as ttft, tpot or e2el")
         profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile) \
             if args.profile else measure_profile(args.measure, args.device, args.measure_args, args.measure_memory_gb)
+        if args.chunk is None:  # the colocated worker's default for the device the profile was measured on
+            devices = json.loads(Path(args.profile).read_text()).get("provenance", {}).get("devices", []) \
+                if args.profile else [args.device]
+            args.chunk = EngineConfig(device="cuda:0" if any(str(d).startswith("cuda") for d in devices)
+                                      else "cpu").step_chunk_tokens
     except (ValueError, OSError, KeyError) as e:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
