@@ -7,8 +7,8 @@ how long a client that does not read may keep its answer waiting (uvicorn's h11 
     ConnectionTable(limits)   the bookkeeping (no sockets): who gets in, and who gives way
 
 A new connection is, in this order:
-    refused (503) when its descriptor is in the reserve, and the idlest connection closed so that the
-        next one fits: the last FD_RESERVE + 4 accept bursts of the open-file limit are kept for ZeroMQ
+    refused (503) when its descriptor is in the reserve, and the connection that would give way to it
+        at the cap (below) closed so that the next one fits: the last FD_RESERVE + 4 accept bursts of the open-file limit are kept for ZeroMQ
         (a worker connecting or reconnecting takes descriptors, and libzmq aborts the whole process
         when accept() finds none) and for files and pipes
     let in past its address's share (--client-share of --max-connections) by closing that address's
@@ -122,7 +122,7 @@ class ConnectionTable:
                 return [], "client_connections"
             victims = [victim]
         elif len(self.live) + 1 > self.limits.cap:
-            victim = self._room(now, len(mine) + 1)
+            victim = self.room_for(conn.peer, now)
             if victim is None:
                 return [], "too_many_connections"
             victims = [victim]
@@ -134,13 +134,14 @@ class ConnectionTable:
         self.live.add(conn)
         return victims, None
 
-    def _room(self, now: float, would_hold: int):
-        """The connection that gives way at the cap: the idlest, else the newest of the address holding
-        the most when it holds more than `would_hold` (the newcomer's, with it)."""
+    def room_for(self, peer: str, now: float):
+        """The connection that gives way to a newcomer from `peer`: the idlest, else the newest of the
+        address holding the most when it holds more than the newcomer's would (with it); else None."""
         idle = self.idlest(now)
         if idle is not None:
             return idle
         top = max(self.by_peer.values(), key=len, default=set())
+        would_hold = len(self.by_peer.get(peer, ())) + 1
         return max(top, key=lambda c: c.opened) if len(top) > would_hold else None
 
     def idlest(self, now: float, among=None):
@@ -245,12 +246,12 @@ def guarded_protocol(limits: Limits):
                 self._unsent = (size, self._unsent[1])  # more written, none taken: still waiting since then
 
         def _refuse_for_descriptors(self, fd: int) -> None:
-            """Refused (its descriptor is freed); the idlest connection closes too, so that the next one
-            is given a descriptor below the line. HTTP never keeps one above it: a connection let in there
-            would leave a hole below that the next accept() fills unchecked."""
-            idle = table.idlest(self.opened)
-            if idle is not None:
-                idle.drop()
+            """Refused (its descriptor is freed), and the connection that would give way to it at the cap
+            closes, so that the next one is given a descriptor below the line. HTTP never keeps one above
+            it: a connection let in there would leave a hole below that the next accept() fills unchecked."""
+            victim = table.room_for(self.peer, self.opened)
+            if victim is not None:
+                victim.drop()
             if self.opened - table.fd_warned_at >= FD_WARN_EVERY_S:  # once per FD_WARN_EVERY_S in a flood
                 table.fd_warned_at = self.opened
                 log.warning("refusing HTTP connections: descriptor %d is in the reserve kept for the workers' "

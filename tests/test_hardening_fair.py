@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from pdserve.protocol import control as P
+from pdserve.server.connections import ConnectionTable, Limits
 from pdserve.settings.keys import keygen, load_worker_keys
 from test_hardening_http import LONG_TEXT, closed_within, flood, live_router, post, raw
 from test_server_harness import Pdserve
@@ -196,6 +197,40 @@ def test_at_the_connection_cap_the_address_holding_most_gives_way(tokenizer):  #
             s.close()
 
 
+class Conn:
+    """A connection as ConnectionTable sees it."""
+
+    def __init__(self, peer: str, opened: float, busy: bool = False, stuck: bool = False):
+        self.peer, self.opened, self.idle_since, self.busy, self._stuck = peer, opened, opened, busy, stuck
+
+    def idle(self) -> bool:
+        return not self.busy and not self._stuck
+
+    def stuck(self) -> bool:
+        return self._stuck
+
+
+def test_who_gives_way_at_the_caps():
+    table = ConnectionTable(Limits(cap=4, per_peer=2, fd_line=0, header_timeout_s=1, send_timeout_s=1))
+    a1, a2 = Conn("A", 0.0), Conn("A", 0.1)
+    assert table.admit(a1, 0.1) == ([], None) and table.admit(a2, 0.1) == ([], None)
+    # past A's share: its idle connections are too fresh to close (their requests may be on the way)...
+    assert table.admit(Conn("A", 0.2), 0.2) == ([], "client_connections")
+    a3 = Conn("A", 1.0)
+    assert table.admit(a3, 1.0) == ([a1], None)  # ...until idle IDLE_GRACE_S: the longest idle gives way
+    a2.busy = a3.busy = True
+    b1, b2 = Conn("B", 1.0, busy=True), Conn("B", 1.1, stuck=True)
+    assert table.admit(b1, 1.1) == ([], None) and table.admit(b2, 1.1) == ([], None)  # at the cap now
+    c1 = Conn("C", 1.2, busy=True)
+    assert table.admit(c1, 1.2) == ([b2], None)  # a stuck one goes first, however fresh
+    # every one busy: the newest of an address holding more than the newcomer would (2 > 1) gives way
+    d1 = Conn("D", 1.3, busy=True)
+    assert table.admit(d1, 1.3) == ([a3], None)
+    # A 1, B 1, C 1, D 1: nobody holds more than a second connection from D would
+    assert table.admit(Conn("D", 1.4), 1.4) == ([], "too_many_connections")
+    assert {p: len(c) for p, c in table.by_peer.items()} == {"A": 1, "B": 1, "C": 1, "D": 1}
+
+
 # ---- clients that never read their answer ---------------------------------------------------------
 
 
@@ -251,65 +286,64 @@ def big_answers(n_tokens: int):
 
 def test_out_of_descriptors_a_worker_still_connects(tmp_path):
     """Clients that never read 1 MB answers, from four addresses, more of them than the open-file
-    limit: the router keeps its reserve, a worker registering over ipc:// gets in, and once the
-    send timeout has passed, a well-behaved client is served."""
+    limit, and a worker registering over ipc:// in the middle of them: the router keeps its reserve
+    and lives, the worker gets in, a well-behaved client is served, and once the send timeout has
+    passed the descriptors are back."""
     router_dir, worker_dir = keygen(tmp_path / "keys")
     keys = load_worker_keys(worker_dir)
     register = f"ipc://{tmp_path}/register"
     cmd = [sys.executable, "-c", ROUTER, "router", "--model", "tiny", "--port", "0", "--register", register,
            "--keys", str(router_dir), "--send-timeout", "2"]
-    first = FakeWorker(register, "colocated", "c0", big_answers(1000), keys=keys, max_model_len=20000)
+    body = b'{"prompt": "Hi", "max_tokens": 1000}'
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    workers = [FakeWorker(register, "colocated", "c0", big_answers(1000), keys=keys, max_model_len=20000),
+               FakeWorker(register, "colocated", "c1", colocated_echo(2), keys=keys)]
+    clients: list[socket.socket] = []
     with Pdserve(command=cmd) as srv:
         pid = srv.proc.pid
-        first.start()
         try:
-            assert first.registered.wait(10)
-            before = fds(pid)
+            workers[0].start()
+            assert workers[0].registered.wait(10)
+            before, peak = fds(pid), 0
             host, port = srv.url.removeprefix("http://").split(":")
-            body = b'{"prompt": "Hi", "max_tokens": 1000}'
-            request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            clients, peak = [], 0
-            for i in range(FD_LIMIT + 50):
+            for i in range(FD_LIMIT + 100):
+                if i == FD_LIMIT:  # the old router's descriptors ran out long before: it died here
+                    workers[1].start()
                 s = socket.socket()
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 s.bind((f"127.0.0.{2 + i % 4}", 0))
+                clients.append(s)
                 try:
                     s.connect((host, int(port)))
                     s.sendall(request)
                 except OSError:
                     pass
-                clients.append(s)
                 if i % 25 == 0:
                     time.sleep(0.2)
-                    assert srv.proc.poll() is None, srv.log_text()[-3000:]
+                    assert srv.proc.poll() is None, f"the router died\n{srv.log_text()[-3000:]}"
                     peak = max(peak, fds(pid))
-            second = FakeWorker(register, "colocated", "c1", colocated_echo(2), keys=keys)
-            second.start()
-            try:
-                registered = second.registered.wait(10)
-                assert srv.proc.poll() is None, f"the router died (rc {srv.proc.returncode})\n{srv.log_text()[-3000:]}"
-                assert registered, srv.log_text()[-3000:]
-                assert peak < FD_LIMIT - 256, peak
-                # a well-behaved client: served, after at most a few 503s while every descriptor below the
-                # reserve is held (each refusal closes the idlest connection, so that the next one fits)
-                statuses = []
-                while len(statuses) < 5 and 200 not in statuses:
-                    r = httpx.post(srv.url + "/v1/completions", content=GOOD, timeout=30,
-                                   headers={"content-type": "application/json"})
-                    statuses.append(r.status_code)
-                    if r.status_code == 503:
-                        assert r.json()["error"]["code"] == "out_of_descriptors", r.text
-                        time.sleep(float(r.headers["retry-after"]) / 10)
-                assert statuses[-1] == 200 and len(statuses) <= 3, statuses
-                # the answers never read are dropped (--send-timeout) and idle connections closed: the
-                # descriptors come back
-                assert wait_until(lambda: fds(pid) <= before + 5, 10.0), (before, fds(pid))
-            finally:
-                second.stopped.set()
-                second.join(5)
-                for s in clients:
-                    s.close()
+            registered = workers[1].registered.wait(10)
+            assert srv.proc.poll() is None, f"the router died (rc {srv.proc.returncode})\n{srv.log_text()[-3000:]}"
+            assert registered, srv.log_text()[-3000:]
+            assert peak < FD_LIMIT - 256, peak  # the reserve was never entered
+            # the well-behaved client: served, after at most a few 503s while every descriptor below the
+            # reserve is held (each refusal closes the idlest connection, so that the next one fits)
+            statuses = []
+            while len(statuses) < 5 and 200 not in statuses:
+                r = httpx.post(srv.url + "/v1/completions", content=GOOD, timeout=30,
+                               headers={"content-type": "application/json"})
+                statuses.append(r.status_code)
+                if r.status_code == 503:
+                    assert r.json()["error"]["code"] == "out_of_descriptors", r.text
+                    time.sleep(float(r.headers["retry-after"]) / 10)
+            assert statuses[-1] == 200 and len(statuses) <= 3, statuses
+            # the answers never read are dropped (--send-timeout), idle connections closed: descriptors back
+            assert wait_until(lambda: fds(pid) <= before + 5, 10.0), (before, fds(pid))
         finally:
-            first.stopped.set()
-            first.join(5)
+            for s in clients:
+                s.close()
+            for w in workers:
+                w.stopped.set()
+                if w.is_alive():
+                    w.join(5)
