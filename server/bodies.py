@@ -140,8 +140,8 @@ class BodyBudget:
                 raise Cut(503, f"{self.in_flight} bytes of request bodies are being read, the most this server holds "
                           f"at once (--max-bodies-mb), and no client address holds more than yours would; retry after "
                           f"{retry}s", "service_unavailable", "bodies_in_flight", retry)
-            log.info("cutting a %d-byte upload from %s (its address holds %d bytes of bodies) to make room for %s",
-                     victim.held, victim.peer, self.held[victim.peer], upload.peer)
+            log.debug("cutting a %d-byte upload from %s (its address holds %d bytes of bodies) to make room for %s",
+                      victim.held, victim.peer, self.held[victim.peer], upload.peer)  # debug: an attacker sets the pace
             self._cut(victim, Cut(503, f"this upload was cut to make room: the server's budget of request bodies "
                                   f"being read (--max-bodies-mb) is full and your address ({victim.peer}) held the "
                                   f"most of it; send fewer bodies at once, or retry after {retry}s",

@@ -113,26 +113,23 @@ class ConnectionTable:
         self.by_peer: dict[str, set] = {}
         self.fd_warned_at = float("-inf")  # loop time a refusal in the descriptor reserve was last logged
 
-    def admit(self, conn, now: float) -> tuple[list, str | None]:
-        """(connections to close for it, None), or ([], the refusal's code) and it is not let in."""
+    def admit(self, conn, now: float) -> tuple[object | None, str | None]:
+        """(the connection to close for it, or None; None) once it is let in, or (None, the refusal's code)."""
         mine = self.by_peer.get(conn.peer, set())
+        victim = None
         if len(mine) + 1 > self.limits.per_peer:
             victim = self.idlest(now, mine)
             if victim is None:
-                return [], "client_connections"
-            victims = [victim]
+                return None, "client_connections"
         elif len(self.live) + 1 > self.limits.cap:
             victim = self.room_for(conn.peer, now)
             if victim is None:
-                return [], "too_many_connections"
-            victims = [victim]
-        else:
-            victims = []
-        for v in victims:
-            self.forget(v)
+                return None, "too_many_connections"
+        if victim is not None:
+            self.forget(victim)
         self.by_peer.setdefault(conn.peer, set()).add(conn)
         self.live.add(conn)
-        return victims, None
+        return victim, None
 
     def room_for(self, peer: str, now: float):
         """The connection that gives way to a newcomer from `peer`: the idlest, else the newest of the
@@ -186,9 +183,9 @@ def guarded_protocol(limits: Limits):
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.fileno() >= limits.fd_line:  # every descriptor below is taken
                 return self._refuse_for_descriptors(sock.fileno())
-            victims, refusal = table.admit(self, self.opened)
-            for v in victims:
-                v.drop()
+            victim, refusal = table.admit(self, self.opened)
+            if victim is not None:
+                victim.drop()
             if refusal is not None:
                 return _refuse(transport, _PEER_BUSY if refusal == "client_connections" else _BUSY)
             self._arm()

@@ -27,7 +27,6 @@ import httpx
 import pytest
 
 from pdserve.protocol import control as P
-from pdserve.server.connections import ConnectionTable, Limits
 from pdserve.settings.keys import keygen, load_worker_keys
 from test_hardening_http import LONG_TEXT, closed_within, flood, live_router, post, raw
 from test_server_harness import Pdserve
@@ -211,23 +210,25 @@ class Conn:
 
 
 def test_who_gives_way_at_the_caps():
+    from pdserve.server.connections import ConnectionTable, Limits
+
     table = ConnectionTable(Limits(cap=4, per_peer=2, fd_line=0, header_timeout_s=1, send_timeout_s=1))
     a1, a2 = Conn("A", 0.0), Conn("A", 0.1)
-    assert table.admit(a1, 0.1) == ([], None) and table.admit(a2, 0.1) == ([], None)
+    assert table.admit(a1, 0.1) == (None, None) and table.admit(a2, 0.1) == (None, None)
     # past A's share: its idle connections are too fresh to close (their requests may be on the way)...
-    assert table.admit(Conn("A", 0.2), 0.2) == ([], "client_connections")
+    assert table.admit(Conn("A", 0.2), 0.2) == (None, "client_connections")
     a3 = Conn("A", 1.0)
-    assert table.admit(a3, 1.0) == ([a1], None)  # ...until idle IDLE_GRACE_S: the longest idle gives way
+    assert table.admit(a3, 1.0) == (a1, None)  # ...until idle IDLE_GRACE_S: the longest idle gives way
     a2.busy = a3.busy = True
     b1, b2 = Conn("B", 1.0, busy=True), Conn("B", 1.1, stuck=True)
-    assert table.admit(b1, 1.1) == ([], None) and table.admit(b2, 1.1) == ([], None)  # at the cap now
+    assert table.admit(b1, 1.1) == (None, None) and table.admit(b2, 1.1) == (None, None)  # at the cap now
     c1 = Conn("C", 1.2, busy=True)
-    assert table.admit(c1, 1.2) == ([b2], None)  # a stuck one goes first, however fresh
+    assert table.admit(c1, 1.2) == (b2, None)  # a stuck one goes first, however fresh
     # every one busy: the newest of an address holding more than the newcomer would (2 > 1) gives way
     d1 = Conn("D", 1.3, busy=True)
-    assert table.admit(d1, 1.3) == ([a3], None)
+    assert table.admit(d1, 1.3) == (a3, None)
     # A 1, B 1, C 1, D 1: nobody holds more than a second connection from D would
-    assert table.admit(Conn("D", 1.4), 1.4) == ([], "too_many_connections")
+    assert table.admit(Conn("D", 1.4), 1.4) == (None, "too_many_connections")
     assert {p: len(c) for p, c in table.by_peer.items()} == {"A": 1, "B": 1, "C": 1, "D": 1}
 
 
@@ -328,7 +329,7 @@ def test_out_of_descriptors_a_worker_still_connects(tmp_path):
             assert registered, srv.log_text()[-3000:]
             assert peak < FD_LIMIT - 256, peak  # the reserve was never entered
             # the well-behaved client: served, after at most a few 503s while every descriptor below the
-            # reserve is held (each refusal closes the idlest connection, so that the next one fits)
+            # reserve is held (each refusal closes the connection that gives way at the cap, so the next one fits)
             statuses = []
             while len(statuses) < 5 and 200 not in statuses:
                 r = httpx.post(srv.url + "/v1/completions", content=GOOD, timeout=30,
