@@ -42,7 +42,8 @@ from pdserve.server.api_docs import docs_page, openapi_body
 from pdserve.server.body import parse_body
 from pdserve.server.dispatch import Dispatcher
 from pdserve.server.errors import APIError, bad_request, unknown_model
-from pdserve.server.guard import BodyBudget, install_front_door
+from pdserve.server.bodies import BodyBudget
+from pdserve.server.guard import install_front_door
 from pdserve.server.job import Done, Job, Token, fan_out
 from pdserve.server.metrics import CONTENT_TYPE, Metrics
 from pdserve.server.pool import WorkerPool
@@ -103,8 +104,9 @@ class Router:
                            "invalid_api_key")
 
     async def read_body(self, http: Request) -> bytes:
-        """The body: 413 as soon as it is known to exceed the limit, 503 over the router's budget of
-        bodies in flight, 408 past the body timeout (server/guard.py)."""
+        """The body: 413 as soon as it is known to exceed the limit, 429 over its address's share of the
+        bodies in flight, 503 over the router's budget, 408 past the body timeout or under the minimum
+        rate (server/bodies.py)."""
         return await self.bodies.read(http)
 
     # ---- one request ------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def url_of(sock: socket.socket) -> str:
 def _uvicorn_server(app, args):
     import uvicorn
 
-    from pdserve.server.guard import connection_options
+    from pdserve.server.connections import connection_options
 
     class Server(uvicorn.Server):
         """uvicorn without its own signal handling: pdserve's handler stops the workers too."""
@@ -201,7 +201,7 @@ def _uvicorn_server(app, args):
     # log_config=None: uvicorn's loggers go through pdserve's (one format for every line)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
                             timeout_graceful_shutdown=5, log_config=None,
-                            **connection_options(app.state.router.cfg))  # cap, header timeout (server/guard.py)
+                            **connection_options(app.state.router.cfg))  # caps, fd reserve, timeouts (server/connections.py)
     return Server(config)
 
 

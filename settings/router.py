@@ -19,6 +19,11 @@ def mebibytes(text: str) -> int:
     return int(float(text) * 2**20)
 
 
+def kibibytes(text: str) -> int:
+    """--min-body-rate's KiB (per second), as bytes."""
+    return int(float(text) * 2**10)
+
+
 def expected_counts(text: str | None) -> dict[str, int] | None:
     """--expect-workers' ROLE=N,... (prefill=2,decode=2) as {role: count}."""
     if not text:
@@ -64,17 +69,25 @@ class RouterConfig:
     # a larger request body gets 413 before it is read; the flag is in MiB
     max_body_bytes: int = flag(DEFAULT_MAX_BODY_BYTES, "largest HTTP request body in MiB (413 above it) (default: "
                                f"{DEFAULT_MAX_BODY_BYTES / 2**20})", name="--max-body-mb", type=mebibytes)
-    # the front door (server/guard.py): what a connection and a body may hold, and for how long
+    # the front door: what a body (server/bodies.py) and a connection (server/connections.py) may hold
     max_bodies_bytes: int = flag(16 * DEFAULT_MAX_BODY_BYTES, "request bodies being read at once, router-wide, in "
-                                 f"MiB (503 above it) (default: {16 * DEFAULT_MAX_BODY_BYTES / 2**20})",
+                                 "MiB; when full, a newcomer takes room from the address holding the most, or gets "
+                                 f"503 (default: {16 * DEFAULT_MAX_BODY_BYTES / 2**20})",
                                  name="--max-bodies-mb", type=mebibytes)
     header_timeout_s: float = flag(10.0, "seconds a connection may take to send a request's headers before it is "
                                    "closed", name="--header-timeout")
     body_timeout_s: float = flag(60.0, "seconds a request body may take to arrive (408 after)", name="--body-timeout")
-    send_timeout_s: float = flag(60.0, "seconds a streamed response waits for a client that stopped reading before it "
-                                 "is dropped", name="--send-timeout")
+    min_body_rate: int = flag(4 * 2**10, "the slowest a request body may arrive, in KiB/s, judged over each "
+                              "window of 5 s from its start (408 under it; 0: no floor) (default: 4)",
+                              name="--min-body-rate", type=kibibytes)
+    rate_window_s: float = 5.0  # the window --min-body-rate is judged over; the first is a body's grace
+    send_timeout_s: float = flag(60.0, "seconds a response, streamed or not, waits for a client that stopped reading "
+                                 "before its connection is dropped", name="--send-timeout")
     max_connections: int = flag(4096, "open HTTP connections at most (kept under the open-file limit); past it a new "
-                                "one closes the longest idle")
+                                "one closes the longest idle, or the newest of the address holding the most")
+    client_share: float = flag(0.25, "the share of --max-bodies-mb and of --max-connections one client address (an "
+                               "IPv4 address, an IPv6 /64) may hold; 1: no per-address bound (behind a proxy, where "
+                               "every client has the proxy's address)")
     allowed_hosts: str | None = flag(None, "without an API key: Host names the HTTP API answers besides localhost and "
                                      "IP addresses, comma-separated ('*': any); a guard against DNS rebinding")
     chat_special_tokens: str = flag("escape", "special tokens (e.g. <|im_start|>) typed in chat messages: escape (read "
@@ -119,12 +132,19 @@ class RouterConfig:
             raise ValueError("the header, body and send timeouts must be positive and max connections at least 8")
         if self.max_bodies_bytes < self.max_body_bytes:
             raise ValueError("--max-bodies-mb must be at least --max-body-mb")
+        if not 0 < self.client_share <= 1 or self.min_body_rate < 0 or self.rate_window_s <= 0:
+            raise ValueError("--client-share must be in (0, 1] and --min-body-rate not negative")
         if self.kv_deadline_s <= 1.0:
             raise ValueError(f"kv deadline must exceed 1 s, got {self.kv_deadline_s}")
 
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def client_bodies_bytes(self) -> int:
+        """Request bodies one client address may have being read: its share, and at least one whole body."""
+        return max(self.max_body_bytes, int(self.client_share * self.max_bodies_bytes))
 
     @property
     def heartbeat_timeout_s(self) -> float:

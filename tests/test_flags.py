@@ -3,7 +3,8 @@
     names and defaults   every flag of pdserve, pdserve router and pdserve-worker, as users know them;
                          no flag parsed with nothing given differs from its field's default
     declared once        a flag pdserve offers for its workers is the worker's own, same help text
-    round trip           parsed flags -> config; on/off flags; --max-body-mb in MiB; --expect-workers
+    round trip           parsed flags -> config; on/off flags; --max-body-mb in MiB, --min-body-rate in
+                         KiB/s; --expect-workers
     the handoff          the launcher's 0600 JSON file: the whole WorkerConfig, no key material (the key
                          folder's path goes as --keys); the worker reads it back, --worker-arg extras on
                          top; the same command for every start of a worker
@@ -34,8 +35,9 @@ WORKER_FLAGS = {
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
     "--threads", "--transport", "--version", "--worker-config", "--worker-id"}
 ROUTER_FLAGS = {
-    "--allowed-hosts", "--body-timeout", "--chat-special-tokens", "--header-timeout", "--max-bodies-mb",
-    "--max-connections", "--send-timeout",  # the front door (server/guard.py), chat text (server/tokenizer.py)
+    "--allowed-hosts", "--body-timeout", "--chat-special-tokens", "--client-share", "--header-timeout",
+    "--max-bodies-mb", "--max-connections", "--min-body-rate", "--send-timeout",  # the front door (server/guard.py,
+    # bodies.py, connections.py), chat text (server/tokenizer.py)
     "--access-log", "--api-key", "--api-key-file", "--auto-threshold", "--config", "--drain-timeout",
     "--expect-workers", "--failover", "--heartbeat-interval", "--heartbeat-misses", "--help", "--host",
     "--kv-deadline", "--log-level", "--max-body-mb", "--max-inflight-requests", "--max-inflight-tokens", "--migrate",
@@ -116,9 +118,11 @@ def test_parsed_flags_build_the_configs():
         W.serve_parser().parse_args(["--role", "chef", "--keys", "/k"])
 
     args = server_cli.router_parser().parse_args(["--max-body-mb", "0.5", "--expect-workers", "prefill=2,decode=1",
-                                         "--public-metrics", "--failover", "--heartbeat-interval", "0.25"])
+                                         "--public-metrics", "--failover", "--heartbeat-interval", "0.25",
+                                         "--min-body-rate", "1.5", "--client-share", "0.5"])
     cfg = server_cli.router_config(args, None)
     assert (cfg.max_body_bytes, cfg.expected_workers) == (2**19, {"prefill": 2, "decode": 1})
+    assert (cfg.min_body_rate, cfg.client_share, cfg.client_bodies_bytes) == (1536, 0.5, 32 * 2**20)
     assert cfg.public_metrics and cfg.failover and cfg.heartbeat_interval_s == 0.25
     with pytest.raises(SystemExit):
         server_cli.router_parser().parse_args(["--expect-workers", "chef=2"])

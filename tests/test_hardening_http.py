@@ -76,9 +76,11 @@ def live_router(tokenizer, worker=None, max_model_len: int = 64, **overrides):  
         sock.close()
 
 
-def raw(port_url: str, data: bytes, timeout: float = 5.0) -> socket.socket:
+def raw(port_url: str, data: bytes, timeout: float = 5.0, source: str | None = None) -> socket.socket:
+    """A connection (from the loopback address `source`, to count as another client) that sent `data`."""
     host, port = port_url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=timeout)
+    s = socket.create_connection((host, int(port)), timeout=timeout,
+                                 source_address=(source, 0) if source is not None else None)
     if data:
         s.sendall(data)
     return s
@@ -180,17 +182,18 @@ def test_a_body_that_stalls_gets_408_and_the_connection_closes(tokenizer):  # no
 
 
 def test_bodies_in_flight_are_bounded_router_wide(tokenizer):  # noqa: F811
-    # each body may be 64 KiB; at most 128 KiB of them are read at once
+    # each body may be 64 KiB; at most 128 KiB of them are read at once (from three addresses: each under
+    # its share, and none holding more than the third would, so none gives way to it)
     with live_router(tokenizer, max_body_bytes=64 * KIB, max_bodies_bytes=128 * KIB) as (url, router, _):
         held = []
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n" % (60 * KIB))
-        for _ in range(2):  # two unfinished uploads of 50 KiB each
-            held.append(raw(url, head + b'{"prompt": "' + b"a" * (50 * KIB)))
+        for source in ("127.0.0.2", "127.0.0.3"):  # two unfinished uploads of 50 KiB each
+            held.append(raw(url, head + b'{"prompt": "' + b"a" * (50 * KIB), source=source))
         end = time.monotonic() + 5
         while router.bodies.in_flight < 100 * KIB and time.monotonic() < end:
             time.sleep(0.02)
-        third = raw(url, head + b'{"prompt": "' + b"b" * (50 * KIB))
+        third = raw(url, head + b'{"prompt": "' + b"b" * (50 * KIB), source="127.0.0.4")
         closed, got = closed_within(third, 3.0)
         assert got.startswith(b"HTTP/1.1 503") and b"bodies_in_flight" in got and b"retry-after" in got.lower(), got[:300]
         for s in held + [third]:
@@ -209,7 +212,7 @@ def test_connections_are_capped_and_the_idle_give_way(tokenizer):  # noqa: F811
         with live_router(tokenizer, max_connections=8, header_timeout_s=30) as (url, *_):
             assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard  # raised at start
             idle = [raw(url, b"") for _ in range(8)]
-            time.sleep(0.3)
+            time.sleep(0.7)  # idle past IDLE_GRACE_S (server/connections.py): the oldest may give way
             r = httpx.get(url + "/health", timeout=5)  # the 9th: served, the longest idle closed for it
             assert r.status_code == 200
             assert closed_within(idle[0], 2.0)[0], "the oldest idle connection was kept past the cap"
