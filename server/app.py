@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.protocol.sampling import MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from pdserve.server import responses
 from pdserve.server.admission import AdmittedStream, Tickets, workers_pace
 from pdserve.server.api_docs import docs_page, openapi_body
@@ -46,6 +47,7 @@ from pdserve.server.bodies import BodyBudget
 from pdserve.server.guard import install_front_door
 from pdserve.server.job import Done, Job, Token, fan_out
 from pdserve.server.metrics import CONTENT_TYPE, Metrics
+from pdserve.server.pacing import Pacer
 from pdserve.server.pool import WorkerPool
 from pdserve.server.request_id import RequestIdHeader
 from pdserve.server.requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -70,12 +72,20 @@ class Router:
     def __init__(self, cfg: RouterConfig, tokenizer):
         self.cfg = cfg
         self.encoder = PromptEncoder(tokenizer, cfg.chat_special_tokens)
+        # fields refused by their length before the body is walked (server/body.py); the models say the rest
+        self.field_sizes = {
+            "allowed_token_ids": (self.encoder.vocab_size, "holds {n} ids; at most the vocabulary's {most}"),
+            "logit_bias": (MAX_LOGIT_BIAS, "biases {n} tokens; at most {most}"),
+            "bad_words": (MAX_BAD_WORDS, "holds {n} words; at most {most}"),
+            "bad_words.chars": (MAX_BAD_WORDS_CHARS, "holds {n} characters; at most {most}"),
+            "stop_token_ids": (MAX_STOP_TOKEN_IDS, "holds {n} ids; at most {most}")}
         self.metrics = Metrics(cfg.served_name)
         self.pool = WorkerPool(cfg, self.metrics)
         self.dispatcher = Dispatcher(cfg, self.pool, self.metrics)
         self.planner = Planner(cfg, self.pool, self.dispatcher.admission, self.metrics)
         self.created = responses.now_s()
         self._work = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="parse")
+        self.heavy = Pacer()  # big bodies' parsing: one at a time, at most a share of the router's time
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (at most the vocabulary)
         self.bodies = BodyBudget(cfg)
         self.supervisor = None  # pdserve's Launcher when it started the workers: its trouble() shows on /health
@@ -168,7 +178,8 @@ class Router:
         self.require_key(http)
         cls = ChatRequest if kind == "chat" else CompletionRequest
         raw = await self.read_body(http)
-        req = await self._off_loop(lambda body: parse_body(body, cls), raw, len(raw), LONG_BODY_BYTES)
+        parse = (lambda body: parse_body(body, cls, self.field_sizes))
+        req = parse(raw) if len(raw) < LONG_BODY_BYTES else await self.heavy.run(self._work, parse, raw)
         rid = responses.new_id(kind)
         http.state.request_id = rid  # the response's x-request-id (server/request_id.py)
         job = await self.prepare(kind, req, rid, clock)

@@ -45,9 +45,6 @@ GOOD = {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 
 HELD = 64  # uploads one attacker holds at most
 PAYLOAD = memoryview(b'{"prompt": "' + b"a" * (4 * MIB))  # the uploads' bytes, sliced: made once
 VOCAB = 49152  # the tiny model's (SmolLM2's tokenizer)
-ITEM_3_AND_4 = pytest.mark.xfail(strict=True, reason="items 3 (bad_words) and 4 (allowed_token_ids) of issue 34 are "
-                                 "fixed on another branch; once merged this passes, and strict xfail fails: drop "
-                                 "this mark then")
 
 
 @pytest.fixture
@@ -202,8 +199,7 @@ def latencies(client: httpx.Client, url: str, runs: int) -> list[tuple[int, floa
     return out
 
 
-@pytest.mark.parametrize("kinds", [("uploads",), pytest.param(("uploads", "bad_words", "allowed_token_ids"),
-                                                              marks=ITEM_3_AND_4)],
+@pytest.mark.parametrize("kinds", [("uploads",), ("uploads", "bad_words", "allowed_token_ids")],
                          ids=["item1", "items1-3-4"])
 def test_twenty_hostile_clients_beside_a_well_behaved_one(srv, kinds):
     """Undisturbed and under attack in turns (ROUNDS of: 2 requests alone, then the attack, then 3 requests
