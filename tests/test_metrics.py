@@ -76,7 +76,7 @@ def test_goodput_counts_requests_meeting_every_slo():
 
 
 def test_parse_slos_rejects_bad_input():
-    for bad in (["ttft"], ["itl:5"], ["ttft:-1"], ["tpot:fast"]):
+    for bad in (["ttft"], ["e2e:5"], ["ttft:-1"], ["tpot:fast"]):
         with pytest.raises(ValueError):
             parse_slos(bad)
     assert parse_slos(None) == {}
