@@ -126,17 +126,43 @@ def _ids_in(vocab: int, what: str, ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _needs_state(r: Request) -> bool:
-    p = r.params
-    return p.masked or p.penalized or (p.seed is not None and not p.greedy)
+@dataclass
+class _Rows:
+    """Which rows of a pick take which part, found in one pass over the requests."""
+
+    proc: list[int]  # processed: penalties, masks, bias, min_tokens
+    drawn: list[int]  # not greedy
+    asks: list[int]  # logprobs
+    pen: list[int]  # penalty counts to grow
+    stateful: list[int]  # keep a RowState
+    k: int | None  # the most top logprobs a row asks for (None: no row asks)
+
+    @classmethod
+    def of(cls, reqs: list[Request]) -> "_Rows":
+        rows = cls([], [], [], [], [], None)
+        for j, r in enumerate(reqs):
+            p = r.params
+            penalized, masked, drawn = p.penalized, p.masked, not p.greedy
+            if penalized or masked or len(r.output_ids) < p.min_tokens:
+                rows.proc.append(j)
+            if drawn:
+                rows.drawn.append(j)
+            if p.logprobs is not None:
+                rows.asks.append(j)
+                rows.k = max(rows.k or 0, p.logprobs)
+            if penalized:
+                rows.pen.append(j)
+            if penalized or masked or (drawn and p.seed is not None):
+                rows.stateful.append(j)
+        return rows
+
+    def without(self, skip: dict) -> "_Rows":
+        """These rows, less those in `skip` (they take no part; `k` stays: the packed width)."""
+        keep = [[j for j in part if j not in skip] for part in (self.proc, self.drawn, self.asks, self.pen)]
+        return _Rows(*keep, [j for j in self.stateful if j not in skip], self.k)
 
 
-def _needs_processing(r: Request) -> bool:
-    p = r.params
-    return p.penalized or p.masked or len(r.output_ids) < p.min_tokens
-
-
-def _index(rows: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return to_device(np.asarray(rows, dtype=np.int64), device)
 
 
@@ -152,17 +178,16 @@ class Sampler:
         docstring). prev: the step in flight (overlap.Inflight: its `tokens` and `index`), whose tokens
         the requests' outputs end with as PENDING; None when every token is on the host."""
         failed: dict[int, SamplingError] = {}
-        states = self._states(requests, logits.shape[1], failed)
-        asked = [r.params.logprobs for r in requests if r.params.logprobs is not None]
-        k = max(asked) if asked else None
+        rows = _Rows.of(requests)
+        states = self._states(requests, rows.stateful, logits.shape[1], failed)
+        if failed:
+            rows = rows.without(failed)
         try:
-            tokens, packed = self._pick(logits, requests, states, prev, k, set(failed))
+            tokens, packed = self._pick(logits, requests, states, prev, rows)
         except _Stage:  # redo row by row: only the row at fault fails
-            parts = [self._pick_alone(logits, requests, states, prev, k, failed, j) for j in range(len(requests))]
+            parts = [self._pick_alone(logits, requests, states, prev, rows.k, failed, j) for j in range(len(requests))]
             tokens, packed = torch.cat([t for t, _ in parts]), torch.cat([p for _, p in parts])
-        picked = Picked.start(tokens, packed, k or 0)
-        picked.failed = failed
-        return picked
+        return Picked.start(tokens, packed, rows.k or 0, failed)
 
     def results(self, picked: Picked, requests: list[Request]) -> list[tuple[int | SamplingError, TokenLogprobs | None]]:
         """Wait for the picked tokens; per request its token (or SamplingError) and the logprobs it asked for."""
@@ -185,78 +210,80 @@ class Sampler:
         """The logits to choose from (the input itself when no row needs processing) and the rows
         whose state could not be built."""
         failed: dict[int, SamplingError] = {}
-        states = self._states(requests, logits.shape[1], failed)
-        rows = [j for j, r in enumerate(requests) if j not in failed and _needs_processing(r)]
-        return (self._process_rows(logits, rows, requests, states, None) if rows else logits), failed
+        rows = _Rows.of(requests)
+        states = self._states(requests, rows.stateful, logits.shape[1], failed)
+        proc = rows.without(failed).proc
+        return (self._process_rows(logits, proc, requests, states, None) if proc else logits), failed
 
     # ---- one pick ---------------------------------------------------------------------------------
 
-    def _states(self, requests: list[Request], vocab: int, failed: dict[int, SamplingError]) -> list[RowState | None]:
-        out = []
-        for j, r in enumerate(requests):
+    def _states(self, requests: list[Request], stateful: list[int], vocab: int,
+                failed: dict[int, SamplingError]) -> list[RowState | None]:
+        """Each request's RowState (None for those that keep none), built for those that need one now."""
+        out: list[RowState | None] = [None] * len(requests)
+        for j in stateful:
+            r = requests[j]
             st = r.sampler_state
-            if st is None and not _needs_state(r):
-                out.append(None)
-                continue
             if st is None or st.vocab != vocab or st.device != self.device:
                 try:
                     st = r.sampler_state = RowState.build(r, vocab, self.device)
                 except Exception as e:  # this request's parameters, not the batch's
                     failed[j] = _Stage(PROCESS, e).error(r)
-            out.append(st)
+                    continue
+            out[j] = st
         return out
 
-    def _pick(self, logits, reqs: list[Request], states, prev, k: int | None, skip: set[int]):
-        """-> (tokens [K] int64, packed [K, W] float64) on the device (Picked's layout); raises _Stage."""
-        live = [j for j in range(len(reqs)) if j not in skip]
-        x = logits
-        proc = [j for j in live if _needs_processing(reqs[j])]
-        if proc:
+    def _pick(self, logits, reqs: list[Request], states, prev, rows: _Rows):
+        """-> (tokens [K] int64, packed: [K] int64 or [K, W] float64) on the device (Picked's layout);
+        raises _Stage."""
+        x, k = logits, rows.k
+        if rows.proc:
             try:
-                x = self._process_rows(logits, proc, reqs, states, prev)
+                x = self._process_rows(logits, rows.proc, reqs, states, prev)
             except Exception as e:
                 raise _Stage(PROCESS, e) from e
         top, tokens = x.max(dim=-1)  # NaN propagates into the max: one reduction checks the row
         ok = top.isfinite()
-        drawn = [j for j in live if not reqs[j].params.greedy]
-        if drawn:
+        if rows.drawn:
+            every = len(rows.drawn) == len(reqs)
             try:
-                chosen = self._draw(x if len(drawn) == len(reqs) else x[_index(drawn, x.device)],
-                                    [reqs[j] for j in drawn])
+                chosen = self._draw(x if every else x[_index(rows.drawn, x.device)], [reqs[j] for j in rows.drawn])
             except Exception as e:
                 raise _Stage(DRAW, e) from e
-            if len(drawn) == len(reqs):
+            if every:
                 tokens = chosen
             else:
-                tokens[_index(drawn, x.device)] = chosen
-        packed = torch.where(ok, tokens, -1).double()[:, None]
+                tokens[_index(rows.drawn, x.device)] = chosen
+        packed = torch.where(ok, tokens, -1)
         if k is not None:
-            packed = torch.cat([packed, packed.new_zeros(len(reqs), 1 + 2 * k)], dim=1)
-            asks = [j for j in live if reqs[j].params.logprobs is not None]
-            if asks:  # the most these rows ask for (a row redone alone asks its own), in columns for k
-                at, most = _index(asks, x.device), max(reqs[j].params.logprobs for j in asks)
+            packed = torch.cat([packed.double()[:, None], packed.new_zeros(len(reqs), 1 + 2 * k, dtype=torch.float64)],
+                               dim=1)
+            if rows.asks:  # the most these rows ask for (a row redone alone asks its own), in columns for k
+                at, most = _index(rows.asks, x.device), max(reqs[j].params.logprobs for j in rows.asks)
                 try:
                     vals, ids = gather_logprobs(logits[at], tokens[at], most)
                 except Exception as e:
                     raise _Stage(LOGPROBS, e) from e
                 packed[at, 1:2 + most] = vals.double()
                 packed[at, 2 + k:2 + k + most] = ids.double()
-        pen = [j for j in live if reqs[j].params.penalized]
-        if pen:  # the chosen tokens count from the next step on, on the device (nothing read back)
-            one = torch.zeros(len(pen), logits.shape[1], device=x.device)
-            one.scatter_(1, tokens[_index(pen, x.device)][:, None], 1.0)
-            torch._foreach_add_([states[j].counts for j in pen], list(one.unbind(0)))
+        if rows.pen:  # the chosen tokens count from the next step on, on the device (nothing read back)
+            one = torch.zeros(len(rows.pen), logits.shape[1], device=x.device)
+            one.scatter_(1, tokens[_index(rows.pen, x.device)][:, None], 1.0)
+            torch._foreach_add_([states[j].counts for j in rows.pen], list(one.unbind(0)))
         return tokens, packed
 
-    def _pick_alone(self, logits, requests, states, prev, k, failed: dict[int, SamplingError], j: int):
+    def _pick_alone(self, logits, requests, states, prev, k: int | None, failed: dict[int, SamplingError], j: int):
         r = requests[j]
         if j not in failed:
+            rows = _Rows.of([r])
+            rows.k = k  # the batch's width
             try:
-                return self._pick(logits[j:j + 1], [r], states[j:j + 1], prev, k, set())
+                return self._pick(logits[j:j + 1], [r], states[j:j + 1], prev, rows)
             except _Stage as e:
                 failed[j] = e.error(r)
         tokens = logits[j:j + 1].argmax(dim=-1)  # a valid id for the row the next step may still compute
-        packed = torch.full((1, 1 if k is None else 2 + 2 * k), -1.0, dtype=torch.float64, device=logits.device)
+        packed = torch.full((1,) if k is None else (1, 2 + 2 * k), -1, device=logits.device,
+                            dtype=torch.long if k is None else torch.float64)
         return tokens, packed
 
     def _draw(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from pdserve.protocol.control import LOGPROB_FLOOR
+from pdserve.workers.engine.step_inputs import to_device  # through pinned memory: no wait for the stream
 
 
 @dataclass
@@ -56,14 +57,6 @@ class DrawParams:
         tp = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
         mp = np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
         return cls(t, k, tp, mp)
-
-
-def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on the device; on CUDA through pinned memory, without waiting for the stream."""
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def divided(x: torch.Tensor, t: np.ndarray) -> torch.Tensor:
@@ -170,33 +163,31 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tupl
 @dataclass
 class Picked:
     """A step's tokens chosen on the device and their copy to the host, one copy for the lot:
-    `packed` rows are [token id (-1: its logits were not finite), then, when a row of the step asked
-    for logprobs, the token's logprob, the k top logprobs and the k top ids] as float64 (ids below 2**53
-    and float32 logprobs are exact in it)."""
+    `packed` is [K] int64 token ids (-1: its logits were not finite) when no row asked for logprobs,
+    else [K, 2 + 2k] float64 rows [token id, its logprob, the k top logprobs, the k top ids] (ids
+    below 2**53 and float32 logprobs are exact in it)."""
 
     tokens: torch.Tensor  # [K] int64 on the device: a valid id in every row (the next step's input: overlap.feed)
-    host: torch.Tensor  # [K, W] float64 on the host (pinned on CUDA): valid once `event` has passed
+    host: torch.Tensor  # `packed` on the host (pinned on CUDA): valid once `event` has passed
     event: object | None  # torch.cuda.Event recorded after the copy (None: on the host already)
-    k: int  # top logprobs per row in `host` (W = 1 when no row asked, else 2 + 2k)
+    k: int  # top logprobs per row in `host`
     failed: dict = field(default_factory=dict)  # row -> the error the sampler knew of at pick time
 
     @classmethod
-    def start(cls, tokens: torch.Tensor, packed: torch.Tensor, k: int) -> "Picked":
+    def start(cls, tokens: torch.Tensor, packed: torch.Tensor, k: int, failed: dict) -> "Picked":
         if packed.device.type != "cuda":
-            return cls(tokens, packed, None, k)
+            return cls(tokens, packed, None, k, failed)
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(tokens, host, event, k)
+        return cls(tokens, host, event, k, failed)
 
     def rows(self) -> list[tuple[int, tuple[float, list[int], list[float]] | None]]:
         """Wait for the copy; per row (token id or -1, (its logprob, top ids, top logprobs) or None)."""
         if self.event is not None:
             self.event.synchronize()
+        if self.host.dim() == 1:
+            return [(t, None) for t in self.host.tolist()]
         k = self.k
-        out = []
-        for row in self.host.tolist():
-            lp = (row[1], [int(t) for t in row[2 + k:]], row[2:2 + k]) if len(row) > 1 else None
-            out.append((int(row[0]), lp))
-        return out
+        return [(int(row[0]), (row[1], [int(t) for t in row[2 + k:]], row[2:2 + k])) for row in self.host.tolist()]
