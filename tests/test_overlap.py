@@ -86,3 +86,92 @@ def test_overlap_stops_for_a_request_that_needs_its_logits():
                               Request("logprobs", list(range(5, 30)), SamplingParams(max_tokens=6, ignore_eos=True,
                                                                                      logprobs=2))])
     assert got == ref
+
+
+# ---- every request overlaps: sampled, seeded, penalized, masked, with logprobs and stop strings ------
+
+SAMPLED = [dict(temperature=0.8, seed=1, top_p=0.9),
+           dict(temperature=1.2, seed=2, top_k=40, min_p=0.02, logprobs=3),
+           dict(temperature=0.7, seed=3, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2,
+                logprobs=0),
+           dict(temperature=0.9, seed=4, logit_bias={11: 4.0, 12: -50.0}, min_tokens=5),
+           dict(logprobs=2),  # greedy, with logprobs
+           dict(temperature=1.0, seed=5, allowed_token_ids=list(range(100, 4000)))]
+
+
+def sampled_workload(stop: str | None = None, bad: list[int] | None = None) -> list[Request]:
+    reqs = []
+    for i, (n, kw) in enumerate(zip([5, 16, 23, 3, 40, 9], SAMPLED)):
+        extra = dict(stop=[stop] if stop is not None and i % 2 else [], bad_words_ids=[bad] if bad and i == 4 else [])
+        params = SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, **kw, **extra)
+        reqs.append(Request(f"s{i}", [(11 * i + j) % 700 + 3 for j in range(n)], params))
+    return reqs
+
+
+def run_sampled(e: Engine, reqs: list[Request]) -> tuple[dict[str, tuple], int]:
+    """Each request's tokens, finish reason, text, and streamed tokens and logprobs; and how many steps
+    left a step in flight holding a request that draws or asks for more than its top token."""
+    streamed = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        e.add_request(r)
+    overlapped = 0
+    while e.has_work():
+        for out in e.step():
+            assert out.token_id != PENDING and out.error is None, out.error
+            streamed[out.request_id].append((out.token_id, out.logprobs))
+        step = e._inflight
+        overlapped += step is not None and any(not r.params.greedy or r.params.logprobs is not None
+                                               for r in step.done)
+    assert e.blocks.num_free == e.blocks.num_blocks
+    return {r.request_id: (r.output_ids, r.finish_reason, r.text, streamed[r.request_id]) for r in reqs}, overlapped
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_sampled_overlapped_steps_give_the_synchronous_tokens_for_the_same_seeds(chunked):
+    plain, _ = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload())
+    s1, s4 = plain["s1"][0], plain["s4"][0]
+    stop = plain["s1"][2][3:6]  # met part way by s1 (and maybe others)
+    bad = [s4[2], s4[3]]  # s4 (greedy) makes it unless banned: banned while s4[2] is still on the device
+    want, steps = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload(stop, bad))
+    got, overlapped = run_sampled(engine(True, chunked_prefill=chunked), sampled_workload(stop, bad))
+    assert got == want
+    assert steps == 0 and overlapped >= 5  # the synchronous engine holds no step in flight; this one did
+    assert want["s1"][1] == "stop" and len(want["s1"][0]) < len(s1)  # the stop string ran
+    assert want["s4"][0][:3] == s4[:3] and want["s4"][0][3] != s4[3]  # the bad word ran
+    for ids, _, _, streamed in got.values():
+        assert [t for t, _ in streamed] == ids
+    lps = [lp for _, lp in got["s1"][3]]
+    assert all(lp is not None and len(lp.top_ids) == 3 for lp in lps)
+
+
+def test_a_tiered_worker_takes_the_overlapped_path_and_gives_the_same_tokens():
+    """A host tier below the pool: a prefix evicted from the pool comes back from host memory while
+    sampled requests run overlapped, with the tokens of the same engine run synchronously."""
+    base = [(29 * j) % 997 + 5 for j in range(70)]
+    outcomes = {}
+    for on in (False, True):
+        e = Engine(EngineConfig(model="tiny", num_blocks=24, host_cache_gb=0.001, chunk_tokens=32, overlap=on))
+        assert e.tiers is not None and e.overlap is on
+        e.generate([base], SamplingParams(max_tokens=3, ignore_eos=True))
+        for i in range(30):  # other prompts through the pool until the base's first block left it
+            if not e.blocks.match(names_of(e, base)[:1]):
+                break
+            e.generate([[(i * 31 + j) % 900 + 7 for j in range(83)]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert not e.blocks.match(names_of(e, base)[:1])
+        e.tiers.host.flush()
+        reqs = [Request("again", base + [11, 12], SamplingParams(max_tokens=8, temperature=0.9, seed=7, top_p=0.95,
+                                                                 logprobs=1, ignore_eos=True)),
+                Request("beside", [(13 * j) % 500 + 3 for j in range(20)],
+                        SamplingParams(max_tokens=10, temperature=1.1, seed=8, frequency_penalty=0.4, ignore_eos=True))]
+        got, overlapped = run_sampled(e, reqs)
+        assert reqs[0].tier_tokens == {"host": 64}, reqs[0].tier_tokens  # it came back from host memory
+        assert overlapped == 0 if not on else overlapped >= 5
+        outcomes[on] = got
+        e.close()
+    assert outcomes[True] == outcomes[False]
+
+
+def names_of(e: Engine, tokens: list[int]) -> list[bytes]:
+    from pdserve.workers.engine.prefix_cache import extend_names
+
+    return extend_names([], tokens[:len(tokens) // 16 * 16], 16, e.prefix_root)

@@ -58,10 +58,10 @@ def assert_rest_unaffected(engine, reqs, expected) -> None:
 def test_a_draw_that_raises_fails_that_request_alone(engine, expected, monkeypatch):
     draw = engine.sampler._draw
 
-    def flaky(row, req):
-        if req.request_id == "bad" and len(req.output_ids) == 2:
+    def flaky(rows, reqs):  # the batch's draw raises while the bad request is in it: redone row by row
+        if any(r.request_id == "bad" and len(r.output_ids) == 2 for r in reqs):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return draw(row, req)
+        return draw(rows, reqs)
 
     monkeypatch.setattr(engine.sampler, "_draw", flaky)
     reqs = batch()
@@ -77,8 +77,8 @@ def test_a_draw_that_raises_fails_that_request_alone(engine, expected, monkeypat
 def test_nan_logits_in_one_row_fail_that_request_alone(engine, expected, monkeypatch):
     forward = engine.runner.run
 
-    def poisoned(work, on_layer=None):
-        logits = forward(work, on_layer).clone()  # an inference tensor: poison a copy
+    def poisoned(work, on_layer=None, feed=None):
+        logits = forward(work, on_layer, feed).clone()  # an inference tensor: poison a copy
         done = [r for r, _ in work if r.num_computed == r.num_tokens]
         for i, r in enumerate(done):
             if r.request_id == "bad" and len(r.output_ids) == 3:
@@ -114,11 +114,11 @@ def test_a_forward_that_raises_fails_its_step_and_the_engine_goes_on(engine, exp
     forward = engine.runner.run
     calls = {"n": 0}
 
-    def once(work, on_layer=None):
+    def once(work, on_layer=None, feed=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
-        return forward(work, on_layer)
+        return forward(work, on_layer, feed)
 
     monkeypatch.setattr(engine.runner, "run", once)
     first = [Request("f1", prompt(9, 1), GREEDY), Request("f2", prompt(30, 2), SEEDED)]
@@ -149,7 +149,7 @@ def test_hostile_sampling_parameters_just_work(engine):
 def test_prefill_only_with_a_failing_draw_frees_its_blocks_and_raises(engine, monkeypatch):
     from pdserve.workers.engine.sampler import SamplingError
 
-    monkeypatch.setattr(engine.sampler, "_draw", lambda row, req: 1 / 0)
+    monkeypatch.setattr(engine.sampler, "_draw", lambda rows, reqs: 1 / 0)
     req = Request("p", prompt(20), SEEDED)
     with pytest.raises(SamplingError, match="request p: sampling generated token 0 failed: ZeroDivisionError"):
         engine.prefill_only(req)

@@ -171,14 +171,14 @@ def test_greedy_default_is_unchanged(engine, expected):
 
 
 def test_logprobs_that_fail_for_one_row_fail_that_request_alone(engine, expected, monkeypatch):
-    logprobs_of = sampler_module.logprobs_of
+    gather = sampler_module.gather_logprobs
 
     def broken(logits, targets, k):
-        if k == 7:  # only the bad request asks for 7
+        if k == 7:  # only the bad request asks for 7 (its batch's k while it is in it: redone row by row)
             raise RuntimeError("injected")
-        return logprobs_of(logits, targets, k)
+        return gather(logits, targets, k)
 
-    monkeypatch.setattr(sampler_module, "logprobs_of", broken)
+    monkeypatch.setattr(sampler_module, "gather_logprobs", broken)
     reqs = batch()
     bad = Request("bad", prompt(12, 5), SamplingParams(max_tokens=8, logprobs=7, ignore_eos=True))
     good = Request("good", prompt(9, 4), SamplingParams(max_tokens=8, logprobs=2, ignore_eos=True))

@@ -154,10 +154,10 @@ def test_one_requests_failed_draw_is_reported_alone_and_the_batch_goes_on(refere
     c = Shell("colocated", engine())
     draw = c.engine.sampler._draw
 
-    def flaky(row, req):
-        if req.request_id == "bad" and len(req.output_ids) == 1:
+    def flaky(rows, reqs):  # the batch's draw raises while the bad request is in it: redone row by row
+        if any(r.request_id == "bad" and len(r.output_ids) == 1 for r in reqs):
             raise RuntimeError("injected")
-        return draw(row, req)
+        return draw(rows, reqs)
 
     monkeypatch.setattr(c.engine.sampler, "_draw", flaky)
     c.role.handle(P.Generate("ok", prompt, P.Sampling(max_tokens=8, ignore_eos=True)))
@@ -177,7 +177,7 @@ def test_prefill_whose_draw_fails_reports_it_and_frees_blocks(reference, monkeyp
     p = Shell("prefill", engine(), TransferConfig(transport="zmq", deadline_s=0.5))
     d = Shell("decode", engine(), TransferConfig(transport="zmq"))  # a live peer: the prefill starts
     try:
-        monkeypatch.setattr(p.engine.sampler, "_draw", lambda row, req: 1 / 0)
+        monkeypatch.setattr(p.engine.sampler, "_draw", lambda rows, reqs: 1 / 0)
         p.role.handle(P.Prefill("bad", prompt, P.Sampling(temperature=0.5), "d", d.role.kv_address, [0, 1], 5.0))
         assert p.role.queue_depth() == 1
         pump([p], lambda: p.sent, 5.0)

@@ -20,11 +20,15 @@ For the roles:
 The prefill and decode calls are in handoff.py (KVHandoff, Engine's base class); a token's text and
 stop checks in text.py (ModelText, `engine.text`).
 
-The step (STYLE: scheduler decides, runner computes, engine records):
+The step (STYLE: scheduler decides, runner computes, sampler picks, engine records), one path:
     work = scheduler.schedule()            # [(request, positions to compute)]: decodes, prompt chunks
-    logits = runner.run(work)              # one row per request whose prompt or token is complete
-    tokens = sampler.sample(logits, done)  # a token per row, or that request's SamplingError
-    then each token is appended: detokenize, stop checks, finish (blocks freed)
+    _launch: logits = runner.run(work)     # one row per request whose prompt or token is complete
+             picked = sampler.pick(logits, done)   # tokens (and logprobs) chosen on the device, copy
+                                                   # to the host under way; PENDING in output_ids
+    _settle: sampler.results(picked)       # read back; each token appended: detokenize, stop checks,
+                                           # finish (blocks freed)
+With overlap (overlap.py) the next step is launched before this one is settled; without, each is
+settled right after its launch. Either way a token is recorded in one place, _settle.
 
 One request cannot fail another: a request whose sampling or detokenization fails finishes alone
 with finish_reason "error" (StepOutput.error says what) and the batch goes on. A forward that
@@ -51,7 +55,7 @@ from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto, root_na
 from pdserve.workers.engine.request import (IllegalTransition, InvalidRequest, Request, SamplingParams, Status,
                                            stamp_end, stamp_start)
 from pdserve.workers.engine.runner import ModelRunner
-from pdserve.workers.engine.sampler import Sampler, SamplingError, not_finite
+from pdserve.workers.engine.sampler import Sampler, SamplingError
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.text import ModelText
 
@@ -88,10 +92,9 @@ class Engine(KVHandoff):
         self.sampler = Sampler(self.device, loaded.eos_token_ids)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}  # every request on this worker, until it finishes
-        # overlapped steps (overlap.py): on CUDA by default; never with the KV tiers (their copies run
-        # on streams of their own, beside blocks a step in flight may still write)
-        self.overlap = (config.overlap if config.overlap is not None else self.device.type == "cuda") \
-            and self.tiers is None
+        # overlapped steps (overlap.py: for every request, the KV tiers' copies ordered by events): on
+        # CUDA by default (on the CPU a step is done when launched: nothing to overlap)
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._inflight: overlap.Inflight | None = None
 
     def _layout(self, config: EngineConfig) -> KVLayout:
@@ -176,46 +179,50 @@ class Engine(KVHandoff):
         return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[StepOutput]:
-        """One step; with overlap (overlap.py) a step of plain requests is launched and the outputs
-        returned are those of the step before it, read back while this one runs."""
+        """One step; with overlap (overlap.py) it is launched and the outputs returned are those of the
+        step before it, read back while this one runs; without, this step's own."""
         work = self.scheduler.schedule()
-        old = self._inflight
-        if work and self.overlap and all(self.sampler.plain(r) for r, _ in work):
+        old, self._inflight = self._inflight, None
+        outs: list[StepOutput] = []
+        if old is not None and not overlap.fed(work):  # a token this step needs must be on the host first
+            outs, old = self._settle(old), None
+            work = [(r, n) for r, n in work if not r.finished]
+        if work:
             try:
                 self._inflight = self._launch(work, old)
             except Exception as e:
-                self._inflight = None
-                outs = self._settle(old) if old is not None else []
+                outs += self._settle(old) if old is not None else []
                 return outs + self._fail_step([(r, n) for r, n in work if not r.finished], e)
-            return self._settle(old) if old is not None else []
-        outs: list[StepOutput] = []
-        if old is not None:  # read the step in flight back first: this one needs its tokens on the host
-            self._inflight = None
-            outs = self._settle(old)
-            work = [(r, n) for r, n in work if not r.finished]
-        return outs + (self._step_now(work) if work else [])
+        if old is not None:
+            outs += self._settle(old)
+        if not self.overlap and self._inflight is not None:
+            now, self._inflight = self._inflight, None
+            outs += self._settle(now)
+        return outs
 
     def _launch(self, work: list[tuple[Request, int]], old: overlap.Inflight | None) -> overlap.Inflight:
+        """Run `work` and pick its tokens on the device; nothing waits for the device."""
         start = stamp_start(work)
-        logits = self.runner.run(work, feed=overlap.feed(work, old))
+        logits = self.runner.run(work, feed=overlap.feed(work, old))  # [len(done), vocab]; advances num_computed
         done = [r for r, _ in work if r.num_computed == r.num_tokens]
-        tokens, host, ok, event = overlap.greedy_async(logits) if done else (logits, logits, logits, None)
+        picked = self.sampler.pick(logits, done, old) if done else None
+        kept = {i: logits[i].clone() for i, r in enumerate(done) if r.return_logits}  # a graph reuses its output
         for r in done:
             r.output_ids.append(overlap.PENDING)
-        return overlap.Inflight(work, done, tokens, host, ok, event, start)
+        return overlap.Inflight(work, done, picked, kept, start)
 
     def _settle(self, step: overlap.Inflight) -> list[StepOutput]:
         """The outputs of a launched step: its tokens read back (waiting for them if need be), each
-        recorded as a synchronous step records it; then the blocks it held back go free."""
-        tokens, ok = step.wait() if step.done else ([], [])
+        recorded (the one place a step's tokens are); then the blocks it held back go free."""
+        results = self.sampler.results(step.picked, step.done) if step.done else []
         stamp_end([r for r in step.done if not r.finished], step.start, time.monotonic())
         outs = []
-        for r, tok, fine in zip(step.done, tokens, ok):
+        for i, (r, (token, logprobs)) in enumerate(zip(step.done, results)):
             if r.finished:  # aborted or failed since: nothing more to say
                 continue
             later = overlap.pop_pending(r) - 1  # the step after this one's token, already launched
-            token = tok if fine else not_finite(r)
-            outs.append(self._emit(r, token, None))
+            token = self._prompt_logprobs_done(r, token)
+            outs.append(with_logprobs(self._emit(r, token, step.logits.get(i)), logprobs))
             if not r.finished:
                 r.output_ids.extend([overlap.PENDING] * later)
         for r, _ in step.work:
@@ -225,23 +232,6 @@ class Engine(KVHandoff):
             self.blocks.free(blocks)
         step.deferred.clear()
         return outs
-
-    def _step_now(self, work: list[tuple[Request, int]]) -> list[StepOutput]:
-        start = stamp_start(work)
-        try:
-            logits = self.runner.run(work)  # [len(done), vocab] float32; advances each num_computed
-            done = [r for r, _ in work if r.num_computed == r.num_tokens]
-            tokens = self.sampler.sample(logits, done) if done else []  # reads them back: the step is over
-            lps = self.sampler.token_logprobs(logits, done, tokens) if done else []
-        except Exception as e:
-            return self._fail_step(work, e)
-        stamp_end(done, start, time.monotonic())
-        for r, _ in work:
-            self._name_blocks(r)
-        tokens = [self._prompt_logprobs_done(r, tok) for r, tok in zip(done, tokens)]
-        tokens = [lp if isinstance(lp, SamplingError) else tok for tok, lp in zip(tokens, lps)]
-        return [with_logprobs(self._emit(r, tok, logits[i] if r.return_logits else None), lp)
-                for i, (r, tok, lp) in enumerate(zip(done, tokens, lps))]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
                  return_logits: bool = False) -> list[Request]:
@@ -326,6 +316,7 @@ class Engine(KVHandoff):
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> StepOutput:
         req.output_ids.append(token)
+        self._name_blocks(req)  # before a stop frees them: a finished request's blocks go down to the tiers named
         try:
             delta, reason = self.text.text_and_stop(req, token)
         except Exception as e:  # this request's text, not the batch's

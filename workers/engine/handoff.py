@@ -48,13 +48,10 @@ class KVHandoff:
                 self.tiers.poll(req, wait=True)
             computed_from = time.monotonic()
             logits = self.runner.prefill([req], on_layer)
-            [token] = self.sampler.sample(logits, [req])
+            [(token, req.first_logprobs)] = self.sampler.results(self.sampler.pick(logits, [req]), [req])
             token = self._prompt_logprobs_done(req, token)
             if isinstance(token, SamplingError):
                 raise token
-            [req.first_logprobs] = self.sampler.token_logprobs(logits, [req], [token])
-            if isinstance(req.first_logprobs, SamplingError):
-                raise req.first_logprobs
             stamp_end([req], req.stamps.prefill_start, time.monotonic())
             self._name_blocks(req)
             if self.tiers is not None:

@@ -1,22 +1,32 @@
 """Overlapped steps: the host prepares and launches step N+1 while the GPU still runs step N.
 
-A step whose requests all take the top token with nothing applied to their logits and nothing to
-report beside the token (Sampler.plain) picks its tokens on the device and copies them to pinned
-host memory behind a CUDA event, without waiting. The engine then schedules and launches the next
-step at once: a request whose next input is a token still on the device holds PENDING in its
-output_ids (so its positions, blocks and decode row are planned as for any token) and the runner
-copies the token's id into its input row on the device (`feed`). Only then does the engine read
-step N's tokens back (`Inflight.wait`), and turn them into outputs (text, stop checks) while step
-N+1 runs: sampled tokens arrive one step late, as vLLM's async scheduling and SGLang's overlap
-scheduler have them.
+Every step picks its tokens on the device (sampler.py: greedy or drawn, with penalties, masks,
+seeds and logprobs) and copies them, with the logprobs asked for, to pinned host memory behind a
+CUDA event, without waiting. With overlap on, the engine then schedules and launches the next step
+at once: a request whose next input is a token still on the device holds PENDING in its output_ids
+(so its positions, blocks and decode row are planned as for any token) and the runner copies the
+token's id into its input row on the device (`feed`). Only then does the engine read step N's tokens
+back (Sampler.results), and turn them into outputs (text, stop checks) while step N+1 runs: sampled
+tokens arrive one step late, as vLLM's async scheduling and SGLang's overlap scheduler have them.
+With overlap off, the engine reads each step back right after launching it: the same path, the
+same tokens (the engine's `_launch` and `_settle` are the only places a step is run and recorded).
 
 What it costs: a request that stops at step N (EOS, a stop string) already has a row in step N+1,
 whose token is dropped. Its blocks are not given back while step N+1 may still write into them:
 they wait in `Inflight.deferred` until that step is read back (the fence for this engine's own
 writes; without it a transfer could be handed a block the GPU still writes).
 
-Any other step (sampling, penalties, logprobs, logits asked; the KV tiers on) first reads the step
-in flight back and then runs as before.
+The KV tiers keep it: their copies run on side streams ordered by CUDA events, never by the host's
+reading a step back. A store waits for an event recorded on the compute stream when it is issued,
+after every step launched so far, the one in flight included (a block is named, and may be stored,
+once the step that completes it is launched); a reused block's next write waits for the stores
+reading it (HostTier.before_reuse); a load waits for the compute stream likewise, and the engine
+schedules its request once the load's event has passed (Tiers.poll): each wait is an event on a
+stream, none a host sync. On the CPU every copy is done when issued.
+
+A step whose rows need a token still on the device at a position other than a decode row's input
+(a preempted request recomputed in the same step) cannot be fed: the step in flight is read back
+first (`fed`).
 """
 
 from __future__ import annotations
@@ -25,19 +35,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.request import PENDING, Request
+from pdserve.workers.engine.sampling_device import Picked
 
-PENDING = -1  # an output token still on the device
+__all__ = ["PENDING", "Inflight", "feed", "fed", "pop_pending"]
 
 
 @dataclass
 class Inflight:
     work: list[tuple[Request, int]]
-    done: list[Request]  # the requests whose token this step samples, in its rows' order
-    tokens: torch.Tensor  # [len(done)] int64 on the device
-    host: torch.Tensor  # its copy in (pinned) host memory, valid once `event` has passed
-    ok: torch.Tensor  # [len(done)] bool: the row's logits were finite
-    event: object | None  # torch.cuda.Event recorded after the copies (None on the CPU)
+    done: list[Request]  # the requests whose token this step picks, in its rows' order
+    picked: Picked | None  # their tokens on the device and on their way to the host (None: no row done)
+    logits: dict[int, torch.Tensor]  # row -> a copy of its logits, for the requests that asked (return_logits)
     start: float  # time.monotonic() at launch
     members: set[int] = field(default_factory=set)  # id() of every request in `work`
     deferred: list[list[int]] = field(default_factory=list)  # block lists freed once this step is read back
@@ -46,26 +55,10 @@ class Inflight:
         self.members = {id(r) for r, _ in self.work}
         self.index = {id(r): i for i, r in enumerate(self.done)}
 
-    def wait(self) -> tuple[list[int], list[bool]]:
-        """Block until the step's tokens are on the host; (token ids, finite) per row of `done`."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist(), self.ok.tolist()
-
-
-def greedy_async(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object | None]:
-    """Top tokens of [K, vocab] logits on their device, and their copies to the host behind an event."""
-    top, tokens = logits.max(dim=-1)  # NaN propagates into the max: one reduction checks the row
-    ok = top.isfinite()
-    if logits.device.type != "cuda":
-        return tokens, tokens, ok, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    ok_host = torch.empty(ok.shape, dtype=ok.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    ok_host.copy_(ok, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return tokens, host, ok_host, event
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[len(done)] int64 on the device: each row's token."""
+        return self.picked.tokens
 
 
 def feed(work: list[tuple[Request, int]], inflight: Inflight | None) -> tuple[list[int], list[int], torch.Tensor] | None:
@@ -80,6 +73,11 @@ def feed(work: list[tuple[Request, int]], inflight: Inflight | None) -> tuple[li
             rows.append(i)
             src.append(inflight.index[id(r)])
     return (rows, src, inflight.tokens) if rows else None
+
+
+def fed(work: list[tuple[Request, int]]) -> bool:
+    """Every token of `work` still on the device is a decode row's input (what `feed` can supply)."""
+    return all(n == 1 and r.num_computed for r, n in work if r.output_ids and r.output_ids[-1] == PENDING)
 
 
 def pop_pending(req: Request) -> int:

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 # a request's sampling parameters are the wire's struct, defined once with their bounds (protocol/sampling.py)
 from pdserve.protocol.sampling import InvalidRequest, Sampling as SamplingParams  # noqa: F401  (InvalidRequest: for callers)
 
+PENDING = -1  # an output token chosen on the device and not yet read back (overlap.py)
+
 
 class IllegalTransition(RuntimeError):
     """A request was asked to move along its ladder from a state that does not lead there (a bug in
@@ -140,9 +142,9 @@ class Request:
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, reloaded per tier ("host", "disk")
     reload_s: float | None = None  # how long those reloads took
     stamps: Stamps = field(default_factory=Stamps)  # its timeline on this worker
-    # the sampler's [vocab] bool mask of params.allowed_token_ids, built at its first step and kept (the
-    # list is fixed for the request's life: rebuilding it from Python ints each step cost 60k+ ids a step)
-    allowed_mask: object | None = field(default=None, repr=False)
+    # the sampler's tensors for it (sampler.py: RowState: its bias and masks, penalty counts, generator),
+    # built at its first token and kept: rebuilding a mask from Python ints each step cost 60k+ ids a step
+    sampler_state: object | None = field(default=None, repr=False)
 
     # ---- the ladder ----------------------------------------------------------------------------
 

@@ -1,51 +1,169 @@
-"""Turning one step's logits into one token per request, each request on its own.
+"""Turning one step's logits into one token per request, on the device for the whole batch, each
+request by its own parameters; nothing here waits for the device.
 
-    sample(logits, requests)            -> a token id (or that request's SamplingError) per row
-    token_logprobs(logits, reqs, toks)  -> each asking row's TokenLogprobs (None for the others)
-    logprobs_of(logits, targets, k)     -> TokenLogprobs per row (the runner's prompt logprobs too)
+    pick(logits, requests, prev) -> Picked   the tokens (and the asked logprobs) chosen on the device,
+                                             their one copy to the host under way
+    results(picked, requests)                once read back: per row (token id or that request's
+                                             SamplingError, its TokenLogprobs or None)
+    sample(logits, requests)                 pick and read back: a token id (or SamplingError) per row
+    process(logits, requests)                the processed logits alone, and the rows that failed (tests)
+    logprobs_of(logits, targets, k)          TokenLogprobs per row, read back (the runner's prompt logprobs)
 
 Processing first, only for the rows that need it (the common case, no penalties, masks or bias and
 min_tokens reached, costs nothing extra): logit_bias added (OpenAI's), every token outside
-allowed_token_ids (a mask built at the request's first step and kept with it) and each bad word's
-next token (vLLM's: the word's last token where the output ends with the ones before it) masked to
--inf; min_tokens masks EOS and stop_token_ids to -inf until reached; repetition_penalty (vLLM/HF:
-every token of the prompt or the output, logit / r if > 0 else * r), then frequency_penalty * count
-and presence_penalty * (count > 0) subtracted (OpenAI: output tokens only). The counts are per-row
-[rows, vocab] tensors built on the device for those rows alone, each step, from the request's own
-tokens (so a decode worker that adopted a request counts exactly what the colocated run counts).
+allowed_token_ids and each bad word's next token (vLLM's: the word's last token where the output
+ends with the ones before it) masked to -inf; min_tokens masks EOS and stop_token_ids to -inf until
+reached; repetition_penalty (vLLM/HF: every token of the prompt or the output, logit / r if > 0 else
+* r), then frequency_penalty * count and presence_penalty * (count > 0) subtracted (OpenAI: output
+tokens only).
+
+What a request needs across steps is built at its first token that needs it and kept with it
+(RowState, `Request.sampler_state`): its bias row and banned tokens ([vocab] tensors: a step costs
+the same whatever the lists' length), its penalty counts, its generator. The counts live on the
+device and grow there by each token as it is picked, so a step can be picked before the step
+before it is read back (overlap.py: that token is PENDING on the host). The one thing that reads
+the output's tail, a bad word of several tokens, compares the host's known tokens there and the
+token still on the device (`prev`, the step in flight) on the device.
 
 Greedy rows take one batched max, which also checks every row: a row holding NaN or +inf (its max
-is not finite) fails that request alone. Sampled rows apply temperature, top-k and top-p, then
-draw; min_p (vLLM's) drops the tokens less likely than min_p x the top one's probability, after
-top-k and before top-p. A seeded request draws its n-th token from a generator seeded with (seed,
-n), so it gives the same tokens whatever shares its batch, and whether its first token was drawn on
-a prefill worker and the rest on a decode worker or all in one place.
+is not finite) fails that request alone. Drawn rows apply temperature, top-k, min-p (vLLM's: drops
+the tokens less likely than min_p x the top one's probability) and top-p, then draw
+(sampling_device.draw: the per-request draw this replaced, batched, bit for bit). A seeded request
+draws its n-th token from its generator seeded with (seed, n), n counting the token still on the
+device, so it gives the same tokens whatever shares its batch, whether its steps overlapped or not,
+and whether its first token was drawn on a prefill worker and the rest on a decode worker or all in
+one place.
 
 Logprobs are of the raw logits (log_softmax before processing, temperature, top-k/p: vLLM's default
-`raw_logprobs`), so they do not depend on how the token was chosen; -inf is reported as
-LOGPROB_FLOOR (-9999, as vLLM does: JSON has no -inf).
+`raw_logprobs`), so they do not depend on how the token was chosen; gathered on the device and
+copied back with the tokens; -inf is reported as LOGPROB_FLOOR (-9999, as vLLM does: JSON has no -inf).
 
-One request cannot fail another: whatever goes wrong computing one row comes back as a
-SamplingError in that row's place, and the other rows are tokens as if it were not there (a batched
-processing step that raises is redone row by row, so only the row at fault fails). The draw is
-kept numerically safe before it starts, not caught after (on CUDA, multinomial over NaN
-probabilities is a device-side assert that ends the process): the row is finite, and the
-temperature divides (row - max), so the top logit is exactly 0 and no temperature in range
-overflows (1e-40 gives the argmax, as greedy would).
+One request cannot fail another: a request whose state cannot be built (an id outside the
+vocabulary) fails alone, and a batched pick that raises is redone row by row, so only the row at
+fault fails, its SamplingError naming what failed. The draw is kept numerically safe before it
+starts, not caught after: temperature divides (row - max), so the top logit is exactly 0 and no
+temperature in range overflows; the draw's argmax needs no valid distribution (nothing asserts on
+the device), and a row that is not finite is failed from the max.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 
-from pdserve.workers.engine.request import Request
-from pdserve.protocol.control import LOGPROB_FLOOR, TokenLogprobs
+from pdserve.protocol.control import TokenLogprobs
+from pdserve.workers.engine.request import PENDING, Request
+from pdserve.workers.engine.sampling_device import DrawParams, Picked, draw, gather_logprobs, to_device
+
+# what a row's pick was doing when it failed, as its error says it
+PROCESS, DRAW, LOGPROBS = "applying its penalties or min_tokens", "sampling generated token {n}", \
+    "the logprobs of generated token {n}"
 
 
 class SamplingError(RuntimeError):
     """One request's token could not be computed; the message names the request and why."""
+
+
+class _Stage(Exception):
+    def __init__(self, stage: str, cause: Exception):
+        super().__init__(stage)
+        self.stage, self.cause = stage, cause
+
+    def error(self, r: Request) -> SamplingError:
+        what = self.stage.format(n=len(r.output_ids))
+        return SamplingError(f"request {r.request_id}: {what} failed: {type(self.cause).__name__}: {self.cause}")
+
+
+@dataclass(eq=False)
+class RowState:
+    """The sampler's tensors for one request, on the device (see the module docstring)."""
+
+    vocab: int
+    device: torch.device
+    bias: torch.Tensor | None = None  # [vocab] float32: logit_bias, 0 elsewhere
+    ban: torch.Tensor | None = None  # [vocab] bool: outside allowed_token_ids, or a one-token bad word
+    long_words: tuple = ()  # bad words of several tokens: banned by what the output ends with
+    counts: torch.Tensor | None = None  # [vocab] float32: its output tokens so far (penalties)
+    prompt_seen: torch.Tensor | None = None  # [vocab] bool: its prompt's tokens (repetition_penalty)
+    generator: torch.Generator | None = None  # seeded for each token drawn
+
+    @classmethod
+    def build(cls, r: Request, vocab: int, device: torch.device) -> "RowState":
+        p = r.params
+        st = cls(vocab, device)
+        if p.logit_bias:
+            ids = _ids_in(vocab, "logit_bias", list(p.logit_bias))
+            st.bias = torch.zeros(vocab, device=device)
+            st.bias[ids] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32).to(device)
+        one = [w[0] for w in p.bad_words_ids if len(w) == 1]
+        if p.allowed_token_ids or one:
+            st.ban = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if p.allowed_token_ids:
+                st.ban[_ids_in(vocab, "allowed_token_ids", p.allowed_token_ids)] = True
+                st.ban = ~st.ban
+            if one:
+                st.ban[_ids_in(vocab, "bad_words", one)] = True
+        st.long_words = tuple(list(w) for w in p.bad_words_ids if len(w) > 1)
+        _ids_in(vocab, "bad_words", [t for w in st.long_words for t in w])
+        if p.penalized:
+            if PENDING in r.output_ids:
+                raise RuntimeError("its penalty counts were first asked for with a token still on the device")
+            st.counts = token_counts([r.output_ids], vocab, device)[0]
+            if p.repetition_penalty != 1.0:
+                st.prompt_seen = token_counts([r.prompt_ids], vocab, device)[0] > 0
+        if p.seed is not None and not p.greedy:
+            st.generator = torch.Generator(device=device)
+        return st
+
+
+def _ids_in(vocab: int, what: str, ids: list[int]) -> torch.Tensor:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what} {bad[:5]} outside the vocabulary (0..{vocab - 1})")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class _Rows:
+    """Which rows of a pick take which part, found in one pass over the requests."""
+
+    proc: list[int]  # processed: penalties, masks, bias, min_tokens
+    drawn: list[int]  # not greedy
+    asks: list[int]  # logprobs
+    pen: list[int]  # penalty counts to grow
+    stateful: list[int]  # keep a RowState
+    k: int | None  # the most top logprobs a row asks for (None: no row asks)
+
+    @classmethod
+    def of(cls, reqs: list[Request]) -> "_Rows":
+        rows = cls([], [], [], [], [], None)
+        for j, r in enumerate(reqs):
+            p = r.params
+            penalized, masked, drawn = p.penalized, p.masked, not p.greedy
+            if penalized or masked or len(r.output_ids) < p.min_tokens:
+                rows.proc.append(j)
+            if drawn:
+                rows.drawn.append(j)
+            if p.logprobs is not None:
+                rows.asks.append(j)
+                rows.k = max(rows.k or 0, p.logprobs)
+            if penalized:
+                rows.pen.append(j)
+            if penalized or masked or (drawn and p.seed is not None):
+                rows.stateful.append(j)
+        return rows
+
+    def without(self, skip: dict) -> "_Rows":
+        """These rows, less those in `skip` (they take no part; `k` stays: the packed width)."""
+        keep = [[j for j in part if j not in skip] for part in (self.proc, self.drawn, self.asks, self.pen)]
+        return _Rows(*keep, [j for j in self.stateful if j not in skip], self.k)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(np.asarray(rows, dtype=np.int64), device)
 
 
 class Sampler:
@@ -53,172 +171,221 @@ class Sampler:
         self.device = device
         self.eos_token_ids = sorted(set(eos_token_ids))
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int | SamplingError]:
-        """logits: [len(requests), vocab] float32 -> a token id (or the error) per request, in order."""
-        logits, failed = self.process(logits, requests)
-        top, tokens = logits.max(dim=-1)  # NaN propagates into the max: one reduction checks the row
-        out: list[int | SamplingError] = torch.where(top.isfinite(), tokens, -1).tolist()
-        for i, r in enumerate(requests):
-            if i in failed:
-                out[i] = failed[i]
-            elif out[i] < 0:
-                out[i] = not_finite(r)
-            elif not r.params.greedy:
-                try:
-                    out[i] = self._draw(logits[i], r)
-                except Exception as e:  # this request's draw, not the batch's
-                    out[i] = SamplingError(f"request {r.request_id}: sampling generated token {len(r.output_ids)} "
-                                           f"failed: {type(e).__name__}: {e}")
+    # ---- the step's call --------------------------------------------------------------------------
+
+    def pick(self, logits: torch.Tensor, requests: list[Request], prev=None) -> Picked:
+        """logits: [len(requests), vocab] float32 -> their tokens, chosen on the device (see the module
+        docstring). prev: the step in flight (overlap.Inflight: its `tokens` and `index`), whose tokens
+        the requests' outputs end with as PENDING; None when every token is on the host."""
+        failed: dict[int, SamplingError] = {}
+        rows = _Rows.of(requests)
+        states = self._states(requests, rows.stateful, logits.shape[1], failed)
+        if failed:
+            rows = rows.without(failed)
+        try:
+            tokens, packed = self._pick(logits, requests, states, prev, rows)
+        except _Stage:  # redo row by row: only the row at fault fails
+            parts = [self._pick_alone(logits, requests, states, prev, rows.k, failed, j) for j in range(len(requests))]
+            tokens, packed = torch.cat([t for t, _ in parts]), torch.cat([p for _, p in parts])
+        return Picked.start(tokens, packed, rows.k or 0, failed)
+
+    def results(self, picked: Picked, requests: list[Request]) -> list[tuple[int | SamplingError, TokenLogprobs | None]]:
+        """Wait for the picked tokens; per request its token (or SamplingError) and the logprobs it asked for."""
+        out: list[tuple[int | SamplingError, TokenLogprobs | None]] = []
+        for j, (r, (token, lp)) in enumerate(zip(requests, picked.rows())):
+            want = r.params.logprobs
+            if j in picked.failed:
+                out.append((picked.failed[j], None))
+            elif token < 0:
+                out.append((not_finite(r), None))
+            else:
+                out.append((token, None if want is None else TokenLogprobs(lp[0], lp[1][:want], lp[2][:want])))
         return out
 
-    # ---- processing: min_tokens, penalties ----------------------------------------------------------
-
-    def plain(self, r: Request) -> bool:
-        """The top token, with nothing applied to the logits and nothing reported beside the token:
-        it can be chosen on the device and read back a step later (overlap.py)."""
-        p = r.params
-        return (p.greedy and not self._needs_processing(r) and p.logprobs is None and p.prompt_logprobs is None
-                and not r.return_logits)
-
-    def _needs_processing(self, r: Request) -> bool:
-        return r.params.penalized or r.params.masked or len(r.output_ids) < r.params.min_tokens
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int | SamplingError]:
+        """logits: [len(requests), vocab] float32 -> a token id (or the error) per request, read back."""
+        return [token for token, _ in self.results(self.pick(logits, requests), requests)]
 
     def process(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, dict[int, SamplingError]]:
         """The logits to choose from (the input itself when no row needs processing) and the rows
-        whose processing failed."""
-        rows = [i for i, r in enumerate(requests) if self._needs_processing(r)]
-        if not rows:
-            return logits, {}
-        logits = logits.clone()  # the runner's tensor is an inference tensor, and the caller's
-        try:
-            logits[rows] = self._processed(logits[rows], [requests[i] for i in rows])
-            return logits, {}
-        except Exception:  # redo row by row: only the row at fault fails
-            failed = {}
-            for i in rows:
+        whose state could not be built."""
+        failed: dict[int, SamplingError] = {}
+        rows = _Rows.of(requests)
+        states = self._states(requests, rows.stateful, logits.shape[1], failed)
+        proc = rows.without(failed).proc
+        return (self._process_rows(logits, proc, requests, states, None) if proc else logits), failed
+
+    # ---- one pick ---------------------------------------------------------------------------------
+
+    def _states(self, requests: list[Request], stateful: list[int], vocab: int,
+                failed: dict[int, SamplingError]) -> list[RowState | None]:
+        """Each request's RowState (None for those that keep none), built for those that need one now."""
+        out: list[RowState | None] = [None] * len(requests)
+        for j in stateful:
+            r = requests[j]
+            st = r.sampler_state
+            if st is None or st.vocab != vocab or st.device != self.device:
                 try:
-                    logits[i] = self._processed(logits[i:i + 1], [requests[i]])[0]
-                except Exception as e:
-                    failed[i] = SamplingError(f"request {requests[i].request_id}: applying its penalties or "
-                                              f"min_tokens failed: {type(e).__name__}: {e}")
-            return logits, failed
-
-    def _processed(self, rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """rows: [m, vocab] float32 of the requests that need processing -> the processed rows."""
-        vocab = rows.shape[1]
-        dev = rows.device
-        if any(r.params.masked for r in reqs):
-            rows = self._masked(rows, reqs)
-        for j, r in enumerate(reqs):  # min_tokens: a few ids per row
-            if len(r.output_ids) < r.params.min_tokens:
-                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
-                if banned:
-                    rows[j, torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
-        pen = [j for j, r in enumerate(reqs) if r.params.penalized]
-        if not pen:
-            return rows
-        preqs = [reqs[j] for j in pen]
-        sub = rows[pen]
-        counts = token_counts([r.output_ids for r in preqs], vocab, dev)  # [p, vocab] float32
-        rep = torch.tensor([r.params.repetition_penalty for r in preqs], device=dev)[:, None]
-        if (rep != 1.0).any():
-            seen = (token_counts([r.prompt_ids for r in preqs], vocab, dev) > 0) | (counts > 0)
-            seen &= rep != 1.0
-            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        freq = torch.tensor([r.params.frequency_penalty for r in preqs], device=dev)[:, None]
-        presence = torch.tensor([r.params.presence_penalty for r in preqs], device=dev)[:, None]
-        sub = sub - freq * counts - presence * (counts > 0).float()
-        rows[pen] = sub
-        return rows
-
-    @staticmethod
-    def _masked(rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """rows: [m, vocab] -> logit_bias added, then -inf outside allowed_token_ids and on the bad words'
-        next tokens; one indexed write each, over the rows that asked."""
-        vocab, dev = rows.shape[1], rows.device
-        bias = [(j, r.params.logit_bias) for j, r in enumerate(reqs) if r.params.logit_bias]
-        if bias:
-            at = torch.tensor([j for j, b in bias for _ in b], dtype=torch.long, device=dev)
-            ids = torch.tensor([t for _, b in bias for t in b], dtype=torch.long, device=dev)
-            vals = torch.tensor([v for _, b in bias for v in b.values()], dtype=rows.dtype, device=dev)
-            rows = rows.index_put((at, ids), vals, accumulate=True)
-        allowed = [j for j, r in enumerate(reqs) if r.params.allowed_token_ids]
-        if allowed:
-            keep = torch.stack([allowed_mask(reqs[j], vocab, dev) for j in allowed])  # [a, vocab] bool
-            at = torch.tensor(allowed, dtype=torch.long, device=dev)
-            rows[at] = rows[at].masked_fill(~keep, float("-inf"))
-        banned = [(j, w[-1]) for j, r in enumerate(reqs) for w in r.params.bad_words_ids
-                  if len(w) == 1 or r.output_ids[-(len(w) - 1):] == w[:-1]]
-        if banned:
-            at, ids = torch.tensor(banned, dtype=torch.long, device=dev).T
-            rows[at, ids] = float("-inf")
-        return rows
-
-    # ---- drawing ------------------------------------------------------------------------------------
-
-    def _draw(self, row: torch.Tensor, req: Request) -> int:
-        p = req.params
-        row = (row.float() - row.max()) / p.temperature  # <= 0, the top exactly 0: exp() cannot overflow
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.min_p > 0.0:  # the top token's probability is probs.max(); the top token always stays
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-            probs = probs / probs.sum()
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            cum = sorted_probs.cumsum(0)
-            drop = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-            probs = probs / probs.sum()
-        gen = self._generator(req)
-        return int(torch.multinomial(probs, 1, generator=gen).item())
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        if req.params.seed is None:
-            return None
-        gen = torch.Generator(device=self.device)
-        # mixed within the generator's 64 bits: any seed in 0..2**63-1 works (2**50 * 1_000_003 does not fit);
-        # seeds below 2**64 / 1_000_003 (about 1.8e13) give the same stream as before the wrap
-        gen.manual_seed((req.params.seed * 1_000_003 + len(req.output_ids)) % 2**64)
-        return gen
-
-    # ---- logprobs -----------------------------------------------------------------------------------
-
-    def token_logprobs(self, logits: torch.Tensor, requests: list[Request],
-                       tokens: list[int | SamplingError]) -> list[TokenLogprobs | SamplingError | None]:
-        """The logprobs of each sampled token whose request asked (Sampling.logprobs), from the raw
-        logits; None for the other rows (and for failed ones); a SamplingError where they could not be
-        computed (batched first; if that raises, row by row, so only the row at fault fails)."""
-        rows = [i for i, (r, t) in enumerate(zip(requests, tokens))
-                if r.params.logprobs is not None and not isinstance(t, SamplingError)]
-        out: list[TokenLogprobs | SamplingError | None] = [None] * len(requests)
-        if not rows:
-            return out
-        try:
-            groups = [(rows, self._logprobs(logits, requests, tokens, rows))]
-        except Exception:
-            groups = []
-            for i in rows:
-                try:
-                    groups.append(([i], self._logprobs(logits, requests, tokens, [i])))
-                except Exception as e:
-                    out[i] = SamplingError(f"request {requests[i].request_id}: the logprobs of generated token "
-                                           f"{len(requests[i].output_ids)} failed: {type(e).__name__}: {e}")
-        for part, lps in groups:
-            for i, lp in zip(part, lps):
-                want = requests[i].params.logprobs
-                out[i] = lp if len(lp.top_ids) == want else TokenLogprobs(lp.logprob, lp.top_ids[:want],
-                                                                          lp.top_logprobs[:want])
+                    st = r.sampler_state = RowState.build(r, vocab, self.device)
+                except Exception as e:  # this request's parameters, not the batch's
+                    failed[j] = _Stage(PROCESS, e).error(r)
+                    continue
+            out[j] = st
         return out
 
+    def _pick(self, logits, reqs: list[Request], states, prev, rows: _Rows):
+        """-> (tokens [K] int64, packed: [K] int64 or [K, W] float64) on the device (Picked's layout);
+        raises _Stage."""
+        x, k = logits, rows.k
+        if rows.proc:
+            try:
+                x = self._process_rows(logits, rows.proc, reqs, states, prev)
+            except Exception as e:
+                raise _Stage(PROCESS, e) from e
+        top, tokens = x.max(dim=-1)  # NaN propagates into the max: one reduction checks the row
+        ok = top.isfinite()
+        if rows.drawn:
+            every = len(rows.drawn) == len(reqs)
+            try:
+                chosen = self._draw(x if every else x[_index(rows.drawn, x.device)], [reqs[j] for j in rows.drawn])
+            except Exception as e:
+                raise _Stage(DRAW, e) from e
+            if every:
+                tokens = chosen
+            else:
+                tokens[_index(rows.drawn, x.device)] = chosen
+        packed = torch.where(ok, tokens, -1)
+        if k is not None:
+            packed = torch.cat([packed.double()[:, None], packed.new_zeros(len(reqs), 1 + 2 * k, dtype=torch.float64)],
+                               dim=1)
+            if rows.asks:  # the most these rows ask for (a row redone alone asks its own), in columns for k
+                at, most = _index(rows.asks, x.device), max(reqs[j].params.logprobs for j in rows.asks)
+                try:
+                    vals, ids = gather_logprobs(logits[at], tokens[at], most)
+                except Exception as e:
+                    raise _Stage(LOGPROBS, e) from e
+                packed[at, 1:2 + most] = vals.double()
+                packed[at, 2 + k:2 + k + most] = ids.double()
+        if rows.pen:  # the chosen tokens count from the next step on, on the device (nothing read back)
+            one = torch.zeros(len(rows.pen), logits.shape[1], device=x.device)
+            one.scatter_(1, tokens[_index(rows.pen, x.device)][:, None], 1.0)
+            torch._foreach_add_([states[j].counts for j in rows.pen], list(one.unbind(0)))
+        return tokens, packed
+
+    def _pick_alone(self, logits, requests, states, prev, k: int | None, failed: dict[int, SamplingError], j: int):
+        r = requests[j]
+        if j not in failed:
+            rows = _Rows.of([r])
+            rows.k = k  # the batch's width
+            try:
+                return self._pick(logits[j:j + 1], [r], states[j:j + 1], prev, rows)
+            except _Stage as e:
+                failed[j] = e.error(r)
+        tokens = logits[j:j + 1].argmax(dim=-1)  # a valid id for the row the next step may still compute
+        packed = torch.full((1,) if k is None else (1, 2 + 2 * k), -1, device=logits.device,
+                            dtype=torch.long if k is None else torch.float64)
+        return tokens, packed
+
+    def _draw(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """x: [s, vocab] processed logits of the drawn rows -> [s] int64 tokens."""
+        generators = []
+        for r in reqs:
+            gen = r.sampler_state.generator if r.sampler_state is not None else None
+            if gen is not None:
+                # mixed within the generator's 64 bits: any seed in 0..2**63-1 works; seeds below 2**64 /
+                # 1_000_003 (about 1.8e13) give the same stream as before the wrap
+                gen.manual_seed((r.params.seed * 1_000_003 + len(r.output_ids)) % 2**64)
+            generators.append(gen)
+        return draw(x, DrawParams.of([r.params for r in reqs]), generators)
+
+    # ---- processing: bias and masks, min_tokens, penalties ------------------------------------------
+
+    def _process_rows(self, logits, rows: list[int], reqs, states, prev) -> torch.Tensor:
+        """A copy of logits (the runner's tensor is an inference tensor, and the caller's) with `rows` processed."""
+        if len(rows) == len(reqs):
+            return self._processed(logits.clone(), reqs, states, prev)
+        at = _index(rows, logits.device)
+        out = logits.clone()
+        out[at] = self._processed(logits[at], [reqs[j] for j in rows], [states[j] for j in rows], prev)
+        return out
+
+    def _processed(self, rows: torch.Tensor, reqs: list[Request], states, prev) -> torch.Tensor:
+        """rows: [m, vocab] float32 of the requests that need processing (a copy) -> the processed rows."""
+        dev = rows.device
+        bias = [i for i, st in enumerate(states) if st is not None and st.bias is not None]
+        if bias:
+            rows = _with(rows, bias, lambda sub: sub + torch.stack([states[i].bias for i in bias]))
+        ban = [i for i, st in enumerate(states) if st is not None and st.ban is not None]
+        if ban:
+            rows = _with(rows, ban, lambda sub: sub.masked_fill(torch.stack([states[i].ban for i in ban]), float("-inf")))
+        if any(st is not None and st.long_words for st in states):
+            rows = rows.masked_fill(self._tail_bans(rows, reqs, states, prev), float("-inf"))
+        held = [(i, t) for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_tokens
+                for t in list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)]
+        if held:
+            at, ids = _index(held, dev).T
+            rows[at, ids] = float("-inf")
+        pen = [i for i, r in enumerate(reqs) if r.params.penalized]
+        if pen:
+            rows = _with(rows, pen, lambda sub: _penalized(sub, [reqs[i] for i in pen], [states[i] for i in pen]))
+        return rows
+
     @staticmethod
-    def _logprobs(logits, requests, tokens, rows: list[int]) -> list[TokenLogprobs]:
-        k = max(requests[i].params.logprobs for i in rows)
-        targets = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=logits.device)
-        return logprobs_of(logits[rows], targets, k)
+    def _tail_bans(rows: torch.Tensor, reqs: list[Request], states, prev) -> torch.Tensor:
+        """[m, vocab] bool: each bad word's last token where the output ends with the word's other tokens
+        (its last one may still be on the device: compared there)."""
+        hits, wait = [], []  # (row, banned id); (row, banned id, index in prev.tokens, the token it must be)
+        for i, (r, st) in enumerate(zip(reqs, states)):
+            out = r.output_ids
+            for w in (st.long_words if st is not None else ()):
+                n = len(w) - 1
+                if len(out) < n:
+                    continue
+                tail = out[len(out) - n:]
+                if tail[-1] != PENDING:
+                    if tail == w[:-1]:
+                        hits.append((i, w[-1]))
+                elif tail[:-1] == w[:-2]:
+                    if prev is None or id(r) not in prev.index:
+                        raise RuntimeError("its output ends with a token on the device, and no step is in flight")
+                    wait.append((i, w[-1], prev.index[id(r)], w[-2]))
+        dev = rows.device
+        count = torch.zeros(rows.shape, device=dev)
+        if hits:
+            at, ids = _index(hits, dev).T
+            count.index_put_((at, ids), torch.ones(len(hits), device=dev), accumulate=True)
+        if wait:
+            at, ids, src, want = _index(wait, dev).T
+            match = (prev.tokens.index_select(0, src) == want).float()
+            count.index_put_((at, ids), match, accumulate=True)
+        return count > 0
+
+
+def _with(rows: torch.Tensor, sel: list[int], fn) -> torch.Tensor:
+    """rows with fn applied to the rows `sel` (all of them: no indexing)."""
+    if len(sel) == rows.shape[0]:
+        return fn(rows)
+    at = _index(sel, rows.device)
+    rows[at] = fn(rows[at])
+    return rows
+
+
+def _penalized(sub: torch.Tensor, reqs: list[Request], states: list[RowState]) -> torch.Tensor:
+    """sub: [p, vocab] of the penalized requests -> repetition, frequency and presence penalties applied."""
+    dev = sub.device
+    counts = torch.stack([st.counts for st in states])  # [p, vocab] float32
+    rep_np = np.fromiter((r.params.repetition_penalty for r in reqs), dtype=np.float32, count=len(reqs))
+    if (rep_np != 1.0).any():
+        rep = to_device(rep_np, dev)[:, None]
+        seen = counts > 0
+        asked = [i for i, st in enumerate(states) if st.prompt_seen is not None]
+        if asked:
+            seen = _with(seen, asked, lambda s: s | torch.stack([states[i].prompt_seen for i in asked]))
+        seen &= rep != 1.0
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = to_device(np.fromiter((r.params.frequency_penalty for r in reqs), dtype=np.float32, count=len(reqs)), dev)
+    presence = to_device(np.fromiter((r.params.presence_penalty for r in reqs), dtype=np.float32, count=len(reqs)), dev)
+    return sub - freq[:, None] * counts - presence[:, None] * (counts > 0).float()
 
 
 def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -232,30 +399,11 @@ def token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torc
     return out[:, :vocab]
 
 
-def allowed_mask(r: Request, vocab: int, device: torch.device) -> torch.Tensor:
-    """[vocab] bool: the tokens r may generate (its allowed_token_ids), built at its first step and kept
-    with the request, so a step costs the same whatever the list's length. An id outside the vocabulary
-    raises (that request fails, alone)."""
-    mask = r.allowed_mask
-    if mask is None or mask.shape[0] != vocab or mask.device != device:
-        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-        mask[torch.tensor(r.params.allowed_token_ids, dtype=torch.long, device=device)] = True
-        r.allowed_mask = mask
-    return mask
-
-
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
     """logits: [m, vocab], targets: [m] token ids -> per row the target's logprob and the k most
     likely tokens' (one device-to-host copy for the lot)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, targets[:, None])[:, 0]
-    if k:
-        top_lp, top_ids = lp.topk(k, dim=-1)
-    else:
-        top_lp = top_ids = torch.empty(len(targets), 0, device=lp.device)
-    vals = torch.cat([chosen[:, None], top_lp], dim=1).clamp(LOGPROB_FLOOR, 0.0).nan_to_num(nan=LOGPROB_FLOOR).tolist()
-    ids = top_ids.long().tolist()
-    return [TokenLogprobs(v[0], i, v[1:]) for v, i in zip(vals, ids)]
+    vals, ids = gather_logprobs(logits, targets, k)
+    return [TokenLogprobs(v[0], i, v[1:]) for v, i in zip(vals.tolist(), ids.tolist())]
 
 
 def not_finite(r: Request) -> SamplingError:
