@@ -171,3 +171,28 @@ def test_profiled_writes_its_tables_and_trace(tmp_path):
     assert "aten::cumsum" in (tmp_path / "prof" / "by-self-cpu.txt").read_text()
     assert json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]
     assert not (tmp_path / "prof" / "by-device.txt").exists()  # no device on the CPU
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_transformers_decode_ab_reads_overlapped_steps(overlap):
+    # the A/B's engine arm on an engine whose steps overlap (as on CUDA): a step returns the tokens of
+    # the one before, none on the first; every round is still one step that decodes the whole batch
+    import torch
+
+    from pdserve.workers.engine.models import load_model
+
+    loaded = load_model("tiny", None, "cpu")
+    twin = steps.hf_twin(loaded.model)  # before the engine re-routes the original's attention
+    engine = steps.make_engine(loaded, torch.device("cpu"), torch.float32, num_blocks=64, max_num_seqs=4,
+                               overlap=overlap)
+    assert engine.overlap is overlap
+    args = argparse.Namespace(warmup=2, pairs=3, seed=0)
+    row = steps.hf_decode_ab(engine, twin, 3, 64, loaded.model.config.vocab_size,
+                             torch.device("cpu"), args)
+    assert (row["batch"], row["context"]) == (3, 64)
+    check_summary(row["ours_ms"], 3)
+    check_summary(row["transformers_ms"], 3)
+    assert row["ratio"] == row["paired"]["ratio"]["median"] > 0
+    # the batch's requests: warmup + pairs tokens each, all read back; nothing left in flight or held
+    assert row["ours_tokens"] == [2 + 3] * 3
+    assert not engine.has_work() and engine.blocks.num_free == engine.blocks.num_blocks

@@ -6,8 +6,10 @@ times, the memory roofline beside them, and the chunked-prefill scenario.
     adopt_batch(engine, contexts, ...)      reserve(id, n) + adopt(req, first_token) per request: each
                                             joins the running batch at once, no prefill, so a batch of
                                             64 x 16k contexts is built in milliseconds
-    decode_steps(engine, reqs, ...)         host wall time of engine.step() (CUDA-synchronised around it),
-                                            each step one token for every request of the batch
+    BatchDecode(engine, reqs, device)       .step(): host wall time of engine.step() (CUDA-synchronised
+                                            around it), each step one token for every request of the batch
+                                            (returned one step late when steps overlap); .flush()
+    decode_point(engine, contexts, ...)     the intervals between successive engine.step() returns
     weight_bytes(model)                     bytes a decode step reads of the weights: all parameters but
                                             the input embedding table (a step gathers only B rows of it;
                                             a tied table counts once, as the output layer reads all of it)
@@ -28,6 +30,7 @@ import time
 import torch
 
 from pdserve.bench import ab
+from pdserve.workers.engine.overlap import PENDING
 from pdserve.workers.engine.request import Request, SamplingParams
 
 
@@ -69,21 +72,49 @@ def adopt_batch(engine, contexts: list[int], tag: str, max_tokens: int, seed: in
     return reqs
 
 
-def timed_step(engine, device: torch.device) -> tuple[float, list]:
-    sync(device)
-    start = time.perf_counter()
-    outs = engine.step()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3, outs
+class BatchDecode:
+    """Steps of one adopted batch, each timed with the device synchronised around it and checked to
+    decode every request of the batch once. With overlapped steps (workers/engine/overlap.py) a step
+    returns the tokens of the step before it (none the first time), so outputs are counted as they
+    come and `flush` reads the last step's tokens back; the time of a call is one step's either way
+    (its launch, its device time to the synchronise, and the previous step's read-back)."""
 
+    def __init__(self, engine, reqs: list[Request], device: torch.device):
+        self.engine, self.reqs, self.device = engine, reqs, device
+        self.tokens = {r.request_id: 0 for r in reqs}  # tokens returned so far, per request
 
-def decode_step(engine, reqs: list[Request], device: torch.device) -> float:
-    """One step that must be a decode of exactly this batch; its ms."""
-    ms, outs = timed_step(engine, device)
-    got = {o.request_id for o in outs}
-    if got != {r.request_id for r in reqs}:
-        raise RuntimeError(f"a decode step of a batch of {len(reqs)} returned outputs for {len(got)} requests")
-    return ms
+    def in_flight(self) -> set[str]:
+        return {r.request_id for r in self.reqs if r.output_ids and r.output_ids[-1] == PENDING}
+
+    def step(self) -> float:
+        """One step; its ms."""
+        late, before = self.in_flight(), [len(r.output_ids) for r in self.reqs]
+        sync(self.device)
+        start = time.perf_counter()
+        outs = self.engine.step()
+        sync(self.device)
+        ms = (time.perf_counter() - start) * 1e3
+        # overlapped: the tokens that were in flight come back, this step's stay on the device;
+        # synchronous: every request's token (those in flight read back first)
+        want = late if self.in_flight() else set(self.tokens)
+        got = [o.request_id for o in outs]
+        grew = {r.request_id for r, n in zip(self.reqs, before) if len(r.output_ids) == n + 1}
+        if set(got) != want or len(got) != len(want) or grew != set(self.tokens):
+            raise RuntimeError(f"a decode step of a batch of {len(self.reqs)} returned outputs for {len(set(got))} "
+                               f"requests ({len(want)} expected) and advanced {len(grew)}")
+        for rid in got:
+            self.tokens[rid] += 1
+        return ms
+
+    def flush(self) -> dict[str, int]:
+        """Read the tokens still in flight back (one more step, untimed, whose own tokens are left in
+        flight); the tokens returned per request."""
+        late = self.in_flight()
+        if late:
+            for o in self.engine.step():
+                if o.request_id in late:
+                    self.tokens[o.request_id] += 1
+        return self.tokens
 
 
 def decode_point(engine, contexts: list[int], device: torch.device, warmup: int, repeats: int, seed: int,

@@ -394,17 +394,21 @@ def prefill_ab(engine, twin, n: int, vocab: int, device: torch.device, args) -> 
 def hf_decode_ab(engine, twin, batch: int, context: int, vocab: int, device: torch.device, args) -> dict:
     log(f"decode step at {context}, batch {batch}: transformers and ours interleaved x {args.pairs}")
     hf_step = hf_decoder(twin, batch, context, vocab, device, seed=args.seed + 7 * batch)
+    # tokens: the adopted first one, one per step, and one more step to read the last back (overlap)
     reqs = dec.adopt_batch(engine, [context] * batch, f"hf-ab-{batch}", args.warmup + args.pairs + 2, args.seed)
+    ours = dec.BatchDecode(engine, reqs, device)
     try:
-        got = ab.interleave({"transformers": lambda i: time_ms(hf_step, device),
-                             "ours": lambda i: dec.decode_step(engine, reqs, device)},
+        got = ab.interleave({"transformers": lambda i: time_ms(hf_step, device), "ours": lambda i: ours.step()},
                             args.pairs, seed=args.seed + batch, warmup=args.warmup)
+        tokens = ours.flush()
     finally:
         for r in reqs:
             engine.abort(r.request_id)
+        dec.settle(engine)
     paired = ab.paired(got.results["transformers"], got.results["ours"])
     return {"batch": batch, "context": context, "transformers_ms": ab.summary(got.results["transformers"]),
-            "ours_ms": ab.summary(got.results["ours"]), "paired": paired, "ratio": paired["ratio"]["median"]}
+            "ours_ms": ab.summary(got.results["ours"]), "paired": paired, "ratio": paired["ratio"]["median"],
+            "ours_tokens": [tokens[r.request_id] for r in reqs]}
 
 
 if __name__ == "__main__":  # `python -m pdserve.bench.engine.steps ...`, the same as `pdserve-bench engine ...`
