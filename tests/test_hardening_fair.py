@@ -275,16 +275,6 @@ def fds(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
-def big_answers(n_tokens: int):
-    def on_message(w: FakeWorker, msg):
-        if isinstance(msg, P.Generate):
-            outs = [P.TokenOut(msg.request_id, 100, LONG_TEXT, i == n_tokens - 1,
-                               "length" if i == n_tokens - 1 else None) for i in range(n_tokens)]
-            for at in range(0, n_tokens, 500):
-                w.send(P.Tokens(w.worker_id, outs[at:at + 500]))
-    return on_message
-
-
 def test_out_of_descriptors_a_worker_still_connects(tmp_path):
     """Clients that never read 1 MB answers, from four addresses, more of them than the open-file
     limit, and a worker registering over ipc:// in the middle of them: the router keeps its reserve
@@ -298,7 +288,7 @@ def test_out_of_descriptors_a_worker_still_connects(tmp_path):
     body = b'{"prompt": "Hi", "max_tokens": 1000}'
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    workers = [FakeWorker(register, "colocated", "c0", big_answers(1000), keys=keys, max_model_len=20000),
+    workers = [FakeWorker(register, "colocated", "c0", flood(1000, batch=500), keys=keys, max_model_len=20000),
                FakeWorker(register, "colocated", "c1", colocated_echo(2), keys=keys)]
     clients: list[socket.socket] = []
     with Pdserve(command=cmd) as srv:

@@ -249,13 +249,14 @@ def test_detokenize_takes_no_more_ids_than_the_context(tokenizer):  # noqa: F811
 LONG_TEXT = "x" * 1000  # per token: ~1 KB an event, so the stream outgrows every socket buffer
 
 
-def flood(n_tokens: int):
+def flood(n_tokens: int, batch: int = 1000):
+    """A worker that answers every Generate with n_tokens of LONG_TEXT, `batch` tokens a message."""
     def on_message(w: FakeWorker, msg):
         if isinstance(msg, P.Generate):
             outs = [P.TokenOut(msg.request_id, 100, LONG_TEXT, i == n_tokens - 1,
                                "length" if i == n_tokens - 1 else None) for i in range(n_tokens)]
-            for at in range(0, n_tokens, 1000):
-                w.send(P.Tokens(w.worker_id, outs[at:at + 1000]))
+            for at in range(0, n_tokens, batch):
+                w.send(P.Tokens(w.worker_id, outs[at:at + batch]))
         elif isinstance(msg, P.Abort):
             pass
     return on_message

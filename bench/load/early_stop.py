@@ -60,8 +60,11 @@ class EarlyStop:
         if not meets_slos(rec, self.slos_ms):
             self.ended_missed += 1
 
+    def __post_init__(self):
+        self._limits_s = {m: ms / 1e3 for m, ms in self.slos_ms.items()}
+
     def _missing(self, live: _Live, now: float) -> bool:
-        limits = {m: ms / 1e3 for m, ms in self.slos_ms.items()}
+        limits = self._limits_s
         if "ttft" in limits and live.first is None and now - live.start > limits["ttft"]:
             return True
         if "e2el" in limits and now - live.start > limits["e2el"]:

@@ -246,11 +246,12 @@ def run(args) -> int:
         workload = Workload(args)
         if "itl" in parse_slos(args.goodput):
             raise ValueError("the planner's simulation has no per-token gaps: give its SLOs as ttft, tpot or e2el")
-        profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile) \
-            if args.profile else measure_profile(args.measure, args.device, args.measure_args, args.measure_memory_gb)
+        engine_json = json.loads(Path(args.profile).read_text()) if args.profile else None
+        profile = Profile.from_engine_json(engine_json, source=args.profile) if engine_json is not None \
+            else measure_profile(args.measure, args.device, args.measure_args, args.measure_memory_gb)
         if args.chunk is None:  # the colocated worker's default for the device the profile was measured on
-            devices = json.loads(Path(args.profile).read_text()).get("provenance", {}).get("devices", []) \
-                if args.profile else [args.device]
+            devices = engine_json.get("provenance", {}).get("devices", []) if engine_json is not None \
+                else [args.device]
             args.chunk = EngineConfig(device="cuda:0" if any(str(d).startswith("cuda") for d in devices)
                                       else "cpu").step_chunk_tokens
     except (ValueError, OSError, KeyError) as e:
