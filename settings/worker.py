@@ -71,8 +71,9 @@ class EngineConfig:
     compile: bool = flag(True, "CUDA: run decoder layers eagerly (no torch.compile, no fused Q/K/V)")
     fuse_qkv: bool = True  # CUDA: one Q/K/V projection instead of three (fusion.py)
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
-    # steps with prompt tokens, up to this many tokens in all, run piecewise (workers/engine/graphs.py,
-    # MixedGraphs: CUDA graphs between the attention calls); longer ones eagerly; 0: always eagerly
+    # steps with prompt tokens run piecewise (workers/engine/graphs.py, MixedGraphs: the dense segments between
+    # the attention calls) up to a chunk and the decodes beside it; those of up to this many tokens replay the
+    # segments as CUDA graphs (captured at start), longer ones run them directly; 0: every such step eagerly
     mixed_graph_tokens: int = 1024
     # the host schedules and launches step N+1 while step N runs, reading N's tokens back a step late
     # (workers/engine/overlap.py); None: on CUDA

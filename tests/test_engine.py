@@ -349,3 +349,16 @@ def test_fused_qkv_gives_the_same_tokens_and_logits(name):
         assert g.output_ids == w.output_ids
         diff = max((a - b).abs().max().item() for a, b in zip(want_logits[w.request_id], got_logits[g.request_id]))
         assert diff < 1e-4, diff
+
+
+def test_piecewise_graphs_cover_short_steps_only_so_a_large_chunk_budget_starts_fast():
+    # an 8192-token chunk budget (the CUDA default) sizes the piecewise path for a whole chunk and 64 decodes,
+    # but a worker captures graphs (at start) only for steps of up to mixed_graph_tokens: 19 token buckets,
+    # not the 130 up to 8256 (each bucket is L + 1 graphs); a longer step runs the same segments directly
+    engine = make_engine("tiny", chunk_tokens=8192, max_num_seqs=64)
+    mixed = engine.runner.mixed
+    assert mixed.fits(8192 + 64, 64) and not mixed.fits(8192 + 65, 64)
+    assert mixed.graph_buckets == []  # no CUDA graphs on the CPU
+    mixed.use_graphs = True  # what a CUDA worker with the same config would capture
+    assert mixed.graph_buckets == [16, 32, 64] + list(range(128, 1025, 64))
+    assert len(mixed.buckets) > 100

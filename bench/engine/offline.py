@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
     base = EngineConfig(device=str(device))
     arms = {n: _scheduler_for(n, base.step_chunk_tokens) for n in names}
     widest = max(c for _, c in arms.values())
+    # the piecewise path sized for the widest arm's chunk (graphs up to the worker's graph limit, as served)
     engine = Engine(EngineConfig(model=loaded.name, device=str(device), dtype=dtype_name(dtype), prefix_cache=False,
-                                 kv_memory_gb=args.kv_memory_gb,
-                                 mixed_graph_tokens=max(base.mixed_graph_tokens, widest + base.max_num_seqs)),
+                                 kv_memory_gb=args.kv_memory_gb, chunk_tokens=widest),
                     loaded=loaded)
     warmup_s = engine.warmup()
     lo, hi = parse_counts(args.min_len)[0], parse_counts(args.max_len)[0]

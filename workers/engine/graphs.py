@@ -131,9 +131,16 @@ class MixedGraphs:
     (token 0 at position 0; attention neither reads nor writes them; their results are dropped).
     Buckets: 16, 32, 64, then multiples of 64 up to max_tokens. Without CUDA graphs (the CPU, or
     cuda_graphs off) the same segments run directly: the same code path, tested on the CPU.
+
+    Graphs are taken only for buckets up to `graph_tokens`: a longer step's segments run directly
+    over its own rows (compiled where the layers are). Past about a thousand tokens a segment's
+    matrix products take milliseconds and its launches tens of microseconds, so a graph saves
+    little there, while capturing every bucket up to an 8k-token chunk budget (130 buckets of L + 1
+    segments each) would hold a worker's start for tens of seconds.
     """
 
-    def __init__(self, runner, max_tokens: int, max_keep: int, use_graphs: bool, compile: bool = False):
+    def __init__(self, runner, max_tokens: int, max_keep: int, use_graphs: bool, compile: bool = False,
+                 graph_tokens: int | None = None):
         from pdserve.workers.engine.layers import Cut
 
         self.runner = runner
@@ -142,6 +149,9 @@ class MixedGraphs:
         self.max_tokens, self.max_keep = self.buckets[-1], max_keep
         self.cut = Cut(runner.model, self.max_tokens, max_keep, dev, compile=compile)
         self.use_graphs = use_graphs
+        # the largest bucket replayed as graphs (steps above it run their segments directly)
+        self.graph_limit = max((b for b in self.buckets if b <= (graph_tokens or self.max_tokens)),
+                               default=self.buckets[0])
         n, k = self.max_tokens, max_keep
         # ids, positions [n], kept rows [k], K and V slots [n] in one buffer: one host-to-device copy a step
         self.host = torch.zeros(4 * n + k, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -154,13 +164,20 @@ class MixedGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.mempool = None
 
+    @property
+    def graph_buckets(self) -> list[int]:
+        """The token buckets replayed as graphs (none without CUDA graphs)."""
+        return [b for b in self.buckets if b <= self.graph_limit] if self.use_graphs else []
+
     def fits(self, tokens: int, keep: int) -> bool:
         return tokens <= self.max_tokens and keep <= self.max_keep
 
     def run(self, inp, feed=None) -> torch.Tensor:
         """The forward of a step (attention.STEP set by the runner, but its slots) -> [K, vocab] logits."""
         t, kept = len(inp.ids), len(inp.keep)
-        bucket = DecodeGraphs._bucket(t, self.buckets)
+        graphed = self.use_graphs and t <= self.graph_limit
+        # a step past the graph limit runs its own rows only; without graphs (the CPU) a step runs its bucket
+        bucket = t if self.use_graphs and not graphed else DecodeGraphs._bucket(t, self.buckets)
         n = self.max_tokens
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
@@ -176,7 +193,7 @@ class MixedGraphs:
         step_inputs.apply_feed(self.cut.ids, feed)
         step = attention.STEP
         step.k_slots, step.v_slots = self.k_slots[:t], self.v_slots[:t]
-        segments = self._segments(bucket)
+        segments = self._segments(bucket, graphed)
         cut = self.cut
         segments[0]()
         for i, layer in enumerate(cut.layers):
@@ -189,8 +206,8 @@ class MixedGraphs:
             segments[i + 1]()
         return cut.logits[:kept].clone()  # the buffer is the next step's
 
-    def _segments(self, bucket: int) -> list:
-        if not self.use_graphs:
+    def _segments(self, bucket: int, graphed: bool) -> list:
+        if not graphed:
             return [lambda i=i: self.cut.segment(i, bucket) for i in range(self.cut.num_segments)]
         graphs = self.graphs.get(bucket)
         if graphs is None:
@@ -198,11 +215,13 @@ class MixedGraphs:
         return [g.replay for g in graphs]
 
     def capture(self, buckets: list[int] | None = None) -> float:
-        """Capture the segments of these token buckets (default: all) ahead of traffic; seconds spent."""
+        """Capture the segments of these token buckets (default: every one up to the graph limit) ahead
+        of traffic; seconds spent."""
         if not self.use_graphs:
             return 0.0
         start = time.monotonic()
-        for b in (buckets or self.buckets)[::-1]:  # largest first: the shared pool is sized once
+        # largest first: the shared pool is sized once
+        for b in (buckets or self.graph_buckets)[::-1]:
             if b not in self.graphs:
                 self._capture(b)
         torch.cuda.synchronize(self.runner.device)

@@ -94,7 +94,7 @@ class ModelRunner:
 
             if cuttable(model):
                 self.mixed = MixedGraphs(self, mixed_tokens, max_num_seqs, use_graphs=cuda_graphs,
-                                         compile=compile_layers)
+                                         compile=compile_layers, graph_tokens=config.mixed_graph_tokens)
             else:
                 log.info("%s is not a Llama-style decoder: steps with prompt tokens run eagerly", type(model).__name__)
 
