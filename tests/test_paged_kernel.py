@@ -4,6 +4,7 @@ in bf16, on the GPU)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -52,6 +53,27 @@ def test_decode_split_covers_every_key_once():
     for batch, ctx in ((1, 1024), (32, 16384), (64, 1000), (3, 17)):
         split_len, n = pk.decode_split(batch, 4, ctx, torch.device("cpu"))
         assert split_len % 128 == 0 and (n - 1) * split_len < ctx <= n * split_len
+
+
+def test_a_steps_context_never_picks_a_new_compiled_variant():
+    # Triton compiles a kernel once per set of compile-time values. A mixed step's decodes split their
+    # keys by the step's longest context (a host number that changes every step): were the split
+    # compile-time values, steps would keep compiling new variants while serving (a second or more each,
+    # measured as prefill p99 2.5 s at 1.25 req/s on an H100). Only the model's shape and the launch
+    # configuration may be compile-time; _combine's padded split count comes in powers of two
+    shape = {"G", "GP", "BLOCK_Q", "BLOCK_N", "D", "BS", "DECODE", "INTERPRET", "HEADS_FIRST", "SP"}
+    for kernel in (pk._paged_attention, pk._combine):  # a JITFunction, or the interpreter's wrapper: .fn
+        params = inspect.signature(kernel.fn).parameters
+        assert "num_splits" in params
+        assert {n for n, p in params.items() if "constexpr" in str(p.annotation)} <= shape
+    # the decode splits of very different contexts run one variant: same compile-time values
+    q = torch.randn(2, 6, D)
+    for lens in ([5, 257], [1, 16], [100, 64]):
+        pool, table = make_pool(2, lens, seed=len(lens))
+        ctx = torch.tensor(lens)
+        want = attention.reference_decode(q, pool, table, ctx, 1 / math.sqrt(D))
+        got = pk.paged_decode(q, pool, table, ctx, 1 / math.sqrt(D), max(lens), waves=8)
+        assert (got - want).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (14, 2)])

@@ -8,10 +8,10 @@ Work split (flash-decoding): program (tile, kv_head, split)
     tile     up to BLOCK_Q query tokens of one request (decode: exactly one)
     kv_head  the G query heads that share this KV head are rows of one tile, so K and V are
              read once for all of them (rows = BLOCK_Q tokens x GP heads, GP = G padded to 2^k)
-    split    a slice of SPLIT_LEN keys; with NUM_SPLITS > 1 each program writes its partial
+    split    a slice of split_len keys; with num_splits > 1 each program writes its partial
              (unnormalised output, running max, running sum) and `_combine` merges the slices
 
-A request of context c runs ceil(c / SPLIT_LEN) splits that do work; the rest return at once,
+A request of context c runs ceil(c / split_len) splits that do work; the rest return at once,
 so a step costs the sum of its contexts, not batch x longest. Softmax runs in base 2
 (scale folded with log2(e)). Keys past a request's length are masked and their values never
 read: blocks hold whatever bytes were there before (possibly NaN), and must not leak in.
@@ -66,10 +66,11 @@ def _paged_attention(
     ctx_ptr,  # decode: [S] context lengths (the new token included)
     tile_seq_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr,  # prefill tiles: [tiles] int32
     out_ptr, stride_ot, stride_oh,
-    part_o_ptr, part_m_ptr, part_l_ptr,  # [NUM_SPLITS, T, H, D], [NUM_SPLITS, T, H] fp32
+    part_o_ptr, part_m_ptr, part_l_ptr,  # [num_splits, T, H, D], [num_splits, T, H] fp32
     num_rows, num_heads, scale,
+    split_len, num_splits,  # run-time values: a step's context must not pick a new compiled variant
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, BS: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr,
     DECODE: tl.constexpr, INTERPRET: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
 ):
     if HEADS_FIRST:  # the KV heads of one block run side by side (they share its DRAM rows)
@@ -103,8 +104,8 @@ def _paged_attention(
                 mask=row_ok[:, None], other=0.0)
     qpos = pos0 + qi
 
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, ctx_end)
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx_end)
     m_i = tl.full([M], NEG, tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
@@ -120,7 +121,7 @@ def _paged_attention(
             m_i, l_i, acc = _keys(q, qpos, m_i, l_i, acc, n0, end, table, kv_ptr, stride_blk, stride_kv,
                                   stride_tok, kvh * stride_head, scale, d, BLOCK_N, BS)
 
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -133,11 +134,11 @@ def _paged_attention(
 
 @triton.jit
 def _combine(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, num_rows, num_heads,
-             D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr):
+             num_splits, D: tl.constexpr, SP: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     at = (s * num_rows + t).to(tl.int64) * num_heads + h
     m = tl.load(part_m_ptr + at, mask=s_ok, other=NEG)
     l = tl.load(part_l_ptr + at, mask=s_ok, other=0.0)
@@ -227,12 +228,12 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
         part_o, part_m, part_l,
         batch, num_heads, scale * LOG2E,
         G=G, GP=GP, BLOCK_Q=block_q, BLOCK_N=block_n, D=head_dim, BS=pool_layer.shape[2],
-        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DECODE=True, INTERPRET=INTERPRET, HEADS_FIRST=heads_first,
+        split_len=split_len, num_splits=num_splits, DECODE=True, INTERPRET=INTERPRET, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _combine[(batch, num_heads)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), batch, num_heads,
-                                     D=head_dim, NUM_SPLITS=num_splits, SP=_pow2(num_splits), num_warps=1)
+                                     num_splits, D=head_dim, SP=_pow2(num_splits), num_warps=1)
     return out
 
 
@@ -266,6 +267,6 @@ def paged_prefill(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor
         out, out, out,
         q.shape[0], q.shape[1], scale * LOG2E,
         G=G, GP=GP, BLOCK_Q=max(1, PREFILL_ROWS // GP), BLOCK_N=BLOCK_N, D=head_dim, BS=pool_layer.shape[2],
-        SPLIT_LEN=1 << 30, NUM_SPLITS=1, DECODE=False, INTERPRET=INTERPRET,
+        split_len=1 << 30, num_splits=1, DECODE=False, INTERPRET=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
