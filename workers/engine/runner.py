@@ -145,6 +145,7 @@ class ModelRunner:
             step.table = step_inputs.to_device(step_inputs.block_table(inp.decodes), dev)
             step.ctx_lens = step_inputs.to_device(np.asarray(inp.ctx_lens, dtype=np.int64), dev)
             step.max_ctx = max(inp.ctx_lens)
+            step.ctx_host = inp.ctx_lens
         if inp.prefix_reqs:
             step.prefix_table = step_inputs.to_device(step_inputs.block_table(inp.prefix_reqs), dev)
             if self.prefix_kernel:
@@ -157,7 +158,7 @@ class ModelRunner:
     def _clear_step() -> None:
         """The step's tensors live no longer than the step (a dropped engine frees its pool)."""
         step = attention.STEP
-        step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
+        step.pool = step.table = step.ctx_lens = step.ctx_host = step.prefix_table = step.prefix_tiles = None
         step.on_layer = None
 
     def _run_eager(self, work: list[tuple[Request, int]], inp: step_inputs.StepInputs, on_layer, feed) -> torch.Tensor:
@@ -216,7 +217,7 @@ class ModelRunner:
                 logits_to_keep=keep,
             )
         finally:  # the step's tensors live no longer than the step (a dropped engine frees its pool)
-            step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
+            step.pool = step.table = step.ctx_lens = step.ctx_host = step.prefix_table = step.prefix_tiles = None
             if hook is not None:
                 hook.remove()
         for r, rows, k in asks:
