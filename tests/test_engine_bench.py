@@ -196,3 +196,40 @@ def test_transformers_decode_ab_reads_overlapped_steps(overlap):
     # the batch's requests: warmup + pairs tokens each, all read back; nothing left in flight or held
     assert row["ours_tokens"] == [2 + 3] * 3
     assert not engine.has_work() and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_cpu_bench_against_generate_smoke(tmp_path, capsys):
+    # `pdserve-bench cpu` with the tiny model: both arms every round, the same greedy tokens (float32),
+    # and every derived figure recomputed from the rounds
+    from pdserve.bench.engine import cpu
+
+    parser = argparse.ArgumentParser()
+    cpu.add_arguments(parser)
+    out = tmp_path / "cpu.json"
+    args = parser.parse_args(["--model", "tiny", "--threads", "1", "--batches", "1,2", "--prompt-tokens", "12",
+                              "--new-tokens", "5", "--pairs", "3", "--out", str(out)])
+    assert cpu.run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["provenance"]["commit"] and result["config"]["engine"]["overlap"] is False
+    assert len(result["config"]["loadavg_start"]) == 3
+    assert [(p["threads"], p["batch"]) for p in result["points"]] == [(1, 1), (1, 2)]
+    for p in result["points"]:
+        check_summary(p["transformers_ms_per_token"], 3)
+        check_summary(p["ours_ms_per_token"], 3)
+        per_round = [o / t for t, o in zip(p["transformers_ms_per_token"]["runs"], p["ours_ms_per_token"]["runs"])]
+        assert p["ratio"] == p["paired"]["ratio"]["median"] == pytest.approx(statistics.median(per_round))
+        assert [sorted(o) for o in p["orders"]] == [["ours", "transformers"]] * 3
+        assert p["tokens_agree"] == [True] * 3 and len(p["loadavg_1m"]) == 3
+        assert p["floor_ms"]["median"] > 0 and p["ours_over_floor"] == p["ours_ms_per_token"]["median"] / p[
+            "floor_ms"]["median"]
+    t = result["target"]
+    assert t["measured"] == {"1": result["points"][0]["ratio"]} and t["met"] is (result["points"][0]["ratio"] <= 1.0)
+    assert "| 1 | 2 |" in capsys.readouterr().out
+
+
+def test_per_token_time_excludes_the_first_token():
+    from pdserve.bench.engine.cpu import per_token_ms
+
+    assert per_token_ms([10.0, 10.5, 10.7, 11.0]) == pytest.approx(1000 / 3)
+    with pytest.raises(ValueError):
+        per_token_ms([1.0])
