@@ -73,3 +73,37 @@ def test_reference_decode_reads_nothing_past_a_length(lens):
         got = attention.reference_decode(q, pool, table, ctx, 0.3, host)
         assert not got.isnan().any()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpu_engine_stores_widening_weights_transposed_with_the_same_values():
+    import copy
+
+    from pdserve.workers.engine.models import load_model
+
+    loaded = load_model("tiny", None, "cpu")
+    model = loaded.model
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's are
+    before = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    twin = copy.deepcopy(model, {id(p): p for p in model.parameters()})  # shares the weight tensors
+    e = Engine(EngineConfig(model="tiny", num_blocks=64), loaded=loaded)
+    after = dict(e.model.named_parameters(remove_duplicate=False))
+    assert before.keys() == after.keys()
+    for name, p in after.items():
+        assert torch.equal(p, before[name]), name
+    up, down = model.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.down_proj.weight
+    assert up.shape == (128, 64) and up.t().is_contiguous() and not up.is_contiguous()  # 64 -> 128: re-laid
+    assert down.is_contiguous()  # 128 -> 64: as it was
+    head = model.lm_head.weight
+    assert head.t().is_contiguous() and model.model.embed_tokens.weight is head  # still one tensor
+    # the tree sharing the old tensors keeps them as they were
+    assert twin.lm_head.weight.is_contiguous() and twin.model.layers[0].mlp.up_proj.weight.is_contiguous()
+    # a second engine over the same model: nothing more to re-lay, no copy
+    ptr = head.data_ptr()
+    Engine(EngineConfig(model="tiny", num_blocks=64), loaded=loaded)
+    assert model.lm_head.weight.data_ptr() == ptr
+    # and the engine still gives transformers' tokens (the tree that kept the old layout)
+    prompt = [5, 9, 11, 40, 7, 3]
+    [req] = e.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    with torch.inference_mode():
+        want = twin.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert req.output_ids == want[0, len(prompt):].tolist()

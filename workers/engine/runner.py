@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pdserve.settings.worker import EngineConfig
-from pdserve.workers.engine import attention, fusion, step_inputs
+from pdserve.workers.engine import attention, cpu_weights, fusion, step_inputs
 from pdserve.workers.engine.kv_cache import KVCache
 from pdserve.workers.engine.request import Request
 from pdserve.workers.engine.sampler import logprobs_of
@@ -54,7 +54,8 @@ def compile_decoder_layers(model) -> None:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, config: EngineConfig, max_model_len: int):
         """What the config asks of the forward (kernels, graphs, compiled and fused layers) is taken as
-        this device allows: on the CPU, no CUDA graphs, no compile, no fused Q/K/V. The pool's last
+        this device allows: on the CPU, no CUDA graphs, no compile, no fused Q/K/V, and the widening
+        products' weights stored transposed (cpu_weights.py). The pool's last
         block is the scratch block (padding rows of a graphed batch write there)."""
         cuda = kv.device.type == "cuda"
         self.model = model
@@ -80,6 +81,8 @@ class ModelRunner:
         self.placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         if config.fuse_qkv and cuda:
             fusion.fuse_qkv(model)
+        if not cuda:  # small-batch products that widen, transposed (cpu_weights.py)
+            cpu_weights.transpose_wide(model)
         if compile_layers:
             compile_decoder_layers(model)
         self.graphs = None
