@@ -227,6 +227,31 @@ def test_cpu_bench_against_generate_smoke(tmp_path, capsys):
     assert "| 1 | 2 |" in capsys.readouterr().out
 
 
+def test_cpu_bench_serves_the_same_prompts_through_pdserve(tmp_path, capsys):
+    # --served: a third arm through a pdserve server the bench starts (tiny), in every round with the same
+    # prompts; its TPOT paired with transformers', its text that of transformers' greedy tokens
+    from pdserve.bench.engine import cpu
+
+    parser = argparse.ArgumentParser()
+    cpu.add_arguments(parser)
+    out = tmp_path / "cpu.json"
+    args = parser.parse_args(["--model", "tiny", "--threads", "1", "--batches", "2", "--prompt-tokens", "12",
+                              "--new-tokens", "5", "--pairs", "2", "--served", "--out", str(out)])
+    assert cpu.run(args) == 0
+    result = json.loads(out.read_text())
+    server = result["config"]["served"]["1"]
+    assert server["command"][-4:] == ["--model", "tiny", "--threads", "1"] and "1 torch threads each" in server["ready"]
+    (p,) = result["points"]
+    assert [sorted(o) for o in p["orders"]] == [["ours", "served", "transformers"]] * 2
+    check_summary(p["served_ms_per_token"], 2)
+    per_round = [s / t for t, s in zip(p["transformers_ms_per_token"]["runs"], p["served_ms_per_token"]["runs"])]
+    assert p["served_ratio"] == pytest.approx(statistics.median(per_round))
+    assert p["served_text_agrees"] == [True, True] and p["served_workers"] == ["colocated-0"]
+    assert p["served_itl_ms"]["n"] == 2 * 2 * (5 - 1) and p["served_ttft_ms"]["n"] == 2 * 2
+    assert result["target"]["served_measured"] is None and result["target"]["met"] is None  # no batch-1 point
+    assert "| 1 | 2 |" in capsys.readouterr().out
+
+
 def test_per_token_time_excludes_the_first_token():
     from pdserve.bench.engine.cpu import per_token_ms
 
