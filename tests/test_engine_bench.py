@@ -252,6 +252,22 @@ def test_cpu_bench_serves_the_same_prompts_through_pdserve(tmp_path, capsys):
     assert "| 1 | 2 |" in capsys.readouterr().out
 
 
+def test_the_transformers_arm_does_not_stop_at_the_models_eos():
+    # generate() falls back to the model's EOS where the bench's config leaves it unset: a row that met it
+    # was padded (batch > 1) or cut short (batch 1); make the model's EOS a token greedy decoding meets
+    from pdserve.bench.engine import cpu
+    from pdserve.bench.engine.steps import hf_twin
+    from pdserve.workers.engine.models import load_model
+
+    twin = hf_twin(load_model("tiny", None, "cpu").model)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
+    _, free = cpu.theirs(twin, prompts, 8)
+    twin.generation_config.eos_token_id = [free[0][2], free[1][2]]
+    for batch in (prompts, prompts[:1]):
+        _, again = cpu.theirs(twin, batch, 8)
+        assert again == free[:len(batch)]
+
+
 def test_per_token_time_excludes_the_first_token():
     from pdserve.bench.engine.cpu import per_token_ms
 

@@ -97,7 +97,9 @@ def per_token_ms(stamps: list[float]) -> float:
 @torch.inference_mode()
 def theirs(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     gen = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
-    gen.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None, eos_token_id=None,
+    # eos_token_id [] stops nowhere; None would fall back to the model's own (SmolLM2: <|im_end|>, <|endoftext|>):
+    # generate() merges a config's unset fields with the model's, and pads a row that met one with pad_token_id
+    gen.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None, eos_token_id=[],
                pad_token_id=0, temperature=None, top_p=None, top_k=None)
     stamps = Stamps()
     ids = torch.tensor(prompts)
