@@ -252,6 +252,24 @@ def test_cpu_bench_serves_the_same_prompts_through_pdserve(tmp_path, capsys):
     assert "| 1 | 2 |" in capsys.readouterr().out
 
 
+def test_the_served_text_expected_is_the_workers_text_of_those_tokens():
+    # what the worker streams for a request's tokens, special ones among them (<|im_end|>, <|im_start|>),
+    # with the API's defaults: the bench's expectation of a served arm's text
+    from pdserve.bench.engine.cpu_served import expected_text
+    from pdserve.workers.engine.models import load_model
+    from pdserve.workers.engine.request import Request, SamplingParams
+    from pdserve.workers.engine.text import ModelText
+
+    tokenizer = load_model("tiny", None, "cpu").tokenizer
+    tokens = [282, 2801, 47, 2, 198, 1, 520]
+    req = Request("r", [5, 6], SamplingParams(max_tokens=len(tokens), ignore_eos=True))
+    text = ModelText(tokenizer, {2}, 2048)
+    for t in tokens:
+        req.output_ids.append(t)
+        text.detokenize(req)
+    assert expected_text(tokenizer, tokens) == req.text == " of sleep?\nass"
+
+
 def test_the_transformers_arm_does_not_stop_at_the_models_eos():
     # generate() falls back to the model's EOS where the bench's config leaves it unset: a row that met it
     # was padded (batch > 1) or cut short (batch 1); make the model's EOS a token greedy decoding meets

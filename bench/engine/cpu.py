@@ -175,6 +175,8 @@ def point(engine, twin, threads: int, batch: int, args, vocab: int, bytes_per_st
         "loadavg_1m": [loads[i] for i in rounds],
     }
     if served is not None:
+        from pdserve.bench.engine.cpu_served import expected_text
+
         served_paired = ab.paired(got.results["transformers"], got.results["served"])
         row.update({
             "served_ms_per_token": ab.summary(got.results["served"]), "served_paired": served_paired,
@@ -183,8 +185,8 @@ def point(engine, twin, threads: int, batch: int, args, vocab: int, bytes_per_st
             "served_ttft_ms": ab.spread([x for i in rounds for x in records[i]["ttft_ms"]]),
             "served_workers": sorted({w for i in rounds for w in records[i]["workers"]}),
             # the served text against transformers' greedy tokens detokenized (float32: they should agree)
-            "served_text_agrees": [records[i]["texts"] == [tokenizer.decode(t) for t in tokens["transformers"][i]]
-                                   for i in rounds],
+            "served_text_agrees": [records[i]["texts"] == [expected_text(tokenizer, t)
+                                                           for t in tokens["transformers"][i]] for i in rounds],
         })
     return row
 

@@ -3,6 +3,8 @@
     Served(model, threads, log_dir)   start `pdserve --model M --threads T --port 0` (the CPU default:
                                       prefill, decode and colocated workers, a router; T torch threads
                                       each) and hold a client to it; close() stops both
+    expected_text(tokenizer, tokens) -> str   the text the server answers for these tokens: special
+                                      tokens left out (skip_special_tokens, the API's default)
     Served.round(prompts, new_tokens, tag) -> (ms, record)   every prompt sent at once as its token ids,
                                       streamed, by the load generator's own request (bench/load/runner.
                                       send_one, ignore_eos, max_tokens = new_tokens); ms: the requests'
@@ -25,6 +27,10 @@ from pathlib import Path
 from pdserve.bench.load.arms import ArmServer, default_server_command
 from pdserve.bench.load.runner import Planned, SendOptions, send_one
 from pdserve.bench.load.workload import Sample
+
+
+def expected_text(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 class Served:
