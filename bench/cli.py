@@ -3,6 +3,7 @@
     pdserve-bench load      colocated vs disaggregated under load (bench/load/generator.py)
     pdserve-bench transfer  the KV transfer table (bench/transfer/table.py)
     pdserve-bench engine    prefill and decode step times against transformers (bench/engine/steps.py)
+    pdserve-bench cpu       the engine's decode on the CPU against transformers' generate(), interleaved (bench/engine/cpu.py)
     pdserve-bench offline   an offline workload beside its floor and transformers' batching (bench/engine/offline.py)
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/engine/paged_attention.py)
     pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/transfer/multihost.py)
@@ -25,6 +26,7 @@ SUBCOMMANDS = {
     "load": ("pdserve.bench.load.generator", "load generator: colocated vs disaggregated latency under the same load"),
     "transfer": ("pdserve.bench.transfer.table", "KV transfer table: prefill, transfer and first decode step per length"),
     "engine": ("pdserve.bench.engine.steps", "engine prefill and decode step times against transformers"),
+    "cpu": ("pdserve.bench.engine.cpu", "the engine's decode on the CPU against transformers' generate(), side by side"),
     "offline": ("pdserve.bench.engine.offline", "an offline workload through the engine beside its floor and transformers' batching"),
     "attention": ("pdserve.bench.engine.paged_attention", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
     "multihost": ("pdserve.bench.transfer.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),

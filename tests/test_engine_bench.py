@@ -196,3 +196,99 @@ def test_transformers_decode_ab_reads_overlapped_steps(overlap):
     # the batch's requests: warmup + pairs tokens each, all read back; nothing left in flight or held
     assert row["ours_tokens"] == [2 + 3] * 3
     assert not engine.has_work() and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_cpu_bench_against_generate_smoke(tmp_path, capsys):
+    # `pdserve-bench cpu` with the tiny model: both arms every round, the same greedy tokens (float32),
+    # and every derived figure recomputed from the rounds
+    from pdserve.bench.engine import cpu
+
+    parser = argparse.ArgumentParser()
+    cpu.add_arguments(parser)
+    out = tmp_path / "cpu.json"
+    args = parser.parse_args(["--model", "tiny", "--threads", "1", "--batches", "1,2", "--prompt-tokens", "12",
+                              "--new-tokens", "5", "--pairs", "3", "--out", str(out)])
+    assert cpu.run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["provenance"]["commit"] and result["config"]["engine"]["overlap"] is False
+    assert len(result["config"]["loadavg_start"]) == 3
+    assert [(p["threads"], p["batch"]) for p in result["points"]] == [(1, 1), (1, 2)]
+    for p in result["points"]:
+        check_summary(p["transformers_ms_per_token"], 3)
+        check_summary(p["ours_ms_per_token"], 3)
+        per_round = [o / t for t, o in zip(p["transformers_ms_per_token"]["runs"], p["ours_ms_per_token"]["runs"])]
+        assert p["ratio"] == p["paired"]["ratio"]["median"] == pytest.approx(statistics.median(per_round))
+        assert [sorted(o) for o in p["orders"]] == [["ours", "transformers"]] * 3
+        assert p["tokens_agree"] == [True] * 3 and len(p["loadavg_1m"]) == 3
+        assert p["floor_ms"]["median"] > 0 and p["ours_over_floor"] == p["ours_ms_per_token"]["median"] / p[
+            "floor_ms"]["median"]
+    t = result["target"]
+    assert t["measured"] == {"1": result["points"][0]["ratio"]} and t["met"] is (result["points"][0]["ratio"] <= 1.0)
+    assert "| 1 | 2 |" in capsys.readouterr().out
+
+
+def test_cpu_bench_serves_the_same_prompts_through_pdserve(tmp_path, capsys):
+    # --served: a third arm through a pdserve server the bench starts (tiny), in every round with the same
+    # prompts; its TPOT paired with transformers', its text that of transformers' greedy tokens
+    from pdserve.bench.engine import cpu
+
+    parser = argparse.ArgumentParser()
+    cpu.add_arguments(parser)
+    out = tmp_path / "cpu.json"
+    args = parser.parse_args(["--model", "tiny", "--threads", "1", "--batches", "2", "--prompt-tokens", "12",
+                              "--new-tokens", "5", "--pairs", "2", "--served", "--out", str(out)])
+    assert cpu.run(args) == 0
+    result = json.loads(out.read_text())
+    server = result["config"]["served"]["1"]
+    assert server["command"][-4:] == ["--model", "tiny", "--threads", "1"] and "1 torch threads each" in server["ready"]
+    (p,) = result["points"]
+    assert [sorted(o) for o in p["orders"]] == [["ours", "served", "transformers"]] * 2
+    check_summary(p["served_ms_per_token"], 2)
+    per_round = [s / t for t, s in zip(p["transformers_ms_per_token"]["runs"], p["served_ms_per_token"]["runs"])]
+    assert p["served_ratio"] == pytest.approx(statistics.median(per_round))
+    assert p["served_text_agrees"] == [True, True] and p["served_workers"] == ["colocated-0"]
+    assert p["served_itl_ms"]["n"] == 2 * 2 * (5 - 1) and p["served_ttft_ms"]["n"] == 2 * 2
+    assert result["target"]["served_measured"] is None and result["target"]["met"] is None  # no batch-1 point
+    assert "| 1 | 2 |" in capsys.readouterr().out
+
+
+def test_the_served_text_expected_is_the_workers_text_of_those_tokens():
+    # what the worker streams for a request's tokens, special ones among them (<|im_end|>, <|im_start|>),
+    # with the API's defaults: the bench's expectation of a served arm's text
+    from pdserve.bench.engine.cpu_served import expected_text
+    from pdserve.workers.engine.models import load_model
+    from pdserve.workers.engine.request import Request, SamplingParams
+    from pdserve.workers.engine.text import ModelText
+
+    tokenizer = load_model("tiny", None, "cpu").tokenizer
+    tokens = [282, 2801, 47, 2, 198, 1, 520]
+    req = Request("r", [5, 6], SamplingParams(max_tokens=len(tokens), ignore_eos=True))
+    text = ModelText(tokenizer, {2}, 2048)
+    for t in tokens:
+        req.output_ids.append(t)
+        text.detokenize(req)
+    assert expected_text(tokenizer, tokens) == req.text == " of sleep?\nass"
+
+
+def test_the_transformers_arm_does_not_stop_at_the_models_eos():
+    # generate() falls back to the model's EOS where the bench's config leaves it unset: a row that met it
+    # was padded (batch > 1) or cut short (batch 1); make the model's EOS a token greedy decoding meets
+    from pdserve.bench.engine import cpu
+    from pdserve.bench.engine.steps import hf_twin
+    from pdserve.workers.engine.models import load_model
+
+    twin = hf_twin(load_model("tiny", None, "cpu").model)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
+    _, free = cpu.theirs(twin, prompts, 8)
+    twin.generation_config.eos_token_id = [free[0][2], free[1][2]]
+    for batch in (prompts, prompts[:1]):
+        _, again = cpu.theirs(twin, batch, 8)
+        assert again == free[:len(batch)]
+
+
+def test_per_token_time_excludes_the_first_token():
+    from pdserve.bench.engine.cpu import per_token_ms
+
+    assert per_token_ms([10.0, 10.5, 10.7, 11.0]) == pytest.approx(1000 / 3)
+    with pytest.raises(ValueError):
+        per_token_ms([1.0])

@@ -1,7 +1,18 @@
-"""Overlapped steps (workers/engine/overlap.py) on the CPU: the same forwards as synchronous steps,
-so the same tokens by construction (each step's arithmetic is identical; only when the host reads
-the tokens back moves), the same finish reasons, and no block given back while a step in flight
-may still write into it."""
+"""Overlapped steps (workers/engine/overlap.py) on the CPU: the same tokens as synchronous steps,
+the same finish reasons, and no block given back while a step in flight may still write into it.
+
+A step's arithmetic is not always the same on both paths. A request that stops at step N (a stop
+token or string, found when step N is read back) already has a row in step N+1 when overlapped:
+that step has one row more than its synchronous twin, and the rows after it sit one place later.
+On the CPU that changes other rows' last bits: MKL's sgemm runs a row through one kernel or another
+by the row count, the thread split and the row's place in its thread's share (measured, 2 threads:
+at 5-11 rows the last rows % 4 of each thread's share take another kernel than groups of four),
+and the decode rows' attention is one SDPA padded to the step's longest context (masked when
+lengths differ), whose sums over keys run in another order at another padded length. The last-bit
+differences then live on in the KV those rows wrote. So tokens, finish reasons, texts and the top
+logprob ids are compared exactly everywhere; logprob values exactly where the arithmetic is the
+same by construction: every step a request was in, up to the token, had the same rows on both paths
+(`steps_alike`)."""
 
 from __future__ import annotations
 
@@ -108,10 +119,12 @@ def sampled_workload(stop: str | None = None, bad: list[int] | None = None) -> l
     return reqs
 
 
-def run_sampled(e: Engine, reqs: list[Request]) -> tuple[dict[str, tuple], int]:
-    """Each request's tokens, finish reason, text, and streamed tokens and logprobs; and how many steps
-    left a step in flight holding a request that draws or asks for more than its top token."""
+def run_sampled(e: Engine, reqs: list[Request]) -> tuple[dict[str, tuple], int, list[tuple]]:
+    """Each request's tokens, finish reason, text, and streamed tokens and logprobs; how many steps
+    left a step in flight holding a request that draws or asks for more than its top token; and each
+    forward's rows: (request id, first position, tokens, whether it picks a token), in row order."""
     streamed = {r.request_id: [] for r in reqs}
+    rows = record_rows(e)
     for r in reqs:
         e.add_request(r)
     overlapped = 0
@@ -123,25 +136,82 @@ def run_sampled(e: Engine, reqs: list[Request]) -> tuple[dict[str, tuple], int]:
         overlapped += step is not None and any(not r.params.greedy or r.params.logprobs is not None
                                                for r in step.done)
     assert e.blocks.num_free == e.blocks.num_blocks
-    return {r.request_id: (r.output_ids, r.finish_reason, r.text, streamed[r.request_id]) for r in reqs}, overlapped
+    results = {r.request_id: (r.output_ids, r.finish_reason, r.text, streamed[r.request_id]) for r in reqs}
+    return results, overlapped, rows
+
+
+def record_rows(e: Engine) -> list[tuple]:
+    rows: list[tuple] = []
+    run = e.runner.run
+
+    def recorded(work, on_layer=None, feed=None):
+        rows.append(tuple((r.request_id, r.num_computed, n, r.num_computed + n == r.num_tokens) for r, n in work))
+        return run(work, on_layer, feed)
+
+    e.runner.run = recorded
+    return rows
+
+
+def steps_alike(a: list[tuple], b: list[tuple], request_id: str) -> int:
+    """How many of the request's first tokens came from steps that, each up to that token's, had the
+    same rows in the same order in both runs: the same products over the same rows, the same
+    attention. The workload's prompts share no block, so a request reads only the KV its own steps
+    wrote."""
+    mine = [[s for s in steps if any(row[0] == request_id for row in s)] for steps in (a, b)]
+    tokens = 0
+    for sa, sb in zip(*mine):
+        if sa != sb:
+            break
+        tokens += next(row[3] for row in sa if row[0] == request_id)
+    return tokens
 
 
 @pytest.mark.parametrize("chunked", [True, False])
 def test_sampled_overlapped_steps_give_the_synchronous_tokens_for_the_same_seeds(chunked):
-    plain, _ = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload())
-    s1, s4 = plain["s1"][0], plain["s4"][0]
-    stop = plain["s1"][2][3:6]  # met part way by s1 (and maybe others)
+    """Seeds, penalties, masks, a bad word and logprobs, no stop: the same rows in every step on both
+    paths, so the same arithmetic, and every token and logprob to the last bit."""
+    plain, _, _ = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload())
+    s4 = plain["s4"][0]
     bad = [s4[2], s4[3]]  # s4 (greedy) makes it unless banned: banned while s4[2] is still on the device
-    want, steps = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload(stop, bad))
-    got, overlapped = run_sampled(engine(True, chunked_prefill=chunked), sampled_workload(stop, bad))
+    want, steps, want_rows = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload(bad=bad))
+    got, overlapped, got_rows = run_sampled(engine(True, chunked_prefill=chunked), sampled_workload(bad=bad))
+    assert got_rows == want_rows
     assert got == want
     assert steps == 0 and overlapped >= 5  # the synchronous engine holds no step in flight; this one did
-    assert want["s1"][1] == "stop" and len(want["s1"][0]) < len(s1)  # the stop string ran
     assert want["s4"][0][:3] == s4[:3] and want["s4"][0][3] != s4[3]  # the bad word ran
     for ids, _, _, streamed in got.values():
         assert [t for t, _ in streamed] == ids
     lps = [lp for _, lp in got["s1"][3]]
     assert all(lp is not None and len(lp.top_ids) == 3 for lp in lps)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_sampled_overlapped_steps_with_stop_strings_give_the_synchronous_tokens(chunked):
+    """A request that meets its stop string has a row in the next overlapped step, and only there do
+    the two paths' steps differ: tokens, texts and top logprob ids the same everywhere, logprob
+    values to the last bit while a request's steps had the same rows."""
+    plain, _, _ = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload())
+    s1 = plain["s1"][0]
+    stop = plain["s1"][2][3:6]  # met part way by s1 (and maybe others)
+    want, _, want_rows = run_sampled(engine(False, chunked_prefill=chunked), sampled_workload(stop))
+    got, overlapped, got_rows = run_sampled(engine(True, chunked_prefill=chunked), sampled_workload(stop))
+    assert want["s1"][1] == "stop" and len(want["s1"][0]) < len(s1)  # the stop string ran
+    assert overlapped >= 5
+    # the overlapped steps are the synchronous ones plus rows past a request's last token
+    last = {}
+    for step in want_rows:
+        for rid, pos, _, _ in step:
+            last[rid] = max(last.get(rid, 0), pos)
+    live = [tuple(row for row in step if row[1] <= last[row[0]]) for step in got_rows]
+    assert [step for step in live if step] == want_rows and live != got_rows
+    compared = 0
+    for rid, (ids, reason, text, streamed) in want.items():
+        assert (got[rid][0], got[rid][1], got[rid][2]) == (ids, reason, text), rid
+        assert [(t, lp and lp.top_ids) for t, lp in got[rid][3]] == [(t, lp and lp.top_ids) for t, lp in streamed]
+        alike = steps_alike(want_rows, got_rows, rid)
+        assert got[rid][3][:alike] == streamed[:alike], rid  # logprob values, to the last bit
+        compared += alike
+    assert compared >= 6
 
 
 def test_a_tiered_worker_takes_the_overlapped_path_and_gives_the_same_tokens():
@@ -163,12 +233,12 @@ def test_a_tiered_worker_takes_the_overlapped_path_and_gives_the_same_tokens():
                                                                  logprobs=1, ignore_eos=True)),
                 Request("beside", [(13 * j) % 500 + 3 for j in range(20)],
                         SamplingParams(max_tokens=10, temperature=1.1, seed=8, frequency_penalty=0.4, ignore_eos=True))]
-        got, overlapped = run_sampled(e, reqs)
+        got, overlapped, _ = run_sampled(e, reqs)
         assert reqs[0].tier_tokens == {"host": 64}, reqs[0].tier_tokens  # it came back from host memory
         assert overlapped == 0 if not on else overlapped >= 5
         outcomes[on] = got
         e.close()
-    assert outcomes[True] == outcomes[False]
+    assert outcomes[True] == outcomes[False]  # no stop: every step has the same rows, so logprobs too
 
 
 def names_of(e: Engine, tokens: list[int]) -> list[bytes]:

@@ -92,7 +92,7 @@ class LengthDist:
 
 @dataclass(frozen=True)
 class Sample:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids sent as they are (bench/engine/cpu_served.py)
     prompt_len: int  # tokens: exact with a tokenizer, estimated without
     output_len: int  # max_tokens to ask for
     arrival_s: float | None = None  # trace replay: seconds after the start

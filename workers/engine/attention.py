@@ -48,6 +48,7 @@ class StepState:
     table: torch.Tensor | None = None  # [num_decode, max_blocks] block ids
     ctx_lens: torch.Tensor | None = None  # [num_decode] keys per row, its own included
     max_ctx: int = 0  # host bound on ctx_lens (static per CUDA graph)
+    ctx_host: list[int] | None = None  # ctx_lens on the host, where a step is not a graph's replay
     # fresh prefill chunks: (start, end) rows
     fresh: list[tuple[int, int]] = field(default_factory=list)
     # prefix prefill chunks: (row in prefix_table, first row, tokens, first position)
@@ -58,6 +59,7 @@ class StepState:
     def set_decode(self, k_slots, v_slots, table, ctx_lens, max_ctx: int) -> None:
         self.k_slots, self.v_slots, self.on_layer = k_slots, v_slots, None
         self.num_decode, self.table, self.ctx_lens, self.max_ctx = table.shape[0], table, ctx_lens, max_ctx
+        self.ctx_host = None
         self.fresh, self.prefix, self.prefix_table, self.prefix_tiles = [], [], None, None
 
 
@@ -110,7 +112,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         if kernels is not None:
             kernels.paged_decode(q[:nd], pool_layer, step.table, step.ctx_lens, scale, step.max_ctx, out=out[:nd])
         else:
-            out[:nd] = reference_decode(q[:nd], pool_layer, step.table, step.ctx_lens, scale)
+            out[:nd] = reference_decode(q[:nd], pool_layer, step.table, step.ctx_lens, scale, step.ctx_host)
     for a, b in step.fresh:
         out[a:b] = F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                   is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
@@ -134,21 +136,31 @@ def gather(pool_layer: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch
 
 
 def reference_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q: [B, H, D]; every request's blocks gathered, padded to the longest, masked -> [B, H, D]."""
+                     scale: float, lengths: list[int] | None = None) -> torch.Tensor:
+    """q: [B, H, D]; every request's blocks gathered, padded to the longest, masked -> [B, H, D].
+    lengths: ctx_lens on the host, when known (not in a graph): the gather stops at the longest
+    context instead of the table's width, and a batch whose contexts are all that long (batch 1)
+    needs no mask."""
     batch, num_heads, head_dim = q.shape
-    _, _, block_size, kv_heads, _ = pool_layer.shape
-    max_blocks = table.shape[1]
-    k = pool_layer[:, 0][table].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    v = pool_layer[:, 1][table].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    mask = torch.arange(max_blocks * block_size, device=q.device)[None, :] < ctx_lens[:, None]  # [B, ctx]
-    mask = mask.view(batch, 1, 1, -1)
-    keep = mask.transpose(2, 3)  # [B, 1, ctx, 1]
-    k = torch.where(keep, k, 0)  # bytes past a request's length may be anything, NaN too, and
-    v = torch.where(keep, v, 0)  # SDPA adds its mask to the scores (NaN + -inf is NaN)
+    num_blocks, _, block_size, kv_heads, _ = pool_layer.shape
+    n = max(lengths) if lengths else table.shape[1] * block_size  # keys read per request
+    nb = -(-n // block_size)
+    ids = table[:, :nb].reshape(-1)
+    # a block's K (V) is one contiguous row of a [blocks, 2, row] view: index_select copies whole rows
+    rows = pool_layer.view(num_blocks, 2, -1)
+    k = rows[:, 0].index_select(0, ids).view(batch, nb * block_size, kv_heads, head_dim)[:, :n]
+    v = rows[:, 1].index_select(0, ids).view(batch, nb * block_size, kv_heads, head_dim)[:, :n]
+    mask = None
+    if lengths is None or min(lengths) < n:
+        mask = torch.arange(n, device=q.device)[None, :] < ctx_lens[:, None]  # [B, n]
+        keep = mask.view(batch, n, 1, 1)
+        k = torch.where(keep, k, 0)  # bytes past a request's length may be anything, NaN too, and
+        v = torch.where(keep, v, 0)  # SDPA adds its mask to the scores (NaN + -inf is NaN)
+        mask = mask.view(batch, 1, 1, n)
     # the G query heads that share a KV head become G "query positions" of that head
     qg = q.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                         attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 

@@ -130,7 +130,8 @@ class MixedGraphs:
     A step of T tokens runs the segments of the smallest bucket >= T: rows [T, bucket) are padding
     (token 0 at position 0; attention neither reads nor writes them; their results are dropped).
     Buckets: 16, 32, 64, then multiples of 64 up to max_tokens. Without CUDA graphs (the CPU, or
-    cuda_graphs off) the same segments run directly: the same code path, tested on the CPU.
+    cuda_graphs off) the same segments run directly over the step's T rows, no padding: the same
+    code path, tested on the CPU.
 
     Graphs are taken only for buckets up to `graph_tokens`: a longer step's segments run directly
     over its own rows (compiled where the layers are). Past about a thousand tokens a segment's
@@ -176,8 +177,9 @@ class MixedGraphs:
         """The forward of a step (attention.STEP set by the runner, but its slots) -> [K, vocab] logits."""
         t, kept = len(inp.ids), len(inp.keep)
         graphed = self.use_graphs and t <= self.graph_limit
-        # a step past the graph limit runs its own rows only; without graphs (the CPU) a step runs its bucket
-        bucket = t if self.use_graphs and not graphed else DecodeGraphs._bucket(t, self.buckets)
+        # graphs replay a bucket's rows; a step run directly (the CPU, or past the graph limit) takes its own
+        # rows only (padding rows would multiply a decode step's matrix products on the CPU: 16 rows for one token)
+        bucket = DecodeGraphs._bucket(t, self.buckets) if graphed else t
         n = self.max_tokens
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
@@ -193,7 +195,7 @@ class MixedGraphs:
         step_inputs.apply_feed(self.cut.ids, feed)
         step = attention.STEP
         step.k_slots, step.v_slots = self.k_slots[:t], self.v_slots[:t]
-        segments = self._segments(bucket, graphed)
+        segments = self._segments(bucket, kept, graphed)
         cut = self.cut
         segments[0]()
         for i, layer in enumerate(cut.layers):
@@ -206,9 +208,9 @@ class MixedGraphs:
             segments[i + 1]()
         return cut.logits[:kept].clone()  # the buffer is the next step's
 
-    def _segments(self, bucket: int, graphed: bool) -> list:
-        if not graphed:
-            return [lambda i=i: self.cut.segment(i, bucket) for i in range(self.cut.num_segments)]
+    def _segments(self, bucket: int, kept: int, graphed: bool) -> list:
+        if not graphed:  # the head over the kept rows only (a graph's is over max_keep rows)
+            return [lambda i=i: self.cut.segment(i, bucket, kept) for i in range(self.cut.num_segments)]
         graphs = self.graphs.get(bucket)
         if graphs is None:
             graphs = self._capture(bucket)

@@ -91,8 +91,9 @@ class Cut:
     def num_segments(self) -> int:
         return len(self.layers) + 1
 
-    def segment(self, i: int, t: int) -> None:
-        """Run segment i over rows [0, t) of the buffers."""
+    def segment(self, i: int, t: int, kept: int | None = None) -> None:
+        """Run segment i over rows [0, t) of the buffers; the last one's head over the first `kept`
+        rows of `keep` (None: all of them, the static shape a graph needs)."""
         h = self.h[:t]
         if i == 0:
             h[:] = self.inner.embed_tokens(self.ids[:t])
@@ -104,7 +105,8 @@ class Cut:
             self.before(self.layers[i], h, self.cos[:t], self.sin[:t], self.q[:t], self.k[:t], self.v[:t], self.rotary)
         else:
             x = self.inner.norm(h)
-            self.logits.copy_(self.head(x[self.keep]).float())
+            keep = self.keep if kept is None else self.keep[:kept]
+            self.logits[:len(keep)].copy_(self.head(x[keep]).float())
 
 
 def before_attention(layer: nn.Module, h, cos, sin, q_out, k_out, v_out, rotary) -> None:

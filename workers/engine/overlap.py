@@ -14,7 +14,11 @@ same tokens (the engine's `_launch` and `_settle` are the only places a step is 
 What it costs: a request that stops at step N (EOS, a stop string) already has a row in step N+1,
 whose token is dropped. Its blocks are not given back while step N+1 may still write into them:
 they wait in `Inflight.deferred` until that step is read back (the fence for this engine's own
-writes; without it a transfer could be handed a block the GPU still writes).
+writes; without it a transfer could be handed a block the GPU still writes). That row also makes
+step N+1 longer than its synchronous twin: where a step's products run over its own rows (the CPU),
+the library may take another kernel for the other rows (MKL's does by row count and place), so
+their logits, and the KV they write, can differ from the synchronous step's in the last bits
+(tests/test_overlap.py compares logprob values where the rows were the same).
 
 The KV tiers keep it: their copies run on side streams ordered by CUDA events, never by the host's
 reading a step back. A store waits for an event recorded on the compute stream when it is issued,

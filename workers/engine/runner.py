@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pdserve.settings.worker import EngineConfig
-from pdserve.workers.engine import attention, fusion, step_inputs
+from pdserve.workers.engine import attention, cpu_weights, fusion, step_inputs
 from pdserve.workers.engine.kv_cache import KVCache
 from pdserve.workers.engine.request import Request
 from pdserve.workers.engine.sampler import logprobs_of
@@ -54,7 +54,8 @@ def compile_decoder_layers(model) -> None:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, config: EngineConfig, max_model_len: int):
         """What the config asks of the forward (kernels, graphs, compiled and fused layers) is taken as
-        this device allows: on the CPU, no CUDA graphs, no compile, no fused Q/K/V. The pool's last
+        this device allows: on the CPU, no CUDA graphs, no compile, no fused Q/K/V, and the widening
+        products' weights stored transposed (cpu_weights.py). The pool's last
         block is the scratch block (padding rows of a graphed batch write there)."""
         cuda = kv.device.type == "cuda"
         self.model = model
@@ -80,6 +81,8 @@ class ModelRunner:
         self.placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         if config.fuse_qkv and cuda:
             fusion.fuse_qkv(model)
+        if not cuda:  # small-batch products that widen, transposed (cpu_weights.py)
+            cpu_weights.transpose_wide(model)
         if compile_layers:
             compile_decoder_layers(model)
         self.graphs = None
@@ -145,6 +148,7 @@ class ModelRunner:
             step.table = step_inputs.to_device(step_inputs.block_table(inp.decodes), dev)
             step.ctx_lens = step_inputs.to_device(np.asarray(inp.ctx_lens, dtype=np.int64), dev)
             step.max_ctx = max(inp.ctx_lens)
+            step.ctx_host = inp.ctx_lens
         if inp.prefix_reqs:
             step.prefix_table = step_inputs.to_device(step_inputs.block_table(inp.prefix_reqs), dev)
             if self.prefix_kernel:
@@ -157,7 +161,7 @@ class ModelRunner:
     def _clear_step() -> None:
         """The step's tensors live no longer than the step (a dropped engine frees its pool)."""
         step = attention.STEP
-        step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
+        step.pool = step.table = step.ctx_lens = step.ctx_host = step.prefix_table = step.prefix_tiles = None
         step.on_layer = None
 
     def _run_eager(self, work: list[tuple[Request, int]], inp: step_inputs.StepInputs, on_layer, feed) -> torch.Tensor:
@@ -216,7 +220,7 @@ class ModelRunner:
                 logits_to_keep=keep,
             )
         finally:  # the step's tensors live no longer than the step (a dropped engine frees its pool)
-            step.pool = step.table = step.ctx_lens = step.prefix_table = step.prefix_tiles = None
+            step.pool = step.table = step.ctx_lens = step.ctx_host = step.prefix_table = step.prefix_tiles = None
             if hook is not None:
                 hook.remove()
         for r, rows, k in asks:
