@@ -6,6 +6,7 @@
     pdserve-bench cpu       the engine's decode on the CPU against transformers' generate(), interleaved (bench/engine/cpu.py)
     pdserve-bench offline   an offline workload beside its floor and transformers' batching (bench/engine/offline.py)
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/engine/paged_attention.py)
+    pdserve-bench start     where a worker's start goes: model load, KV pool, each graph's capture, compiles (bench/engine/start.py)
     pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/transfer/multihost.py)
     pdserve-bench atlas     prompt profiles x SLO pairs x rates, which arm wins each cell (bench/load/atlas.py)
     pdserve-bench defaults  is the default configuration within a margin of the best measured one (bench/load/defaults.py)
@@ -29,6 +30,8 @@ SUBCOMMANDS = {
     "cpu": ("pdserve.bench.engine.cpu", "the engine's decode on the CPU against transformers' generate(), side by side"),
     "offline": ("pdserve.bench.engine.offline", "an offline workload through the engine beside its floor and transformers' batching"),
     "attention": ("pdserve.bench.engine.paged_attention", "one layer's paged decode attention, kernel alone, against the bandwidth floor"),
+    "start": ("pdserve.bench.engine.start", "where a worker's start goes: load, KV pool, each graph's capture, "
+              "compiles, a profile of one capture"),
     "multihost": ("pdserve.bench.transfer.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
     "atlas": ("pdserve.bench.load.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
     "defaults": ("pdserve.bench.load.defaults", "is a default configuration within a margin of the best one, from "

@@ -1,4 +1,5 @@
-"""What a worker tells its log about itself: one line at start (its KV capacity), then one every
+"""What a worker tells its log about itself: one line at start (its KV capacity and where the start's
+time went: model load, KV pool, graphs, warm-up request), then one every
 --stats-interval seconds while it has work (throughput, running, waiting, KV usage), like vLLM's
 engine lines.
 
@@ -30,10 +31,12 @@ def startup_line(worker_id: str, role: str, engine) -> str:
     tokens = blocks * lay.block_size
     gib = blocks * lay.num_layers * lay.block_bytes / 2**30
     per_request = tokens / engine.max_model_len
+    start = engine.start  # where the start went (workers/engine/start_times.py), once it is over
+    started = f"; {start.describe()}" if start.total_s is not None else ""
     return (f"{worker_id}: {role} on {engine.device}, model {engine.model_name} ({lay.dtype}); KV cache {blocks} blocks "
             f"x {lay.block_size} tokens = {tokens} tokens, {gib:.3g} GiB; max concurrency {cfg.max_num_seqs} "
             f"requests (--max-num-seqs), {per_request:.2f}x for requests of max_model_len {engine.max_model_len} "
-            f"tokens")
+            f"tokens{started}")
 
 
 class StatsLine:

@@ -1,4 +1,8 @@
-"""A worker's warm-up: one real request through its engine before it registers with the router.
+"""A worker's start: its engine built, its graphs captured, one real request through it before it
+registers with the router; `start_engine` does all three and records where the time went.
+
+    start_engine(engine_config, role, warmup, disk_key) -> Engine   engine.start: the parts (start_times.py)
+    warm_up(engine) -> seconds                                       the warm-up request alone
 
 Why: the first forward of a fresh process pays for what torch and the tokenizer do lazily (the CPU
 thread pool, first touch of the activation and KV memory, kernel and allocator set-up per shape,
@@ -14,6 +18,21 @@ from __future__ import annotations
 import time
 
 WARMUP_TOKENS = 4  # decode steps after the prefill
+
+
+def start_engine(config, role: str, warmup: bool = True, disk_key: bytes | None = None):
+    """The engine of a worker of this role, ready for traffic: built (model loaded, KV pool allocated),
+    graphs captured (CUDA; not on a prefill worker, which never decodes), the warm-up request run
+    (unless `warmup` is off); `engine.start` holds each part's seconds and the total."""
+    from pdserve.workers.engine.engine import Engine
+
+    engine = Engine(config, disk_key=disk_key)
+    if role != "prefill":
+        engine.warmup()
+    if warmup:
+        engine.start.warmup_s = warm_up(engine)
+    engine.start.finish()
+    return engine
 
 
 def warm_up(engine) -> float:

@@ -55,7 +55,7 @@ from pdserve.settings.worker import WorkerConfig
 from pdserve.workers.preflight import StartupError, describe_bind_error
 from pdserve.workers.roles.kv_report import KVReport
 from pdserve.workers.status_log import StatsLine, startup_line
-from pdserve.workers.warmup import warm_up
+from pdserve.workers.warmup import start_engine
 
 log = logging.getLogger("pdserve.worker")
 
@@ -206,16 +206,8 @@ class Worker:
         self.ctx = zmq.Context()
         self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host, cfg.keys, self.throttle)
         self.address = self.inbox.address
-        if engine is None:
-            from pdserve.workers.engine.engine import Engine
-
-            engine = Engine(cfg.engine, disk_key=cfg.disk_key())
-            if cfg.role != "prefill":  # take the decode graphs before the first request (CUDA only)
-                spent = engine.warmup()
-                if spent:
-                    log.info("%s: decode graphs captured in %.1f s", cfg.worker_id, spent)
-            if cfg.warmup:
-                log.info("%s: warmed up in %.2f s (one request: prefill and decode)", cfg.worker_id, warm_up(engine))
+        if engine is None:  # built, graphs captured, warmed up; the ready line says where the time went
+            engine = start_engine(cfg.engine, cfg.role, cfg.warmup, cfg.disk_key())
             log.info("%s", startup_line(cfg.worker_id, cfg.role, engine))
         self.engine = engine
         self.stats = StatsLine(cfg.worker_id, cfg.stats_interval_s)

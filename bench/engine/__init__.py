@@ -7,4 +7,6 @@
     report.py           the engine bench's targets and markdown
     offline.py          `pdserve-bench offline`: an offline workload beside its floor and transformers' batching
     paged_attention.py  `pdserve-bench attention`: one layer's paged decode attention, kernel alone
+    start.py            `pdserve-bench start`: a worker's start by parts, each graph's capture, compiles
+    compile_watch.py    what a stretch of code compiled (torch.compile, Triton), a profile of one call
 """

@@ -57,6 +57,7 @@ from pdserve.workers.engine.request import (IllegalTransition, InvalidRequest, R
 from pdserve.workers.engine.runner import ModelRunner
 from pdserve.workers.engine.sampler import Sampler, SamplingError
 from pdserve.workers.engine.scheduler import Scheduler
+from pdserve.workers.engine.start_times import StartTimes
 from pdserve.workers.engine.text import ModelText
 
 log = logging.getLogger("pdserve.engine")
@@ -66,26 +67,35 @@ class Engine(KVHandoff):
     def __init__(self, config: EngineConfig, loaded=None, disk_key: bytes | None = None):
         """disk_key: the deployment's key for the disk tier's entries (WorkerKeys.disk_key); None: the
         tier folder's own key."""
+        self.start = StartTimes()  # where this engine's start went (start_times.py)
         check_device(config)
         self.config = config
+        self.device = torch.device(config.device)
         if loaded is None:
             from pdserve.workers.engine.models import load_model
 
             loaded = load_model(config.model, torch_dtype(config), config.device)
+            self.start.load_s = self._since(self.start.began)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = config.max_model_len or loaded.max_model_len
-        self.device = torch.device(config.device)
+        t = time.monotonic()
         self.layout = self._layout(config)
         self.kv = KVCache(self.layout, self.device, shared=config.kv_shared)
         # the pool's last block is scratch space for padding rows; requests get the others
         self.blocks = PrefixCache(self.layout.num_blocks - 1, enabled=config.prefix_cache)
+        self.start.kv_pool_s = self._since(t)
         # cached KV is only comparable under the same model and layout (the prefix cache's root name)
         self.prefix_root = root_name(self.model_name, self.layout.describe())
+        t = time.monotonic()
         self.runner = ModelRunner(self.model, self.kv, config, self.max_model_len)
+        setup = self._since(t)
+        t = time.monotonic()
         self.tiers = tiering.build(config, self.layout, self.device, self.model_name, self.blocks, self.kv.pool,
                                    disk_key)
+        self.start.tiers_s = self._since(t)
+        t = time.monotonic()
         self.scheduler = Scheduler(self.blocks, config, self.prefix_root, self.tiers)
         # the end-of-sequence ids: the text side's stop check and the sampler's min_tokens ban
         self.text = ModelText(self.tokenizer, set(loaded.eos_token_ids), self.max_model_len)
@@ -96,6 +106,13 @@ class Engine(KVHandoff):
         # CUDA by default (on the CPU a step is done when launched: nothing to overlap)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._inflight: overlap.Inflight | None = None
+        self.start.setup_s = setup + self._since(t)
+
+    def _since(self, t: float) -> float:
+        """Seconds from t to now, the device's work launched since included."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic() - t
 
     def _layout(self, config: EngineConfig) -> KVLayout:
         cfg = self.model.config
@@ -110,16 +127,19 @@ class Engine(KVHandoff):
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)
 
     def warmup(self) -> float:
-        """CUDA: capture the decode graph of every (batch, block table) bucket ahead of traffic,
-        largest first so the shared memory pool is sized once; returns seconds spent (0 on CPU
-        or with cuda_graphs off). About 0.2 s a graph for a 7B model on an H200."""
-        graphs, mixed = self.runner.graphs, self.runner.mixed
+        """CUDA: capture the decode graph of every (batch, block table) bucket and the piecewise graphs
+        ahead of traffic, largest first so the shared memory pool is sized once; returns seconds spent
+        (0 on CPU or with cuda_graphs off), and records them by kind in `start`."""
+        graphs, mixed, start = self.runner.graphs, self.runner.mixed, self.start
         spent = 0.0
         with torch.inference_mode():
             if graphs is not None:
-                spent += sum(graphs.capture(graphs.batch_buckets[::-1], blocks) for blocks in graphs.block_buckets[::-1])
+                spent += graphs.capture(graphs.capture_order())
+                start.decode_graphs, start.decode_graphs_s = len(graphs.capture_s), sum(graphs.capture_s.values(), 0.0)
             if mixed is not None:
                 spent += mixed.capture()
+                start.piecewise_graphs = len(mixed.capture_s) * mixed.cut.num_segments
+                start.piecewise_graphs_s = sum(mixed.capture_s.values(), 0.0)
         return spent
 
     def validate(self, req: Request) -> None:

@@ -1,18 +1,25 @@
 """CUDA graphs of the decode forward.
 
 One graph per (batch bucket, block-table bucket), captured the first time a step of that
-shape comes (about three forwards' time), then replayed. Inputs go through static
+shape comes (about two forwards' time), then replayed. Inputs go through static
 buffers: a step copies its token ids, positions, slots, block tables and lengths into
 them, replays, and reads the logits out. Rows beyond the real batch are padding: they
 read block 0 with length 1 and write their K/V into the pool's scratch block, which no
 request owns.
 
 Buckets: batch 1, 2, 4, 8, then multiples of 16 up to max_num_seqs; block tables in
-powers of two from 16 blocks. Attention reads only each request's own blocks (programs
-past a request's length return at once), so a wider table costs almost nothing; its width
-only sizes the kernel's split of the context, and a 32k-token context needs 8 table
-buckets. `capture(batches, blocks)` takes graphs ahead of traffic (a decode or colocated
-worker takes all of them at start), so no request pays for a capture.
+powers of two from 16 blocks, up to the widest table a request can have: max_model_len's
+blocks, or the pool's if it holds fewer (a request never holds more blocks than the pool has).
+Attention reads only each request's own blocks (programs past a request's length return at
+once), so a wider table costs almost nothing; its width only sizes the kernel's split of the
+context, and a 32k-token context needs 8 table buckets. `capture(capture_order())` takes every
+graph ahead of traffic (a decode or colocated worker does at start), so no request pays for a
+capture; `capture_s` holds each graph's seconds (Engine.warmup reports them in the start's parts).
+A capture costs one warm-up forward and the captured one, plus whatever that first forward
+compiles: the layers' torch.compile on the first graph (and again for a size it specialises, batch
+1), and the paged-attention kernel's Triton variant for the bucket's split of the context
+(paged_kernel.decode_split: split length and count are compile-time constants) if no bucket before
+it used the same one.
 """
 
 from __future__ import annotations
@@ -26,20 +33,29 @@ from pdserve.workers.engine.request import Request
 
 
 def _buckets(limit: int, start: list[int], step_fn) -> list[int]:
+    """start's sizes below limit, then step_fn's, the last one limit itself (a limit below start[0]: [limit])."""
     out = [b for b in start if b < limit]
     b = out[-1] if out else 0
     while b < limit:
-        b = step_fn(b)
+        b = step_fn(b) if b else start[0]
         out.append(min(b, limit))
     return sorted(set(out))
+
+
+def decode_buckets(max_num_seqs: int, max_blocks_per_seq: int, pool_blocks: int) -> tuple[list[int], list[int]]:
+    """(batch buckets, block-table buckets) of the decode graphs. pool_blocks: the blocks requests may
+    hold; a request's table lists distinct blocks of the pool, so none is wider than that."""
+    batches = _buckets(max_num_seqs, [1, 2, 4, 8], lambda b: b + 16 if b >= 16 else 16)
+    return batches, _buckets(min(max_blocks_per_seq, pool_blocks), [16], lambda b: b * 2)
 
 
 class DecodeGraphs:
     def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int):
         self.runner = runner
         dev = runner.device
-        self.batch_buckets = _buckets(max_num_seqs, [1, 2, 4, 8], lambda b: b + 16 if b >= 16 else 16)
-        self.block_buckets = _buckets(max_blocks_per_seq, [16], lambda b: b * 2)
+        # the pool's last block is the scratch block: requests hold the others
+        self.batch_buckets, self.block_buckets = decode_buckets(max_num_seqs, max_blocks_per_seq,
+                                                                runner.kv.layout.num_blocks - 1)
         nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
         # Every input of a step in one buffer, so a step makes one host-to-device copy from
         # pinned memory: ids, positions, K slots, V slots, lengths ([nb] each), block tables [nb, nm]
@@ -52,6 +68,7 @@ class DecodeGraphs:
         self.keep = torch.arange(nb, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.capture_s: dict[tuple[int, int], float] = {}  # (batch, blocks) -> seconds its capture took
         self.mempool = None
 
     @staticmethod
@@ -82,15 +99,20 @@ class DecodeGraphs:
         graph.replay()
         return self.outputs[key][:n]
 
-    def capture(self, batches: list[int], blocks: int) -> float:
-        """Capture graphs ahead of traffic with padding rows only (they touch the scratch
-        block alone); returns the seconds it took."""
+    def capture_order(self) -> list[tuple[int, int]]:
+        """Every (batch, blocks) bucket, widest table and largest batch first (the shared memory pool
+        is sized by the first)."""
+        return [(batch, blocks) for blocks in self.block_buckets[::-1] for batch in self.batch_buckets[::-1]]
+
+    def capture(self, keys: list[tuple[int, int]]) -> float:
+        """Capture the graphs of these (batch, blocks) buckets ahead of traffic, with padding rows only
+        (they touch the scratch block alone); returns the seconds it took."""
         start = time.monotonic()
         scratch_k = self.runner.scratch_block * 2 * self.runner.block_size
         self.ids.zero_(), self.pos.zero_(), self.table.zero_(), self.lens.fill_(1)
         self.k_slots.fill_(scratch_k)
         self.v_slots.fill_(scratch_k + self.runner.block_size)
-        for batch in batches:
+        for batch, blocks in keys:
             if (batch, blocks) not in self.graphs:
                 self._capture(batch, blocks)
         torch.cuda.synchronize(self.runner.device)
@@ -103,13 +125,15 @@ class DecodeGraphs:
         return r.forward(self.ids[:batch], self.pos[:batch], self.keep[:batch])
 
     def _capture(self, batch: int, blocks: int) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (lazy initialisation must not land in the graph); these
-        # forwards write the same K/V the replay will write, so they change nothing.
+        # One warm-up forward on a side stream: whatever is initialised lazily (the layers' compiled
+        # code, a Triton kernel variant, cuBLAS's plan for a shape, an allocation) happens in it and
+        # not in the graph; a second would find nothing left to initialise. It writes the same K/V
+        # the replay will write (the scratch block), so it changes nothing.
+        start = time.monotonic()
         side = torch.cuda.Stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(batch, blocks)
+            self._forward(batch, blocks)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
@@ -117,6 +141,8 @@ class DecodeGraphs:
         self.mempool = graph.pool()
         self.graphs[(batch, blocks)] = graph
         self.outputs[(batch, blocks)] = out
+        torch.cuda.synchronize(self.runner.device)
+        self.capture_s[(batch, blocks)] = time.monotonic() - start
         return graph
 
 
@@ -163,6 +189,7 @@ class MixedGraphs:
         self.k_slots, self.v_slots = self.packed[2 * n + k:3 * n + k], self.packed[3 * n + k:]
         self.copied = torch.cuda.Event() if use_graphs else None
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.capture_s: dict[int, float] = {}  # token bucket -> seconds its segments' capture took
         self.mempool = None
 
     @property
@@ -230,6 +257,7 @@ class MixedGraphs:
         return time.monotonic() - start
 
     def _capture(self, bucket: int) -> list[torch.cuda.CUDAGraph]:
+        start = time.monotonic()
         cut = self.cut
         side = torch.cuda.Stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -245,4 +273,6 @@ class MixedGraphs:
             self.mempool = g.pool()
             graphs.append(g)
         self.graphs[bucket] = graphs
+        torch.cuda.synchronize(self.runner.device)
+        self.capture_s[bucket] = time.monotonic() - start
         return graphs
