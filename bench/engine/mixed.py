@@ -22,6 +22,7 @@ import torch
 
 from pdserve.bench import ab
 from pdserve.bench.engine.decode import adopt_batch, sync, timed_runs
+from pdserve.workers.engine.prompt_blocks import Claim
 from pdserve.workers.engine.request import Request, SamplingParams
 
 
@@ -49,7 +50,7 @@ def mixed_step_point(engine, device: torch.device, decodes: int, context: int, p
                    SamplingParams(max_tokens=2, ignore_eos=True))
     engine.admit(long)
     long.start_prefill()
-    engine.scheduler.take_blocks(long, [], -(-(prefix + chunk + 1) // engine.layout.block_size))
+    engine.prompts.take(long, Claim(need=-(-(prefix + chunk + 1) // engine.layout.block_size)))
     work = [(r, 1) for r in reqs] + [(long, chunk)]
 
     def step() -> None:

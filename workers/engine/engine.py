@@ -17,8 +17,11 @@ For the roles:
                aborted while a write may land (CANCELLING), release(id) once none can
     any        abort(id), fail(id, error): FINISHED, blocks freed; no-op for an id not here
 
-The prefill and decode calls are in handoff.py (KVHandoff, Engine's base class); a token's text and
-stop checks in text.py (ModelText, `engine.text`).
+Its parts: `prompts` (prompt_blocks.py: the one place a prompt's blocks are taken, for the scheduler
+and the handoff alike), `scheduler`, `runner`, `sampler`, `text` (a token's text and stop checks:
+text.py), `tiers` (the KV tiers below the pool, tiering.py) and `handoff` (handoff.py: the prefill
+and decode calls, which Engine's calls of the same names hand over to; it is given this engine's
+record of its requests, handoff.Record: admit, validate, fail, append_token).
 
 The step (STYLE: scheduler decides, runner computes, sampler picks, engine records), one path:
     work = scheduler.schedule()            # [(request, positions to compute)]: decodes, prompt chunks
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -50,8 +53,9 @@ from pdserve.workers.engine.block_pool import blocks_for
 from pdserve.workers.engine.device import check_device, kv_budget_bytes, torch_dtype
 from pdserve.workers.engine.handoff import KVHandoff
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
-from pdserve.workers.engine.outputs import StepOutput, with_logprobs
-from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto, root_name
+from pdserve.workers.engine.outputs import PrefillResult, StepOutput, prompt_logprobs_complete, with_logprobs
+from pdserve.workers.engine.prefix_cache import PrefixCache, root_name
+from pdserve.workers.engine.prompt_blocks import PromptBlocks
 from pdserve.workers.engine.request import (IllegalTransition, InvalidRequest, Request, SamplingParams, Status,
                                            stamp_end, stamp_start)
 from pdserve.workers.engine.runner import ModelRunner
@@ -63,7 +67,7 @@ from pdserve.workers.engine.text import ModelText
 log = logging.getLogger("pdserve.engine")
 
 
-class Engine(KVHandoff):
+class Engine:
     def __init__(self, config: EngineConfig, loaded=None, disk_key: bytes | None = None):
         """disk_key: the deployment's key for the disk tier's entries (WorkerKeys.disk_key); None: the
         tier folder's own key."""
@@ -92,11 +96,11 @@ class Engine(KVHandoff):
         self.runner = ModelRunner(self.model, self.kv, config, self.max_model_len)
         setup = self._since(t)
         t = time.monotonic()
-        self.tiers = tiering.build(config, self.layout, self.device, self.model_name, self.blocks, self.kv.pool,
-                                   disk_key)
+        tiers = tiering.build(config, self.layout, self.device, self.model_name, self.blocks, self.kv.pool, disk_key)
         self.start.tiers_s = self._since(t)
         t = time.monotonic()
-        self.scheduler = Scheduler(self.blocks, config, self.prefix_root, self.tiers)
+        self.prompts = PromptBlocks(self.blocks, self.layout.block_size, self.prefix_root, tiers)
+        self.scheduler = Scheduler(self.prompts, config)
         # the end-of-sequence ids: the text side's stop check and the sampler's min_tokens ban
         self.text = ModelText(self.tokenizer, set(loaded.eos_token_ids), self.max_model_len)
         self.sampler = Sampler(self.device, loaded.eos_token_ids)
@@ -106,7 +110,13 @@ class Engine(KVHandoff):
         # CUDA by default (on the CPU a step is done when launched: nothing to overlap)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._inflight: overlap.Inflight | None = None
+        self.handoff = KVHandoff(self, self.prompts, self.runner, self.sampler, self.scheduler, self.vocab_size)
         self.start.setup_s = setup + self._since(t)
+
+    @property
+    def tiers(self) -> tiering.Tiers | None:
+        """The KV tiers below the pool (None: none); `prompts` holds them."""
+        return self.prompts.tiers
 
     def _since(self, t: float) -> float:
         """Seconds from t to now, the device's work launched since included."""
@@ -183,11 +193,22 @@ class Engine(KVHandoff):
             out[r.status] += 1
         return out
 
-    def _get(self, request_id: str) -> Request:
-        req = self.requests.get(request_id)
-        if req is None:
-            raise IllegalTransition(f"request {request_id} is not on this worker (never admitted, or finished)")
-        return req
+    # ---- prefill and decode workers (handoff.py) ------------------------------------------------
+
+    def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:
+        return self.handoff.prefill_only(req, on_layer)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        return self.handoff.reserve(request_id, num_tokens)
+
+    def begin_receiving(self, request_id: str) -> None:
+        self.handoff.begin_receiving(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self.handoff.cancel(request_id)
+
+    def adopt(self, req: Request, first_token: int) -> StepOutput:
+        return self.handoff.adopt(req, first_token)
 
     # ---- colocated -----------------------------------------------------------------------------
 
@@ -241,13 +262,13 @@ class Engine(KVHandoff):
             if r.finished:  # aborted or failed since: nothing more to say
                 continue
             later = overlap.pop_pending(r) - 1  # the step after this one's token, already launched
-            token = self._prompt_logprobs_done(r, token)
+            token = prompt_logprobs_complete(r, token)
             outs.append(with_logprobs(self._emit(r, token, step.logits.get(i)), logprobs))
             if not r.finished:
                 r.output_ids.extend([overlap.PENDING] * later)
         for r, _ in step.work:
             if not r.finished:
-                self._name_blocks(r)
+                self.prompts.name(r)
         for blocks in step.deferred:  # the step is over: nothing writes into them any more
             self.blocks.free(blocks)
         step.deferred.clear()
@@ -291,20 +312,18 @@ class Engine(KVHandoff):
         if req is not None:
             self._finish(req, "error", error)
 
+    def release(self, request_id: str) -> None:
+        """The transfer is over: the blocks of a SENDING (prefill worker) or RESERVED, RECEIVING or
+        CANCELLING (decode worker) request go back; no-op for an id not here."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.release()
+            self._forget(req)
+
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         overlap.pop_pending(req)  # a token of a step in flight that it will not get
         req.finish(reason, error)
         self._forget(req)
-
-    def _name_blocks(self, req: Request) -> None:
-        """Name the request's newly completed full blocks in the prefix cache (a later prompt that
-        begins the same way reuses them)."""
-        bs = self.layout.block_size
-        full = min(req.num_computed, req.num_tokens) // bs
-        if self.blocks.enabled and full > req.named_blocks and req.block_ids:
-            names = names_upto(req, full, bs, self.prefix_root)
-            self.blocks.register(names[req.named_blocks:full], req.block_ids[req.named_blocks:full])
-            req.named_blocks = full
 
     def _forget(self, req: Request) -> None:
         """A finished request leaves: its blocks back to the pool (their KV copied down to the host
@@ -332,11 +351,12 @@ class Engine(KVHandoff):
             s = req.stamps
             if self.tiers is not None and s.prefill_end is not None and s.prefill_start is not None:
                 self.tiers.observe_prefill(len(req.prompt_ids) - req.cached_tokens, s.prefill_end - s.prefill_start)
-        return self._append(req, token, logits)
+        return self.append_token(req, token, logits)
 
-    def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> StepOutput:
+    def append_token(self, req: Request, token: int, logits: torch.Tensor | None = None) -> StepOutput:
+        """The one place a token is recorded: appended, its text and stop checks; it may finish the request."""
         req.output_ids.append(token)
-        self._name_blocks(req)  # before a stop frees them: a finished request's blocks go down to the tiers named
+        self.prompts.name(req)  # before a stop frees them: a finished request's blocks go down to the tiers named
         try:
             delta, reason = self.text.text_and_stop(req, token)
         except Exception as e:  # this request's text, not the batch's
@@ -346,16 +366,6 @@ class Engine(KVHandoff):
             self._finish(req, reason)
         return StepOutput(req.request_id, token, delta, reason is not None, reason,
                           None if logits is None else logits.detach().float().cpu(), request=req)
-
-    def _prompt_logprobs_done(self, req: Request, token: int | SamplingError) -> int | SamplingError:
-        """Token 1 of a request that asked for prompt logprobs: all of them must be there (positions
-        skipped, e.g. a cached prefix, have none: the request fails rather than report a gap)."""
-        if (req.params.prompt_logprobs is None or req.output_ids or isinstance(token, SamplingError)
-                or len(req.prompt_logprobs) == len(req.prompt_ids) - 1):
-            return token
-        return SamplingError(f"request {req.request_id}: {len(req.prompt_logprobs)} of its "
-                             f"{len(req.prompt_ids) - 1} prompt logprobs were computed (positions skipped); "
-                             f"retry it")
 
     def _failed(self, req: Request, error: str) -> StepOutput:
         self._finish(req, "error", error)
@@ -391,4 +401,4 @@ class Engine(KVHandoff):
             self._settle(step)
         if self.tiers is not None:
             self.tiers.close()
-            self.tiers = self.scheduler.tiers = None
+            self.prompts.tiers = None

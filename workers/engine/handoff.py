@@ -1,76 +1,99 @@
-"""The engine's calls for a request handed from a prefill worker to a decode worker (the per-role API).
+"""A request handed from a prefill worker to a decode worker: the engine's per-role calls.
 
-KVHandoff is a part of Engine (its base class), kept here so that engine.py reads as the step and
-the record of the requests; it uses the engine's requests, blocks, scheduler, runner, sampler and
-tiers, and moves each request along its ladder (request.py) or raises IllegalTransition.
+KVHandoff is a part the engine owns (`engine.handoff`; Engine's calls of the same names hand over
+to it). It is built from the engine's parts and is given the engine's record of its requests
+through `Record` below: no other call of the engine. Each call moves a request along its ladder
+(request.py) or raises IllegalTransition.
     prefill    prefill_only(req, on_layer) -> PrefillResult   WAITING -> PREFILLING -> SENDING: first
-               token, logits, block ids (they stay for the transfer); release(id) after it
+               token, logits, block ids (they stay for the transfer); Engine.release(id) after it
     decode     reserve(id, n) -> block ids a transfer fills   WAITING -> RESERVED (None: no room now)
                begin_receiving(id)                          RESERVED -> RECEIVING (the sender began)
                adopt(req, first_token) -> StepOutput        -> RUNNING: the batch at decode step 2
-               cancel(id)                                   -> CANCELLING (a write may still land)
-               release(id)                                  the blocks go back once no write can land
+               cancel(id)                                   -> CANCELLING (a write may still land);
+                                                            Engine.release(id) once none can
+Its parts: `prompts` (prompt_blocks.py: the one place a prompt's blocks are taken), `runner` and
+`sampler` (a prefill's forward and its first token), `scheduler` (an adopted request joins the batch).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from pdserve.workers.engine.block_pool import OutOfBlocks, blocks_for
-from pdserve.workers.engine.outputs import PrefillResult, StepOutput
-from pdserve.workers.engine.request import InvalidRequest, Request, Status, stamp_end
+from pdserve.workers.engine.block_pool import OutOfBlocks
+from pdserve.workers.engine.outputs import PrefillResult, StepOutput, prompt_logprobs_complete
+from pdserve.workers.engine.request import IllegalTransition, InvalidRequest, Request, Status, stamp_end
 from pdserve.workers.engine.sampler import SamplingError
+
+if TYPE_CHECKING:
+    from pdserve.workers.engine.prompt_blocks import PromptBlocks
+    from pdserve.workers.engine.runner import ModelRunner
+    from pdserve.workers.engine.sampler import Sampler
+    from pdserve.workers.engine.scheduler import Scheduler
+
+
+class Record(Protocol):
+    """What the handoff is given of the engine's record of its requests (engine.py)."""
+    requests: dict[str, Request]  # every request on this worker, until it finishes
+
+    def admit(self, req: Request) -> None: ...  # checked and registered, WAITING
+
+    def validate(self, req: Request) -> None: ...  # raises InvalidRequest
+
+    def fail(self, request_id: str, error: str) -> None: ...  # FINISHED ("error"), blocks freed
+
+    def append_token(self, req: Request, token: int) -> StepOutput: ...  # recorded: text, stop checks
 
 
 class KVHandoff:
-    """Engine's prefill and decode calls (see the module docstring); not made on its own."""
+    def __init__(self, record: Record, prompts: PromptBlocks, runner: ModelRunner, sampler: Sampler,
+                 scheduler: Scheduler, vocab_size: int):
+        self.record = record
+        self.requests = record.requests
+        self.prompts = prompts
+        self.runner = runner
+        self.sampler = sampler
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+
+    def _held(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise IllegalTransition(f"request {request_id} is not on this worker (never admitted, or finished)")
+        return req
 
     def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:
         """Prefill one request now and sample its first token (WAITING -> PREFILLING -> SENDING); its
         blocks stay until release(). Admits it if the caller has not. On any error (OutOfBlocks, its
         SamplingError, the forward's) the request is finished and its blocks freed, then it raises."""
         if self.requests.get(req.request_id) is not req:
-            self.admit(req)
+            self.record.admit(req)
         req.start_prefill()
         try:
-            hit = self.scheduler.cached_prefix(req)
-            lower = self.scheduler.lower_prefix(req, len(hit))
-            need = blocks_for(len(req.prompt_ids), self.layout.block_size) - len(hit)
-            if not self.blocks.can_allocate(need, hit):
-                raise OutOfBlocks(f"request {req.request_id}: needs {need} blocks, {self.blocks.num_free} free")
-            self.scheduler.take_blocks(req, hit, need)
-            req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
+            claim = self.prompts.plan(req)
+            if not self.prompts.fits(claim):
+                raise OutOfBlocks(f"request {req.request_id}: needs {claim.need} blocks, "
+                                  f"{self.prompts.blocks.num_free} free")
             req.stamps.prefill_start = time.monotonic()
-            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
-            if lower:  # reloading is cheaper than computing them (the cost model): this worker waits for it
-                self.scheduler.start_reload(req, lower)
-                self.tiers.poll(req, wait=True)
+            # a reload is cheaper than computing those blocks (the cost model): this worker waits for it
+            self.prompts.take(req, claim, wait=True)
             computed_from = time.monotonic()
             logits = self.runner.prefill([req], on_layer)
             [(token, req.first_logprobs)] = self.sampler.results(self.sampler.pick(logits, [req]), [req])
-            token = self._prompt_logprobs_done(req, token)
+            token = prompt_logprobs_complete(req, token)
             if isinstance(token, SamplingError):
                 raise token
             stamp_end([req], req.stamps.prefill_start, time.monotonic())
-            self._name_blocks(req)
-            if self.tiers is not None:
+            self.prompts.name(req)
+            if self.prompts.tiers is not None:
                 computed = len(req.prompt_ids) - req.cached_tokens
-                self.tiers.observe_prefill(computed, req.stamps.prefill_end - computed_from)
+                self.prompts.tiers.observe_prefill(computed, req.stamps.prefill_end - computed_from)
         except BaseException as e:
-            self._finish(req, "error", f"{type(e).__name__}: {e}")
+            self.record.fail(req.request_id, f"{type(e).__name__}: {e}")
             raise
         req.output_ids = [token]
         req.start_sending()
         return PrefillResult(first_token=token, logits=logits[0], block_ids=list(req.block_ids))
-
-    def release(self, request_id: str) -> None:
-        """The transfer is over: the blocks of a SENDING (prefill worker) or RESERVED, RECEIVING or
-        CANCELLING (decode worker) request go back; no-op for an id not here."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            req.release()
-            self._forget(req)
 
     # ---- decode role ---------------------------------------------------------------------------
 
@@ -81,56 +104,49 @@ class KVHandoff:
         they cover, and a transfer writes only the blocks after them. None: no room now (an admitted
         request stays WAITING)."""
         req = self.requests.get(request_id) or Request(request_id, [])
-        hit = self.scheduler.cached_prefix(req) if req.prompt_ids and num_tokens == len(req.prompt_ids) else []
-        need = blocks_for(num_tokens, self.layout.block_size) - len(hit)
-        if req.status is Status.WAITING and not self.blocks.can_allocate(need, hit):
+        claim = self.prompts.plan(req, num_tokens)
+        if req.status is Status.WAITING and not self.prompts.fits(claim):
             return None
-        whole = req.prompt_ids and num_tokens == len(req.prompt_ids)
-        lower = self.scheduler.lower_prefix(req, len(hit)) if whole else []
         req.reserve()
-        self.scheduler.take_blocks(req, hit, need)
-        req.num_computed = req.cached_tokens = len(hit) * self.layout.block_size
-        if req.prompt_ids:
-            self.blocks.count(len(req.prompt_ids), req.cached_tokens)
-        if lower:  # held in host memory (or on disk) and cheaper to reload than to receive: reloaded now
-            self.scheduler.start_reload(req, lower)
-            self.tiers.poll(req, wait=True)  # cached_tokens grows by what landed; the sender skips it
+        # blocks held in host memory (or on disk) and cheaper to reload than to receive: reloaded now
+        # (cached_tokens grows by what landed; the sender skips it)
+        self.prompts.take(req, claim, wait=True)
         self.requests[request_id] = req
         return list(req.block_ids)
 
     def begin_receiving(self, request_id: str) -> None:
         """The sender began writing into the request's blocks (RESERVED -> RECEIVING)."""
-        self._get(request_id).start_receiving()
+        self._held(request_id).start_receiving()
 
     def cancel(self, request_id: str) -> None:
         """Aborted while a write may still land (RESERVED or RECEIVING -> CANCELLING): its blocks stay
         until release(), once the KV receiver says no write can reach them."""
-        self._get(request_id).cancel()
+        self._held(request_id).cancel()
 
     def adopt(self, req: Request, first_token: int) -> StepOutput:
         """Continue a request whose prompt KV sits in its reserved blocks (RESERVED or RECEIVING ->
         RUNNING); returns the output of its first token (which may finish it, or fail it). Raises
         InvalidRequest, with the request finished and its blocks freed, if they cannot be used."""
-        held = self._get(req.request_id)
+        held = self._held(req.request_id)
         held.start_running()
         if held is not req:  # reserved by id alone: the request itself comes now
             req.take_over(held)
             self.requests[req.request_id] = req
         try:
             if held is not req:
-                self.validate(req)
-            if len(req.block_ids) * self.layout.block_size < len(req.prompt_ids):
+                self.record.validate(req)
+            if len(req.block_ids) * self.prompts.block_size < len(req.prompt_ids):
                 raise InvalidRequest(f"request {req.request_id}: {len(req.block_ids)} blocks cannot hold "
                                      f"{len(req.prompt_ids)} prompt tokens")
             if not 0 <= first_token < self.vocab_size:
                 raise InvalidRequest(f"request {req.request_id}: first token {first_token} is outside the "
                                      f"vocabulary (0..{self.vocab_size - 1})")
         except InvalidRequest as e:
-            self._finish(req, "error", str(e))  # the reservation ends here: its blocks go back
+            self.record.fail(req.request_id, str(e))  # the reservation ends here: its blocks go back
             raise
         req.num_computed = len(req.prompt_ids)
         req.output_ids = []
         req.adopted = True
-        self._name_blocks(req)  # the prompt's KV is all here now
+        self.prompts.name(req)  # the prompt's KV is all here now
         self.scheduler.adopt(req)
-        return self._append(req, first_token, None)
+        return self.record.append_token(req, first_token)

@@ -3,6 +3,7 @@
     StepOutput                  one request's token of one step (or its error), its text, and whether it finished
     PrefillResult               prefill_only(): token 1, its logits and the request's blocks (kept for the transfer)
     with_logprobs(out, lp)      a step's output with the logprobs its request asked for
+    prompt_logprobs_complete(req, token)   token 1, or the error of a request whose prompt logprobs have a gap
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from pdserve.protocol.control import TokenLogprobs
 from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.sampler import SamplingError
 
 
 @dataclass
@@ -44,3 +46,14 @@ def with_logprobs(out: StepOutput, logprobs: TokenLogprobs | None) -> StepOutput
         if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
             out.prompt_logprobs = req.prompt_logprobs
     return out
+
+
+def prompt_logprobs_complete(req: Request, token: int | SamplingError) -> int | SamplingError:
+    """Token 1 of a request that asked for prompt logprobs: all of them must be there (positions
+    skipped, e.g. a cached prefix, have none: the request fails rather than report a gap)."""
+    if (req.params.prompt_logprobs is None or req.output_ids or isinstance(token, SamplingError)
+            or len(req.prompt_logprobs) == len(req.prompt_ids) - 1):
+        return token
+    return SamplingError(f"request {req.request_id}: {len(req.prompt_logprobs)} of its "
+                         f"{len(req.prompt_ids) - 1} prompt logprobs were computed (positions skipped); "
+                         f"retry it")

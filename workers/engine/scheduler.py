@@ -22,9 +22,10 @@ requests, never both; after a prefill step, if anything is running, the next ste
 Both:
 - A waiting request is admitted only when the pool has blocks for all its tokens and the
   sequence cap allows. A full pool makes requests wait, never fail.
-- Admission reuses the longest prefix of the request's full blocks that the prefix cache
-  holds (prefix_cache.py): those blocks are shared, not computed, and its prefill starts
-  after them (at least its last token is computed, for the logits of its next token).
+- Admission takes a prompt's blocks through `prompts` (prompt_blocks.py, the one place a
+  prompt's blocks are taken): the longest prefix of its full blocks that the prefix cache
+  holds is shared, not computed, and its prefill starts after them (at least its last token
+  is computed, for the logits of its next token); blocks the KV tiers hold may be reloaded.
 - A decode that needs a new block when none is free preempts the newest running request:
   its blocks go back and it returns to the front of `waiting` (PREEMPTED), to be prefilled
   again from its prompt and the tokens it already made.
@@ -37,8 +38,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from pdserve.workers.engine.block_pool import blocks_for
-from pdserve.workers.engine.prefix_cache import PrefixCache, names_upto
+from pdserve.workers.engine.prompt_blocks import PromptBlocks
 from pdserve.workers.engine.request import IllegalTransition, Request, Status
 
 if TYPE_CHECKING:
@@ -47,10 +47,9 @@ if TYPE_CHECKING:
 
 
 class Scheduler:
-    def __init__(self, blocks: PrefixCache, config: EngineConfig, root: bytes = b"", tiers: Tiers | None = None):
-        self.blocks = blocks
-        self.root = root  # the prefix cache's root name (model and layout)
-        self.tiers = tiers  # prefixes reloaded from the KV tiers below the pool (None: none)
+    def __init__(self, prompts: PromptBlocks, config: EngineConfig):
+        self.prompts = prompts  # a prompt's blocks, taken at admission
+        self.blocks = prompts.blocks
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_batched_tokens = config.max_batched_tokens
@@ -73,6 +72,11 @@ class Scheduler:
             raise IllegalTransition(f"request {req.request_id}: only a running request joins the batch, "
                                     f"this one is {req.status.value}")
         self.running.append(req)
+
+    @property
+    def tiers(self) -> Tiers | None:
+        """The KV tiers below the pool (None: none); prompt_blocks' to own."""
+        return self.prompts.tiers
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -129,56 +133,24 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = req.num_tokens
-            hit = self.cached_prefix(req)
-            cached = len(hit) * self.block_size
-            lower = self.lower_prefix(req, len(hit))
+            claim = self.prompts.plan(req)
+            cached = claim.blocks * self.block_size
             if whole and batch and n - cached > budget:
                 break
-            if not whole and not lower and self._chunk(cached, n - cached, budget) == 0:
+            if not whole and not claim.lower and self._chunk(cached, n - cached, budget) == 0:
                 break  # what is left of the budget does not buy one token this far into the prompt
-            need = blocks_for(n, self.block_size) - len(hit)
-            if not self.blocks.can_allocate(need, hit):
+            if not self.prompts.fits(claim):
                 break
             self.waiting.popleft()
-            if req.status is Status.WAITING:  # a preempted one's reuse is not its prompt's
-                req.cached_tokens = cached
-                self.blocks.count(n, cached)
             req.start_prefill()
-            self.take_blocks(req, hit, need)
-            req.num_computed = cached
+            self.prompts.take(req, claim)
             self.running.append(req)
-            if lower:  # the next blocks come back from host memory or disk; it computes once they land
-                self.start_reload(req, lower)
+            if claim.lower:  # the next blocks come back from host memory or disk; it computes once they land
                 continue
             take = n - cached if whole else self._chunk(cached, n - cached, budget)
             batch.append((req, take))
             budget -= take if whole else take * self._weight(cached)
         return batch
-
-    def cached_prefix(self, req: Request) -> list[int]:
-        """Blocks of the request's longest cached prefix, leaving at least its last token to compute."""
-        full = (req.num_tokens - 1) // self.block_size
-        if not self.blocks.enabled or full == 0 or req.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need the logits of every prompt position: nothing may be skipped
-        return self.blocks.match(names_upto(req, full, self.block_size, self.root))
-
-    def take_blocks(self, req: Request, hit: list[int], need: int) -> None:
-        """The request's blocks: its cached prefix `hit` (shared, already named) and `need` fresh ones."""
-        self.blocks.acquire(hit)
-        req.block_ids = hit + self.blocks.allocate(need)
-        req.named_blocks = len(hit)
-
-    def start_reload(self, req: Request, lower: list[str]) -> None:
-        """Reload the blocks after its GPU hit from the tiers `lower` names (asynchronously)."""
-        k, n = req.named_blocks, len(lower)
-        self.tiers.start(req, req.block_names[k:k + n], req.block_ids[k:k + n], lower, k)
-
-    def lower_prefix(self, req: Request, gpu_blocks: int) -> list[str]:
-        """The tier (a protocol.enums.Tier name) of each block after the GPU hit to reload rather than compute."""
-        full = (req.num_tokens - 1) // self.block_size
-        if self.tiers is None or full <= gpu_blocks:
-            return []
-        return self.tiers.plan(names_upto(req, full, self.block_size, self.root)[gpu_blocks:])
 
     def grow_running(self) -> list[Request]:
         """Make sure every running request has a slot for every position it has."""

@@ -1,0 +1,109 @@
+"""The engine's parts, each entered in one place: a prompt's blocks are taken by PromptBlocks.take
+alone (the scheduler's admission, prefill_only and reserve alike), and the handoff is given only
+the engine's record of its requests (handoff.Record)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.handoff import KVHandoff, Record
+from pdserve.workers.engine.request import InvalidRequest, Request, SamplingParams, Status
+
+PROMPT = list(range(5, 5 + 40))  # 2 full blocks of 16 and 8 tokens
+
+
+def tiny(**kw) -> Engine:
+    cfg = dict(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=64)
+    cfg.update(kw)
+    return Engine(EngineConfig(**cfg))
+
+
+def watch_taking(engine: Engine, monkeypatch) -> list[tuple[str, list[int]]]:
+    """Record each PromptBlocks.take (request id, its blocks after); the prefix cache's allocate and
+    acquire raise when called outside it, but for a running request's next block (grow_running)."""
+    taken, inside = [], []
+    take, allocate, acquire = engine.prompts.take, engine.blocks.allocate, engine.blocks.acquire
+
+    def watched_take(req, claim, wait=False):
+        inside.append(True)
+        try:
+            take(req, claim, wait)
+        finally:
+            inside.pop()
+        taken.append((req.request_id, list(req.block_ids)))
+
+    def only_inside(fn):
+        def call(*args):
+            assert inside, f"blocks taken outside PromptBlocks.take: {fn.__name__}{args}"
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(engine.prompts, "take", watched_take)
+    monkeypatch.setattr(engine.blocks, "allocate", only_inside(allocate))
+    monkeypatch.setattr(engine.blocks, "acquire", only_inside(acquire))
+    return taken
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_every_path_takes_a_prompts_blocks_through_prompt_blocks_take(monkeypatch, chunked):
+    engine = tiny(chunked_prefill=chunked)
+    taken = watch_taking(engine, monkeypatch)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)  # 40 + 20 tokens: grows a 4th block
+    [first] = engine.generate([PROMPT], params)
+    # the scheduler's admission; a prompt that begins the same way shares the first one's cached blocks
+    [second] = engine.generate([PROMPT[:32] + [99] * 8], params)
+    assert [rid for rid, _ in taken] == [first.request_id, second.request_id]
+    assert taken[1][1][:2] == taken[0][1][:2] and second.cached_tokens == 32
+
+    sent = Request("pf", PROMPT, SamplingParams(max_tokens=1))
+    result = engine.prefill_only(sent)  # a prefill worker's
+    assert taken[-1] == ("pf", result.block_ids) and sent.cached_tokens == 32
+    engine.release("pf")
+
+    blocks = engine.reserve("bare", 40)  # a decode worker's, by id alone
+    assert taken[-1] == ("bare", blocks) and len(blocks) == 3
+    engine.release("bare")
+    held = Request("held", PROMPT, SamplingParams(max_tokens=2))
+    engine.admit(held)
+    blocks = engine.reserve("held", len(PROMPT))  # and for a request it knows: the cached prefix shared
+    assert taken[-1] == ("held", blocks) and blocks[:2] == taken[0][1][:2] and held.cached_tokens == 32
+    engine.release("held")
+    assert len(taken) == 5
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.requests
+
+
+class RecordOnly:
+    """The engine seen through handoff.Record alone: anything else it is asked for fails the test."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self.requests = engine.requests
+
+    def __getattr__(self, name):
+        if name not in {n for n in dir(Record) if not n.startswith("_")} | set(Record.__annotations__):
+            raise AssertionError(f"the handoff asked the engine for {name}, which Record does not give")
+        return getattr(self._engine, name)
+
+
+def test_the_handoff_is_given_only_the_engines_record():
+    engine = tiny()
+    engine.handoff = KVHandoff(RecordOnly(engine), engine.prompts, engine.runner, engine.sampler,
+                               engine.scheduler, engine.vocab_size)
+    sent = Request("pf", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    result = engine.prefill_only(sent)
+    assert sent.status is Status.SENDING
+    engine.release("pf")
+    blocks = engine.reserve("dec", len(PROMPT))
+    engine.begin_receiving("dec")
+    engine.kv.pool[:, blocks] = 0  # what a transfer would write is beside the point here
+    req = Request("dec", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    out = engine.adopt(req, result.first_token)
+    assert out.token_id == result.first_token and req.status is Status.RUNNING
+    engine.run_until_done([req])
+    assert len(req.output_ids) == 3
+    assert engine.reserve("bad", len(PROMPT)) is not None
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):  # failed through Record.fail
+        engine.adopt(Request("bad", PROMPT, SamplingParams(max_tokens=2)), engine.vocab_size)
+    assert not engine.requests and engine.blocks.num_free == engine.blocks.num_blocks
