@@ -107,3 +107,50 @@ def test_the_handoff_is_given_only_the_engines_record():
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):  # failed through Record.fail
         engine.adopt(Request("bad", PROMPT, SamplingParams(max_tokens=2)), engine.vocab_size)
     assert not engine.requests and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_every_forward_runs_inside_one_attention_context_unset_after(monkeypatch):
+    """The piecewise path (the CPU's every step) and the eager one (prompt logprobs) each enter
+    attention.stepping once per forward; after a forward, one that raises too, no step is set."""
+    from pdserve.workers.engine import attention
+
+    engine = tiny()
+    assert engine.runner.mixed is not None and engine.runner.graphs is None
+    entered, runs = [], []
+    stepping, run = attention.stepping, engine.runner.run
+
+    def counted(state):
+        entered.append(state)
+        return stepping(state)
+
+    def counted_run(work, *args, **kw):
+        runs.append(len(work))
+        return run(work, *args, **kw)
+
+    monkeypatch.setattr(attention, "stepping", counted)
+    monkeypatch.setattr(engine.runner, "run", counted_run)
+    piecewise = Request("pw", PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    eager = Request("eager", PROMPT[::-1], SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2))
+    engine.add_request(piecewise)
+    engine.add_request(eager)
+    engine.run_until_done([piecewise, eager])
+    assert len(eager.prompt_logprobs) == len(PROMPT) - 1  # its step ran eagerly, asked for them
+    assert len(entered) == len(runs) >= 4 and attention.CURRENT.state is None
+    assert all(s.pool is engine.kv.pool for s in entered)
+
+    seen = []
+    layer = engine.model.model.layers[0].mlp
+
+    def broken(*args, **kw):
+        seen.append(attention.CURRENT.state)
+        raise RuntimeError("a forward that raises")
+
+    monkeypatch.setattr(layer, "forward", broken)
+    failing = Request("fails", PROMPT, SamplingParams(max_tokens=2))
+    engine.add_request(failing)
+    outs = engine.step()
+    assert [o.finish_reason for o in outs] == ["error"] and "a forward that raises" in outs[0].error
+    assert seen and seen[0] is entered[-1]  # it raised inside the step's context
+    assert attention.CURRENT.state is None  # and the context is unset all the same
+    with pytest.raises(RuntimeError, match="outside attention.stepping"):
+        attention.paged_attention(engine.model.model.layers[0].self_attn, None, None, None, None)

@@ -1,8 +1,11 @@
 """Attention over the paged KV cache, registered with transformers' AttentionInterface.
 
 transformers' own model code runs unchanged; only its attention call lands here. The
-runner flattens a step's tokens into one sequence of batch 1 and sets `STEP` before the
-forward. A step's rows come in three kinds, in this order:
+runner flattens a step's tokens into one sequence of batch 1 and runs every forward (eager,
+piecewise, a decode graph's capture) inside `stepping(state)`, the one place the step's
+StepState is set for attention to read, and unset after, whatever happens (a graph's replay
+runs no Python: what it read at capture is in the graph). A step's rows come in three kinds,
+in this order:
 
     decode   rows [0, num_decode): one new token of a running request, over its blocks
     fresh    prefill chunks that start at position 0: causal over their own new K/V only
@@ -25,8 +28,9 @@ Per layer:
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +60,24 @@ class StepState:
     prefix_table: torch.Tensor | None = None  # [len(prefix), max_blocks]
     prefix_tiles: torch.Tensor | None = None  # [4, tiles] int32 (paged_kernel.prefill_tiles), CUDA only
 
-    def set_decode(self, k_slots, v_slots, table, ctx_lens, max_ctx: int) -> None:
-        self.k_slots, self.v_slots, self.on_layer = k_slots, v_slots, None
-        self.num_decode, self.table, self.ctx_lens, self.max_ctx = table.shape[0], table, ctx_lens, max_ctx
-        self.ctx_host = None
-        self.fresh, self.prefix, self.prefix_table, self.prefix_tiles = [], [], None, None
+
+class _Current:
+    """The step attention reads: set by `stepping` alone (one engine per process runs one step at a time)."""
+    state: StepState | None = None
 
 
-# The runner fills this in before each forward; one engine per process runs one step at a time.
-STEP = StepState()
+CURRENT = _Current()
+
+
+@contextmanager
+def stepping(state: StepState) -> Iterator[StepState]:
+    """`state` is the step of the forward run inside; unset after it, whatever happens (the step's
+    tensors live no longer than the step: a dropped engine frees its pool)."""
+    before, CURRENT.state = CURRENT.state, state
+    try:
+        yield state
+    finally:
+        CURRENT.state = before
 
 
 @functools.cache
@@ -84,7 +97,9 @@ def use_kernels(device: torch.device) -> bool:
 @torch.compiler.disable  # runs eagerly inside compiled layers: host-side metadata, transfer hook, Triton
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     # query: [1, H, T, D]; key, value: [1, KVH, T, D]  ->  returns ([1, T, H, D], None)
-    step = STEP
+    step = CURRENT.state
+    if step is None:
+        raise RuntimeError("paged attention ran outside attention.stepping(): no step to attend over")
     layer = module.layer_idx
     pool_layer = step.pool[layer]  # [blocks, 2, block_size, KVH, D]
     num_blocks, _, block_size, kv_heads, head_dim = pool_layer.shape

@@ -2,8 +2,10 @@
 
 One graph per (batch bucket, block-table bucket), captured the first time a step of that
 shape comes (about two forwards' time), then replayed. Inputs go through static
-buffers: a step copies its token ids, positions, slots, block tables and lengths into
-them, replays, and reads the logits out. Rows beyond the real batch are padding: they
+buffers: a step builds its inputs (step_inputs.build, its block table straight into the
+buffer), copies its token ids, positions, slots and lengths into them, replays, and reads
+the logits out. A capture's forwards run in the runner's attention context over the
+buffers (runner.attend_decode); a replay runs no Python attention. Rows beyond the real batch are padding: they
 read block 0 with length 1 and write their K/V into the pool's scratch block, which no
 request owns.
 
@@ -82,12 +84,15 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"{n} is beyond the largest graph bucket {buckets[-1]}")
 
-    def decode(self, reqs: list[Request], feed=None) -> torch.Tensor:
-        n = len(reqs)
-        key = (self._bucket(n, self.batch_buckets), self._bucket(max(len(r.block_ids) for r in reqs), self.block_buckets))
+    def decode(self, work: list[tuple[Request, int]], feed=None) -> torch.Tensor:
+        """A step of decodes only ((request, 1) each) -> [len(work), vocab] logits."""
+        n = len(work)
+        key = (self._bucket(n, self.batch_buckets),
+               self._bucket(max(len(r.block_ids) for r, _ in work), self.block_buckets))
         batch, blocks = key
         self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
-        self.runner.decode_inputs(reqs, batch, blocks, self.host_arrays)
+        h = self.host_arrays
+        self._stage(step_inputs.build(work, self.runner.block_size, table=h["table"][:, :blocks]), batch, blocks)
         nb, width = len(self.ids), self.table.shape[1]
         used = 5 * nb + batch * width  # the rows of the table this step reads
         self.packed[:used].copy_(self.host[:used], non_blocking=True)
@@ -98,6 +103,18 @@ class DecodeGraphs:
             graph = self._capture(batch, blocks)
         graph.replay()
         return self.outputs[key][:n]
+
+    def _stage(self, inp: step_inputs.StepInputs, batch: int, blocks: int) -> None:
+        """`inp`'s rows into the host buffers (its table is there already), padded to `batch` rows:
+        padding rows read block 0 with length 1 and write their K/V into the scratch block."""
+        h, n, bs = self.host_arrays, len(inp.decodes), self.runner.block_size
+        scratch_k = self.runner.scratch_block * 2 * bs
+        h["table"][n:batch, :blocks] = 0
+        h["ids"][:n], h["ids"][n:batch] = inp.ids, 0
+        h["pos"][:n], h["pos"][n:batch] = inp.positions, 0
+        h["lens"][:n], h["lens"][n:batch] = inp.ctx_lens, 1
+        h["k_slots"][:n], h["k_slots"][n:batch] = inp.k_slots, scratch_k
+        h["v_slots"][:n], h["v_slots"][n:batch] = inp.v_slots, scratch_k + bs
 
     def capture_order(self) -> list[tuple[int, int]]:
         """Every (batch, blocks) bucket, widest table and largest batch first (the shared memory pool
@@ -120,9 +137,9 @@ class DecodeGraphs:
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         r = self.runner
-        attention.STEP.set_decode(self.k_slots[:batch], self.v_slots[:batch], self.table[:batch, :blocks], self.lens[:batch],
-                                  blocks * r.block_size)
-        return r.forward(self.ids[:batch], self.pos[:batch], self.keep[:batch])
+        with r.attend_decode(self.k_slots[:batch], self.v_slots[:batch], self.table[:batch, :blocks],
+                             self.lens[:batch], blocks * r.block_size):
+            return r.forward(self.ids[:batch], self.pos[:batch], self.keep[:batch])
 
     def _capture(self, batch: int, blocks: int) -> torch.cuda.CUDAGraph:
         # One warm-up forward on a side stream: whatever is initialised lazily (the layers' compiled
@@ -200,8 +217,12 @@ class MixedGraphs:
     def fits(self, tokens: int, keep: int) -> bool:
         return tokens <= self.max_tokens and keep <= self.max_keep
 
+    def slots(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V slots of a step of `tokens` rows: views of the buffer run() fills."""
+        return self.k_slots[:tokens], self.v_slots[:tokens]
+
     def run(self, inp, feed=None) -> torch.Tensor:
-        """The forward of a step (attention.STEP set by the runner, but its slots) -> [K, vocab] logits."""
+        """The forward of a step, run in the runner's attention context over `slots` -> [K, vocab] logits."""
         t, kept = len(inp.ids), len(inp.keep)
         graphed = self.use_graphs and t <= self.graph_limit
         # graphs replay a bucket's rows; a step run directly (the CPU, or past the graph limit) takes its own
@@ -220,8 +241,6 @@ class MixedGraphs:
         if self.copied is not None:
             self.copied.record()
         step_inputs.apply_feed(self.cut.ids, feed)
-        step = attention.STEP
-        step.k_slots, step.v_slots = self.k_slots[:t], self.v_slots[:t]
         segments = self._segments(bucket, kept, graphed)
         cut = self.cut
         segments[0]()

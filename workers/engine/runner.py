@@ -1,10 +1,11 @@
-"""The model and its tensors: builds a step's inputs, runs one forward, returns logits.
+"""The model and its tensors: a step's inputs (step_inputs.build), one forward under one attention
+context (attention.stepping, entered by `attend`), logits.
 
 A step is a list of (request, n): compute n positions of that request from its
 `num_computed` on. One decode token (n = 1), a whole prompt, or a chunk of one (chunked
 prefill) mix freely in one forward. Tokens are flattened into one sequence of batch 1
 (`input_ids: [1, T]`), decode rows first, with explicit positions; the attention function
-(attention.py) learns from `STEP` which rows are which and which blocks hold each past.
+(attention.py) learns from the step's StepState which rows are which and which blocks hold each past.
 
 Prompt logprobs (a request's `params.prompt_logprobs`): the logits of every prompt position, not
 only the last, for the requests that asked, computed from the final hidden states in slices of
@@ -31,6 +32,9 @@ from pdserve.workers.engine import attention, cpu_weights, fusion, step_inputs
 from pdserve.workers.engine.kv_cache import KVCache
 from pdserve.workers.engine.request import Request
 from pdserve.workers.engine.sampler import logprobs_of
+from pdserve.workers.engine.step_inputs import StepInputs, prompt_positions, to_device
+
+__all__ = ["ModelRunner", "compile_decoder_layers", "prompt_positions"]
 
 log = logging.getLogger("pdserve.engine")
 
@@ -117,17 +121,14 @@ class ModelRunner:
         asks = any(prompt_positions(r, n) for r, n in work)
         if (self.graphs is not None and on_layer is None and not asks
                 and all(n == 1 and r.num_computed for r, n in work)):
-            logits = self.graphs.decode([r for r, _ in work], feed)
+            logits = self.graphs.decode(work, feed)
         else:
             inp = step_inputs.build(work, self.block_size)
             if self.mixed is not None and not asks and self.mixed.fits(len(inp.ids), len(inp.keep)):
-                self._set_step(inp, on_layer)
-                try:
+                with self.attend(inp, *self.mixed.slots(len(inp.ids)), on_layer):
                     logits = self.mixed.run(inp, feed)
-                finally:
-                    self._clear_step()
             else:
-                logits = self._run_eager(work, inp, on_layer, feed)
+                logits = self._run_eager(inp, on_layer, feed)
         for r, n in work:
             r.num_computed += n
         return logits
@@ -136,79 +137,48 @@ class ModelRunner:
         """Every request's remaining tokens in one forward -> [len(reqs), vocab] logits."""
         return self.run([(r, r.num_tokens - r.num_computed) for r in reqs], on_layer)
 
-    def _set_step(self, inp: step_inputs.StepInputs, on_layer) -> None:
-        """attention.STEP for a forward over `inp` (everything but the slots, which the caller puts
-        on the device its own way)."""
+    def attend(self, inp: StepInputs, k_slots: torch.Tensor, v_slots: torch.Tensor, on_layer=None):
+        """The attention context of a forward over `inp` (attention.stepping), its tables put on the
+        device; the slots are the caller's ([T] on the device: `inp`'s, or a graph buffer's views)."""
         dev = self.device
-        step = attention.STEP
-        step.pool, step.kernels, step.prefix_kernel = self.kv.pool, self.kernels, self.prefix_kernel
-        step.fresh, step.prefix, step.on_layer = inp.fresh, inp.prefix, on_layer
-        step.num_decode = len(inp.decodes)
+        state = attention.StepState(pool=self.kv.pool, k_slots=k_slots, v_slots=v_slots, on_layer=on_layer,
+                                    kernels=self.kernels, prefix_kernel=self.prefix_kernel,
+                                    num_decode=len(inp.decodes), fresh=inp.fresh, prefix=inp.prefix)
         if inp.decodes:
-            step.table = step_inputs.to_device(step_inputs.block_table(inp.decodes), dev)
-            step.ctx_lens = step_inputs.to_device(np.asarray(inp.ctx_lens, dtype=np.int64), dev)
-            step.max_ctx = max(inp.ctx_lens)
-            step.ctx_host = inp.ctx_lens
+            state.table = to_device(inp.table, dev)
+            state.ctx_lens = to_device(inp.ctx_lens, dev)
+            state.ctx_host = inp.ctx_lens.tolist()
+            state.max_ctx = max(state.ctx_host)
         if inp.prefix_reqs:
-            step.prefix_table = step_inputs.to_device(step_inputs.block_table(inp.prefix_reqs), dev)
+            state.prefix_table = to_device(inp.prefix_table, dev)
             if self.prefix_kernel:
                 from pdserve.workers.engine.paged_kernel import prefill_tiles
 
                 g = self.model.config.num_attention_heads // self.kv.layout.num_kv_heads
-                step.prefix_tiles = step_inputs.to_device(np.asarray(prefill_tiles(inp.prefix, g), dtype=np.int32), dev)
+                state.prefix_tiles = to_device(np.asarray(prefill_tiles(inp.prefix, g), dtype=np.int32), dev)
+        return attention.stepping(state)
 
-    @staticmethod
-    def _clear_step() -> None:
-        """The step's tensors live no longer than the step (a dropped engine frees its pool)."""
-        step = attention.STEP
-        step.pool = step.table = step.ctx_lens = step.ctx_host = step.prefix_table = step.prefix_tiles = None
-        step.on_layer = None
+    def attend_decode(self, k_slots: torch.Tensor, v_slots: torch.Tensor, table: torch.Tensor,
+                      ctx_lens: torch.Tensor, max_ctx: int):
+        """The attention context of a decode graph's forward, over its static buffers (table: [B, blocks];
+        the rest [B]; max_ctx: the table's keys, a static bound)."""
+        return attention.stepping(attention.StepState(
+            pool=self.kv.pool, k_slots=k_slots, v_slots=v_slots, kernels=self.kernels,
+            prefix_kernel=self.prefix_kernel, num_decode=table.shape[0], table=table, ctx_lens=ctx_lens,
+            max_ctx=max_ctx))
 
-    def _run_eager(self, work: list[tuple[Request, int]], inp: step_inputs.StepInputs, on_layer, feed) -> torch.Tensor:
+    def _run_eager(self, inp: StepInputs, on_layer, feed) -> torch.Tensor:
         dev = self.device
-        self._set_step(inp, on_layer)
-        step = attention.STEP
-        step.k_slots = step_inputs.to_device(inp.k_slots, dev)
-        step.v_slots = step_inputs.to_device(inp.v_slots, dev)
-        asks = []  # (request, rows of this step whose logits predict its prompt tokens, top k)
-        for r, n in work:
-            wanted = prompt_positions(r, n)
-            if wanted:
-                first_row = inp.last_row[id(r)] - n + 1  # the row of position num_computed
-                asks.append((r, [first_row + p - r.num_computed for p in wanted], r.params.prompt_logprobs))
-        try:
-            ids = step_inputs.to_device(inp.ids, dev)
+        with self.attend(inp, to_device(inp.k_slots, dev), to_device(inp.v_slots, dev), on_layer):
+            ids = to_device(inp.ids, dev)
             step_inputs.apply_feed(ids, feed)
-            return self.forward(ids, step_inputs.to_device(inp.positions, dev), step_inputs.to_device(inp.keep, dev),
-                                asks)
-        finally:
-            self._clear_step()
-
-    def decode_inputs(self, reqs: list[Request], batch: int, max_blocks: int, out: dict[str, np.ndarray]) -> None:
-        """A decode step's inputs written into `out`'s arrays (rows [0, batch), table columns
-        [0, max_blocks)), padded: rows past len(reqs) read block 0 with length 1 and write their K/V
-        into the scratch block."""
-        bs = self.block_size
-        n = len(reqs)
-        table = out["table"]
-        step_inputs.block_table(reqs, max_blocks, table[:batch])
-        table[n:batch, :max_blocks] = 0
-        lens = np.fromiter((r.num_computed + 1 for r in reqs), dtype=np.int64, count=n)
-        out["lens"][:n], out["lens"][n:batch] = lens, 1
-        out["ids"][:n] = [r.token_at(r.num_computed) for r in reqs]
-        out["ids"][n:batch] = 0
-        pos = out["pos"][:batch]
-        pos[:n], pos[n:] = lens - 1, 0
-        blocks_at = np.full(batch, self.scratch_block, dtype=np.int64)
-        blocks_at[:n] = table[np.arange(n), pos[:n] // bs]
-        out["k_slots"][:batch], out["v_slots"][:batch] = step_inputs.slots(blocks_at, pos, bs)
+            return self.forward(ids, to_device(inp.positions, dev), to_device(inp.keep, dev), inp.asks)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 asks: list[tuple[Request, list[int], int]] = ()) -> torch.Tensor:
         """ids, positions: [T] on the device; keep: [K] rows whose logits to return -> [K, vocab] float32.
-        asks: (request, rows, k): the prompt logprobs of those rows go to request.prompt_logprobs."""
-        step = attention.STEP
-        step.pool, step.kernels, step.prefix_kernel = self.kv.pool, self.kernels, self.prefix_kernel
+        asks: (request, rows, k): the prompt logprobs of those rows go to request.prompt_logprobs.
+        Run inside the step's attention context (attend, attend_decode)."""
         hidden: list[torch.Tensor] = []  # [1, T, hidden_size]: the final norm's output, when asked
         hook = self.model.model.norm.register_forward_hook(lambda m, i, o: hidden.append(o)) if asks else None
         try:
@@ -219,8 +189,7 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=keep,
             )
-        finally:  # the step's tensors live no longer than the step (a dropped engine frees its pool)
-            step.pool = step.table = step.ctx_lens = step.ctx_host = step.prefix_table = step.prefix_tiles = None
+        finally:
             if hook is not None:
                 hook.remove()
         for r, rows, k in asks:
@@ -241,15 +210,3 @@ class ModelRunner:
             targets = torch.tensor(req.prompt_ids[start + i:start + i + len(part)], device=hidden.device)
             req.prompt_logprobs.extend(logprobs_of(logits, targets, k))
 
-
-def prompt_positions(r: Request, n: int) -> range:
-    """Positions of a step of (r, n) whose logits r's prompt logprobs still need: p < prompt length - 1
-    (position p predicts prompt token p + 1), from the first not yet computed. Empty unless the request
-    asked, and when positions before this step were skipped (a cached prefix): the engine then finds
-    the list short and fails the request rather than report a gap."""
-    if r.params.prompt_logprobs is None or r.output_ids:  # token 1 exists: they were made (or came from
-        return range(0)  # a prefill worker); a recompute after preemption does not redo them
-    have = len(r.prompt_logprobs)  # prompt tokens 1..have are done: position `have` is the next one needed
-    if r.num_computed > have:
-        return range(0)
-    return range(have, min(r.num_computed + n, len(r.prompt_ids) - 1))

@@ -1,5 +1,6 @@
-"""A step's inputs, built on the host with NumPy: token ids, positions, the pool rows their K/V
-go to, block tables, the rows whose logits are kept.
+"""A step's inputs, built on the host with NumPy in one place (`build`, for every forward: eager,
+piecewise and decode graphs): token ids, positions, the pool rows their K/V go to, block tables,
+the rows whose logits are kept, the rows whose prompt logprobs are asked.
 
 Per-step host work must not grow with the contexts' length: a request's block list is mirrored
 once in a NumPy row (`block_row`), extended in place as the request gains blocks, so a block
@@ -94,22 +95,27 @@ def slots(blocks_at: np.ndarray, positions: np.ndarray, block_size: int) -> tupl
 
 @dataclass
 class StepInputs:
-    """A step of decodes and prompt chunks, as attention.py's StepState and the forward want it."""
+    """A step of decodes and prompt chunks, as the forward and attention.py's StepState want it."""
     ids: np.ndarray  # [T] token ids
     positions: np.ndarray  # [T]
     k_slots: np.ndarray  # [T]
     v_slots: np.ndarray  # [T]
     keep: np.ndarray  # [K] rows whose logits are returned: requests reaching num_tokens, in work order
     decodes: list[Request]  # rows [0, len(decodes))
-    ctx_lens: list[int]  # decode rows' keys, their new token included
+    ctx_lens: np.ndarray  # [D] decode rows' keys, their new token included
+    table: np.ndarray  # [D, width] decode rows' block ids, zero padded
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (start, end) rows of chunks from position 0
     prefix: list[tuple[int, int, int, int]] = field(default_factory=list)  # (seq, first row, tokens, first position)
     prefix_reqs: list[Request] = field(default_factory=list)
+    prefix_table: np.ndarray | None = None  # [len(prefix), width] block ids of the prefix chunks' requests
     last_row: dict[int, int] = field(default_factory=dict)  # id(request) -> its last row
+    asks: list[tuple[Request, list[int], int]] = field(default_factory=list)  # (request, rows, k): prompt logprobs
 
 
-def build(work: list[tuple[Request, int]], block_size: int) -> StepInputs:
-    """The inputs of one forward over `work` ((request, n): positions [num_computed, num_computed + n))."""
+def build(work: list[tuple[Request, int]], block_size: int, table: np.ndarray | None = None) -> StepInputs:
+    """The inputs of one forward over `work` ((request, n): positions [num_computed, num_computed + n)),
+    every path's (eager, piecewise, decode graphs). table: where the decode rows' block table goes (a
+    decode graph's buffer, its width the graph's), else a new array as wide as the longest."""
     bs = block_size
     decodes = [r for r, n in work if n == 1 and r.num_computed]
     chunks = [(r, n) for r, n in work if not (n == 1 and r.num_computed)]
@@ -118,14 +124,16 @@ def build(work: list[tuple[Request, int]], block_size: int) -> StepInputs:
     ids = np.empty(total, dtype=np.int64)
     pos = np.empty(total, dtype=np.int64)
     blocks_at = np.empty(total, dtype=np.int64)
-    last: dict[int, int] = {}
-    for i, r in enumerate(decodes):
-        p = r.num_computed
-        ids[i], pos[i] = r.token_at(p), p
-        blocks_at[i] = block_row(r)[p // bs]
-        last[id(r)] = i
-    inp = StepInputs(ids, pos, blocks_at, blocks_at, np.empty(0, dtype=np.int64), decodes,
-                     [r.num_computed + 1 for r in decodes])
+    at = np.fromiter((r.num_computed for r in decodes), dtype=np.int64, count=nd)
+    ids[:nd] = [r.token_at(r.num_computed) for r in decodes]
+    pos[:nd] = at
+    if nd:
+        table = block_table(decodes, table.shape[1] if table is not None else None, table)[:nd]
+        blocks_at[:nd] = table[np.arange(nd), at // bs]
+    else:
+        table = np.zeros((0, 0), dtype=np.int64)
+    last = {id(r): i for i, r in enumerate(decodes)}
+    inp = StepInputs(ids, pos, blocks_at, blocks_at, np.empty(0, dtype=np.int64), decodes, at + 1, table)
     row = nd
     for r, n in chunks:
         a = r.num_computed
@@ -139,7 +147,27 @@ def build(work: list[tuple[Request, int]], block_size: int) -> StepInputs:
             inp.prefix_reqs.append(r)
         row += n
         last[id(r)] = row - 1
+    if inp.prefix_reqs:
+        inp.prefix_table = block_table(inp.prefix_reqs)
     inp.k_slots, inp.v_slots = slots(blocks_at, pos, bs)
     inp.keep = np.array([last[id(r)] for r, n in work if r.num_computed + n == r.num_tokens], dtype=np.int64)
     inp.last_row = last
+    for r, n in work:
+        wanted = prompt_positions(r, n)
+        if wanted:
+            first_row = last[id(r)] - n + 1  # the row of position num_computed
+            inp.asks.append((r, [first_row + p - r.num_computed for p in wanted], r.params.prompt_logprobs))
     return inp
+
+
+def prompt_positions(r: Request, n: int) -> range:
+    """Positions of a step of (r, n) whose logits r's prompt logprobs still need: p < prompt length - 1
+    (position p predicts prompt token p + 1), from the first not yet computed. Empty unless the request
+    asked, and when positions before this step were skipped (a cached prefix): the engine then finds
+    the list short and fails the request rather than report a gap."""
+    if r.params.prompt_logprobs is None or r.output_ids:  # token 1 exists: they were made (or came from
+        return range(0)  # a prefill worker); a recompute after preemption does not redo them
+    have = len(r.prompt_logprobs)  # prompt tokens 1..have are done: position `have` is the next one needed
+    if r.num_computed > have:
+        return range(0)
+    return range(have, min(r.num_computed + n, len(r.prompt_ids) - 1))
