@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One GPU call that checks the engine on a fresh machine before anything is measured under load: the fast
+# paths against the plain one (pdserve-bench paths: tiny in float32, the model in bf16), the worker's start
+# cold and then warm on the same compile caches (pdserve-bench start), and a long prompt arriving beside
+# running decodes, chunked against unchunked, with six prefill steps profiled (pdserve-bench engine).
+# About 7 minutes on an H100/H200. Each part has its own time limit; a part that fails does not stop the
+# next. Everything lands in RESULTS (default bench/results/check-gpu-<commit>) and, on the device, in
+# $OUT/check-gpu.tgz.
+#
+#   bench/run_check_gpu.sh                       # every part
+#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk)
+#   CHUNK_PROMPT=32k CHUNK_TOKENS=8192 bench/run_check_gpu.sh
+source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES
+set +e  # every part runs; their exit codes are collected in RESULTS/parts.txt
+PARTS=${PARTS:-paths,start,chunk}
+CHUNK_PROMPT=${CHUNK_PROMPT:-32k}
+CHUNK_TOKENS=${CHUNK_TOKENS:-8192}
+COMMIT=${PDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+RESULTS=${RESULTS:-bench/results/check-gpu-$COMMIT}
+mkdir -p "$RESULTS"
+DEVICE=${DEVICES%%,*}
+part() {  # part NAME SECONDS COMMAND...: run it, log it, record its exit code
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit $limit s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  local rc=$?
+  tail -8 "$RESULTS/$name.log"
+  echo "$name rc=$rc $((SECONDS - t0)) s" | tee -a "$RESULTS/parts.txt"
+  if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/check-gpu.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"; fi
+}
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+if has paths; then
+  part paths-tiny 120 "$PYTHON" -m pdserve.bench.cli paths --model tiny --device "$DEVICE" --out "$RESULTS/paths-tiny.json"
+  part paths-model 300 "$PYTHON" -m pdserve.bench.cli paths --model "$MODEL" --device "$DEVICE" --dtype bfloat16 \
+    --atol 0.5 --requests 8 --out "$RESULTS/paths-model.json"
+fi
+if has start; then
+  CACHE=$(mktemp -d)
+  part start-cold 240 "$PYTHON" -m pdserve.bench.cli start --model "$MODEL" --device "$DEVICE" --cache-dir "$CACHE" \
+    --profile "$RESULTS/start-profile" --out "$RESULTS/start-cold.json"
+  part start-warm 180 "$PYTHON" -m pdserve.bench.cli start --model "$MODEL" --device "$DEVICE" --cache-dir "$CACHE" \
+    --out "$RESULTS/start-warm.json"
+fi
+if has chunk; then
+  part chunk 300 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths "$CHUNK_PROMPT" \
+    --pairs 2 --batches 1 --contexts 1k --mixed-batch 0 --hf-decode-context 0 --chunk-prompt "$CHUNK_PROMPT" \
+    --chunk-tokens "$CHUNK_TOKENS" --profile "$RESULTS/chunk-profile" --out "$RESULTS/chunk.json"
+fi
+cat "$RESULTS/parts.txt"
