@@ -2,17 +2,18 @@
 # One GPU call that checks the engine on a fresh machine before anything is measured under load: the fast
 # paths against the plain one (pdserve-bench paths: tiny in float32, the model in bf16), the worker's start
 # cold and then warm on the same compile caches (pdserve-bench start), and a long prompt arriving beside
-# running decodes, chunked against unchunked, with six prefill steps profiled (pdserve-bench engine).
-# About 7 minutes on an H100/H200. Each part has its own time limit; a part that fails does not stop the
+# running decodes, chunked against unchunked, with six prefill steps profiled, and decode at batch 1 (1k, 16k
+# contexts) with its steps at 1k profiled (pdserve-bench engine).
+# About 8 minutes on an H100/H200. Each part has its own time limit; a part that fails does not stop the
 # next. Everything lands in RESULTS (default bench/results/check-gpu-<commit>) and, on the device, in
 # $OUT/check-gpu.tgz.
 #
 #   bench/run_check_gpu.sh                       # every part
-#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk)
+#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk, decode)
 #   CHUNK_PROMPT=32k CHUNK_TOKENS=8192 bench/run_check_gpu.sh
 source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES
 set +e  # every part runs; their exit codes are collected in RESULTS/parts.txt
-PARTS=${PARTS:-paths,start,chunk}
+PARTS=${PARTS:-paths,start,chunk,decode}
 CHUNK_PROMPT=${CHUNK_PROMPT:-32k}
 CHUNK_TOKENS=${CHUNK_TOKENS:-8192}
 COMMIT=${PDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -46,5 +47,10 @@ if has chunk; then
   part chunk 300 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths "$CHUNK_PROMPT" \
     --pairs 2 --batches 1 --contexts 1k --mixed-batch 0 --hf-decode-context 0 --chunk-prompt "$CHUNK_PROMPT" \
     --chunk-tokens "$CHUNK_TOKENS" --profile "$RESULTS/chunk-profile" --out "$RESULTS/chunk.json"
+fi
+if has decode; then
+  part decode 240 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths 1k --pairs 1 \
+    --batches 1 --contexts 1k,16k --mixed-batch 0 --hf-decode-context 0 --chunk-decodes 0 --mixed-step '' \
+    --repeats 20 --profile-decode "$RESULTS/decode-profile" --out "$RESULTS/decode.json"
 fi
 cat "$RESULTS/parts.txt"

@@ -292,3 +292,13 @@ def test_per_token_time_excludes_the_first_token():
     assert per_token_ms([10.0, 10.5, 10.7, 11.0]) == pytest.approx(1000 / 3)
     with pytest.raises(ValueError):
         per_token_ms([1.0])
+
+
+def test_profile_decode_profiles_the_first_decode_points_steps(tmp_path):
+    prof = tmp_path / "decode-prof"
+    run(tmp_path, ["--model", "tiny", "--device", "cpu", "--lengths", "64", "--pairs", "1", "--batches", "1",
+                   "--contexts", "64", "--mixed-batch", "0", "--repeats", "1", "--warmup", "0",
+                   "--hf-decode-context", "0", "--chunk-decodes", "0", "--mixed-step", "",
+                   "--profile-decode", str(prof)])
+    table = (prof / "by-self-cpu.txt").read_text()
+    assert "aten::" in table and (prof / "trace.json").stat().st_size > 0

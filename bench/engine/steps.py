@@ -84,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="decodes,context,prefix,chunk of the mixed-step point (wall vs GPU-busy time); '' skips it")
     a("--profile", default=None, metavar="DIR",
       help="also profile six prefill steps of the chunked scenario (chunking on) into DIR: tables and a trace")
+    a("--profile-decode", default=None, metavar="DIR",
+      help="also profile the first decode point's steps (another run, untimed) into DIR: tables and a trace")
     a("--kv-memory-gb", type=float, default=None, help="cap the decode points' KV pool (GiB); default: sized from them")
     a("--reserve-gb", type=float, default=20.0,
       help="CUDA: memory left free beside the pool for activations, graphs, transformers' cache (default 20)")
@@ -276,6 +278,12 @@ def run(args: argparse.Namespace) -> int:
         log(f"decode batch {p['batch']}, {p['kind']} context {p['context'] or p['range']}")
         p["ours_ms"] = dec.decode_point(engine, p["contexts"], device, args.warmup, args.repeats,
                                         seed=args.seed + i, tag=f"decode-{i}")
+    if points and args.profile_decode:  # a further run of the first point, profiled, whose times are not reported
+        p = points[0]
+        log(f"decode batch {p['batch']} profiled into {args.profile_decode}")
+        dec.profiled(engine, device, lambda: dec.decode_point(engine, p["contexts"], device, 2, 10,
+                                                                seed=args.seed, tag="decode-profiled"),
+                     args.profile_decode)
     mixed_step = None
     if mixed_shape:
         b, ctx, pre, n = mixed_shape
