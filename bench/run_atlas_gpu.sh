@@ -18,7 +18,8 @@
 # MIN_REQUESTS (24), RATES (per profile below: three rates at and below the planner's one-GPU predictions
 # from the engine profile of 4acfb30, which were short 66-79, long 3.0-5.1, mixed 8.1-15 req/s; a
 # prediction missed a CPU measurement by +187%, so the grid reaches below; move it when a cell's bracket
-# says the grid ran out), TRANSPORT (ipc),
+# says the grid ran out; the mixed grid reaches 16 since the colocated default measured 13.8-15 req/s on one
+# H100 at 6ff38c7, bench/results/defaults-gpu), TRANSPORT (ipc),
 # SERVER_EXTRA, PYTHON, OUT (bench/results/atlas-gpu).
 source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES, KV_GB; arm_spec
 TRANSPORT=${TRANSPORT:-ipc}
@@ -40,7 +41,7 @@ ARM=${ARM:?set ARM (colocated, disaggregated or colocated-unchunked)}
 case $PROFILE in
   short) RATES=${RATES:-12,24,48} ;;
   long) RATES=${RATES:-1.5,3,4.5} ;;
-  mixed) RATES=${RATES:-4,8,12} ;;
+  mixed) RATES=${RATES:-8,12,16} ;;
   *) echo "PROFILE is short, long or mixed, got '$PROFILE'"; exit 2 ;;
 esac
 IFS=, read -r -a DEVICE_LIST <<< "$DEVICES"
