@@ -58,18 +58,23 @@ class DecodeGraphs:
                                                                 runner.kv.layout.num_blocks - 1)
         nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
         # Every input of a step in one buffer, so a step makes one host-to-device copy from
-        # pinned memory: ids, positions, K slots, V slots, lengths ([nb] each), block tables [nb, nm]
-        self.host = torch.zeros(5 * nb + nb * nm, dtype=torch.long, pin_memory=True)
+        # pinned memory: positions, ids, K slots, V slots, lengths ([nb] each), block tables [nb, nm]
+        cuda = dev.type == "cuda"  # (the buffers are made on the CPU too, for tests of the forwards)
+        self.host = torch.zeros(5 * nb + nb * nm, dtype=torch.long, pin_memory=cuda)
         self.packed = torch.zeros_like(self.host, device=dev)
-        self.copied = torch.cuda.Event()  # the last copy out of `host` is done: it may be rewritten
-        self.ids, self.pos, self.k_slots, self.v_slots, self.lens, self.table = self._views(self.packed, nb, nm)
-        names = ("ids", "pos", "k_slots", "v_slots", "lens", "table")
-        self.host_arrays = {k: t.numpy() for k, t in zip(names, self._views(self.host, nb, nm))}
+        self.copied = torch.cuda.Event() if cuda else None  # the last copy out of `host` is done: it may be rewritten
+        self.pos, self.ids, self.k_slots, self.v_slots, self.lens, self.table = self._views(self.packed, nb, nm)
+        self.host_arrays = {k: t.numpy() for k, t in zip(self.NAMES, self._views(self.host, nb, nm))}
         self.keep = torch.arange(nb, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_s: dict[tuple[int, int], float] = {}  # (batch, blocks) -> seconds its capture took
         self.mempool = None
+
+    # The positions come first, at storage offset 0: the compiled layers take them (position_ids), and
+    # dynamo guards a tensor's storage offset like a size. At offset nb, equal to the first bucket's
+    # batch (the largest), duck sizing tied the two, and the next batch recompiled every layer's code.
+    NAMES = ("pos", "ids", "k_slots", "v_slots", "lens", "table")
 
     @staticmethod
     def _views(buf: torch.Tensor, nb: int, nm: int) -> tuple[torch.Tensor, ...]:
