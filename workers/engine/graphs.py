@@ -16,10 +16,13 @@ context, and a 32k-token context needs 8 table buckets. `capture(capture_order()
 graph ahead of traffic (a decode or colocated worker does at start), so no request pays for a
 capture; `capture_s` holds each graph's seconds (Engine.warmup reports them in the start's parts).
 A capture costs one warm-up forward and the captured one, plus whatever that first forward
-compiles: the layers' torch.compile on the first graph (and again for a size it specialises, batch
-1), and the paged-attention kernel's Triton variant for the bucket's split of the context
-(paged_kernel.decode_split: split length and count are compile-time constants) if no bucket before
-it used the same one.
+compiles: on the first graph, the layers' torch.compile (dynamic sizes) and the paged-attention
+kernels' Triton variants, and on the first graph of batch 1 the layers' code again (dynamo
+specialises a size of 1). No other bucket compiles anything: the split of the context
+(paged_kernel.decode_split), the batch and the table width are run-time arguments of the kernels,
+which Triton does not specialise, so every bucket and every mixed step runs the same variant
+(bench/engine/kernel_variants.py counts them on the CPU); the positions sit at storage offset 0 of
+the input buffer, which dynamo would otherwise guard like a size.
 """
 
 from __future__ import annotations
