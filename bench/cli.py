@@ -8,6 +8,7 @@
     pdserve-bench attention paged decode attention alone, against the bandwidth floor (bench/engine/paged_attention.py)
     pdserve-bench start     where a worker's start goes: model load, KV pool, each graph's capture, compiles (bench/engine/start.py)
     pdserve-bench paths     the fast paths (graphs, compile, overlap, chunks) against the plain one, per request (bench/engine/paths.py)
+    pdserve-bench variants  the paged-attention kernels' Triton variants a CUDA worker compiles, keyed on the CPU (bench/engine/kernel_variants.py)
     pdserve-bench multihost the KV transfer across network namespaces over a shaped link (bench/transfer/multihost.py)
     pdserve-bench atlas     prompt profiles x SLO pairs x rates, which arm wins each cell (bench/load/atlas.py)
     pdserve-bench defaults  is the default configuration within a margin of the best measured one (bench/load/defaults.py)
@@ -35,6 +36,8 @@ SUBCOMMANDS = {
               "compiles, a profile of one capture"),
     "paths": ("pdserve.bench.engine.paths", "the engine's fast paths against its plain path on this device: "
               "greedy tokens and logits, seeded samples"),
+    "variants": ("pdserve.bench.engine.kernel_variants", "the paged-attention kernels' Triton variants a CUDA worker "
+                 "compiles, keyed on the CPU as Triton keys them; their sm_90 compile time"),
     "multihost": ("pdserve.bench.transfer.multihost", "KV transfer between network namespaces over a tbf-shaped link, bulk vs layer (root)"),
     "atlas": ("pdserve.bench.load.atlas", "where disaggregation wins and loses: prompt profiles x SLO pairs x rates, per arm"),
     "defaults": ("pdserve.bench.load.defaults", "is a default configuration within a margin of the best one, from "

@@ -49,6 +49,19 @@ def test_decode_matches_reference(heads, kv_heads, waves):
     assert (got - want).abs().max().item() < 1e-5
 
 
+def test_more_splits_than_combine_merges_at_once():
+    # 16-key slices over 257 keys: 17 partials, more than one of _combine's rounds (COMBINE_SPLITS)
+    lens = [257, 3, 130]
+    pool, table = make_pool(2, lens, seed=11)
+    q = torch.randn(len(lens), 6, D, generator=torch.Generator().manual_seed(4))
+    ctx = torch.tensor(lens)
+    split_len, n = pk.decode_split(len(lens), 2, max(lens), torch.device("cpu"), waves=64, block_n=16)
+    assert n > pk.COMBINE_SPLITS and split_len == 16
+    want = attention.reference_decode(q, pool, table, ctx, 0.125)
+    got = pk.paged_decode(q, pool, table, ctx, 0.125, max(lens), waves=64, block_n=16)
+    assert (got - want).abs().max().item() < 1e-5
+
+
 def test_decode_split_covers_every_key_once():
     for batch, ctx in ((1, 1024), (32, 16384), (64, 1000), (3, 17)):
         split_len, n = pk.decode_split(batch, 4, ctx, torch.device("cpu"))
@@ -60,7 +73,8 @@ def test_a_steps_context_never_picks_a_new_compiled_variant():
     # keys by the step's longest context (a host number that changes every step): were the split
     # compile-time values, steps would keep compiling new variants while serving (a second or more each,
     # measured as prefill p99 2.5 s at 1.25 req/s on an H100). Only the model's shape and the launch
-    # configuration may be compile-time; _combine's padded split count comes in powers of two
+    # configuration may be compile-time (_combine merges a fixed number of splits at a time; the
+    # variants a worker's whole bucket set compiles are counted in test_kernel_variants.py)
     shape = {"G", "GP", "BLOCK_Q", "BLOCK_N", "D", "BS", "DECODE", "INTERPRET", "HEADS_FIRST", "SP"}
     for kernel in (pk._paged_attention, pk._combine):  # a JITFunction, or the interpreter's wrapper: .fn
         params = inspect.signature(kernel.fn).parameters

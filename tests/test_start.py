@@ -164,15 +164,15 @@ def test_start_bench_cpu_smoke(tmp_path, capsys):
     assert r["ready_line"] in printed and f"wrote {out}" in printed
 
 
-def test_decode_rows_mark_the_first_bucket_of_each_attention_split():
+def test_decode_rows_mark_the_graphs_whose_forward_compiles():
     # what the GPU run reports per graph, from a CUDA engine's record (faked: no CUDA here)
     from types import SimpleNamespace
 
     from pdserve.bench.engine.start import decode_rows, summarise
     from pdserve.workers.engine.paged_kernel import decode_split
 
-    keys = [(64, 2048), (48, 2048), (64, 1024), (2, 16), (1, 16)]
-    seconds = [9.0, 1.5, 0.25, 1.0, 0.5]
+    keys = [(64, 2048), (48, 2048), (1, 2048), (64, 1024), (2, 16), (1, 16)]
+    seconds = [9.0, 1.5, 4.0, 0.25, 1.0, 0.5]
     graphs = SimpleNamespace(capture_s=dict(zip(keys, seconds)))
     engine = SimpleNamespace(runner=SimpleNamespace(kernels=True, graphs=graphs), device=torch.device("cpu"),
                              layout=SimpleNamespace(num_kv_heads=4, block_size=16))
@@ -180,10 +180,9 @@ def test_decode_rows_mark_the_first_bucket_of_each_attention_split():
     splits = [list(decode_split(b, 4, k * 16, torch.device("cpu"))) for b, k in keys]
     assert [(r["batch"], r["blocks"], r["s"], r["split"]) for r in rows] == \
         [(*k, s, sp) for k, s, sp in zip(keys, seconds, splits)]
-    first = [sp not in splits[:i] for i, sp in enumerate(splits)]
-    assert [r["new_split"] for r in rows] == first and not all(first)  # some buckets share a split
-    assert [r["profiled"] for r in rows] == [False, True, False, False, False]
+    # the first graph compiles the layers' dynamic code, the first of batch 1 their batch-1 code
+    assert [r["compiles"] for r in rows] == [True, False, True, False, False, False]
+    assert [r["profiled"] for r in rows] == [False, True, False, False, False, False]
     d = summarise(rows)
-    assert d["graphs"] == 5 and d["s"] == sum(seconds) and d["splits"] == sum(first)
-    assert d["new_split_s"] + d["same_split_s"] == pytest.approx(sum(seconds))
-    assert d["new_split_s"] == sum(s for s, f in zip(seconds, first) if f)
+    assert d["graphs"] == 6 and d["s"] == sum(seconds) and d["compiling"] == 2
+    assert d["compiling_s"] == 13.0 and d["other_s"] == pytest.approx(3.25) and d["other_median_s"] == 1.0

@@ -8,5 +8,6 @@
     offline.py          `pdserve-bench offline`: an offline workload beside its floor and transformers' batching
     paged_attention.py  `pdserve-bench attention`: one layer's paged decode attention, kernel alone
     start.py            `pdserve-bench start`: a worker's start by parts, each graph's capture, compiles
+    kernel_variants.py  `pdserve-bench variants`: the paged-attention kernels' Triton variants, keyed on the CPU
     compile_watch.py    what a stretch of code compiled (torch.compile, Triton), a profile of one call
 """

@@ -5,10 +5,11 @@ model loaded, the KV pool allocated, the graphs captured, the warm-up request) a
 its ready line (workers/engine/start_times.py), each from the same record, plus:
 
   decode graphs     each graph's capture seconds by (batch, blocks) bucket, in capture order, with the
-                    paged-attention kernel's split of that bucket (paged_kernel.decode_split: split
-                    length and count, compile-time constants of the kernel) and whether it is the first
-                    bucket to use that split (its capture compiles a Triton variant); seconds summed
-                    over the graphs with a new split and over the others
+                    paged-attention kernel's split of that bucket (paged_kernel.decode_split: run-time
+                    arguments of the kernel, so every bucket runs one compiled variant) and whether its
+                    forward compiles the layers: the first graph (torch.compile's dynamic code, the
+                    kernels' Triton variants) and the first of batch 1 (dynamo specialises a size of 1);
+                    seconds summed over those and over the others
   piecewise graphs  each token bucket's capture seconds (its L + 1 segments)
   compile           torch.compile during the captures: frames compiled, recompiles with dynamo's reasons,
                     seconds by phase; Triton compiles in this process, by kernel (bench/engine/compile_watch.py)
@@ -70,8 +71,9 @@ def engine_config(args: argparse.Namespace):
 
 
 def decode_rows(engine, profiled: tuple[int, int] | None) -> list[dict]:
-    """Each captured decode graph in capture order, with its bucket's attention split; the profiled one
-    marked (its seconds include the profilers')."""
+    """Each captured decode graph in capture order, with its bucket's attention split and whether its
+    forward compiles the layers (the first graph, and the first of batch 1); the profiled one marked
+    (its seconds include the profilers')."""
     graphs = engine.runner.graphs
     split = None
     if engine.runner.kernels:
@@ -82,22 +84,23 @@ def decode_rows(engine, profiled: tuple[int, int] | None) -> list[dict]:
                                      engine.device))
     seen, rows = set(), []
     for key, s in graphs.capture_s.items():  # insertion order: the order they were captured
-        row = {"batch": key[0], "blocks": key[1], "s": s, "profiled": key == profiled}
+        shape = key[0] == 1  # the shapes dynamo compiles apart: batch 1, and every other batch
+        row = {"batch": key[0], "blocks": key[1], "s": s, "profiled": key == profiled, "compiles": shape not in seen}
+        seen.add(shape)
         if split is not None:
             row["split"] = split(*key)
-            row["new_split"] = tuple(row["split"]) not in seen
-            seen.add(tuple(row["split"]))
         rows.append(row)
     return rows
 
 
 def summarise(rows: list[dict]) -> dict:
     out = {"graphs": len(rows), "s": sum(r["s"] for r in rows)}
-    if rows and "new_split" in rows[0]:
-        new = [r["s"] for r in rows if r["new_split"]]
-        old = [r["s"] for r in rows if not r["new_split"]]
-        out.update(splits=len(new), new_split_s=sum(new), same_split_s=sum(old),
-                   same_split_median_s=sorted(old)[len(old) // 2] if old else None)
+    if not rows:
+        return out
+    first = [r["s"] for r in rows if r["compiles"]]
+    rest = sorted(r["s"] for r in rows if not r["compiles"])
+    out.update(compiling=len(first), compiling_s=sum(first), other_s=sum(rest),
+               other_median_s=rest[len(rest) // 2] if rest else None)
     return out
 
 
@@ -183,9 +186,9 @@ def report(result: dict) -> str:
     lines = [f"start: {c['model']} on {c['device']} ({c['role']}); {provenance.describe(result['provenance'])}",
              result["ready_line"],
              f"decode graphs: {d['graphs']} in {d['s']:.2f} s"]
-    if "splits" in d:
-        lines.append(f"  {d['splits']} with a new attention split: {d['new_split_s']:.2f} s; the other "
-                     f"{d['graphs'] - d['splits']}: {d['same_split_s']:.2f} s")
+    if d["graphs"]:
+        lines.append(f"  {d['compiling']} that compile the layers: {d['compiling_s']:.2f} s; the other "
+                     f"{d['graphs'] - d['compiling']}: {d['other_s']:.2f} s")
     lines.append(f"piecewise graphs: {s['piecewise_graphs']} in {s['piecewise_graphs_s']:.2f} s")
     triton = "not timed" if k["triton_compiles"] is None else f"{k['triton_compiles']} in {k['triton_compile_s']:.2f} s"
     lines.append(f"compile: {k['dynamo_frames_compiled']} dynamo frames, {k['dynamo_recompiles']} recompiles; "

@@ -18,10 +18,13 @@ context, and a 32k-token context needs 8 table buckets. `capture(capture_order()
 graph ahead of traffic (a decode or colocated worker does at start), so no request pays for a
 capture; `capture_s` holds each graph's seconds (Engine.warmup reports them in the start's parts).
 A capture costs one warm-up forward and the captured one, plus whatever that first forward
-compiles: the layers' torch.compile on the first graph (and again for a size it specialises, batch
-1), and the paged-attention kernel's Triton variant for the bucket's split of the context
-(paged_kernel.decode_split: split length and count are compile-time constants) if no bucket before
-it used the same one.
+compiles: on the first graph, the layers' torch.compile (dynamic sizes) and the paged-attention
+kernels' Triton variants, and on the first graph of batch 1 the layers' code again (dynamo
+specialises a size of 1). No other bucket compiles anything: the split of the context
+(paged_kernel.decode_split), the batch and the table width are run-time arguments of the kernels,
+which Triton does not specialise, so every bucket and every mixed step runs the same variant
+(bench/engine/kernel_variants.py counts them on the CPU); the positions sit at storage offset 0 of
+the input buffer, which dynamo would otherwise guard like a size.
 """
 
 from __future__ import annotations
@@ -60,18 +63,23 @@ class DecodeGraphs:
                                                                 runner.kv.layout.num_blocks - 1)
         nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
         # Every input of a step in one buffer, so a step makes one host-to-device copy from
-        # pinned memory: ids, positions, K slots, V slots, lengths ([nb] each), block tables [nb, nm]
-        self.host = torch.zeros(5 * nb + nb * nm, dtype=torch.long, pin_memory=True)
+        # pinned memory: positions, ids, K slots, V slots, lengths ([nb] each), block tables [nb, nm]
+        cuda = dev.type == "cuda"  # (the buffers are made on the CPU too, for tests of the forwards)
+        self.host = torch.zeros(5 * nb + nb * nm, dtype=torch.long, pin_memory=cuda)
         self.packed = torch.zeros_like(self.host, device=dev)
-        self.copied = torch.cuda.Event()  # the last copy out of `host` is done: it may be rewritten
-        self.ids, self.pos, self.k_slots, self.v_slots, self.lens, self.table = self._views(self.packed, nb, nm)
-        names = ("ids", "pos", "k_slots", "v_slots", "lens", "table")
-        self.host_arrays = {k: t.numpy() for k, t in zip(names, self._views(self.host, nb, nm))}
+        self.copied = torch.cuda.Event() if cuda else None  # the last copy out of `host` is done: it may be rewritten
+        self.pos, self.ids, self.k_slots, self.v_slots, self.lens, self.table = self._views(self.packed, nb, nm)
+        self.host_arrays = {k: t.numpy() for k, t in zip(self.NAMES, self._views(self.host, nb, nm))}
         self.keep = torch.arange(nb, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_s: dict[tuple[int, int], float] = {}  # (batch, blocks) -> seconds its capture took
         self.mempool = None
+
+    # The positions come first, at storage offset 0: the compiled layers take them (position_ids), and
+    # dynamo guards a tensor's storage offset like a size. At offset nb, equal to the first bucket's
+    # batch (the largest), duck sizing tied the two, and the next batch recompiled every layer's code.
+    NAMES = ("pos", "ids", "k_slots", "v_slots", "lens", "table")
 
     @staticmethod
     def _views(buf: torch.Tensor, nb: int, nm: int) -> tuple[torch.Tensor, ...]:

@@ -58,7 +58,9 @@ def _keys(q, qpos, m_i, l_i, acc, n0, end, table, kv_ptr, stride_blk, stride_kv,
     return m_new, l_i, acc
 
 
-@triton.jit
+# Run-time ints that differ from launch to launch (batch, split count, a mixed step's table width) are
+# not specialised: Triton would otherwise compile a variant for each of "== 1", "% 16 == 0" and neither.
+@triton.jit(do_not_specialize=["stride_table", "num_rows", "num_splits"])
 def _paged_attention(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_blk, stride_kv, stride_tok, stride_head,
@@ -132,20 +134,33 @@ def _paged_attention(
         tl.store(part_l_ptr + at, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])
 def _combine(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, num_rows, num_heads,
              num_splits, D: tl.constexpr, SP: tl.constexpr):
+    """Merge the num_splits partials of row t, head h, SP splits at a time (one compiled variant for
+    any split count): the largest running max first, then the partials weighted by exp2(m - max)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
-    s_ok = s < num_splits
-    at = (s * num_rows + t).to(tl.int64) * num_heads + h
-    m = tl.load(part_m_ptr + at, mask=s_ok, other=NEG)
-    l = tl.load(part_l_ptr + at, mask=s_ok, other=0.0)
-    w = tl.where(s_ok, tl.exp2(m - tl.max(m, 0)), 0.0)
+    top = tl.full([SP], NEG, tl.float32)
+    for s0 in range(0, num_splits, SP):
+        s_ok = s0 + s < num_splits
+        at = ((s0 + s) * num_rows + t).to(tl.int64) * num_heads + h
+        top = tl.maximum(top, tl.load(part_m_ptr + at, mask=s_ok, other=NEG))
+    top_m = tl.max(top, 0)
     d = tl.arange(0, D)
-    o = tl.load(part_o_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+    o_acc = tl.zeros([SP, D], tl.float32)
+    l_acc = tl.zeros([SP], tl.float32)
+    for s0 in range(0, num_splits, SP):
+        s_ok = s0 + s < num_splits
+        at = ((s0 + s) * num_rows + t).to(tl.int64) * num_heads + h
+        m = tl.load(part_m_ptr + at, mask=s_ok, other=NEG)
+        l = tl.load(part_l_ptr + at, mask=s_ok, other=0.0)
+        w = tl.where(s_ok, tl.exp2(m - top_m), 0.0)
+        o = tl.load(part_o_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        o_acc += o * w[:, None]
+        l_acc += l * w
+    out = tl.sum(o_acc, 0) / tl.sum(l_acc, 0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -157,6 +172,7 @@ def _combine(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, 
 # within 3% of the best config at each shape. Prefill tiles keep 64.
 BLOCK_N = 64
 PREFILL_ROWS = 64  # rows (query tokens x padded heads) per prefill tile
+COMBINE_SPLITS = 16  # partials `_combine` merges at a time (a compile-time size; any split count loops over it)
 
 
 def _pow2(n: int) -> int:
@@ -216,8 +232,8 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
         part_o = torch.empty(num_splits, batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
         part_m = torch.empty(num_splits, batch, num_heads, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-    else:
-        part_o = part_m = part_l = out
+    else:  # never read; fp32 like the partials, so one split or many run the same compiled variant
+        part_o = part_m = part_l = torch.empty(1, dtype=torch.float32, device=q.device)
     grid = (kv_heads, batch, num_splits) if heads_first else (batch, kv_heads, num_splits)
     _paged_attention[grid](
         q, q.stride(0), q.stride(1),
@@ -233,7 +249,7 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
     )
     if num_splits > 1:
         _combine[(batch, num_heads)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), batch, num_heads,
-                                     num_splits, D=head_dim, SP=_pow2(num_splits), num_warps=1)
+                                     num_splits, D=head_dim, SP=COMBINE_SPLITS, num_warps=1)
     return out
 
 
