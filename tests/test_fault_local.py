@@ -32,7 +32,7 @@ from pdserve.workers.transfer.registry import make_receiver, make_sender
 pytestmark = pytest.mark.timeout(300)
 
 PROMPT = "Paged attention keeps the KV cache in fixed-size blocks " * 12  # ~130 tokens: a few blocks to move
-BURST_TOKENS = 100
+BURST_TOKENS = 400  # long enough that the burst is still running when /health is polled
 SLACK_MS = 50.0  # CPU noise on a shared machine; the fault this guards against cost 30,000 ms
 
 
@@ -114,28 +114,34 @@ def one(url: str, max_tokens: int = 4) -> tuple[float, str | None, float | None,
 def test_killing_one_decode_worker_does_not_delay_requests_for_the_other():
     with Pdserve(*TINY, "--decode-workers", "2", "--colocated-workers", "0", "--transport", "zmq",
                  "--no-restart", "--drain-timeout", "5") as srv:
-        long = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "policy": "disaggregated", "stream": True}
-        events: list = []
-        started = threading.Event()
+        # the tiny model streams 1500 tokens in ~3 s on a fast CPU: each phase starts its own stream, so
+        # the victim holds it (and some of the burst) whatever the machine's speed
+        long = {"prompt": "Hello", "max_tokens": 1900, "ignore_eos": True, "policy": "disaggregated", "stream": True}
 
-        def stream() -> None:
-            for _, event in srv.stream("/v1/completions", long):
-                events.append(event)
-                if len(events) == 3:
-                    started.set()
+        def start_stream() -> tuple[threading.Thread, list, dict]:
+            events: list = []
+            started = threading.Event()
 
-        streamer = threading.Thread(target=stream, daemon=True)
-        streamer.start()
-        assert started.wait(60)
-        [victim] = [w for w in srv.health()["workers"] if w["role"] == "decode" and w["in_flight"] == 1]
-        survivor = ({"decode-0", "decode-1"} - {victim["id"]}).pop()
+            def stream() -> None:
+                for _, event in srv.stream("/v1/completions", long):
+                    events.append(event)
+                    if len(events) == 3:
+                        started.set()
+
+            streamer = threading.Thread(target=stream, daemon=True)
+            streamer.start()
+            assert started.wait(60)
+            [victim] = [w for w in srv.health()["workers"] if w["role"] == "decode" and w["in_flight"] == 1]
+            return streamer, events, victim
 
         for _ in range(2):  # warm both paths
             one(srv.url)
 
-        def under_load(kill: bool) -> tuple[list, list]:
-            """A burst of longer requests (the least-loaded choice sends some to the victim), and while it
-            runs, probes one after another: (the burst's results, the probes')."""
+        def under_load(kill: bool) -> tuple[list, list, list, dict]:
+            """A stream, a burst of longer requests (the least-loaded choice sends some to the stream's
+            worker, the victim), and while they run, probes one after another: (the burst's results, the
+            probes', the stream's events, the victim)."""
+            streamer, events, victim = start_stream()
             with ThreadPoolExecutor(8) as pool:
                 burst = [pool.submit(one, srv.url, BURST_TOKENS) for _ in range(8)]
                 srv.wait_for(lambda h: any(w["id"] == victim["id"] and w["in_flight"] >= 2 for w in h["workers"]),
@@ -143,15 +149,18 @@ def test_killing_one_decode_worker_does_not_delay_requests_for_the_other():
                 if kill:
                     os.kill(victim["pid"], signal.SIGKILL)
                 probes = [one(srv.url) for _ in range(6)]
-                return [f.result() for f in burst], probes
+                results = [f.result() for f in burst]
+            streamer.join(30)
+            return results, probes, events, victim
 
-        _, baseline = under_load(kill=False)
+        _, baseline, events, _ = under_load(kill=False)
         assert all(err is None for *_, err in baseline), baseline
+        assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2:]
         normal = statistics.median(ttft for _, _, ttft, _ in baseline)
         killed = time.monotonic()
-        burst, after = under_load(kill=True)
+        burst, after, events, victim = under_load(kill=True)
+        survivor = ({"decode-0", "decode-1"} - {victim["id"]}).pop()
         results = burst + after
-        streamer.join(30)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_lost", events[-2:]
         assert time.monotonic() - killed < 30
 
