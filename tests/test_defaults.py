@@ -1,9 +1,15 @@
-"""`pdserve-bench defaults` over arms measured in several folders (a search, then more probes of it)."""
+"""`pdserve-bench defaults` over arms measured in several folders (a search, then more probes of it), and
+bench/run_defaults_gpu.sh's MORE probes, the script run with a stub PYTHON whose `load` writes a folder
+without a server (every other command goes to the real interpreter, `defaults` included)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,7 +89,8 @@ def test_an_arm_probed_again_in_another_folder_narrows_its_bracket(tmp_path):
     assert v["default_within_margin_of"] == {"unchunked": True, "chunk16384": None}
     assert v["undecided"] == ["chunk16384"] and v["probes_disagree"] == {} and v["best_measured"] == "chunk16384"
     assert v["default_at_least_reference"] is None and v["reference_probes_disagree"] is None
-    assert "| unchunked | 0.95 | 1.05 | no | unchunked: 0.95: pass; unchunked.more-1.05: 1.05: FAIL (stopped) | yes |" in md
+    assert ("| unchunked | 0.95 | 1.05 | no | unchunked: 0.95: pass; unchunked.more-1.05: 1.05: FAIL (stopped) "
+            "| yes |") in md
     assert "- arm unchunked (unchunked.more-1.05): commit 6ff38c7" in md
     assert "not decided: the brackets do not decide it against chunk16384 (probe more)" in md
     # a folder of one arm alone reads as before: no folder names in its row
@@ -126,7 +133,89 @@ def test_folders_of_one_label_must_be_one_configuration(tmp_path, capsys):
                               default="default", reference=None, within=0.1, title=None, out=str(root / "o"))
     assert defaults.run(args) == 2
     assert "differ in server flags" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"arm unchunked: .*/unchunked and .*unchunked.more-1.05 differ in server flags"):
+    with pytest.raises(ValueError, match=r"arm unchunked: .*/unchunked and .*more-1.05 differ in server flags"):
         defaults.arms_from(args.from_dirs)
     with pytest.raises(ValueError, match=r"arm default: .*differ in GPUs"):
         defaults.arms_from([str(root / "default"), str(root / "default.more-1.0")])
+
+
+STUB = '''#!PYTHON_EXE
+"""PYTHON for bench/run_defaults_gpu.sh: logs each call; `load` writes its folder (one probe per search, at
+the start rate, passing at or below STUB_LIMITS[arm]) with no server; the rest runs for real."""
+import json, os, sys
+argv = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps(argv) + chr(10))
+if argv[:3] == ["-m", "pdserve.bench.cli", "load"]:
+    val = lambda flag: argv[argv.index(flag) + 1]
+    label = val("--arm").split("=", 1)[0]
+    rate = float(val("--search-start-rate"))
+    sys.path.insert(0, os.environ["STUB_TESTS"])
+    from test_defaults import write_run
+    write_run(__import__("pathlib").Path(val("--out")), label,
+              [(rate, rate <= json.loads(os.environ["STUB_LIMITS"]).get(label, 0.0))],
+              date=f"2026-12-06T10:{len(open(os.environ['STUB_LOG']).readlines()):02d}:00+00:00")
+    sys.exit(0)
+os.execv(sys.executable, [sys.executable, *argv])
+'''
+
+
+def run_script(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    stub = tmp_path / "python"
+    if not stub.exists():
+        stub.write_text(STUB.replace("PYTHON_EXE", sys.executable))
+        stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "calls.jsonl"
+    log.write_text("")
+    full = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "STUB_TESTS": str(ROOT / "tests"),
+            "STUB_LIMITS": json.dumps({"default": 0.97, "unchunked": 1.1, "chunk16384": 1.1}),
+            "WORKLOAD": "long", "RESULTS": str(tmp_path / "results"), "OUT": "", **env}
+    done = subprocess.run([str(ROOT / "bench/run_defaults_gpu.sh")], env=full, capture_output=True, text=True,
+                          timeout=90)
+    return done, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def loads(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "load"]]
+
+
+def test_more_probes_measured_arms_once_per_rate_and_the_judge_merges_them(tmp_path):
+    long_today(tmp_path / "results" / "long")
+    more = {"MORE": "unchunked:1.05,1.15 chunk16384:1.15 default:1.0"}
+    done, calls = run_script(tmp_path, more)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = loads(calls)
+    # one load (one fresh server) per rate, in the order given; no arm's search reruns (MORE alone: no ARMS)
+    assert [(c[c.index("--arm") + 1].split("=")[0], c[c.index("--search-start-rate") + 1],
+             Path(c[c.index("--out") + 1]).name) for c in ran] == [
+        ("unchunked", "1.05", "unchunked.more-1.05"), ("unchunked", "1.15", "unchunked.more-1.15"),
+        ("chunk16384", "1.15", "chunk16384.more-1.15"), ("default", "1.0", "default.more-1.0")]
+    for c in ran:  # exactly one probe, no sweep, the long workload's probe and SLOs, the arm's own flags
+        assert c[c.index("--search-max-probes") + 1] == "1" and c[c.index("--sweep-factors") + 1] == ""
+        assert c[c.index("--input-len") + 1] == "uniform:8192:32000" and c[c.index("--probe-seconds") + 1] == "60"
+        assert c[c.index("--goodput") + 1: c.index("--goodput") + 3] == ["ttft:4000", "tpot:100"]
+    assert "--worker-arg=--no-chunked-prefill" in ran[0][ran[0].index("--arm") + 1]
+    assert "--worker-arg=--chunk-tokens=16384" in ran[2][ran[2].index("--arm") + 1]
+    assert "--worker-arg" not in ran[3][ran[3].index("--arm") + 1]
+    judge = [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "defaults"]]
+    assert len(judge) == 1 and judge[0].count("--from") == 7 and "--reference" in judge[0]
+    doc = json.loads((tmp_path / "results/long/defaults.json").read_text())
+    un, ch, de = (doc["arms"][k] for k in ("unchunked", "chunk16384", "default"))
+    assert (un["low"], un["high"], len(un["folders"])) == (1.05, 1.15, 3)
+    assert (ch["low"], ch["high"], de["low"], de["high"]) == (1.0545, 1.15, 0.95, 1.0)
+    # the default failed 1.0, unchunked passed 1.05: the default is below the reference
+    assert doc["verdict"]["default_at_least_reference"] is False
+    # measured folders are kept: the same MORE again loads nothing
+    done, calls = run_script(tmp_path, more)
+    assert done.returncode == 0 and loads(calls) == [] and "probed at 1.05 already" in done.stdout
+
+
+def test_more_is_checked_before_anything_runs_and_honours_call_seconds(tmp_path):
+    long_today(tmp_path / "results" / "long")
+    for bad, says in (("unchunked", "MORE takes arm:rate"), ("chunky:1", "an arm is default, unchunked or chunkN"),
+                      ("unchunked:1.05,0", "a rate is a number"), ("default:fast", "a rate is a number")):
+        done, calls = run_script(tmp_path, {"MORE": bad})
+        assert done.returncode == 2 and says in done.stdout + done.stderr and calls == [], (bad, done.stderr)
+    # no probe starts with less than ARM_MIN_SECONDS of the call left
+    done, calls = run_script(tmp_path, {"MORE": "unchunked:1.05", "CALL_SECONDS": "100"})
+    assert done.returncode == 0 and loads(calls) == [] and "probe at 1.05 not started" in done.stdout
