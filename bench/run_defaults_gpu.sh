@@ -6,6 +6,7 @@
 #   WORKLOAD=mixed bench/run_defaults_gpu.sh                 # every arm below, in order (~15 minutes on an H200)
 #   WORKLOAD=mixed ARMS=default,unchunked,chunk16384 bench/run_defaults_gpu.sh   # some arms (one call's worth)
 #   WORKLOAD=long ARMS=default,unchunked bench/run_defaults_gpu.sh
+#   WORKLOAD=long MORE="unchunked:1.05,1.15 default:1.0" bench/run_defaults_gpu.sh   # more probes of measured arms
 #   WORKLOAD=mixed JUDGE=1 bench/run_defaults_gpu.sh         # only the verdict, from the arms measured so far
 #
 # Arms: default (no chunk flag: the worker's own default), chunkN (--chunk-tokens N), unchunked
@@ -20,13 +21,19 @@
 # TPOT 100 ms, KV pool 16 GiB. long: uniform:8192:32000 tokens, 64 out, TTFT 4 s / TPOT 100 ms (a 32k prefill
 # alone takes ~1.1 s on an H200: a 2-s TTFT would leave no room for any queue), KV pool 40 GiB.
 # Arms already measured (RESULTS/<workload>/<arm>/results.json) are kept, not rerun: a sweep spans several
-# calls. Each arm's folder is tarred into $OUT/defaults-<workload>.tgz as soon as it ends (a call cut short
-# still returns what finished). Knobs: ARMS, START_RATE, PRECISION (0.1), MAX_PROBES (6), OTHER_PROBES (1),
-# REF_PROBES (3), WITHIN (0.10), PROBE_SECONDS (60), CALL_SECONDS (no arm starts past it; default 560),
-# DEFAULT_BUDGET (330 s of probes for the default arm's search),
-# ARM_MIN_SECONDS (150: the least an arm needs), RESULTS (bench/results/defaults-gpu), WL_FLAGS (the workload's
-# load flags instead), KV, GOODPUT, MODEL, DEVICES, PYTHON.
-# A CPU dry run of the script (tiny model, ~3 minutes on 2 cores):
+# calls. MORE="arm:rate[,rate...] ..." probes arms again where their brackets left the verdict open: one
+# probe per rate (a capacity search of one probe starting there), each with its own fresh server, into
+# RESULTS/<workload>/<arm>.more-<rate>/ (kept, not rerun, once measured), in the order given, after ARMS
+# (which MORE alone leaves empty); `defaults` merges every folder of an arm into one bracket, and names
+# probes that disagree (a pass at or above a fail) instead of judging on them. Each folder is tarred into
+# $OUT/defaults-<workload>.tgz as soon as it ends (a call cut short still returns what finished).
+# Knobs: ARMS, MORE, START_RATE, PRECISION (0.1), MAX_PROBES (6), OTHER_PROBES (1), REF_PROBES (3), WITHIN
+# (0.10), PROBE_SECONDS (60), CALL_SECONDS (no arm or MORE probe starts past it; default 560), DEFAULT_BUDGET
+# (330 s of probes for the default arm's search), ARM_MIN_SECONDS (150: the least an arm or a MORE probe
+# needs), RESULTS (bench/results/defaults-gpu), WL_FLAGS (the workload's load flags instead), KV, GOODPUT,
+# MODEL, DEVICES, PYTHON.
+# A CPU dry run of the script (tiny model, ~3 minutes on 2 cores; then the same line with
+# MORE="default:0.5 unchunked:0.5" in place of ARMS=... adds one probe per rate, ~75 s each):
 #   MODEL=tiny DEVICES=cpu KV=0.2 WL_FLAGS="--input-len uniform:16:64" GOODPUT="ttft:3000 tpot:500" START_RATE=2 \
 #     PROBE_SECONDS=8 MAX_PROBES=2 ARMS=default,unchunked,chunk64 RESULTS=/tmp/defaults WORKLOAD=mixed \
 #     bench/run_defaults_gpu.sh
@@ -40,7 +47,8 @@ case $WORKLOAD in
   *) echo "WORKLOAD is mixed or long, got '$WORKLOAD'"; exit 2 ;;
 esac
 if [ -n "${WL_FLAGS:-}" ]; then read -r -a WL <<< "$WL_FLAGS"; fi  # another workload (the CPU dry run below)
-ARMS=${ARMS:-default,unchunked,chunk16384,chunk2048,chunk512}
+MORE=${MORE:-}
+if [ -n "$MORE" ]; then ARMS=${ARMS:-}; else ARMS=${ARMS:-default,unchunked,chunk16384,chunk2048,chunk512}; fi
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 PRECISION=${PRECISION:-0.1}
 MAX_PROBES=${MAX_PROBES:-6}
@@ -67,21 +75,54 @@ capacity_of() {  # the highest passing rate of an arm measured in DIR (empty: no
   "$PYTHON" -c "import json,sys; c=json.load(open(sys.argv[1]))['arms'][0]['capacity']['capacity_rate']; print(c or '')" \
     "$DIR/$1/results.json" 2>/dev/null
 }
+more_probes() {  # MORE ("arm:rate[,rate...] ...") as "arm rate" lines, checked before anything runs
+  local spec arm rate rates specs
+  read -r -a specs <<< "$MORE"
+  for spec in "${specs[@]}"; do
+    arm=${spec%%:*}; rates=${spec#*:}
+    if [[ $spec != *:* || -z $rates ]]; then echo "MORE takes arm:rate[,rate...] entries, got '$spec'" >&2; return 2; fi
+    arm_flags "$arm" > /dev/null || return 2
+    IFS=, read -r -a rates <<< "$rates"
+    for rate in "${rates[@]}"; do
+      if [[ ! $rate =~ ^[0-9]*\.?[0-9]+$ || $rate =~ ^[0.]+$ ]]; then
+        echo "MORE: a rate is a number of requests/s > 0, got '$rate' in '$spec'" >&2; return 2
+      fi
+      echo "$arm $rate"
+    done
+  done
+}
 judge() {
-  local from=()
+  local from=() d
   for d in "$DIR"/*/; do [ -f "$d/results.json" ] && from+=(--from "$d"); done
-  if [ ! -f "$DIR/default/results.json" ]; then echo "no default arm measured in $DIR yet"; return 0; fi
+  if ! compgen -G "$DIR/default*/results.json" > /dev/null; then echo "no default arm measured in $DIR yet"; return 0; fi
   local ref=()
-  [ -f "$DIR/unchunked/results.json" ] && ref=(--reference unchunked)
+  compgen -G "$DIR/unchunked*/results.json" > /dev/null && ref=(--reference unchunked)
   "$PYTHON" -m pdserve.bench.cli defaults "${from[@]}" --default default "${ref[@]}" --within "$WITHIN" \
     --title "colocated chunk budget, $WORKLOAD workload, one GPU" --out "$DIR"
 }
+MORE_PROBES=()
+more=$(more_probes) || exit 2
+if [ -n "$more" ]; then mapfile -t MORE_PROBES <<< "$more"; fi
 if [ "${JUDGE:-0}" = 1 ]; then judge; exit 0; fi
+
+run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capacity search from START into FOLDER
+  local flags; flags=$(arm_flags "$1")
+  # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
+  "$PYTHON" -m pdserve.bench.cli load \
+    --arm "$1=colocated:--prefill-workers 0 --decode-workers 0 --colocated-workers 1 $flags" \
+    --server-args "--model $MODEL --devices $DEVICES --transport ipc --mode bulk --kv-memory-gb $KV" \
+    --server-timeout 300 --capacity-search --goodput $GOODPUT --search-start-rate "$2" \
+    --search-max-probes "$3" --search-precision "$PRECISION" --probe-seconds "$PROBE_SECONDS" \
+    --probe-min-requests 24 --arm-budget "$4" --sweep-factors '' \
+    "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 3 \
+    --request-timeout 300 --out "$5" --no-progress --no-plots || echo "arm $1: load exited $?"
+  if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi
+}
 
 T0=$SECONDS
 IFS=, read -r -a ARM_LIST <<< "$ARMS"
 for arm in "${ARM_LIST[@]}"; do
-  flags=$(arm_flags "$arm") || exit 2
+  arm_flags "$arm" > /dev/null || exit 2
   if [ -f "$DIR/$arm/results.json" ]; then echo "arm $arm: measured already ($DIR/$arm), kept"; continue; fi
   if (( SECONDS - T0 + ARM_MIN_SECONDS > CALL_SECONDS )); then
     echo "arm $arm: not started, $((SECONDS - T0)) s of CALL_SECONDS $CALL_SECONDS gone"; continue
@@ -100,16 +141,17 @@ for arm in "${ARM_LIST[@]}"; do
     budget=$((CALL_SECONDS - (SECONDS - T0) - 90))
   fi
   echo "arm $arm: start $start req/s, at most $probes probes, budget $budget s"
-  # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
-  "$PYTHON" -m pdserve.bench.cli load \
-    --arm "$arm=colocated:--prefill-workers 0 --decode-workers 0 --colocated-workers 1 $flags" \
-    --server-args "--model $MODEL --devices $DEVICES --transport ipc --mode bulk --kv-memory-gb $KV" \
-    --server-timeout 300 --capacity-search --goodput $GOODPUT --search-start-rate "$start" \
-    --search-max-probes "$probes" --search-precision "$PRECISION" --probe-seconds "$PROBE_SECONDS" \
-    --probe-min-requests 24 --arm-budget "$budget" --sweep-factors '' \
-    "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 3 \
-    --request-timeout 300 --out "$DIR/$arm" --no-progress --no-plots || echo "arm $arm: load exited $?"
-  if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi
+  run_load "$arm" "$start" "$probes" "$budget" "$DIR/$arm"
+done
+for probe in "${MORE_PROBES[@]}"; do
+  read -r arm rate <<< "$probe"
+  folder="$DIR/$arm.more-$rate"
+  if [ -f "$folder/results.json" ]; then echo "arm $arm: probed at $rate already ($folder), kept"; continue; fi
+  if (( SECONDS - T0 + ARM_MIN_SECONDS > CALL_SECONDS )); then
+    echo "arm $arm: probe at $rate not started, $((SECONDS - T0)) s of CALL_SECONDS $CALL_SECONDS gone"; continue
+  fi
+  echo "arm $arm: one more probe at $rate req/s into $folder"
+  run_load "$arm" "$rate" 1 "$((CALL_SECONDS - (SECONDS - T0) - 90))" "$folder"
 done
 judge
 if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi

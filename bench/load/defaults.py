@@ -12,11 +12,17 @@ probes), and judges the default arm against every other on the brackets alone (M
         below (1 - within) x X's passing rate; else the brackets do not decide it (say so, and probe more)
     "default >= reference" (the unchunked worker) likewise, with no margin
 
+An arm may come from several folders (its search, then more probes at chosen rates: bench/run_defaults_gpu.sh
+MORE): one label is one configuration (the folders must share server flags, workload, SLOs and GPUs), its
+bracket [highest pass, lowest fail) is taken over every folder's probes, and where a pass lies at or above a
+fail (noise between runs) the arm's probes disagree: its bracket is not converged, both probes are named,
+and no verdict against it is drawn ("not decided (probes disagree: ...)").
+
 Only the default needs a converged bracket: another arm needs one decisive probe, at the default's
 capacity / (1 - within) (bench/run_defaults_gpu.sh starts each other arm's search there): failing it shows
 the default within the margin of that arm, however far below the arm's capacity lies.
 
-Writes defaults.json (every arm's bracket, probes, server command, the verdicts, provenance) and
+Writes defaults.json (every arm's bracket, probes, folders, server command, the verdicts, provenance) and
 defaults.md (the same as a table, with the command that made it).
 """
 
@@ -42,30 +48,93 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for defaults.json and defaults.md")
 
 
+# What every folder of one arm must share for its probes to be one arm's (anything else is another configuration)
+SAME = ("server flags", "workload", "SLOs", "goodput target", "GPUs")
+
+
+def _server_flags(command: str | None) -> str:
+    """The server's flags of a command line, less the interpreter, the port and the parent pid."""
+    return re.sub(r"--(port|parent-pid) \S+ ?", "", (command or "").split("pdserve.server.cli", 1)[-1]).strip()
+
+
+def _folder_runs(d: str) -> list[dict]:
+    """One record per arm of a `load --capacity-search` folder: its bracket, probes (each naming the folder)."""
+    run = json.loads((Path(d) / "results.json").read_text())
+    env = run.get("environment", {})
+    out = []
+    for arm in run["arms"]:
+        cap = arm.get("capacity")
+        if cap is None:
+            raise ValueError(f"{d}: arm {arm['label']} has no capacity search (run load --capacity-search)")
+        blocks = [b for b in run["results"] if b.get("arm") == arm["label"] and b.get("phase") == "probe"]
+        server = arm.get("server") or {}
+        out.append({
+            "label": arm["label"], "folder": str(d), "command": server.get("command"),
+            "startup_s": server.get("startup_s"), "environment": env,
+            "low": cap["capacity_rate"], "high": cap["first_failing_rate"], "converged": cap["converged"],
+            "precision": cap.get("precision", 0.1),
+            "rests_on_cold": [{**c, "folder": str(d)} for c in cap.get("rests_on_cold") or []],
+            "same": (_server_flags(server.get("command")), run.get("workload"), run.get("slos_ms"),
+                     run.get("goodput_target"), (env.get("machine") or {}).get("gpus")),
+            "probes": [{"rate": b["request_rate"], "passed": b.get("probe_passed"),
+                        "goodput_fraction": b.get("goodput_fraction"),
+                        "stopped_early": bool(b.get("stopped_early")), "duration_s": b.get("duration"),
+                        "ttft_p50_ms": b.get("median_ttft_ms"), "tpot_p99_ms": b.get("p99_tpot_ms"),
+                        "folder": str(d)} for b in blocks],
+        })
+    return out
+
+
+def merge(label: str, runs: list[dict]) -> dict:
+    """One arm from every folder that measured it: its capacity lies in [the highest pass over all of them,
+    the lowest fail over all of them). A pass at or above a fail is not hidden: `disagree` names both probes
+    and the bracket is not converged."""
+    first = runs[0]
+    for r in runs[1:]:
+        diff = [what for what, a, b in zip(SAME, first["same"], r["same"]) if a != b]
+        if diff:
+            raise ValueError(f"arm {label}: {first['folder']} and {r['folder']} differ in {', '.join(diff)}; "
+                             f"one label is one configuration (give the other its own arm label)")
+    passes = [r for r in runs if r["low"] is not None]
+    fails = [r for r in runs if r["high"] is not None]
+    top = max(passes, key=lambda r: r["low"]) if passes else None
+    bottom = min(fails, key=lambda r: r["high"]) if fails else None
+    low, high = (top or {}).get("low"), (bottom or {}).get("high")
+    disagree = None
+    if low is not None and high is not None and low >= high:
+        disagree = {"passed": {"rate": low, "folder": top["folder"]},
+                    "failed": {"rate": high, "folder": bottom["folder"]},
+                    "reason": f"{label} passed {low:.4g} in {Path(top['folder']).name}, failed {high:.4g} in "
+                              f"{Path(bottom['folder']).name}"}
+    precision = max(r["precision"] for r in runs)
+    converged = disagree is None and low is not None and high is not None and high / low - 1 <= precision + 1e-9
+    cold = [c for r in runs for c in r["rests_on_cold"]
+            if (c.get("run") == "capacity" and c.get("rate") == low)
+            or (c.get("run") == "first failing" and c.get("rate") == high)]
+    return {
+        "folder": first["folder"], "folders": [r["folder"] for r in runs],
+        "command": first["command"], "startup_s": first["startup_s"],
+        "low": low, "high": high, "converged": converged if len(runs) > 1 else first["converged"],
+        "disagree": disagree, "rests_on_cold": cold if len(runs) > 1 else first["rests_on_cold"],
+        "probes": [p for r in runs for p in r["probes"]],
+        "environment": first["environment"],
+        "runs": [{"folder": r["folder"], "low": r["low"], "high": r["high"], "converged": r["converged"],
+                  "startup_s": r["startup_s"], "environment": r["environment"]} for r in runs],
+    }
+
+
 def arms_from(dirs: list[str]) -> dict[str, dict]:
-    """label -> {capacity bracket, probes, server command, folder} over every arm of every folder."""
-    out: dict[str, dict] = {}
+    """label -> {capacity bracket, probes, server command, folder(s)} over every arm of every folder; the
+    folders of one label (a search, then more probes of it: bench/run_defaults_gpu.sh MORE) are merged."""
+    by_label: dict[str, list[dict]] = {}
     for d in dirs:
-        run = json.loads((Path(d) / "results.json").read_text())
-        for arm in run["arms"]:
-            cap = arm.get("capacity")
-            if cap is None:
-                raise ValueError(f"{d}: arm {arm['label']} has no capacity search (run load --capacity-search)")
-            if arm["label"] in out:
-                raise ValueError(f"arm {arm['label']} appears twice ({out[arm['label']]['folder']} and {d})")
-            probes = [b for b in run["results"] if b.get("arm") == arm["label"] and b.get("phase") == "probe"]
-            out[arm["label"]] = {
-                "folder": str(d), "command": (arm.get("server") or {}).get("command"),
-                "startup_s": (arm.get("server") or {}).get("startup_s"),
-                "low": cap["capacity_rate"], "high": cap["first_failing_rate"], "converged": cap["converged"],
-                "rests_on_cold": cap.get("rests_on_cold") or [],
-                "probes": [{"rate": b["request_rate"], "passed": b.get("probe_passed"),
-                            "goodput_fraction": b.get("goodput_fraction"),
-                            "stopped_early": bool(b.get("stopped_early")), "duration_s": b.get("duration"),
-                            "ttft_p50_ms": b.get("median_ttft_ms"), "tpot_p99_ms": b.get("p99_tpot_ms")}
-                           for b in probes],
-                "environment": run.get("environment", {}),
-            }
+        for r in _folder_runs(d):
+            by_label.setdefault(r["label"], []).append(r)
+    out = {}
+    for label, runs in by_label.items():
+        # the earliest run first (its server and provenance head the arm), whatever order the folders came in
+        runs.sort(key=lambda r: str(r["environment"].get("date_utc") or ""))
+        out[label] = merge(label, runs)
     return out
 
 
@@ -81,13 +150,22 @@ def at_least(a: dict, b: dict, share: float) -> bool | None:
     return None
 
 
+def _disagree(*arms: dict) -> str | None:
+    """Why the brackets of these arms cannot be compared (a pass at or above a fail), or None."""
+    why = [a["disagree"]["reason"] for a in arms if a.get("disagree")]
+    return f"probes disagree: {'; '.join(why)}" if why else None
+
+
 def judge(arms: dict[str, dict], default: str, reference: str | None, within: float) -> dict:
     if default not in arms:
         raise ValueError(f"no arm labelled {default!r} (have {', '.join(arms)})")
     if reference is not None and reference not in arms:
         raise ValueError(f"no arm labelled {reference!r} (have {', '.join(arms)})")
     d = arms[default]
-    vs = {label: at_least(d, a, 1 - within) for label, a in arms.items() if label != default}
+    why = {label: _disagree(d, a) for label, a in arms.items() if label != default}
+    why = {label: w for label, w in why.items() if w}
+    vs = {label: None if label in why else at_least(d, a, 1 - within)
+          for label, a in arms.items() if label != default}
     best = max(arms, key=lambda k: (arms[k]["low"] or 0.0, -(arms[k]["high"] or math.inf)))
     out = {
         "default": default, "within": within, "best_measured": best,
@@ -95,10 +173,13 @@ def judge(arms: dict[str, dict], default: str, reference: str | None, within: fl
         "default_within_margin_of_all": all(v is True for v in vs.values()) if vs else None,
         "undecided": sorted(k for k, v in vs.items() if v is None),
         "refuted_by": sorted(k for k, v in vs.items() if v is False),
+        "probes_disagree": why,  # label -> why its verdict is undecided whatever the brackets say
     }
     if reference is not None:
         out["reference"] = reference
-        out["default_at_least_reference"] = at_least(d, arms[reference], 1.0)
+        out["reference_probes_disagree"] = _disagree(d, arms[reference])
+        out["default_at_least_reference"] = None if out["reference_probes_disagree"] else \
+            at_least(d, arms[reference], 1.0)
     return out
 
 
@@ -106,37 +187,62 @@ def _rate(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _probes(a: dict) -> str:
+    """Each probe as rate: pass/FAIL; an arm of several folders says which folder each came from."""
+    def one(p):
+        return f"{p['rate']:.3g}: {'pass' if p['passed'] else 'FAIL'}{' (stopped)' if p['stopped_early'] else ''}"
+    if len(a.get("folders", [a["folder"]])) == 1:
+        return ", ".join(one(p) for p in a["probes"])
+    return "; ".join(f"{Path(f).name}: " + ", ".join(one(p) for p in a["probes"] if p.get("folder") == f)
+                     for f in a["folders"])
+
+
+def _provenance(label: str, a: dict) -> list[str]:
+    runs = a.get("runs") or [a]
+    out = []
+    for r in runs:
+        env = r["environment"]
+        where = f" ({Path(r['folder']).name})" if len(runs) > 1 else ""
+        out.append(f"- arm {label}{where}: commit {str(env.get('git_commit'))[:7]}"
+                   f"{' (dirty)' if env.get('git_dirty') else ''}"
+                   f", {(env.get('machine') or {}).get('gpus') or (env.get('machine') or {}).get('processor')}"
+                   f", {env.get('date_utc')}, server ready in {r['startup_s'] or 0:.0f} s")
+    return out
+
+
 def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str) -> str:
     d = verdict["default"]
+    why = verdict.get("probes_disagree") or {}
     lines = [f"# Defaults check{': ' + title if title else ''}", "", f"- command: `{command}`"]
     for label, a in arms.items():
-        env = a["environment"]
-        lines.append(f"- arm {label}: commit {str(env.get('git_commit'))[:7]}{' (dirty)' if env.get('git_dirty') else ''}"
-                     f", {(env.get('machine') or {}).get('gpus') or (env.get('machine') or {}).get('processor')}"
-                     f", {env.get('date_utc')}, server ready in {a['startup_s'] or 0:.0f} s")
+        lines += _provenance(label, a)
     lines += ["", "| arm | capacity (req/s): highest pass | lowest fail | converged | probes (rate: pass/fail, "
               "stopped early) | default >= {:.0%} of it | server |".format(1 - verdict["within"]),
               "|---|---|---|---|---|---|---|"]
     for label, a in arms.items():
-        probes = ", ".join(f"{p['rate']:.3g}: {'pass' if p['passed'] else 'FAIL'}{' (stopped)' if p['stopped_early'] else ''}"
-                           for p in a["probes"])
         mark = "(the default)" if label == d else {True: "yes", False: "**NO**", None: "undecided"}[
-            verdict["default_within_margin_of"][label]]
-        flags = re.sub(r"--(port|parent-pid) \S+ ", "", (a["command"] or "").split("pdserve.server.cli", 1)[-1]).strip()
-        lines.append(f"| {label} | {_rate(a['low'])} | {_rate(a['high'])} | {'yes' if a['converged'] else 'no'} | "
-                     f"{probes} | {mark} | `{flags}` |")
+            verdict["default_within_margin_of"][label]] + (" (probes disagree)" if label in why else "")
+        converged = "yes" if a["converged"] else "no (probes disagree)" if a.get("disagree") else "no"
+        lines.append(f"| {label} | {_rate(a['low'])} | {_rate(a['high'])} | {converged} | "
+                     f"{_probes(a)} | {mark} | `{_server_flags(a['command'])}` |")
     lines += ["", "**Verdict**:", ""]
+    plain = [k for k in verdict["undecided"] if k not in why]
     if verdict["refuted_by"]:
         said = f"**no**: below {verdict['within']:.0%} of {', '.join(verdict['refuted_by'])}"
     elif verdict["undecided"]:
-        said = f"not decided: the brackets do not decide it against {', '.join(verdict['undecided'])} (probe more)"
+        parts = [f"not decided ({why[k]}) against {k}" for k in sorted(why)]
+        if plain:
+            parts.append(f"not decided: the brackets do not decide it against {', '.join(plain)} (probe more)")
+        said = "; ".join(parts)
     else:
         said = "**yes**"
     lines.append(f"- the default ({d}) within {verdict['within']:.0%} of every arm's capacity: {said}")
     if "reference" in verdict:
+        ref_why = verdict.get("reference_probes_disagree")
         lines.append(f"- the default at least the reference ({verdict['reference']}): "
-                     + {True: "**yes**", False: "**no**", None: "not decided by the brackets"}[
-                         verdict["default_at_least_reference"]])
+                     + (f"not decided ({ref_why})" if ref_why else
+                        {True: "**yes**", False: "**no**", None: "not decided by the brackets"}[
+                            verdict["default_at_least_reference"]]))
     lines.append(f"- the best measured (highest passing rate): {verdict['best_measured']}")
     cold = [f"{k}: {c['run']} probe at {c['rate']:.3g}" for k, a in arms.items() for c in a["rests_on_cold"]]
     if cold:
@@ -144,7 +250,9 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
     lines += ["", "An arm's capacity lies between its highest passing and lowest failing probe (a probe passes with "
               ">= 90% of its requests within every SLO and no growing queue; each lasts --probe-seconds of "
               "arrivals). A probe marked stopped ended once that share could no longer be met "
-              "(bench/load/early_stop.py).", ""]
+              "(bench/load/early_stop.py). An arm measured in several folders (a search, then more probes) "
+              "takes every folder's probes; where one passed at or above a rate another failed, its probes "
+              "disagree (noise) and no verdict rests on it.", ""]
     return "\n".join(lines)
 
 

@@ -1,0 +1,221 @@
+"""`pdserve-bench defaults` over arms measured in several folders (a search, then more probes of it), and
+bench/run_defaults_gpu.sh's MORE probes, the script run with a stub PYTHON whose `load` writes a folder
+without a server (every other command goes to the real interpreter, `defaults` included)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.load import defaults
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(120)
+
+GPU = "NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04"
+WORKLOAD = "synthetic, input uniform:8192:32000, output 64 over /v1/completions, each search run >= 60 s"
+FLAGS = {"default": "", "unchunked": "--worker-arg=--no-chunked-prefill"}
+
+
+def write_run(folder: Path, label: str, probes: list[tuple[float, bool]], *, date: str = "2026-12-05T18:00:00+00:00",
+              flags: str | None = None, gpus: str = GPU) -> Path:
+    """A `load --capacity-search` folder of one arm whose probes (rate, passed) ran in this order."""
+    passes = [r for r, ok in probes if ok]
+    fails = [r for r, ok in probes if not ok]
+    low, high = (max(passes) if passes else None), (min(fails) if fails else None)
+    flags = FLAGS.get(label, f"--worker-arg=--chunk-tokens={label.removeprefix('chunk')}") if flags is None else flags
+    run = {
+        "environment": {"date_utc": date, "machine": {"gpus": gpus}, "git_commit": "6ff38c7abc", "git_dirty": False},
+        "workload": WORKLOAD, "slos_ms": {"ttft": 4000.0, "tpot": 100.0}, "goodput_target": 0.9,
+        "arms": [{"label": label, "server": {
+            "command": f"/v/bin/python3 -m pdserve.server.cli --port 0 --parent-pid {len(str(folder))} --model "
+                       f"qwen2.5-7b --kv-memory-gb 40 --colocated-workers 1 {flags}".strip(), "startup_s": 31.0},
+            "capacity": {"capacity_rate": low, "first_failing_rate": high, "precision": 0.1,
+                         "converged": low is not None and high is not None and high / low - 1 <= 0.1 + 1e-9,
+                         "rests_on_cold": []}}],
+        "results": [{"arm": label, "phase": "probe", "request_rate": r, "probe_passed": ok,
+                     "goodput_fraction": 0.95 if ok else 0.88, "stopped_early": None if ok else {"reason": "x"},
+                     "duration": 66.0 if ok else 35.0, "median_ttft_ms": 900.0, "p99_tpot_ms": 60.0}
+                    for r, ok in probes],
+    }
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(run))
+    return folder
+
+
+def long_today(root: Path) -> Path:
+    """The long workload as the first GPU session left it: the default's bracket [0.95, 1.0), unchunked 0.95
+    passed (one probe), chunk16384 1.0545 passed (one probe)."""
+    write_run(root / "default", "default",
+              [(0.8, True), (1.6, False), (1.2, False), (1.0, False), (0.9, True), (0.95, True)])
+    write_run(root / "unchunked", "unchunked", [(0.95, True)], date="2026-12-05T18:54:22+00:00")
+    write_run(root / "chunk16384", "chunk16384", [(1.0545, True)], date="2026-12-05T18:56:56+00:00")
+    return root
+
+
+def judged(root: Path, reference: str | None = "unchunked") -> tuple[dict, str]:
+    out = root / "judged"
+    args = argparse.Namespace(from_dirs=sorted(str(d) for d in root.iterdir() if (d / "results.json").is_file()),
+                              default="default", reference=reference, within=0.10, title="t", out=str(out))
+    assert defaults.run(args) == 0
+    return json.loads((out / "defaults.json").read_text()), (out / "defaults.md").read_text()
+
+
+def test_an_arm_probed_again_in_another_folder_narrows_its_bracket(tmp_path):
+    root = long_today(tmp_path)
+    # the next session: unchunked fails 1.05, chunk16384 fails 1.15 and passes 1.1 (two folders of it)
+    write_run(root / "unchunked.more-1.05", "unchunked", [(1.05, False)], date="2026-12-06T10:00:00+00:00")
+    write_run(root / "chunk16384.more-1.15", "chunk16384", [(1.15, False)], date="2026-12-06T10:03:00+00:00")
+    write_run(root / "chunk16384.more-1.1", "chunk16384", [(1.1, True)], date="2026-12-06T10:06:00+00:00")
+    doc, md = judged(root)
+    un, ch = doc["arms"]["unchunked"], doc["arms"]["chunk16384"]
+    assert (un["low"], un["high"], un["converged"], un["disagree"]) == (0.95, 1.05, False, None)
+    assert (ch["low"], ch["high"], ch["converged"]) == (1.1, 1.15, True)
+    # the search's folder heads the arm (the earliest), whatever order the folders were given in
+    assert un["folder"].endswith("/unchunked") and [Path(f).name for f in ch["folders"]] == [
+        "chunk16384", "chunk16384.more-1.15", "chunk16384.more-1.1"]
+    assert [(p["rate"], p["passed"], Path(p["folder"]).name) for p in un["probes"]] == [
+        (0.95, True, "unchunked"), (1.05, False, "unchunked.more-1.05")]
+    v = doc["verdict"]
+    # 0.95 >= 0.9 x 1.05: within 10% of unchunked now; chunk16384's fail at 1.15 leaves 0.9 x 1.15 = 1.035 open
+    assert v["default_within_margin_of"] == {"unchunked": True, "chunk16384": None}
+    assert v["undecided"] == ["chunk16384"] and v["probes_disagree"] == {} and v["best_measured"] == "chunk16384"
+    assert v["default_at_least_reference"] is None and v["reference_probes_disagree"] is None
+    assert ("| unchunked | 0.95 | 1.05 | no | unchunked: 0.95: pass; unchunked.more-1.05: 1.05: FAIL (stopped) "
+            "| yes |") in md
+    assert "- arm unchunked (unchunked.more-1.05): commit 6ff38c7" in md
+    assert "not decided: the brackets do not decide it against chunk16384 (probe more)" in md
+    # a folder of one arm alone reads as before: no folder names in its row
+    assert "| default | 0.95 | 1 | yes | 0.8: pass, 1.6: FAIL (stopped)," in md
+
+
+def test_a_pass_above_a_fail_across_folders_is_named_and_decides_nothing(tmp_path):
+    root = long_today(tmp_path)
+    # noise: unchunked passes 1.05 in one run after failing 1.0 in another
+    write_run(root / "unchunked.more-1.0", "unchunked", [(1.0, False)], date="2026-12-06T10:00:00+00:00")
+    write_run(root / "unchunked.more-1.05", "unchunked", [(1.05, True)], date="2026-12-06T10:03:00+00:00")
+    doc, md = judged(root)
+    un = doc["arms"]["unchunked"]
+    assert (un["low"], un["high"], un["converged"]) == (1.05, 1.0, False)
+    assert un["disagree"]["passed"]["rate"] == 1.05 and un["disagree"]["passed"]["folder"].endswith("more-1.05")
+    assert un["disagree"]["failed"]["rate"] == 1.0 and un["disagree"]["failed"]["folder"].endswith("more-1.0")
+    v = doc["verdict"]
+    reason = "probes disagree: unchunked passed 1.05 in unchunked.more-1.05, failed 1 in unchunked.more-1.0"
+    # the brackets alone would say the default (failed 1.0) is below unchunked (passed 1.05): no verdict is
+    # drawn from probes that disagree
+    assert v["default_within_margin_of"]["unchunked"] is None and v["probes_disagree"] == {"unchunked": reason}
+    assert v["default_at_least_reference"] is None and v["reference_probes_disagree"] == reason
+    assert "unchunked" in v["undecided"] and v["refuted_by"] == []
+    assert f"not decided ({reason}) against unchunked" in md
+    assert f"the default at least the reference (unchunked): not decided ({reason})" in md
+    assert "| unchunked | 1.05 | 1 | no (probes disagree) |" in md
+    # the default's own probes disagreeing leaves every verdict against it open
+    write_run(root / "default.more-0.9", "default", [(0.9, False)], date="2026-12-06T10:06:00+00:00")
+    v = judged(root)[0]["verdict"]
+    assert v["default_within_margin_of"] == {"unchunked": None, "chunk16384": None}
+    assert "default passed 0.95 in default, failed 0.9 in default.more-0.9" in v["probes_disagree"]["chunk16384"]
+
+
+def test_folders_of_one_label_must_be_one_configuration(tmp_path, capsys):
+    root = long_today(tmp_path)
+    write_run(root / "unchunked.more-1.05", "unchunked", [(1.05, False)], flags="--worker-arg=--chunk-tokens=8192",
+              date="2026-12-06T10:00:00+00:00")
+    write_run(root / "default.more-1.0", "default", [(1.0, False)], gpus="NVIDIA H200, 143771 MiB")
+    args = argparse.Namespace(from_dirs=[str(root / n) for n in ("default", "unchunked", "unchunked.more-1.05")],
+                              default="default", reference=None, within=0.1, title=None, out=str(root / "o"))
+    assert defaults.run(args) == 2
+    assert "differ in server flags" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"arm unchunked: .*/unchunked and .*more-1.05 differ in server flags"):
+        defaults.arms_from(args.from_dirs)
+    with pytest.raises(ValueError, match=r"arm default: .*differ in GPUs"):
+        defaults.arms_from([str(root / "default"), str(root / "default.more-1.0")])
+
+
+STUB = '''#!PYTHON_EXE
+"""PYTHON for bench/run_defaults_gpu.sh: logs each call; `load` writes its folder (one probe per search, at
+the start rate, passing at or below STUB_LIMITS[arm]) with no server; the rest runs for real."""
+import json, os, sys
+argv = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps(argv) + chr(10))
+if argv[:3] == ["-m", "pdserve.bench.cli", "load"]:
+    val = lambda flag: argv[argv.index(flag) + 1]
+    label = val("--arm").split("=", 1)[0]
+    rate = float(val("--search-start-rate"))
+    sys.path.insert(0, os.environ["STUB_TESTS"])
+    from test_defaults import write_run
+    write_run(__import__("pathlib").Path(val("--out")), label,
+              [(rate, rate <= json.loads(os.environ["STUB_LIMITS"]).get(label, 0.0))],
+              date=f"2026-12-06T10:{len(open(os.environ['STUB_LOG']).readlines()):02d}:00+00:00")
+    sys.exit(0)
+os.execv(sys.executable, [sys.executable, *argv])
+'''
+
+
+def run_script(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    stub = tmp_path / "python"
+    if not stub.exists():
+        stub.write_text(STUB.replace("PYTHON_EXE", sys.executable))
+        stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "calls.jsonl"
+    log.write_text("")
+    full = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "STUB_TESTS": str(ROOT / "tests"),
+            "STUB_LIMITS": json.dumps({"default": 0.97, "unchunked": 1.1, "chunk16384": 1.1}),
+            "WORKLOAD": "long", "RESULTS": str(tmp_path / "results"), "OUT": "", **env}
+    done = subprocess.run([str(ROOT / "bench/run_defaults_gpu.sh")], env=full, capture_output=True, text=True,
+                          timeout=90)
+    return done, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def loads(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "load"]]
+
+
+def test_more_probes_measured_arms_once_per_rate_and_the_judge_merges_them(tmp_path):
+    long_today(tmp_path / "results" / "long")
+    more = {"MORE": "unchunked:1.05,1.15 chunk16384:1.15 default:1.0"}
+    done, calls = run_script(tmp_path, more)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = loads(calls)
+    # one load (one fresh server) per rate, in the order given; no arm's search reruns (MORE alone: no ARMS)
+    assert [(c[c.index("--arm") + 1].split("=")[0], c[c.index("--search-start-rate") + 1],
+             Path(c[c.index("--out") + 1]).name) for c in ran] == [
+        ("unchunked", "1.05", "unchunked.more-1.05"), ("unchunked", "1.15", "unchunked.more-1.15"),
+        ("chunk16384", "1.15", "chunk16384.more-1.15"), ("default", "1.0", "default.more-1.0")]
+    for c in ran:  # exactly one probe, no sweep, the long workload's probe and SLOs, the arm's own flags
+        assert c[c.index("--search-max-probes") + 1] == "1" and c[c.index("--sweep-factors") + 1] == ""
+        assert c[c.index("--input-len") + 1] == "uniform:8192:32000" and c[c.index("--probe-seconds") + 1] == "60"
+        assert c[c.index("--goodput") + 1: c.index("--goodput") + 3] == ["ttft:4000", "tpot:100"]
+    assert "--worker-arg=--no-chunked-prefill" in ran[0][ran[0].index("--arm") + 1]
+    assert "--worker-arg=--chunk-tokens=16384" in ran[2][ran[2].index("--arm") + 1]
+    assert "--worker-arg" not in ran[3][ran[3].index("--arm") + 1]
+    judge = [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "defaults"]]
+    assert len(judge) == 1 and judge[0].count("--from") == 7 and "--reference" in judge[0]
+    doc = json.loads((tmp_path / "results/long/defaults.json").read_text())
+    un, ch, de = (doc["arms"][k] for k in ("unchunked", "chunk16384", "default"))
+    assert (un["low"], un["high"], len(un["folders"])) == (1.05, 1.15, 3)
+    assert (ch["low"], ch["high"], de["low"], de["high"]) == (1.0545, 1.15, 0.95, 1.0)
+    # the default failed 1.0, unchunked passed 1.05: the default is below the reference
+    assert doc["verdict"]["default_at_least_reference"] is False
+    # measured folders are kept: the same MORE again loads nothing
+    done, calls = run_script(tmp_path, more)
+    assert done.returncode == 0 and loads(calls) == [] and "probed at 1.05 already" in done.stdout
+
+
+def test_more_is_checked_before_anything_runs_and_honours_call_seconds(tmp_path):
+    long_today(tmp_path / "results" / "long")
+    for bad, says in (("unchunked", "MORE takes arm:rate"), ("chunky:1", "an arm is default, unchunked or chunkN"),
+                      ("unchunked:1.05,0", "a rate is a number"), ("default:fast", "a rate is a number")):
+        done, calls = run_script(tmp_path, {"MORE": bad})
+        assert done.returncode == 2 and says in done.stdout + done.stderr and calls == [], (bad, done.stderr)
+    # no probe starts with less than ARM_MIN_SECONDS of the call left
+    done, calls = run_script(tmp_path, {"MORE": "unchunked:1.05", "CALL_SECONDS": "100"})
+    assert done.returncode == 0 and loads(calls) == [] and "probe at 1.05 not started" in done.stdout
