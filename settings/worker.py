@@ -20,6 +20,7 @@ from pdserve.settings.flags import flag
 
 DTYPES = ("float32", "float16", "bfloat16")  # workers/engine/kv_cache.py maps each to its torch dtype
 ATTENTION = ("auto", "triton", "reference")
+DECODE_GRAPH_FORWARDS = ("cut", "layers")  # EngineConfig.decode_graph_forward
 MODEL_HELP = "smollm2-135m, tiny, qwen2.5-7b or a local checkpoint dir"  # the router's --model too
 # the colocated chunk budget when --chunk-tokens is not given, by device kind: CUDA's is the best of a capacity
 # sweep on an H200 (docs/results.md, "The colocated worker's defaults"); the CPU's keeps a 2-core machine's
@@ -75,6 +76,11 @@ class EngineConfig:
     # the attention calls) up to a chunk and the decodes beside it; those of up to this many tokens replay the
     # segments as CUDA graphs (captured at start), longer ones run them directly; 0: every such step eagerly
     mixed_graph_tokens: int = 1024
+    # what a decode graph captures (workers/engine/graphs.py): "cut", the piecewise path's compiled segments
+    # with paged decode attention between them, so a worker compiles its layers once; "layers", transformers'
+    # forward with each decoder layer torch.compiled, compiled apart from the segments (a model that cannot be
+    # cut, layers.cuttable, always runs this one)
+    decode_graph_forward: str = "cut"
     # the host schedules and launches step N+1 while step N runs, reading N's tokens back a step late
     # (workers/engine/overlap.py); None: on CUDA
     overlap: bool | None = None
@@ -98,6 +104,8 @@ class EngineConfig:
             raise ValueError("a disk cache needs a host cache above it: give host_cache_gb too")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be auto, triton or reference, got {self.attention!r}")
+        if self.decode_graph_forward not in DECODE_GRAPH_FORWARDS:
+            raise ValueError(f"decode_graph_forward must be cut or layers, got {self.decode_graph_forward!r}")
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")

@@ -7,7 +7,7 @@ buckets, and `pdserve-bench start` on the CPU (the GPU run's smoke test).
 - decode_buckets: no block-table bucket wider than the pool (a request never holds more blocks); a
   limit under the first bucket size is a bucket of its own (it looped forever).
 - CompileWatch sees a dynamo recompile with its reason and a Triton compile by kernel name.
-- decode_rows: each graph's bucket split, the first bucket of each split marked (what the GPU run reports).
+- decode_rows: each graph's bucket split, the graphs whose forward compiles marked (what the GPU run reports).
 - `pdserve-bench start --model tiny --device cpu --profile DIR`: the JSON's parts are the ready line's,
   the profile's tables are there, every figure recomputed from the raw ones.
 """
@@ -173,7 +173,7 @@ def test_decode_rows_mark_the_graphs_whose_forward_compiles():
 
     keys = [(64, 2048), (48, 2048), (1, 2048), (64, 1024), (2, 16), (1, 16)]
     seconds = [9.0, 1.5, 4.0, 0.25, 1.0, 0.5]
-    graphs = SimpleNamespace(capture_s=dict(zip(keys, seconds)))
+    graphs = SimpleNamespace(capture_s=dict(zip(keys, seconds)), cut=None)  # transformers' forward
     engine = SimpleNamespace(runner=SimpleNamespace(kernels=True, graphs=graphs), device=torch.device("cpu"),
                              layout=SimpleNamespace(num_kv_heads=4, block_size=16))
     rows = decode_rows(engine, profiled=(48, 2048))
@@ -186,3 +186,6 @@ def test_decode_rows_mark_the_graphs_whose_forward_compiles():
     d = summarise(rows)
     assert d["graphs"] == 6 and d["s"] == sum(seconds) and d["compiling"] == 2
     assert d["compiling_s"] == 13.0 and d["other_s"] == pytest.approx(3.25) and d["other_median_s"] == 1.0
+    # graphs that run the cut's segments: batch 1 runs them over 2 rows, so only the first graph compiles
+    graphs.cut = object()
+    assert [r["compiles"] for r in decode_rows(engine, profiled=None)] == [True] + [False] * 5

@@ -8,9 +8,11 @@ its ready line (workers/engine/start_times.py), each from the same record, plus:
                     paged-attention kernel's split of that bucket (paged_kernel.decode_split: run-time
                     arguments of the kernel, so every bucket runs one compiled variant) and whether its
                     forward compiles the layers: the first graph (torch.compile's dynamic code, the
-                    kernels' Triton variants) and the first of batch 1 (dynamo specialises a size of 1);
+                    kernels' Triton variants), and with --decode-graph-forward layers the first of batch 1
+                    too (dynamo specialises a size of 1; "cut" runs batch 1's segments over 2 rows);
                     seconds summed over those and over the others
-  piecewise graphs  each token bucket's capture seconds (its L + 1 segments)
+  piecewise graphs  each token bucket's capture seconds (its L + 1 segments; with "cut" decode graphs,
+                    the segments they compiled: a piecewise capture compiles nothing)
   compile           torch.compile during the captures: frames compiled, recompiles with dynamo's reasons,
                     seconds by phase; Triton compiles in this process, by kernel (bench/engine/compile_watch.py)
   caches            files in Triton's and Inductor's on-disk caches at start: none is a cold start.
@@ -25,6 +27,8 @@ with provenance to bench/results/start-<machine>-<date>.json and prints the part
 
 GPU run (cold, then warm on the same caches; each well under 3 minutes on an H200):
     pdserve-bench start --model qwen2.5-7b --device cuda:0 --cache-dir /tmp/pc --profile /tmp/prof
+A/B of what the decode graphs run (EngineConfig.decode_graph_forward), each on caches of its own:
+    pdserve-bench start --decode-graph-forward layers --cache-dir /tmp/pc-layers   (then cut, /tmp/pc-cut)
 CPU smoke test: tests/test_start.py (tiny)
 """
 
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench import provenance
+from pdserve.settings.worker import DECODE_GRAPH_FORWARDS
 from pdserve.bench.engine import compile_watch
 
 TARGET_AFTER_LOAD_S = 20.0  # issue 33: ready within this long after the model is loaded
@@ -55,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-memory-gb", type=float, default=None, help="the KV pool, GiB (default: the worker's)")
     a("--num-blocks", type=int, default=None, help="the KV pool, blocks (default: the worker's)")
     a("--no-warmup", action="store_true", help="skip the warm-up request, as `pdserve-worker --no-warmup`")
+    a("--decode-graph-forward", default=None, choices=DECODE_GRAPH_FORWARDS,
+      help="what the decode graphs run: the piecewise path's segments (cut) or transformers' forward with "
+           "compiled layers (layers); default: the engine's")
     a("--cache-dir", default=None, metavar="DIR",
       help="Triton's and Inductor's compile caches in DIR (default: theirs); a run on an empty DIR starts cold")
     a("--profile", default=None, metavar="DIR", help="profile one decode graph's capture into DIR")
@@ -65,15 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace):
     from pdserve.settings.worker import EngineConfig
 
-    fields = {k: getattr(args, k) for k in ("max_num_seqs", "max_model_len", "kv_memory_gb", "num_blocks")
-              if getattr(args, k) is not None}
+    fields = {k: getattr(args, k) for k in ("max_num_seqs", "max_model_len", "kv_memory_gb", "num_blocks",
+                                            "decode_graph_forward") if getattr(args, k) is not None}
     return EngineConfig(model=args.model, device=args.device, **fields)
 
 
 def decode_rows(engine, profiled: tuple[int, int] | None) -> list[dict]:
     """Each captured decode graph in capture order, with its bucket's attention split and whether its
-    forward compiles the layers (the first graph, and the first of batch 1); the profiled one marked
-    (its seconds include the profilers')."""
+    forward compiles the layers (the first graph, and where the graphs run transformers' forward the
+    first of batch 1); the profiled one marked (its seconds include the profilers')."""
     graphs = engine.runner.graphs
     split = None
     if engine.runner.kernels:
@@ -84,7 +92,8 @@ def decode_rows(engine, profiled: tuple[int, int] | None) -> list[dict]:
                                      engine.device))
     seen, rows = set(), []
     for key, s in graphs.capture_s.items():  # insertion order: the order they were captured
-        shape = key[0] == 1  # the shapes dynamo compiles apart: batch 1, and every other batch
+        # the shapes dynamo compiles apart: batch 1, and every other batch (the cut's batch 1 runs 2 rows)
+        shape = key[0] == 1 and graphs.cut is None
         row = {"batch": key[0], "blocks": key[1], "s": s, "profiled": key == profiled, "compiles": shape not in seen}
         seen.add(shape)
         if split is not None:
@@ -154,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
                    "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.max_model_len,
                    "kv_blocks": engine.blocks.num_blocks, "block_size": engine.layout.block_size,
                    "compile": engine.config.compile, "cuda_graphs": graphs is not None,
+                   "decode_graph_forward": engine.config.decode_graph_forward,
+                   "decode_graphs_run_the_cut": graphs is not None and graphs.cut is not None,
                    "batch_buckets": graphs.batch_buckets if graphs is not None else [],
                    "block_buckets": graphs.block_buckets if graphs is not None else [],
                    "mixed_graph_tokens": engine.config.mixed_graph_tokens, "warmup_request": not args.no_warmup,

@@ -55,6 +55,7 @@ from pdserve.bench.cli import parse_counts
 from pdserve.bench.engine import decode as dec
 from pdserve.bench.engine import mixed as mx
 from pdserve.bench.engine.report import markdown, targets
+from pdserve.settings.worker import DECODE_GRAPH_FORWARDS
 
 BLOCK_SIZE = 16
 
@@ -86,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="also profile six prefill steps of the chunked scenario (chunking on) into DIR: tables and a trace")
     a("--profile-decode", default=None, metavar="DIR",
       help="also profile the first decode point's steps (another run, untimed) into DIR: tables and a trace")
+    a("--decode-graph-forward", default=None, choices=DECODE_GRAPH_FORWARDS,
+      help="what the decode graphs run: cut (the piecewise segments) or layers (transformers' forward); "
+           "default: the engine's")
     a("--kv-memory-gb", type=float, default=None, help="cap the decode points' KV pool (GiB); default: sized from them")
     a("--reserve-gb", type=float, default=20.0,
       help="CUDA: memory left free beside the pool for activations, graphs, transformers' cache (default 20)")
@@ -265,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
                                                          + ([mixed_shape[0] + 1] if mixed_shape else [])
                                                          + ([chunk["decodes"] + 1] if chunk else [])),
                  max_batched_tokens=max(8192, max(lengths)), max_model_len=max(max_len, loaded.max_model_len))
+    if args.decode_graph_forward:
+        shape["decode_graph_forward"] = args.decode_graph_forward
     if chunk:
         shape["chunk_tokens"] = chunk_tokens
     engine = make_engine(loaded, device, dtype, chunked_prefill=True, **shape)
@@ -318,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
             "kv_bytes_per_token": bpt, "weight_bytes": weights, "seed": args.seed,
             "repeats": args.repeats, "warmup": args.warmup, "pairs": args.pairs,
             "lengths": lengths, "batches": batches, "contexts": contexts, "model_load_s": round(load_s, 2),
+            "decode_graph_forward": args.decode_graph_forward or EngineConfig().decode_graph_forward,
             "run_s": round(time.monotonic() - t_start, 1),
             "roofline_method": "one copy_ of N/2 bytes into N/2 bytes (N = weights a step reads + the batch's KV "
                                "bytes): N bytes of memory traffic; the median over the copies at the start and the "

@@ -95,8 +95,9 @@ def use_kernels(device: torch.device) -> bool:
 
 
 @torch.compiler.disable  # runs eagerly inside compiled layers: host-side metadata, transfer hook, Triton
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, out=None, **kwargs):
     # query: [1, H, T, D]; key, value: [1, KVH, T, D]  ->  returns ([1, T, H, D], None)
+    # out: [T, H, D], where to write it (the cut model's attention buffer, graphs.cut_forward); else a new tensor
     step = CURRENT.state
     if step is None:
         raise RuntimeError("paged attention ran outside attention.stepping(): no step to attend over")
@@ -114,13 +115,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                is_causal=True, scale=scale, enable_gqa=True)
                 for a, b in step.fresh]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.transpose(1, 2).contiguous(), None
+        res = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)
+        if out is None:
+            return res.contiguous(), None
+        out.copy_(res[0])
+        return out.unsqueeze(0), None
 
     q = query[0].transpose(0, 1)  # [T, H, D], a view
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     kernels = _kernels() if step.kernels else None
     nd = step.num_decode
     if nd:

@@ -1,13 +1,26 @@
-"""CUDA graphs of the decode forward.
+"""CUDA graphs of the decode forward (DecodeGraphs) and of the piecewise forward of steps with prompt
+tokens (MixedGraphs), both over the model cut at attention (layers.Cut) where it can be cut.
 
-One graph per (batch bucket, block-table bucket), captured the first time a step of that
-shape comes (about two forwards' time), then replayed. Inputs go through static
-buffers: a step builds its inputs (step_inputs.build, its block table straight into the
-buffer), copies its token ids, positions, slots and lengths into them, replays, and reads
-the logits out. A capture's forwards run in the runner's attention context over the
-buffers (runner.attend_decode); a replay runs no Python attention. Rows beyond the real batch are padding: they
-read block 0 with length 1 and write their K/V into the pool's scratch block, which no
-request owns.
+DecodeGraphs: one graph per (batch bucket, block-table bucket), captured the first time a step of
+that shape comes (about two forwards' time), then replayed. Inputs go through static buffers: a step
+builds its inputs (step_inputs.build, its block table straight into the buffer), copies its token
+ids, positions, slots and lengths into them, replays, and reads the logits out. A capture's forwards
+run in the runner's attention context over the buffers (runner.attend_decode); a replay runs no
+Python attention. Rows beyond the real batch are padding: they read block 0 with length 1 and write
+their K/V into the pool's scratch block, which no request owns.
+
+What a decode graph captures (EngineConfig.decode_graph_forward):
+    cut      the piecewise path's segments (the same Cut, its compiled code and buffers, MixedGraphs'
+             too) at T = the batch bucket's rows, with paged decode attention between them over the
+             bucket's table, lengths and max context (cut_forward); the last segment's head over the
+             batch's rows into the Cut's logits. The graph reads its token ids and positions from its own
+             buffer (an overlapped step's fed tokens land there), the rest from the Cut's. Batch 1 runs
+             its segments over MIN_ROWS = 2 rows, attention over 1 (see MIN_ROWS). So a worker compiles
+             the layers' code once, for both kinds of graph: the first decode graph compiles it and
+             nothing else does (transformers' layers stay uncompiled: only the eager path runs them)
+    layers   transformers' forward (runner.forward) with each decoder layer torch.compiled: a compile of
+             its own beside the segments', and a second for batch 1 (dynamo specialises a size of 1);
+             what a model that cannot be cut (layers.cuttable) always runs
 
 Buckets: batch 1, 2, 4, 8, then multiples of 16 up to max_num_seqs; block tables in
 powers of two from 16 blocks, up to the widest table a request can have: max_model_len's
@@ -18,13 +31,15 @@ context, and a 32k-token context needs 8 table buckets. `capture(capture_order()
 graph ahead of traffic (a decode or colocated worker does at start), so no request pays for a
 capture; `capture_s` holds each graph's seconds (Engine.warmup reports them in the start's parts).
 A capture costs one warm-up forward and the captured one, plus whatever that first forward
-compiles: on the first graph, the layers' torch.compile (dynamic sizes) and the paged-attention
-kernels' Triton variants, and on the first graph of batch 1 the layers' code again (dynamo
-specialises a size of 1). No other bucket compiles anything: the split of the context
-(paged_kernel.decode_split), the batch and the table width are run-time arguments of the kernels,
-which Triton does not specialise, so every bucket and every mixed step runs the same variant
-(bench/engine/kernel_variants.py counts them on the CPU); the positions sit at storage offset 0 of
-the input buffer, which dynamo would otherwise guard like a size.
+compiles: on the first graph, the dense code's torch.compile (dynamic sizes) and the paged-attention
+kernels' Triton variants (with "layers", on the first graph of batch 1 the layers' code again).
+No other bucket compiles anything: the split of the context (paged_kernel.decode_split), the batch
+and the table width are run-time arguments of the kernels, which Triton does not specialise, so every
+bucket and every mixed step runs the same variant (bench/engine/kernel_variants.py counts them on the
+CPU); the positions sit at storage offset 0 of the input buffer, and the Cut's buffers hold a row more
+than any step uses, because dynamo guards a storage offset and a view's base like sizes (duck sizing
+would tie them to the first batch, and the next batch would recompile). tests/test_decode_cut.py
+counts a start's compiles on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +50,12 @@ import torch
 
 from pdserve.workers.engine import attention, step_inputs
 from pdserve.workers.engine.request import Request
+
+# A decode graph's segments run over this many rows at least: batch 1 runs them over 2 rows (the
+# second padding) and its attention over 1. Dynamo specialises a size of 1, so segments over 1 row
+# would compile the layers' code a second time; a GEMM over 2 rows reads the same weight bytes as a
+# GEMV over 1, and attention (whose split of the context depends on the batch) still sees 1 row.
+MIN_ROWS = 2
 
 
 def _buckets(limit: int, start: list[int], step_fn) -> list[int]:
@@ -47,6 +68,22 @@ def _buckets(limit: int, start: list[int], step_fn) -> list[int]:
     return sorted(set(out))
 
 
+def cut_forward(cut, t: int, segment) -> None:
+    """The cut model's forward, in the step's attention context (attention.stepping): segment(i) runs
+    segment i (directly, or a graph's replay), and between two segments attention runs over rows
+    [0, t) of the Cut's q, k, v, straight into its attn buffer (the segments may run over more rows:
+    padding)."""
+    out = cut.attn[:t].view(t, cut.num_heads, cut.head_dim)
+    segment(0)
+    for i, layer in enumerate(cut.layers):
+        attn = layer.self_attn
+        q = cut.q[:t].transpose(0, 1).unsqueeze(0)  # [1, H, t, D], as transformers hands it over
+        k = cut.k[:t].transpose(0, 1).unsqueeze(0)
+        v = cut.v[:t].transpose(0, 1).unsqueeze(0)
+        attention.paged_attention(attn, q, k, v, None, scaling=attn.scaling, out=out)
+        segment(i + 1)
+
+
 def decode_buckets(max_num_seqs: int, max_blocks_per_seq: int, pool_blocks: int) -> tuple[list[int], list[int]]:
     """(batch buckets, block-table buckets) of the decode graphs. pool_blocks: the blocks requests may
     hold; a request's table lists distinct blocks of the pool, so none is wider than that."""
@@ -55,16 +92,20 @@ def decode_buckets(max_num_seqs: int, max_blocks_per_seq: int, pool_blocks: int)
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int, cut=None):
+        """cut: the model's layers.Cut (the piecewise path's), whose segments the graphs run; None: the
+        layers forward (runner.forward)."""
         self.runner = runner
+        self.cut = cut
         dev = runner.device
         # the pool's last block is the scratch block: requests hold the others
         self.batch_buckets, self.block_buckets = decode_buckets(max_num_seqs, max_blocks_per_seq,
                                                                 runner.kv.layout.num_blocks - 1)
-        nb, nm = self.batch_buckets[-1], self.block_buckets[-1]
+        nm = self.block_buckets[-1]
+        nb = max(self.batch_buckets[-1], MIN_ROWS)  # rows of the vectors: a segment runs over MIN_ROWS at least
         # Every input of a step in one buffer, so a step makes one host-to-device copy from
         # pinned memory: positions, ids, K slots, V slots, lengths ([nb] each), block tables [nb, nm]
-        cuda = dev.type == "cuda"  # (the buffers are made on the CPU too, for tests of the forwards)
+        cuda = dev.type == "cuda"  # (the buffers are made on the CPU too: tests run the forwards there)
         self.host = torch.zeros(5 * nb + nb * nm, dtype=torch.long, pin_memory=cuda)
         self.packed = torch.zeros_like(self.host, device=dev)
         self.copied = torch.cuda.Event() if cuda else None  # the last copy out of `host` is done: it may be rewritten
@@ -98,12 +139,16 @@ class DecodeGraphs:
         key = (self._bucket(n, self.batch_buckets),
                self._bucket(max(len(r.block_ids) for r, _ in work), self.block_buckets))
         batch, blocks = key
-        self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
         h = self.host_arrays
         self._stage(step_inputs.build(work, self.runner.block_size, table=h["table"][:, :blocks]), batch, blocks)
         nb, width = len(self.ids), self.table.shape[1]
         used = 5 * nb + batch * width  # the rows of the table this step reads
         self.packed[:used].copy_(self.host[:used], non_blocking=True)
+        if self.copied is None:  # no CUDA (tests): the bucket's forward runs directly
+            step_inputs.apply_feed(self.ids, feed)
+            return self._forward(batch, blocks)[:n]
         self.copied.record()
         step_inputs.apply_feed(self.ids, feed)
         graph = self.graphs.get(key)
@@ -113,16 +158,18 @@ class DecodeGraphs:
         return self.outputs[key][:n]
 
     def _stage(self, inp: step_inputs.StepInputs, batch: int, blocks: int) -> None:
-        """`inp`'s rows into the host buffers (its table is there already), padded to `batch` rows:
-        padding rows read block 0 with length 1 and write their K/V into the scratch block."""
+        """`inp`'s rows into the host buffers (its table is there already), padded to `batch` rows
+        (MIN_ROWS at least): padding rows read block 0 with length 1 and write their K/V into the
+        scratch block (token 0 at position 0, where the segments run over more rows than attention)."""
         h, n, bs = self.host_arrays, len(inp.decodes), self.runner.block_size
         scratch_k = self.runner.scratch_block * 2 * bs
+        rows = max(batch, MIN_ROWS)
         h["table"][n:batch, :blocks] = 0
-        h["ids"][:n], h["ids"][n:batch] = inp.ids, 0
-        h["pos"][:n], h["pos"][n:batch] = inp.positions, 0
-        h["lens"][:n], h["lens"][n:batch] = inp.ctx_lens, 1
-        h["k_slots"][:n], h["k_slots"][n:batch] = inp.k_slots, scratch_k
-        h["v_slots"][:n], h["v_slots"][n:batch] = inp.v_slots, scratch_k + bs
+        h["ids"][:n], h["ids"][n:rows] = inp.ids, 0
+        h["pos"][:n], h["pos"][n:rows] = inp.positions, 0
+        h["lens"][:n], h["lens"][n:rows] = inp.ctx_lens, 1
+        h["k_slots"][:n], h["k_slots"][n:rows] = inp.k_slots, scratch_k
+        h["v_slots"][:n], h["v_slots"][n:rows] = inp.v_slots, scratch_k + bs
 
     def capture_order(self) -> list[tuple[int, int]]:
         """Every (batch, blocks) bucket, widest table and largest batch first (the shared memory pool
@@ -144,10 +191,15 @@ class DecodeGraphs:
         return time.monotonic() - start
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
-        r = self.runner
+        """The forward a graph of this bucket captures -> [batch, vocab] float32 logits (a static buffer)."""
+        r, cut = self.runner, self.cut
         with r.attend_decode(self.k_slots[:batch], self.v_slots[:batch], self.table[:batch, :blocks],
                              self.lens[:batch], blocks * r.block_size):
-            return r.forward(self.ids[:batch], self.pos[:batch], self.keep[:batch])
+            if cut is None:
+                return r.forward(self.ids[:batch], self.pos[:batch], self.keep[:batch])
+            rows, inputs, keep = max(batch, MIN_ROWS), (self.ids, self.pos), self.keep[:batch]
+            cut_forward(cut, batch, lambda i: cut.segment(i, rows, inputs=inputs, keep=keep))
+            return cut.logits[:batch]
 
     def _capture(self, batch: int, blocks: int) -> torch.cuda.CUDAGraph:
         # One warm-up forward on a side stream: whatever is initialised lazily (the layers' compiled
@@ -250,17 +302,8 @@ class MixedGraphs:
             self.copied.record()
         step_inputs.apply_feed(self.cut.ids, feed)
         segments = self._segments(bucket, kept, graphed)
-        cut = self.cut
-        segments[0]()
-        for i, layer in enumerate(cut.layers):
-            attn = layer.self_attn
-            q = cut.q[:t].transpose(0, 1).unsqueeze(0)  # [1, H, t, D], as transformers hands it over
-            k = cut.k[:t].transpose(0, 1).unsqueeze(0)
-            v = cut.v[:t].transpose(0, 1).unsqueeze(0)
-            out, _ = attention.paged_attention(attn, q, k, v, None, scaling=attn.scaling)
-            cut.attn[:t] = out.reshape(t, -1)
-            segments[i + 1]()
-        return cut.logits[:kept].clone()  # the buffer is the next step's
+        cut_forward(self.cut, t, lambda i: segments[i]())
+        return self.cut.logits[:kept].clone()  # the buffer is the next step's
 
     def _segments(self, bucket: int, kept: int, graphed: bool) -> list:
         if not graphed:  # the head over the kept rows only (a graph's is over max_keep rows)
@@ -283,14 +326,19 @@ class MixedGraphs:
         torch.cuda.synchronize(self.runner.device)
         return time.monotonic() - start
 
+    def warm(self, bucket: int) -> None:
+        """Every segment of this token bucket once, as its capture runs them before taking the graphs
+        (whatever they compile, they compile here)."""
+        for i in range(self.cut.num_segments):
+            self.cut.segment(i, bucket)
+
     def _capture(self, bucket: int) -> list[torch.cuda.CUDAGraph]:
         start = time.monotonic()
         cut = self.cut
         side = torch.cuda.Stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # lazy initialisation must not land in a graph
-            for i in range(cut.num_segments):
-                cut.segment(i, bucket)
+            self.warm(bucket)
         torch.cuda.current_stream().wait_stream(side)
         graphs = []
         for i in range(cut.num_segments):

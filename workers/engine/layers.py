@@ -66,7 +66,10 @@ class Cut:
         self.head_dim = attn0.head_dim
         dtype = self.head.weight.dtype
         hidden = cfg.hidden_size
-        n, hd = max_tokens, self.head_dim
+        # one row more than a step uses: a segment's rows are never its whole buffer. Dynamo guards a view's
+        # base like a size, and duck sizing ties two equal sizes: segments compiled first over every row
+        # would compile again at the next row count
+        n, hd = max_tokens + 1, self.head_dim
         z = dict(dtype=dtype, device=device)
         self.max_tokens, self.max_keep = max_tokens, max_keep
         self.h = torch.zeros(n, hidden, **z)
@@ -91,13 +94,17 @@ class Cut:
     def num_segments(self) -> int:
         return len(self.layers) + 1
 
-    def segment(self, i: int, t: int, kept: int | None = None) -> None:
+    def segment(self, i: int, t: int, kept: int | None = None, *, inputs: tuple | None = None,
+                keep: torch.Tensor | None = None) -> None:
         """Run segment i over rows [0, t) of the buffers; the last one's head over the first `kept`
-        rows of `keep` (None: all of them, the static shape a graph needs)."""
+        rows of `keep` (None: all of them, the static shape a graph needs). A decode graph gives its own
+        `inputs` ((ids, positions), [>= t] each: segment 0 reads them instead of `ids` and `pos`) and its
+        own `keep` (the rows whose logits it wants): the compiled code never sees either."""
         h = self.h[:t]
         if i == 0:
-            h[:] = self.inner.embed_tokens(self.ids[:t])
-            cos, sin = self.inner.rotary_emb(h.unsqueeze(0), self.pos[:t].unsqueeze(0))
+            ids, pos = inputs or (self.ids, self.pos)
+            h[:] = self.inner.embed_tokens(ids[:t])
+            cos, sin = self.inner.rotary_emb(h.unsqueeze(0), pos[:t].unsqueeze(0))
             self.cos[:t], self.sin[:t] = cos[0], sin[0]
         else:
             self.after(self.layers[i - 1], h, self.attn[:t])
@@ -105,7 +112,8 @@ class Cut:
             self.before(self.layers[i], h, self.cos[:t], self.sin[:t], self.q[:t], self.k[:t], self.v[:t], self.rotary)
         else:
             x = self.inner.norm(h)
-            keep = self.keep if kept is None else self.keep[:kept]
+            if keep is None:
+                keep = self.keep if kept is None else self.keep[:kept]
             self.logits[:len(keep)].copy_(self.head(x[keep]).float())
 
 

@@ -70,12 +70,8 @@ class ModelRunner:
         # decode attention through paged_kernel (CUDA), else the reference path; prefix chunks too with "triton"
         self.kernels = config.attention != "reference" and attention.use_kernels(self.device)
         self.prefix_kernel = self.kernels and config.attention == "triton"
-        compile_layers = config.compile and cuda
+        compile_dense = config.compile and cuda
         cuda_graphs = config.cuda_graphs and cuda
-        max_num_seqs = config.max_num_seqs
-        # steps with prompt tokens, up to this many tokens: piecewise graphs (they hold a chunk and the decodes)
-        mixed_tokens = (max(config.mixed_graph_tokens, config.step_chunk_tokens + max_num_seqs)
-                        if config.mixed_graph_tokens else 0)
         model.config._attn_implementation = attention.register()
         for sub in model.modules():  # some models keep a per-sub-module config
             cfg = getattr(sub, "config", None)
@@ -87,23 +83,45 @@ class ModelRunner:
             fusion.fuse_qkv(model)
         if not cuda:  # small-batch products that widen, transposed (cpu_weights.py)
             cpu_weights.transpose_wide(model)
-        if compile_layers:
+        self.build_forwards(config, max_model_len, decode_graphs=cuda_graphs, mixed_graphs=cuda_graphs,
+                            compile=compile_dense)
+
+    def build_forwards(self, config: EngineConfig, max_model_len: int, decode_graphs: bool, mixed_graphs: bool,
+                       compile: bool) -> None:
+        """The forwards `run` dispatches to besides the eager one: `graphs` (DecodeGraphs, steps of decodes
+        only; with decode_graphs) and `mixed` (MixedGraphs, steps with prompt tokens up to a chunk and its
+        decodes; replayed as graphs with mixed_graphs), their dense code torch.compiled with `compile`.
+
+        A cuttable model's decode graphs run the piecewise path's segments (decode_graph_forward "cut"): one
+        Cut, compiled once for both, and transformers' layers stay uncompiled (the eager path, taken by
+        prompt logprobs and steps past the Cut's rows, runs them as they are). Otherwise ("layers", or a model
+        that cannot be cut) every decoder layer is compiled for transformers' forward, which the decode graphs
+        and the eager path run. Called by __init__ with what the device allows; tests call it on the CPU with
+        decode_graphs and compile on (the capture itself is CUDA-only; the forwards it takes run anywhere)."""
+        from pdserve.workers.engine.graphs import DecodeGraphs, MixedGraphs
+        from pdserve.workers.engine.layers import Cut, cuttable
+
+        model, max_num_seqs = self.model, config.max_num_seqs
+        can_cut = cuttable(model)
+        cut_decode = can_cut and config.decode_graph_forward == "cut"
+        if compile and not cut_decode:
             compile_decoder_layers(model)
+        # steps with prompt tokens, up to this many tokens: piecewise graphs (they hold a chunk and the decodes)
+        mixed_tokens = (max(config.mixed_graph_tokens, config.step_chunk_tokens + max_num_seqs)
+                        if config.mixed_graph_tokens else 0)
+        self.mixed = None
+        if mixed_tokens and can_cut:
+            self.mixed = MixedGraphs(self, mixed_tokens, max_num_seqs, use_graphs=mixed_graphs, compile=compile,
+                                     graph_tokens=config.mixed_graph_tokens)
+        elif mixed_tokens:
+            log.info("%s is not a Llama-style decoder: steps with prompt tokens run eagerly", type(model).__name__)
         self.graphs = None
-        if cuda_graphs:
-            from pdserve.workers.engine.graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // self.block_size))
-        self.mixed = None  # steps with prompt tokens, up to mixed_tokens of them: piecewise graphs
-        if mixed_tokens:
-            from pdserve.workers.engine.graphs import MixedGraphs
-            from pdserve.workers.engine.layers import cuttable
-
-            if cuttable(model):
-                self.mixed = MixedGraphs(self, mixed_tokens, max_num_seqs, use_graphs=cuda_graphs,
-                                         compile=compile_layers, graph_tokens=config.mixed_graph_tokens)
-            else:
-                log.info("%s is not a Llama-style decoder: steps with prompt tokens run eagerly", type(model).__name__)
+        if decode_graphs:
+            cut = None
+            if cut_decode:
+                cut = self.mixed.cut if self.mixed is not None else \
+                    Cut(model, max(max_num_seqs, 2), max_num_seqs, self.device, compile=compile)
+            self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // self.block_size), cut=cut)
 
     @torch.inference_mode()
     def run(self, work: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None,
