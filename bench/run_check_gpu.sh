@@ -3,13 +3,16 @@
 # paths against the plain one (pdserve-bench paths: tiny in float32, the model in bf16), the worker's start
 # cold and then warm on the same compile caches (pdserve-bench start), and a long prompt arriving beside
 # running decodes, chunked against unchunked, with six prefill steps profiled, and decode at batch 1 (1k, 16k
-# contexts) with its steps at 1k profiled (pdserve-bench engine).
+# contexts) with its steps at 1k profiled (pdserve-bench engine). The part "cut" (not in the default set: a
+# call of its own, ~7 minutes) A/Bs what the decode graphs run: a cold and a warm start with
+# --decode-graph-forward cut on caches of their own, and the decode part's points with it, beside the
+# default's (layers) start and decode parts.
 # About 8 minutes on an H100/H200. Each part has its own time limit; a part that fails does not stop the
 # next. Everything lands in RESULTS (default bench/results/check-gpu-<commit>) and, on the device, in
 # $OUT/check-gpu.tgz.
 #
 #   bench/run_check_gpu.sh                       # every part
-#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk, decode)
+#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk, decode, cut)
 #   CHUNK_PROMPT=32k CHUNK_TOKENS=8192 bench/run_check_gpu.sh
 source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES
 set +e  # every part runs; their exit codes are collected in RESULTS/parts.txt
@@ -50,7 +53,17 @@ if has chunk; then
 fi
 if has decode; then
   part decode 240 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths 1k --pairs 1 \
-    --batches 1 --contexts 1k,16k --mixed-batch 0 --hf-decode-context 0 --chunk-decodes 0 --mixed-step '' \
+    --batches 1,32 --contexts 1k,16k --mixed-batch 0 --hf-decode-context 0 --chunk-decodes 0 --mixed-step '' \
     --repeats 20 --profile-decode "$RESULTS/decode-profile" --out "$RESULTS/decode.json"
+fi
+if has cut; then
+  CUT_CACHE=$(mktemp -d)
+  part cut-start-cold 240 "$PYTHON" -m pdserve.bench.cli start --model "$MODEL" --device "$DEVICE" \
+    --decode-graph-forward cut --cache-dir "$CUT_CACHE" --out "$RESULTS/cut-start-cold.json"
+  part cut-start-warm 150 "$PYTHON" -m pdserve.bench.cli start --model "$MODEL" --device "$DEVICE" \
+    --decode-graph-forward cut --cache-dir "$CUT_CACHE" --out "$RESULTS/cut-start-warm.json"
+  part cut-decode 200 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths 1k --pairs 1 \
+    --batches 1,32 --contexts 1k,16k --mixed-batch 0 --hf-decode-context 0 --chunk-decodes 0 --mixed-step '' \
+    --repeats 20 --decode-graph-forward cut --out "$RESULTS/cut-decode.json"
 fi
 cat "$RESULTS/parts.txt"

@@ -79,8 +79,10 @@ class EngineConfig:
     # what a decode graph captures (workers/engine/graphs.py): "cut", the piecewise path's compiled segments
     # with paged decode attention between them, so a worker compiles its layers once; "layers", transformers'
     # forward with each decoder layer torch.compiled, compiled apart from the segments (a model that cannot be
-    # cut, layers.cuttable, always runs this one)
-    decode_graph_forward: str = "cut"
+    # cut, layers.cuttable, always runs this one). The default stays "layers", the design measured on a GPU,
+    # until `pdserve-bench start` and `engine` A/B the two there (bench/run_check_gpu.sh): a default is a
+    # measured choice, and "cut" has run on the CPU only
+    decode_graph_forward: str = "layers"
     # the host schedules and launches step N+1 while step N runs, reading N's tokens back a step late
     # (workers/engine/overlap.py); None: on CUDA
     overlap: bool | None = None

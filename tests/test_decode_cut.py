@@ -95,11 +95,13 @@ def start_compiles(forward: str, monkeypatch) -> tuple[dict, dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("forward", ["cut", pytest.param("layers", marks=pytest.mark.xfail(
-    strict=True, reason="the decode graphs compile transformers' layers apart from the segments"))])
+@pytest.mark.parametrize("forward", ["cut", "layers"])
 def test_a_start_compiles_the_layers_code_once(forward, monkeypatch):
     alone, start = start_compiles(forward, monkeypatch)
     assert alone["dynamo_frames_compiled"] > 0 and alone["dynamo_recompiles"] == 0, alone
+    if forward == "layers":  # the decode graphs compile transformers' layers apart from the segments
+        assert start["dynamo_frames_compiled"] > alone["dynamo_frames_compiled"], (alone, start)
+        return
     # the decode graphs add no frame and no recompile (batch 1 included: its segments run over 2 rows)
     assert start["dynamo_frames_compiled"] == alone["dynamo_frames_compiled"], start
     assert start["dynamo_graphs"] == alone["dynamo_graphs"] and start["dynamo_recompiles"] == 0, start
