@@ -152,14 +152,42 @@ def test_offline_bench_cpu_smoke(tmp_path):
     c, floor, arms = result["config"], result["floor"], result["arms"]
     assert c["prompts"] == 5 and 5 * 16 <= c["prompt_tokens"] <= 5 * 48 and c["configs"]["chunk16"] == {
         "chunked": True, "chunk_tokens": 16}
-    assert set(arms) == {"default", "unchunked", "chunk16"}  # no peer asked
+    assert c["sampling"] == ["greedy", "sampled"] and c["temperature"] == 0.8
+    # every config greedy and sampled; no peer asked
+    assert set(arms) == {"default", "unchunked", "chunk16", "default sampled", "unchunked sampled", "chunk16 sampled"}
     for row in arms.values():
         [run_] = row["runs"]
         assert run_["gen_tokens"] == 5 * 4 and row["wall_s"] == run_["wall_s"] > 0
         assert row["over_floor"] == row["wall_s"] / floor["s"] and row["over_transformers"] is None
     assert floor["s"] == floor["prefill_s"] + floor["decode_s"] and floor["prefill_s"] > 0 and floor["decode_s"] > 0
-    assert result["targets"]["default_within_1_4x_floor"]["met"] is (arms["default"]["over_floor"] <= 1.4)
+    t = result["targets"]
+    assert set(t) == {"greedy_within_2x_floor", "sampled_within_2x_floor", "greedy_4x_transformers",
+                      "sampled_4x_transformers"}
+    assert t["greedy_within_2x_floor"]["met"] is (arms["default"]["over_floor"] <= 2.0)
+    assert t["sampled_within_2x_floor"]["measured"] == arms["default sampled"]["over_floor"]
+    assert t["sampled_4x_transformers"]["met"] is None  # no peer ran: not measured, not met
     assert result["provenance"]["commit"]
+    with pytest.raises(SystemExit, match="--sampling"):
+        offline.run(parser.parse_args(["--model", "tiny", "--device", "cpu", "--sampling", "beam"]))
+
+
+def test_offline_sampled_runs_draw_each_prompt_with_its_own_seed():
+    from pdserve.bench.engine import mixed as mx
+    from pdserve.settings.worker import EngineConfig
+    from pdserve.workers.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model="tiny", device="cpu", kv_memory_gb=0.05, prefix_cache=False))
+    prompts = [[5, 6, 7, 8] * 4, [5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    params = mx.offline_params(3, 12, 0.8, seed=40)
+    assert [p.seed for p in params] == [40, 41, 42] and all(p.temperature == 0.8 for p in params)
+    first = [r.output_ids for r in engine.generate(prompts, params)]
+    again = [r.output_ids for r in engine.generate(prompts, params)]
+    assert first == again  # seeded: the same draws on a second run
+    assert first[0] != first[1]  # one prompt twice, two seeds: two different samples
+    greedy = [r.output_ids for r in engine.generate(prompts, mx.offline_params(3, 12, 0.0, seed=40))]
+    assert greedy[0] == greedy[1] and greedy != first
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        engine.generate(prompts, params[:2])
 
 
 def test_profiled_writes_its_tables_and_trace(tmp_path):

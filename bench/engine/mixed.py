@@ -89,8 +89,16 @@ def offline_prompts(n: int, low: int, high: int, vocab: int, seed: int) -> list[
     return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lengths]
 
 
-def offline_run(engine, prompts: list[list[int]], out: int, device: torch.device) -> dict:
-    params = SamplingParams(max_tokens=out, ignore_eos=True)
+def offline_params(n: int, out: int, temperature: float, seed: int) -> list[SamplingParams]:
+    """Greedy (temperature 0) or sampled at `temperature`, each prompt with a seed of its own (seed + i)."""
+    if not temperature:
+        return [SamplingParams(max_tokens=out, ignore_eos=True)] * n
+    return [SamplingParams(max_tokens=out, ignore_eos=True, temperature=temperature, seed=seed + i) for i in range(n)]
+
+
+def offline_run(engine, prompts: list[list[int]], out: int, device: torch.device, temperature: float = 0.0,
+                seed: int = 0) -> dict:
+    params = offline_params(len(prompts), out, temperature, seed)
     sync(device)
     t = time.perf_counter()
     reqs = engine.generate(prompts, params)

@@ -274,10 +274,14 @@ class Engine:
         step.deferred.clear()
         return outs
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  return_logits: bool = False) -> list[Request]:
-        reqs = [Request(f"gen-{id(self)}-{i}-{time.monotonic_ns()}", list(p), params or SamplingParams(),
-                        return_logits=return_logits) for i, p in enumerate(prompts)]
+        """Run `prompts` to the end (one params for all, or one per prompt)."""
+        each = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(each)} sampling params for {len(prompts)} prompts")
+        reqs = [Request(f"gen-{id(self)}-{i}-{time.monotonic_ns()}", list(p), sp, return_logits=return_logits)
+                for i, (p, sp) in enumerate(zip(prompts, each))]
         for r in reqs:
             self.add_request(r)
         self.run_until_done(reqs)
