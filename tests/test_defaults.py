@@ -1,5 +1,6 @@
-"""`pdserve-bench defaults` over arms measured in several folders (a search, then more probes of it), and
-bench/run_defaults_gpu.sh's MORE probes, the script run with a stub PYTHON whose `load` writes a folder
+"""`pdserve-bench defaults` over arms measured in several folders (a search, then more probes of it), each
+topology judged against its own default, the committed sweep judged as it was; and bench/run_defaults_gpu.sh's
+colocated, disaggregated (pd-*) and MORE probes, the script run with a stub PYTHON whose `load` writes a folder
 without a server (every other command goes to the real interpreter, `defaults` included)."""
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ FLAGS = {"default": "", "unchunked": "--worker-arg=--no-chunked-prefill"}
 
 
 def write_run(folder: Path, label: str, probes: list[tuple[float, bool]], *, date: str = "2026-12-05T18:00:00+00:00",
-              flags: str | None = None, gpus: str = GPU) -> Path:
-    """A `load --capacity-search` folder of one arm whose probes (rate, passed) ran in this order."""
+              flags: str | None = None, gpus: str = GPU, server: str | None = None) -> Path:
+    """A `load --capacity-search` folder of one arm whose probes (rate, passed) ran in this order; its server:
+    one colocated worker with `flags` (default: the label's), or pdserve with the flags `server` gives."""
     passes = [r for r, ok in probes if ok]
     fails = [r for r, ok in probes if not ok]
     low, high = (max(passes) if passes else None), (min(fails) if fails else None)
     flags = FLAGS.get(label, f"--worker-arg=--chunk-tokens={label.removeprefix('chunk')}") if flags is None else flags
+    if server is None:
+        server = ("--model qwen2.5-7b --devices cuda:0 --transport ipc --mode bulk --kv-memory-gb 40 "
+                  f"--prefill-workers 0 --decode-workers 0 --colocated-workers 1 {flags}")  # the script's, long
     run = {
         "environment": {"date_utc": date, "machine": {"gpus": gpus}, "git_commit": "6ff38c7abc", "git_dirty": False},
         "workload": WORKLOAD, "slos_ms": {"ttft": 4000.0, "tpot": 100.0}, "goodput_target": 0.9,
         "arms": [{"label": label, "server": {
-            "command": f"/v/bin/python3 -m pdserve.server.cli --port 0 --parent-pid {len(str(folder))} --model "
-                       f"qwen2.5-7b --kv-memory-gb 40 --colocated-workers 1 {flags}".strip(), "startup_s": 31.0},
+            "command": f"/v/bin/python3 -m pdserve.server.cli --port 0 --parent-pid {len(str(folder))} "
+                       f"{server}".strip(), "startup_s": 31.0},
             "capacity": {"capacity_rate": low, "first_failing_rate": high, "precision": 0.1,
                          "converged": low is not None and high is not None and high / low - 1 <= 0.1 + 1e-9,
                          "rests_on_cold": []}}],
@@ -64,7 +69,8 @@ def long_today(root: Path) -> Path:
 def judged(root: Path, reference: str | None = "unchunked") -> tuple[dict, str]:
     out = root / "judged"
     args = argparse.Namespace(from_dirs=sorted(str(d) for d in root.iterdir() if (d / "results.json").is_file()),
-                              default="default", reference=reference, within=0.10, title="t", out=str(out))
+                              default="default", reference=reference, within=0.10, title="t", out=str(out),
+                              name="defaults")
     assert defaults.run(args) == 0
     return json.loads((out / "defaults.json").read_text()), (out / "defaults.md").read_text()
 
@@ -130,7 +136,8 @@ def test_folders_of_one_label_must_be_one_configuration(tmp_path, capsys):
               date="2026-12-06T10:00:00+00:00")
     write_run(root / "default.more-1.0", "default", [(1.0, False)], gpus="NVIDIA H200, 143771 MiB")
     args = argparse.Namespace(from_dirs=[str(root / n) for n in ("default", "unchunked", "unchunked.more-1.05")],
-                              default="default", reference=None, within=0.1, title=None, out=str(root / "o"))
+                              default="default", reference=None, within=0.1, title=None, out=str(root / "o"),
+                              name="defaults")
     assert defaults.run(args) == 2
     assert "differ in server flags" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"arm unchunked: .*/unchunked and .*more-1.05 differ in server flags"):
@@ -148,13 +155,14 @@ with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps(argv) + chr(10))
 if argv[:3] == ["-m", "pdserve.bench.cli", "load"]:
     val = lambda flag: argv[argv.index(flag) + 1]
-    label = val("--arm").split("=", 1)[0]
+    label, spec = val("--arm").split("=", 1)
     rate = float(val("--search-start-rate"))
     sys.path.insert(0, os.environ["STUB_TESTS"])
     from test_defaults import write_run
     write_run(__import__("pathlib").Path(val("--out")), label,
               [(rate, rate <= json.loads(os.environ["STUB_LIMITS"]).get(label, 0.0))],
-              date=f"2026-12-06T10:{len(open(os.environ['STUB_LOG']).readlines()):02d}:00+00:00")
+              date=f"2026-12-06T10:{len(open(os.environ['STUB_LOG']).readlines()):02d}:00+00:00",
+              server=val("--server-args") + " " + spec.split(":", 1)[1])  # as load starts it: common, then arm
     sys.exit(0)
 os.execv(sys.executable, [sys.executable, *argv])
 '''
@@ -212,10 +220,161 @@ def test_more_probes_measured_arms_once_per_rate_and_the_judge_merges_them(tmp_p
 
 def test_more_is_checked_before_anything_runs_and_honours_call_seconds(tmp_path):
     long_today(tmp_path / "results" / "long")
-    for bad, says in (("unchunked", "MORE takes arm:rate"), ("chunky:1", "an arm is default, unchunked or chunkN"),
+    for bad, says in (("unchunked", "MORE takes arm:rate"), ("chunky:1", "an arm is default, unchunked, chunkN, pd-default"),
                       ("unchunked:1.05,0", "a rate is a number"), ("default:fast", "a rate is a number")):
         done, calls = run_script(tmp_path, {"MORE": bad})
         assert done.returncode == 2 and says in done.stdout + done.stderr and calls == [], (bad, done.stderr)
     # no probe starts with less than ARM_MIN_SECONDS of the call left
     done, calls = run_script(tmp_path, {"MORE": "unchunked:1.05", "CALL_SECONDS": "100"})
     assert done.returncode == 0 and loads(calls) == [] and "probe at 1.05 not started" in done.stdout
+
+
+PD = ("--model qwen2.5-7b --devices cuda:0 --transport ipc --mode bulk --kv-memory-gb 16 --no-colocated "
+      "--prefill-workers 1 --decode-workers 1")
+COMMITTED = ROOT / "bench/results/defaults-gpu"
+
+
+@pytest.mark.parametrize("flags,workers", [
+    ("--devices cuda:0 --prefill-workers 0 --decode-workers 0 --colocated-workers 1", "1 colocated worker on cuda:0"),
+    (PD, "1 prefill + 1 decode workers on cuda:0"),
+    ("--model tiny", "1 prefill + 1 decode + 1 colocated workers on (pdserve's default devices)"),
+    ("--devices=cuda:0,cuda:1 --prefill-workers=0 --decode-workers 0 --colocated-workers 1 --colocated-workers 2",
+     "2 colocated workers on cuda:0,cuda:1"),
+])
+def test_an_arms_topology_is_read_from_its_server_command(flags, workers):
+    assert defaults.topology(f"/v/bin/python -m pdserve.server.cli --port 0 --parent-pid 7 {flags}") == workers
+
+
+def test_a_default_is_judged_against_arms_of_its_own_topology_only(tmp_path, capsys):
+    root = long_today(tmp_path)
+    write_run(root / "pd-default", "pd-default", [(0.8, True), (1.6, False), (1.0, False)], server=PD)
+    write_run(root / "pd-seqs128", "pd-seqs128", [(2.0, True)], server=PD + " --worker-arg=--max-num-seqs=128")
+    everything = sorted(str(d) for d in root.iterdir())
+    for default, says in (("default", "the default (default) runs 1 colocated worker on cuda:0, but pd-default, "
+                                      "pd-seqs128 run 1 prefill + 1 decode workers on cuda:0: "),
+                          ("pd-default", "the default (pd-default) runs 1 prefill + 1 decode workers on cuda:0, but "
+                                         "chunk16384, default, unchunked run 1 colocated worker on cuda:0: ")):
+        # pd-seqs128 passed 2.0 where the colocated default failed 1.0: compared, it would refute it; it is not
+        args = argparse.Namespace(from_dirs=everything, default=default, reference=None, within=0.1, title=None,
+                                  out=str(tmp_path / "o"), name="defaults")
+        assert defaults.run(args) == 2
+        err = capsys.readouterr().err
+        assert says in err and "give each topology its own judgement" in err, err
+        assert not (tmp_path / "o").exists()
+    args = argparse.Namespace(from_dirs=[str(root / "pd-default"), str(root / "pd-seqs128")], default="pd-default",
+                              reference=None, within=0.1, title="pairs", out=str(tmp_path / "o"), name="defaults-pd")
+    assert defaults.run(args) == 0
+    doc = json.loads((tmp_path / "o/defaults-pd.json").read_text())
+    assert doc["verdict"]["topology"] == "1 prefill + 1 decode workers on cuda:0"
+    assert doc["verdict"]["refuted_by"] == ["pd-seqs128"] and set(doc["arms"]) == {"pd-default", "pd-seqs128"}
+    md = (tmp_path / "o/defaults-pd.md").read_text()
+    assert "- every arm runs 1 prefill + 1 decode workers on cuda:0" in md and "**no**: more than 10% below pd-seqs128" in md
+    assert not (tmp_path / "o/defaults.json").exists()  # --name: the colocated verdict's file is another's
+
+
+@pytest.mark.parametrize("workload", ["mixed", "long"])
+def test_the_committed_sweep_judges_as_it_did(tmp_path, workload):
+    """bench/results/defaults-gpu (one H100, 6ff38c7) judged again by this code: the same verdict (every field
+    it had then; those added since are new), brackets and arms, one topology."""
+    folder = COMMITTED / workload
+    then = json.loads((folder / "defaults.json").read_text())
+    args = argparse.Namespace(from_dirs=sorted(str(d) for d in folder.iterdir() if (d / "results.json").is_file()),
+                              default="default", reference="unchunked", within=0.10, title=then["title"],
+                              out=str(tmp_path), name="defaults")
+    assert defaults.run(args) == 0
+    now = json.loads((tmp_path / "defaults.json").read_text())
+    assert {k: now["verdict"][k] for k in then["verdict"]} == then["verdict"]
+    assert {k: (a["low"], a["high"]) for k, a in now["arms"].items()} == {
+        k: (a["low"], a["high"]) for k, a in then["arms"].items()}
+    assert now["verdict"]["topology"] == "1 colocated worker on cuda:0"
+    if workload == "mixed":
+        assert then["verdict"]["default_within_margin_of_all"] is True  # what the README quotes
+
+
+def test_pd_arms_start_a_prefill_and_a_decode_worker_and_are_judged_apart(tmp_path):
+    long_today(tmp_path / "results" / "long")  # the colocated arms, measured
+    arms = {"ARMS": "pd-default,pd-seqs128,pd-chunk32768,pd-layer",
+            "STUB_LIMITS": json.dumps({"pd-default": 0.9, "pd-chunk32768": 1.2})}  # the rest fail any rate
+    done, calls = run_script(tmp_path, arms)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = loads(calls)
+    val = lambda c, flag: c[c.index(flag) + 1]  # noqa: E731
+    pair = "=disaggregated:--no-colocated --prefill-workers 1 --decode-workers 1 "
+    assert [val(c, "--arm") for c in ran] == [
+        "pd-default" + pair, "pd-seqs128" + pair + "--worker-arg=--max-num-seqs=128",
+        "pd-chunk32768" + pair + "--worker-arg=--chunk-tokens=32768", "pd-layer" + pair]
+    # the pairs' own pool (PD_KV 16 GiB a worker, not the long workload's 40) and transfer mode
+    assert [val(c, "--server-args") for c in ran] == [
+        "--model qwen2.5-7b --devices cuda:0 --transport ipc --mode bulk --kv-memory-gb 16"] * 3 + [
+        "--model qwen2.5-7b --devices cuda:0 --transport ipc --mode layer --kv-memory-gb 16"]
+    # pd-default's own full search; every other pair one probe at pd-default's capacity (0.8) / 0.9, not the
+    # colocated default's (0.95)
+    assert (val(ran[0], "--search-start-rate"), val(ran[0], "--search-max-probes")) == ("0.8", "6")
+    for c in ran[1:]:
+        assert float(val(c, "--search-start-rate")) == pytest.approx(0.8 / 0.9 * 0.999)
+        assert val(c, "--search-max-probes") == "1"
+    judges = [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "defaults"]]
+    assert len(judges) == 1  # a call judges the kinds it measured: the colocated verdict is left as it was
+    assert not (tmp_path / "results/long/defaults.json").exists()
+    done, calls = run_script(tmp_path, {"JUDGE": "1"})  # JUDGE=1: both, each against its own default
+    assert done.returncode == 0, done.stdout + done.stderr
+    judges = [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "defaults"]]
+    assert len(judges) == 2 and not loads(calls)
+    colocated, pairs = judges
+    assert sorted(Path(val(colocated[i:], "--from")).name for i, w in enumerate(colocated) if w == "--from") == [
+        "chunk16384", "default", "unchunked"]
+    assert (val(colocated, "--default"), val(colocated, "--reference"), val(colocated, "--name")) == (
+        "default", "unchunked", "defaults")
+    assert sorted(Path(val(pairs[i:], "--from")).name for i, w in enumerate(pairs) if w == "--from") == [
+        "pd-chunk32768", "pd-default", "pd-layer", "pd-seqs128"]
+    assert (val(pairs, "--default"), val(pairs, "--name")) == ("pd-default", "defaults-pd")
+    assert "--reference" not in pairs
+    out = tmp_path / "results/long"
+    co, pd = (json.loads((out / f"{n}.json").read_text()) for n in ("defaults", "defaults-pd"))
+    assert set(co["arms"]) == {"default", "unchunked", "chunk16384"}
+    assert co["verdict"]["topology"] == "1 colocated worker on cuda:0"
+    assert pd["verdict"]["topology"] == "1 prefill + 1 decode workers on cuda:0"
+    # seqs128 and layer failed 0.888: the default within 10% of them; chunk32768 passed it: open
+    assert pd["verdict"]["default_within_margin_of"] == {"pd-seqs128": True, "pd-chunk32768": None, "pd-layer": True}
+    # measured arms are kept: the same call again starts no server
+    done, calls = run_script(tmp_path, arms)
+    assert done.returncode == 0 and loads(calls) == [] and "arm pd-layer: measured already" in done.stdout
+    # MORE probes a pair's arm as a colocated one's: its own pair flags, merged into its bracket
+    done, calls = run_script(tmp_path, {"MORE": "pd-chunk32768:1.0", "STUB_LIMITS": arms["STUB_LIMITS"]})
+    assert done.returncode == 0, done.stdout + done.stderr
+    [more] = loads(calls)
+    assert val(more, "--arm") == "pd-chunk32768" + pair + "--worker-arg=--chunk-tokens=32768"
+    assert Path(val(more, "--out")).name == "pd-chunk32768.more-1.0"
+    chunk = json.loads((out / "defaults-pd.json").read_text())["arms"]["pd-chunk32768"]
+    assert (chunk["low"], chunk["high"], len(chunk["folders"])) == (1.0, None, 2)
+
+
+def test_the_scripts_colocated_arms_start_the_committed_sweeps_servers(tmp_path):
+    """A colocated arm is the configuration the committed sweep measured (server flags as the judge compares
+    them), so a MORE probe of a committed arm merges into its bracket (the judge refuses folders of one label
+    whose server flags differ)."""
+    arms = ("default", "unchunked", "chunk16384", "chunk2048")
+    long_today(tmp_path / "results/long")
+    done, calls = run_script(tmp_path, {"MORE": " ".join(f"{a}:1.05" for a in arms)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = loads(calls)
+    assert len(ran) == len(arms)
+    for arm, c in zip(arms, ran):
+        committed = json.loads((COMMITTED / "long" / arm / "results.json").read_text())["arms"][0]["server"]["command"]
+        spec = c[c.index("--arm") + 1]
+        started = f"python -m pdserve.server.cli {c[c.index('--server-args') + 1]} {spec.split(':', 1)[1]}"
+        assert spec.startswith(f"{arm}=colocated:")
+        assert defaults._server_flags(started) == defaults._server_flags(committed), arm
+
+
+def test_arms_are_checked_before_any_runs(tmp_path):
+    long_today(tmp_path / "results" / "long")
+    for bad, says in (("pd-default,pd-unchunked", "pd-unchunked measures nothing: a prefill worker prefills"),
+                      ("pd-default,pd-seqs12x", "an arm is default, unchunked, chunkN, pd-default"),
+                      ("pd-chunk", "got 'pd-chunk'"), ("chunk64,chunk6a4", "got 'chunk6a4'")):
+        done, calls = run_script(tmp_path, {"ARMS": bad})
+        assert done.returncode == 2 and says in done.stdout + done.stderr and calls == [], (bad, done.stderr)
+    # a pair's arm needs pd-default's capacity, not the colocated default's
+    done, calls = run_script(tmp_path, {"ARMS": "pd-seqs32"})
+    assert done.returncode == 0 and loads(calls) == []
+    assert "arm pd-seqs32: the pd-default arm has no capacity yet" in done.stdout

@@ -100,6 +100,36 @@ def test_reservation_waits_for_room_then_fails_at_its_deadline(reference):
         d.role.close(), d.engine.kv.close()
 
 
+def test_reservations_stop_at_max_num_seqs_seats(reference):
+    """adopt() joins the running batch unasked, and on CUDA a decode step of more than max_num_seqs
+    requests has no graph (the step fails): a decode worker seats at most max_num_seqs requests,
+    reserved, receiving or running; the next waits for a seat, in arrival order, or fails at its
+    deadline saying so."""
+    d = Shell("decode", Engine(EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, kv_shared=True, max_num_seqs=2)),
+              TransferConfig(transport="zmq"))
+    try:
+        prompt = list(range(100, 140))  # 3 blocks each: the pool has room for all of them
+        for rid in ("a", "b", "c"):
+            d.role.handle(P.Reserve(rid, prompt, P.Sampling(), deadline_s=10.0))
+        assert [m.request_id for m in d.take(P.Reserved)] == ["a", "b"]
+        assert d.role.queue_depth() == 3 and d.engine.blocks.num_free == NUM_BLOCKS - 6
+        d.role.tick()
+        assert not d.take(P.Reserved)  # room in the pool, no seat
+        d.role.handle(P.Abort("a", "test"))
+        pump([d], lambda: d.sent, 5.0)  # a's blocks come back once the receiver lets go; c is seated
+        assert [m.request_id for m in d.take(P.Reserved)] == ["c"]
+        d.role.handle(P.Reserve("late", prompt, P.Sampling(), deadline_s=0.3))
+        pump([d], lambda: d.sent, 5.0)
+        [failed] = d.take(P.RequestFailed)
+        assert failed.request_id == "late" and failed.kind == "capacity"
+        assert "2 of --max-num-seqs 2 seats taken" in failed.error and "blocks free" in failed.error
+        for rid in ("b", "c"):
+            d.role.handle(P.Abort(rid, "test"))
+        pump([d], lambda: d.engine.blocks.num_free == NUM_BLOCKS, 5.0)
+    finally:
+        d.role.close(), d.engine.kv.close()
+
+
 def test_prefill_past_its_deadline_or_to_nobody_fails_and_frees_blocks(reference):
     prompt, _ = reference
     p = Shell("prefill", engine(), TransferConfig(transport="zmq", deadline_s=0.5))

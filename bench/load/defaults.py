@@ -18,12 +18,18 @@ bracket [highest pass, lowest fail) is taken over every folder's probes, and whe
 fail (noise between runs) the arm's probes disagree: its bracket is not converged, both probes are named,
 and no verdict against it is drawn ("not decided (probes disagree: ...)").
 
+One topology per judgement: every arm must run the default's workers (server flags --prefill-workers,
+--decode-workers, --colocated-workers, --no-colocated, with pdserve's defaults where not given) on the same
+--devices; an arm of another topology is refused, with its folder named. A colocated worker's default is
+judged against colocated arms, a prefill and decode worker pair's against pairs (bench/run_defaults_gpu.sh
+judges its colocated arms into defaults.md and its pd-* arms into defaults-pd.md, `--name`).
+
 Only the default needs a converged bracket: another arm needs one decisive probe, at the default's
 capacity / (1 - within) (bench/run_defaults_gpu.sh starts each other arm's search there): failing it shows
 the default within the margin of that arm, however far below the arm's capacity lies.
 
-Writes defaults.json (every arm's bracket, probes, folders, server command, the verdicts, provenance) and
-defaults.md (the same as a table, with the command that made it).
+Writes NAME.json (every arm's bracket, probes, folders, server command, topology, the verdicts, provenance)
+and NAME.md (the same as a table, with the command that made it); NAME is `--name`, defaults.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -45,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", default=None, help="an arm the default must not fall below (e.g. unchunked)")
     p.add_argument("--within", type=float, default=0.10, help="the margin to the best arm (default 0.10)")
     p.add_argument("--title", default=None, help="what the sweep compares, for the report's heading")
-    p.add_argument("--out", required=True, help="folder for defaults.json and defaults.md")
+    p.add_argument("--out", required=True, help="folder for NAME.json and NAME.md")
+    p.add_argument("--name", default="defaults", help="the verdict's file name, without .json or .md (default: "
+                                                     "defaults)")
 
 
 # What every folder of one arm must share for its probes to be one arm's (anything else is another configuration)
@@ -55,6 +64,31 @@ SAME = ("server flags", "workload", "SLOs", "goodput target", "GPUs")
 def _server_flags(command: str | None) -> str:
     """The server's flags of a command line, less the interpreter, the port and the parent pid."""
     return re.sub(r"--(port|parent-pid) \S+ ?", "", (command or "").split("pdserve.server.cli", 1)[-1]).strip()
+
+
+# pdserve's worker counts where its command gives none (server/cli.py, add_worker_arguments)
+WORKER_COUNTS = {"--prefill-workers": 1, "--decode-workers": 1, "--colocated-workers": 1}
+
+
+def topology(command: str | None) -> str:
+    """The workers a server command starts and where, e.g. "1 prefill + 1 decode worker on cuda:0"; the last
+    of a repeated flag counts, as in argparse."""
+    if not command:
+        return "unknown (no server command)"
+    counts, devices = dict(WORKER_COUNTS), "(pdserve's default devices)"
+    words = shlex.split(_server_flags(command))
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        if not eq and i + 1 < len(words):
+            value = words[i + 1]
+        if name in counts:
+            counts[name] = int(value)
+        elif name == "--no-colocated":
+            counts["--colocated-workers"] = 0
+        elif name in ("--devices", "--device"):
+            devices = value
+    parts = [f"{n} {flag.removeprefix('--').removesuffix('-workers')}" for flag, n in counts.items() if n]
+    return f"{' + '.join(parts) or 'no'} worker{'s' if sum(counts.values()) != 1 else ''} on {devices}"
 
 
 def _folder_runs(d: str) -> list[dict]:
@@ -70,7 +104,7 @@ def _folder_runs(d: str) -> list[dict]:
         server = arm.get("server") or {}
         out.append({
             "label": arm["label"], "folder": str(d), "command": server.get("command"),
-            "startup_s": server.get("startup_s"), "environment": env,
+            "startup_s": server.get("startup_s"), "environment": env, "topology": topology(server.get("command")),
             "low": cap["capacity_rate"], "high": cap["first_failing_rate"], "converged": cap["converged"],
             "precision": cap.get("precision", 0.1),
             "rests_on_cold": [{**c, "folder": str(d)} for c in cap.get("rests_on_cold") or []],
@@ -113,7 +147,7 @@ def merge(label: str, runs: list[dict]) -> dict:
             or (c.get("run") == "first failing" and c.get("rate") == high)]
     return {
         "folder": first["folder"], "folders": [r["folder"] for r in runs],
-        "command": first["command"], "startup_s": first["startup_s"],
+        "command": first["command"], "startup_s": first["startup_s"], "topology": first["topology"],
         "low": low, "high": high, "converged": converged if len(runs) > 1 else first["converged"],
         "disagree": disagree, "rests_on_cold": cold if len(runs) > 1 else first["rests_on_cold"],
         "probes": [p for r in runs for p in r["probes"]],
@@ -162,13 +196,24 @@ def judge(arms: dict[str, dict], default: str, reference: str | None, within: fl
     if reference is not None and reference not in arms:
         raise ValueError(f"no arm labelled {reference!r} (have {', '.join(arms)})")
     d = arms[default]
+    other: dict[str, list[str]] = {}  # topology -> the labels of the arms that run it, where not the default's
+    for label, a in arms.items():
+        if a["topology"] != d["topology"]:
+            other.setdefault(a["topology"], []).append(label)
+    if other:
+        raise ValueError(
+            f"the default ({default}) runs {d['topology']}, but " + "; ".join(
+                f"{', '.join(sorted(labels))} {'runs' if len(labels) == 1 else 'run'} {where}"
+                for where, labels in other.items())
+            + ": a default is judged against arms of its own topology only; give each topology its own judgement "
+              "(--from only its folders, --default its own default arm)")
     why = {label: _disagree(d, a) for label, a in arms.items() if label != default}
     why = {label: w for label, w in why.items() if w}
     vs = {label: None if label in why else at_least(d, a, 1 - within)
           for label, a in arms.items() if label != default}
     best = max(arms, key=lambda k: (arms[k]["low"] or 0.0, -(arms[k]["high"] or math.inf)))
     out = {
-        "default": default, "within": within, "best_measured": best,
+        "default": default, "topology": d["topology"], "within": within, "best_measured": best,
         "default_within_margin_of": vs,
         "default_within_margin_of_all": all(v is True for v in vs.values()) if vs else None,
         "undecided": sorted(k for k, v in vs.items() if v is None),
@@ -213,7 +258,8 @@ def _provenance(label: str, a: dict) -> list[str]:
 def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str) -> str:
     d = verdict["default"]
     why = verdict.get("probes_disagree") or {}
-    lines = [f"# Defaults check{': ' + title if title else ''}", "", f"- command: `{command}`"]
+    lines = [f"# Defaults check{': ' + title if title else ''}", "", f"- command: `{command}`",
+             f"- every arm runs {verdict['topology']} (a default is judged against its own topology only)"]
     for label, a in arms.items():
         lines += _provenance(label, a)
     lines += ["", "| arm | capacity (req/s): highest pass | lowest fail | converged | probes (rate: pass/fail, "
@@ -228,7 +274,7 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
     lines += ["", "**Verdict**:", ""]
     plain = [k for k in verdict["undecided"] if k not in why]
     if verdict["refuted_by"]:
-        said = f"**no**: below {verdict['within']:.0%} of {', '.join(verdict['refuted_by'])}"
+        said = f"**no**: more than {verdict['within']:.0%} below {', '.join(verdict['refuted_by'])}"
     elif verdict["undecided"]:
         parts = [f"not decided ({why[k]}) against {k}" for k in sorted(why)]
         if plain:
@@ -268,8 +314,8 @@ def run(args) -> int:
     command = "pdserve-bench defaults " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "pdserve-bench defaults"
     doc = {"title": args.title, "arms": arms, "verdict": verdict, "command": command,
            "provenance": provenance.collect([])}
-    (out / "defaults.json").write_text(json.dumps(doc, indent=2))
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=2))
     text = render(arms, verdict, args.title, command)
-    (out / "defaults.md").write_text(text)
+    (out / f"{args.name}.md").write_text(text)
     print(text)
     return 0

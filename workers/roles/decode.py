@@ -1,9 +1,12 @@
 """Decode role: reserve blocks, receive a request's KV into them, continue it from decode step 2.
 
 Life cycle of a request (its status, in the engine: workers/engine/request.py):
-    Reserve   -> engine.admit()             WAITING     for room, in arrival order (InvalidRequest ->
-                                                        RequestFailed invalid; past its deadline ->
-                                                        RequestFailed capacity)
+    Reserve   -> engine.admit()             WAITING     for room, in arrival order: blocks for its prompt and
+                                                        a seat (at most --max-num-seqs requests SEATED:
+                                                        adopt() joins the batch unasked, and a decode
+                                                        step past max_num_seqs has no CUDA graph)
+                                                        (InvalidRequest -> RequestFailed invalid; past its
+                                                        deadline -> RequestFailed capacity)
               -> engine.reserve()           RESERVED    its leading blocks may be cached here already (the
                                                         prefix cache): receiver.expect(the others, deadline)
                                                         -> Reserved(those blocks, our KV receiver address,
@@ -51,6 +54,9 @@ log = logging.getLogger("pdserve.worker")
 
 EXPECTING_POLL_MS = 1  # KV in flight: check the receiver this often
 IN_FLIGHT = (Status.RESERVED, Status.RECEIVING, Status.CANCELLING)  # the receiver holds their blocks' fate
+# in the running batch or on their way into it (a preempted one is seated again by the scheduler, under the
+# same cap): reservations stop while max_num_seqs of them are here
+SEATED = (Status.RESERVED, Status.RECEIVING, Status.RUNNING, Status.PREFILLING, Status.PREEMPTED)
 
 
 class DecodeRole(Role):
@@ -101,16 +107,24 @@ class DecodeRole(Role):
 
     def _reserve_waiting(self) -> None:
         """Reserve for the WAITING requests in arrival order while there is room; fail those past
-        their deadline (a later request never jumps an earlier one)."""
-        for req in self.engine.in_state(Status.WAITING):
+        their deadline (a later request never jumps an earlier one). Room: the prompt's blocks, and a seat
+        while fewer than max_num_seqs requests are SEATED."""
+        waiting = self.engine.in_state(Status.WAITING)
+        if not waiting:
+            return
+        seats, seated = self.engine.config.max_num_seqs, len(self.engine.in_state(*SEATED))
+        for req in waiting:
             rid = req.request_id
             if now() >= req.deadline:
                 error = (f"decode worker {self.worker_id} had no room for {len(req.prompt_ids)} prompt tokens "
-                         f"within {req.deadline - req.stamps.arrived:.1f}s ({self.engine.blocks.num_free} blocks free); "
-                         f"add decode workers or KV memory (--kv-memory-gb)")
+                         f"within {req.deadline - req.stamps.arrived:.1f}s ({self.engine.blocks.num_free} blocks free, "
+                         f"{seated} of --max-num-seqs {seats} seats taken); add decode workers, KV memory "
+                         f"(--kv-memory-gb) or seats (--max-num-seqs)")
                 self.engine.fail(rid, error)
                 self.fail(rid, FailureKind.CAPACITY, error)
                 continue
+            if seated >= seats:
+                return
             blocks = self.engine.reserve(rid, len(req.prompt_ids))
             if blocks is None:
                 return
@@ -121,6 +135,7 @@ class DecodeRole(Role):
                 self.engine.fail(rid, str(e))
                 self.fail(rid, FailureKind.TRANSFER, f"decode worker {self.worker_id} cannot take KV for request {rid}: {e}")
                 continue
+            seated += 1
             self.worker.send(P.Reserved(self.worker_id, rid, dst_blocks, self.kv_address, req.cached_tokens))
 
     def _follow_transfers(self) -> None:
