@@ -38,7 +38,7 @@ the CUDA calls, any synchronisation; summarised in the JSON and markdown, the tr
 
 GPU (the lead runs it):  pdserve-bench transfer                    (qwen2.5-7b, cuda, 1k 4k 16k 32k)
                          pdserve-bench transfer --decode-device cuda:1
-    issue 35, every row and verdict in one call (docs/benchmarks.md: about 6 minutes on an H200):
+    issue 35, every row and verdict in one call (docs/benchmarks.md: about 5-6 minutes on an H200):
                          pdserve-bench transfer --model qwen2.5-7b --device cuda:0 --lengths 4k,32k --repeats 3 \\
                              --warmup 1 --modes bulk,layer --no-seed-method --tokens 8 --profile-transfer DIR \\
                              --transports zmq,zmq-curve,ipc,nixl,ipc-fragmented,nixl-fragmented,zmq-fragmented
