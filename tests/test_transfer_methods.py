@@ -28,7 +28,7 @@ def test_curve_and_fragmented_rows_are_exact(tmp_path):
     t = result["targets"]
     assert t["fragmented_runs"] == by["ipc-fragmented", "bulk"]["runs_per_request"]
     assert t["zmq-curve_bulk_gbps"] == pytest.approx(by["zmq-curve", "bulk"]["gbps"])
-    assert "zmq-curve bulk >= 5 GB/s" in (tmp_path / "transfer.md").read_text()
+    assert "zmq-curve bulk >= 3 GB/s" in (tmp_path / "transfer.md").read_text()  # issue 35: 3 through CURVE
 
 
 def test_methods_parse_and_refuse():

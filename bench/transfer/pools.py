@@ -8,12 +8,15 @@
                  seeded order until `need` blocks are free: what a request gets then is many short runs,
                  paired across two independently scattered pools into shorter ones still
     paged_copy(pool, blocks, device)   the longest request's blocks copied inside one pool, all layers: one
-                 strided copy_, one copy_ per layer, one 2D memcpy (ipc's large bulk pattern, GPU), and the
-                 same blocks scattered (every other block) moved as ipc moves scattered runs (by index)
+                 strided copy_ of the pool's dtype and of 8-byte words (ipc's small bulk pattern), one copy_
+                 per layer (its large bulk pattern), one 2D memcpy (its large bulk pattern at c3da930, GPU),
+                 and the same blocks scattered (every other block) moved as ipc moves scattered runs (by
+                 index, in words; and in the pool's dtype, as before)
 """
 
 from __future__ import annotations
 
+import ctypes
 import random
 import tempfile
 import time
@@ -24,7 +27,7 @@ import torch
 from pdserve.bench.engine.decode import sync
 from pdserve.settings.keys import new_deployment, write_worker_keys
 from pdserve.protocol.enums import TRANSPORTS
-from pdserve.workers.transfer.ipc import CUDA_MEMCPY_DEVICE_TO_DEVICE, cuda_memcpy2d
+from pdserve.workers.transfer.ipc import words
 
 VARIANTS = ("", "curve", "fragmented")
 
@@ -82,17 +85,19 @@ def _timed(fn, device: torch.device) -> float:
 def paged_copy(pool: torch.Tensor, nb: int, device: torch.device) -> dict:
     """Copy patterns inside one pool, GB/s (module docstring)."""
     src, dst = pool[:, :nb], pool[:, nb:2 * nb]
+    wsrc, wdst = words(pool)[:, :nb], words(pool)[:, nb:2 * nb]
     nbytes = src.numel() * src.element_size()
 
     def per_layer():
         for layer in range(pool.shape[0]):
-            dst[layer].copy_(src[layer])
+            wdst[layer].copy_(wsrc[layer])
 
     out = {"blocks": nb, "bytes": nbytes}
-    for name, fn in (("strided", lambda: dst.copy_(src)), ("per_layer", per_layer)):
+    for name, fn in (("strided", lambda: dst.copy_(src)), ("strided_words", lambda: wdst.copy_(wsrc)),
+                     ("per_layer", per_layer)):
         out[f"{name}_gbps"] = nbytes / _timed(fn, device) / 1e9
     memcpy2d = cuda_memcpy2d() if pool.is_cuda else None
-    out["memcpy2d_gbps"] = None  # ipc's large bulk copies: one 2D memcpy for all layers (GPU only)
+    out["memcpy2d_gbps"] = None  # one 2D memcpy for all layers (ipc's large bulk copy at c3da930; GPU only)
     if memcpy2d is not None:
         pitch, width = pool.stride(0) * pool.element_size(), nbytes // pool.shape[0]
         stream = torch.cuda.current_stream(pool.device).cuda_stream
@@ -107,14 +112,36 @@ def paged_copy(pool: torch.Tensor, nb: int, device: torch.device) -> dict:
         except RuntimeError:
             pass
     half = nb // 2  # every other block of the first nb, into every other block of the next nb
-    flat = pool.view(pool.shape[0], pool.shape[1], -1)
     src_idx = torch.arange(0, 2 * half, 2, device=pool.device)
     dst_idx = src_idx + nb
-    scattered = pool.shape[0] * half * flat.shape[-1] * flat.element_size()
-
-    def gather_scatter():  # as ipc does it (workers/transfer/ipc.py, IpcTransfer._copies)
-        flat.index_copy_(1, dst_idx, flat.index_select(1, src_idx))
-
     out["scattered_blocks"] = half
-    out["scattered_gather_gbps"] = scattered / _timed(gather_scatter, device) / 1e9
+    elements = pool.view(*pool.shape[:2], -1)
+    for name, flat in (("scattered_gather", words(pool)), ("scattered_gather_elements", elements)):
+        scattered = pool.shape[0] * half * flat.shape[-1] * flat.element_size()
+
+        def gather_scatter(flat=flat):  # as ipc does it (workers/transfer/ipc.py, IpcTransfer._copies)
+            flat.index_copy_(1, dst_idx, flat.index_select(1, src_idx))
+
+        out[f"{name}_gbps"] = scattered / _timed(gather_scatter, device) / 1e9
     return out
+
+
+CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
+_CUDART: list = []  # [cudaMemcpy2DAsync or None], looked up once
+
+
+def cuda_memcpy2d():
+    """The CUDA runtime's cudaMemcpy2DAsync (the libcudart torch loaded), or None where it cannot be found."""
+    if not _CUDART:
+        fn = None
+        for name in (f"libcudart.so.{(torch.version.cuda or '0').split('.')[0]}", "libcudart.so"):
+            try:
+                fn = ctypes.CDLL(name).cudaMemcpy2DAsync
+            except (OSError, AttributeError):
+                continue
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                           ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            break
+        _CUDART.append(fn)
+    return _CUDART[0]

@@ -15,9 +15,10 @@ Prefill side (our transports, one sender per transport and mode, and the seed's 
     paged_copy {blocks}                 a request's blocks across all layers inside this pool: one strided
                                         copy_ vs one copy_ per layer, GB/s
     prefill {n, seed}                   plain prefill_only, ms (the reference for layer-wise extra)
-    transfer {id, n, seed, transport, mode, peer, dst}   prefill + move the KV into the decode blocks;
-                                        the transfer opens at layer 0 in both modes, so the receiver's
-                                        Accept comes back while prefill runs
+    transfer {id, n, seed, transport, mode, peer, dst, profile?}   prefill + move the KV into the decode
+                                        blocks; the transfer opens at layer 0 in both modes, so the receiver's
+                                        Accept comes back while prefill runs; profile: a folder, finish()
+                                        under torch.profiler (bench/transfer/profile.py)
     seed_prepare {n, info}              map the decode side's contiguous buffer
     seed {id, n, seed, mode}            untimed: prefill this prompt and keep a contiguous copy of its K/V
                                         (as transformers' DynamicCache holds it); timed: prefill again +
@@ -51,6 +52,7 @@ import torch
 from pdserve.bench.engine.decode import sync
 from pdserve.bench.transfer.check import break_sender, parse_fault, poison, prompt_ids, scrub, step_logits
 from pdserve.bench.transfer.pools import paged_copy, parse_method, release, scatter
+from pdserve.bench.transfer.profile import profiled
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine.engine import Engine
 from pdserve.workers.engine.request import Request, SamplingParams
@@ -165,7 +167,7 @@ class PrefillSide:
             prefill_event = gpu_mark(self.device)
             if not holder:
                 holder.append(open_transfer())
-            stats = holder[0].finish(result.first_token)
+            stats, profile = profiled(lambda: holder[0].finish(result.first_token), cmd.get("profile"), self.device)
         except Exception as e:
             if holder:
                 holder[0].abort(repr(e))
@@ -181,7 +183,7 @@ class PrefillSide:
         return {"prefill_ms": prefill_ms, "transfer_ms": (stats.finished_at - stats.started_at) * 1e3,
                 "exposed_ms": max(0.0, stats.finished_at - prefill_end) * 1e3, "copies": stats.copies,
                 "exposed_gpu_ms": gpu_exposed, "ucx_lane": stats.ucx_lane, "runs": stats.runs,
-                "kv_bytes": stats.num_bytes, "first_token": result.first_token,
+                "kv_bytes": stats.num_bytes, "first_token": result.first_token, "profile": profile,
                 "logits_sha": logits_digest(result.logits)}
 
     # ---- the seed's method: a contiguous cache, one copy_ per layer for K and V ------------------

@@ -21,8 +21,7 @@ Every run (warm-ups too) has its own seeded prompt. Per transport and mode:
                       (bulk: after prefill; layer: from the per-layer hook, on a side stream)
     bandwidth         a 1 GiB device-to-device copy on the prefill device (and prefill -> decode
                       device when they differ), measured in the same run; and the longest request's
-                      blocks copied inside the prefill pool as one strided copy_ and as one copy_ per
-                      layer (ipc's pattern)
+                      blocks copied inside the prefill pool as ipc's copy patterns (bench/transfer/pools.py)
 
 `--break skip-block:K|skip-all` (tests only) makes our senders drop part of every request: the
 exact column must then read NO (tests/test_bench_honesty.py).
@@ -33,10 +32,16 @@ to bench/results/transfer-<machine>-<date>.{json,md} and prints the markdown.
 Methods beside the transports (bench/transfer/pools.py): zmq-curve (every KV byte through CURVE, the
 bench's own keys in both processes) and <transport>-fragmented (both pools scattered first).
 
+`--profile-transfer DIR` (bench/transfer/profile.py): after the table, one more ipc bulk transfer at the
+longest length with its finish() under torch.profiler: the copies with their sizes and gaps on the GPU,
+the CUDA calls, any synchronisation; summarised in the JSON and markdown, the trace in DIR.
+
 GPU (the lead runs it):  pdserve-bench transfer                    (qwen2.5-7b, cuda, 1k 4k 16k 32k)
                          pdserve-bench transfer --decode-device cuda:1
-                         pdserve-bench transfer --lengths 32k --modes bulk,layer --no-seed-method \\
-                             --transports zmq,zmq-curve,ipc,nixl,ipc-fragmented,nixl-fragmented
+    issue 35, every row and verdict in one call (docs/benchmarks.md: about 5-6 minutes on an H200):
+                         pdserve-bench transfer --model qwen2.5-7b --device cuda:0 --lengths 4k,32k --repeats 3 \\
+                             --warmup 1 --modes bulk,layer --no-seed-method --tokens 8 --profile-transfer DIR \\
+                             --transports zmq,zmq-curve,ipc,nixl,ipc-fragmented,nixl-fragmented,zmq-fragmented
 CPU smoke test:          pdserve-bench transfer --model tiny --device cpu --lengths 64,256 --repeats 2 \\
                              --transports ipc,zmq,nixl
 """
@@ -90,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline-s", type=float, default=60.0, help="per transfer (default 60)")
     parser.add_argument("--kv-streams", type=int, default=None, help="zmq's data streams per decode worker (default: the workers' --kv-streams default)")
     parser.add_argument("--out", default=None, help="output path without suffix (default bench/results/...)")
+    parser.add_argument("--profile-transfer", default=None, metavar="DIR",
+                        help="after the table, one more ipc bulk transfer at the longest length with its finish() "
+                             "under torch.profiler: the copies, their sizes, gaps, CUDA calls and any "
+                             "synchronisation, in the JSON and markdown; the trace in DIR (needs ipc in --transports)")
     parser.add_argument("--break", dest="fault", default=None,
                         help=f"tests only: our senders drop part of every request ({', '.join(FAULTS)})")
 
@@ -167,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     for t in transports:
         parse_method(t)
+    if args.profile_transfer and "ipc" not in transports:
+        raise ValueError("--profile-transfer profiles an ipc transfer: add ipc to --transports")
     bad = [m for m in modes if m not in MODES]
     if bad or args.repeats < 1 or args.warmup < 0:
         raise ValueError(f"unknown modes {bad}, or --repeats below 1, or --warmup below 0")
@@ -215,6 +226,14 @@ def run(args: argparse.Namespace) -> int:
             result["lengths"].append(measure_length(n, args, prefill, decode, addresses, transports, modes,
                                                     partial))
             out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        if args.profile_transfer:
+            n = max(lengths)
+            log(f"{n} tokens: one ipc bulk transfer under torch.profiler -> {args.profile_transfer}")
+            run = one_run(f"profile-ipc-bulk-{n}", n, run_seed(args.seed, n, "ipc", "profile", 0), "ipc", "bulk",
+                          prefill, decode, profile=args.profile_transfer)
+            result["profile"] = {"method": "ipc", "mode": "bulk", "tokens": n, "exact": run.get("exact"),
+                                 "error": run.get("error"), "transfer_ms": run.get("transfer_ms"),
+                                 "copies": run.get("copies"), "summary": run.get("profile")}
     finally:
         prefill.close()
         decode.close()
@@ -267,7 +286,8 @@ def measure_length(n: int, args, prefill: Child, decode: Child, addresses: dict,
     return row
 
 
-def one_run(rid: str, n: int, seed: int, method: str, mode: str, prefill: Child, decode: Child) -> dict:
+def one_run(rid: str, n: int, seed: int, method: str, mode: str, prefill: Child, decode: Child,
+            profile: str | None = None) -> dict:
     prepared = decode.ask("prepare", id=rid, n=n, seed=seed, method=method)
     if "error" in prepared:
         return {**prepared, "seed": seed}
@@ -276,7 +296,7 @@ def one_run(rid: str, n: int, seed: int, method: str, mode: str, prefill: Child,
         got = decode.ask("seed_decode", id=rid, n=n, first_token=sent["first_token"], logits_sha=sent["logits_sha"])
         return {**sent, **got, "seed": seed}
     sent = prefill.ask("transfer", id=rid, n=n, seed=seed, transport=method, mode=mode, peer=prepared["address"],
-                       dst=prepared["blocks"])
+                       dst=prepared["blocks"], profile=profile)
     got = decode.ask("decode", id=rid, n=n, transport=method, first_token=sent.get("first_token", -1),
                      logits_sha=sent.get("logits_sha", ""))
     return {**sent, **got, "seed": seed, "error": sent.get("error") or got.get("error")}

@@ -3,8 +3,10 @@
     aggregate(transport, mode, runs, plain, bulk)   one method and mode at one length: medians, spreads,
                                                     extra prefill against plain (and layer against bulk),
                                                     paired round by round (bench/ab.py), exact or not
-    targets(result)     the issue's targets at the longest length measured (None: not measured)
-    markdown(result)    the table per length, then each target met or not with its figures
+    targets(result)     the issue's targets at the longest length measured (None: not measured), and
+                        ipc_pattern(result): ipc bulk against its own copy pattern inside one pool
+    markdown(result)    the table per length, then each target met or not with its figures (paged_line: the
+                        copy patterns inside one pool; the profiled transfer where --profile-transfer ran one)
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import math
 import statistics
 
 from pdserve.bench import ab, provenance
+from pdserve.bench.transfer.profile import describe
 
-# targets (see the issues): ipc bulk at the longest length vs the d2d copy, layer-wise cost, nixl vs ipc,
-# zmq bulk's rate
+# targets (issues 27 and 35): ipc bulk at the longest length vs the d2d copy, layer-wise cost, nixl vs ipc,
+# zmq bulk's rate plain and through CURVE, a fragmented pool against a contiguous one
 IPC_BW_FRACTION = 0.9
 LAYER_EXTRA_FRACTION = 0.005
 NIXL_VS_IPC = 1.1
-ZMQ_GBPS = 5.0
+ZMQ_GBPS = {"zmq": 5.0, "zmq-curve": 3.0}
+FRAGMENTED_VS_CONTIGUOUS = 1.2
+EXPOSED_ZERO_MS = 0.0005  # "0.000 ms" as printed
 
 
 def _paired_ms(base: list[float], runs: list[dict]) -> dict | None:
@@ -79,6 +84,7 @@ def targets(result: dict) -> dict:
     out = {"tokens": row["tokens"], "all_exact": all(r["exact"] for x in result["lengths"] for r in x["results"])}
     out["ipc_bulk_fraction_of_d2d"] = ipc_bulk["gbps"] / d2d if ipc_bulk else None
     out["ipc_bulk_at_least_0.9_d2d"] = None if ipc_bulk is None else ipc_bulk["gbps"] >= IPC_BW_FRACTION * d2d
+    out["ipc_bulk_vs_pattern"] = ipc_pattern(result)
     if ipc_layer and ipc_bulk:
         one_layer_ms = ipc_bulk["transfer_ms"]["median"] / layers
         # the median of (layer prefill - plain prefill) over rounds, as a fraction of plain prefill
@@ -93,6 +99,9 @@ def targets(result: dict) -> dict:
         out["ipc_layer_exposed_host_ms"] = ipc_layer["exposed_ms"]["median"]
         out["one_layer_transfer_ms"] = one_layer_ms
         out["ipc_layer_exposed_at_most_one_layer"] = exposed["median"] <= one_layer_ms
+        # issue 35: nothing exposed on the GPU's clock (None where there is none: the CPU)
+        out["ipc_layer_exposed_zero_gpu"] = (exposed["median"] < EXPOSED_ZERO_MS
+                                             if ipc_layer.get("exposed_gpu_ms") else None)
     if nixl_bulk and ipc_bulk:
         out["nixl_over_ipc"] = nixl_bulk["transfer_ms"]["median"] / ipc_bulk["transfer_ms"]["median"]
         out["nixl_within_1.1x_ipc"] = out["nixl_over_ipc"] <= NIXL_VS_IPC
@@ -103,16 +112,49 @@ def targets(result: dict) -> dict:
     if ipc_frag and nixl_frag:
         out["nixl_fragmented_over_ipc_fragmented"] = (nixl_frag["transfer_ms"]["median"]
                                                       / ipc_frag["transfer_ms"]["median"])
-    for method in ("zmq", "zmq-curve"):
+    # a fragmented pool against the contiguous one, per transport measured both ways (bulk transfer time)
+    out["fragmented_over_contiguous"] = {}
+    for transport in ("ipc", "nixl", "zmq"):
+        plain, frag = _find(row, transport, "bulk"), _find(row, f"{transport}-fragmented", "bulk")
+        if plain and frag:
+            ratio = frag["transfer_ms"]["median"] / plain["transfer_ms"]["median"]
+            out["fragmented_over_contiguous"][transport] = {
+                "ratio": ratio, "runs": frag["runs_per_request"], "met": ratio <= FRAGMENTED_VS_CONTIGUOUS}
+    for method, floor in ZMQ_GBPS.items():
         got = _find(row, method, "bulk")
         if got:
             out[f"{method}_bulk_gbps"] = got["gbps"]
-            out[f"{method}_bulk_at_least_{ZMQ_GBPS:g}_gbps"] = got["gbps"] >= ZMQ_GBPS
+            out[f"{method}_bulk_at_least_{floor:g}_gbps"] = got["gbps"] >= floor
     return out
+
+
+def ipc_pattern(result: dict) -> dict | None:
+    """ipc bulk at the longest length against the same copy pattern inside one pool (bench/transfer/pools.py):
+    one copy_ per layer from PER_LAYER_COPY_BYTES up, one strided copy of words below; what the two
+    processes and the transfer's own steps cost beyond the copies."""
+    row, paged = result["lengths"][-1], result["bandwidth"]["paged_run"]
+    ipc_bulk = _find(row, "ipc", "bulk")
+    if ipc_bulk is None or paged["bytes"] != ipc_bulk["kv_bytes"]:
+        return None
+    name = "per_layer" if ipc_bulk["copies"] > 1 else "strided_words"
+    return {"pattern": name, "pattern_gbps": paged[f"{name}_gbps"],
+            "fraction": ipc_bulk["gbps"] / paged[f"{name}_gbps"]}
 
 
 def _ms(s: dict | None, digits: int = 2) -> str:
     return "-" if s is None else f"{s['median']:.{digits}f}"
+
+
+def paged_line(paged: dict) -> str:
+    """The copy patterns inside one pool (bench/transfer/pools.py), in words."""
+    line = (f"the longest request's blocks inside one pool ({paged['bytes'] / 2**20:.1f} MiB): "
+            f"{paged['strided_gbps']:.1f} GB/s as one strided copy_ of the pool's dtype"
+            + (f", {paged['strided_words_gbps']:.1f} of 8-byte words" if paged.get("strided_words_gbps") else "")
+            + f", {paged['per_layer_gbps']:.1f} GB/s as one copy_ per layer"
+            + (f", {paged['memcpy2d_gbps']:.1f} GB/s as one 2D memcpy" if paged.get("memcpy2d_gbps") else ""))
+    return (line + f"; every other block of them {paged['scattered_gather_gbps']:.1f} GB/s gathered and scattered "
+            "by index" + (f" ({paged['scattered_gather_elements_gbps']:.1f} in the pool's dtype)"
+                          if paged.get("scattered_gather_elements_gbps") else ""))
 
 
 def markdown(result: dict) -> str:
@@ -123,13 +165,7 @@ def markdown(result: dict) -> str:
         + (f"; FAULT INJECTED: {c['fault']}" if c.get("fault") else ""),
         f"copy bandwidth ({bw['bytes'] // 2**20} MiB): {bw['d2d_gbps']:.1f} GB/s on the prefill device"
         + (f", {bw['to_decode_gbps']:.1f} GB/s prefill -> decode device" if "to_decode_gbps" in bw else "")
-        + f"; the longest request's blocks inside one pool ({bw['paged_run']['bytes'] / 2**20:.1f} MiB): "
-          f"{bw['paged_run']['strided_gbps']:.1f} GB/s as one strided copy_, "
-          f"{bw['paged_run']['per_layer_gbps']:.1f} GB/s as one copy_ per layer"
-          + (f", {bw['paged_run']['memcpy2d_gbps']:.1f} GB/s as one 2D memcpy" if bw['paged_run'].get('memcpy2d_gbps')
-             else "")
-          + "; every other block of them "
-          f"{bw['paged_run']['scattered_gather_gbps']:.1f} GB/s gathered and scattered by index",
+        + f"; {paged_line(bw['paged_run'])}",
         f"{c['repeats']} rounds per transport after {c['warmup']} warm-up, each running plain prefill and "
         f"{' and '.join(c['modes'])} once in a shuffled order; a new seeded prompt per run; medians; extra = that mode's prefill minus "
         f"the plain prefill of the same round, median (min..max) of the paired differences; exact = the reserved "
@@ -184,16 +220,34 @@ def markdown(result: dict) -> str:
                      f"{verdict[t['ipc_layer_exposed_at_most_one_layer']]} ({t['ipc_layer_exposed_ms']:.3f} ms "
                      f"exposed by {t['ipc_layer_exposed_clock']}, {t['ipc_layer_exposed_host_ms']:.3f} ms as the host "
                      f"saw it; one layer {t['one_layer_transfer_ms']:.3f} ms)")
+    if "ipc_layer_exposed_zero_gpu" in t:
+        lines.append(f"- ipc layer mode exposes 0.000 ms on the GPU clock: {verdict[t['ipc_layer_exposed_zero_gpu']]} "
+                     + (f"({t['ipc_layer_exposed_ms']:.3f} ms, median of the rounds)"
+                        if t["ipc_layer_exposed_zero_gpu"] is not None else "(no GPU clock on this device)"))
     if "nixl_over_ipc" in t:
         lines.append(f"- nixl bulk within 1.1x of ipc bulk: {verdict[t['nixl_within_1.1x_ipc']]} "
                      f"({t['nixl_over_ipc']:.2f}x)")
-    if "ipc_fragmented_fraction_of_d2d" in t:
-        lines.append(f"- fragmented pools ({t['fragmented_runs']:g} runs a request): ipc bulk at "
-                     f"{100 * t['ipc_fragmented_fraction_of_d2d']:.0f}% of the d2d copy bandwidth"
-                     + (f", nixl {t['nixl_fragmented_over_ipc_fragmented']:.2f}x its time"
-                        if "nixl_fragmented_over_ipc_fragmented" in t else ""))
-    for method in ("zmq", "zmq-curve"):
+    for transport, f in t.get("fragmented_over_contiguous", {}).items():
+        lines.append(f"- {transport}-fragmented bulk within {FRAGMENTED_VS_CONTIGUOUS:g}x of {transport} bulk: "
+                     f"{verdict[f['met']]} ({f['ratio']:.2f}x, {f['runs']:g} runs a request)")
+    for method, floor in ZMQ_GBPS.items():
         if f"{method}_bulk_gbps" in t:
-            lines.append(f"- {method} bulk >= {ZMQ_GBPS:g} GB/s: "
-                         f"{verdict[t[f'{method}_bulk_at_least_{ZMQ_GBPS:g}_gbps']]} ({t[f'{method}_bulk_gbps']:.2f} GB/s)")
+            lines.append(f"- {method} bulk >= {floor:g} GB/s: "
+                         f"{verdict[t[f'{method}_bulk_at_least_{floor:g}_gbps']]} ({t[f'{method}_bulk_gbps']:.2f} GB/s)")
+    if "ipc_fragmented_fraction_of_d2d" in t:
+        lines.append(f"- (figure) ipc-fragmented bulk at {100 * t['ipc_fragmented_fraction_of_d2d']:.0f}% of the d2d "
+                     "copy bandwidth"
+                     + (f", nixl-fragmented {t['nixl_fragmented_over_ipc_fragmented']:.2f}x its time"
+                        if "nixl_fragmented_over_ipc_fragmented" in t else ""))
+    p = t.get("ipc_bulk_vs_pattern")
+    if p:
+        lines.append(f"- (figure) ipc bulk at {100 * p['fraction']:.0f}% of its copy pattern inside one pool "
+                     f"({p['pattern']}, {p['pattern_gbps']:.1f} GB/s): the rest is the second process's memory "
+                     "and the transfer's own steps (--profile-transfer shows them)")
+    prof = result.get("profile")
+    if prof:
+        lines += ["", f"ipc bulk transfer at {prof['tokens']} tokens, profiled: "
+                  + (f"failed: {prof['error']}" if prof.get("error") else
+                     f"{prof['transfer_ms']:.3f} ms under the profiler, {prof['copies']} copies, "
+                     f"exact: {'yes' if prof['exact'] else 'NO'}; " + describe(prof["summary"]))]
     return "\n".join(lines)

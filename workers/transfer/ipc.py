@@ -13,16 +13,19 @@ The decode pool is mapped ONCE per peer into the prefill process, at the handsha
           handshake's layout needs. Anything else is refused and never opened for writing, so a
           handshake cannot point the sender's writes at another file.
 
-Copies, per paired run of blocks (plan.Plan.runs), never per block:
+Copies, per paired run of blocks (plan.Plan.runs), never per block, on both pools viewed as
+[layers, blocks, words] of 8-byte words (`words()`: the bytes as they are, four bf16 values a word, so a
+copy kernel moves a quarter of the elements; the dtype itself where a block's bytes do not divide by 8):
     bulk   finish(): one strided copy_ per run for all layers, dst[:, d:d+n] <- src[:, s:s+n]; on GPU
-           from 512 MiB up, one 2D memcpy per run for all layers instead (cudaMemcpy2DAsync: rows = layers,
-           pitch = each pool's layer stride; one copy-engine operation where copy_ per layer paid a gap of
-           ~6-8 us per copy into the other process's memory), or one copy_ per run and layer where the CUDA
-           runtime cannot be reached or refuses it
+           from PER_LAYER_COPY_BYTES up, one contiguous copy_ (a 1-D cudaMemcpyAsync) per run and layer
+           instead. Not one cudaMemcpy2DAsync for all layers (rows = layers, pitch = layer stride): on the
+           H200 that moved 32k tokens (1,792 MiB) at 65% of a device copy where the 28 1-D copies had
+           moved them at 79%; the 2-D memcpy ran at 1,556 GB/s inside one pool against 1,858 GB/s for
+           one copy_ per layer in the same run (bench/results/transfer-house-nvidia-h200-2026-12-02-c3da930.md)
     layer  layer_done(l): the same copies for layer l, as soon as its K/V are in the pool
     many runs  (more than INDEX_RUNS: a fragmented pool) by block index instead, one gather and one
-           scatter per layer (or for all layers at once in bulk below 512 MiB): four passes over the bytes
-           instead of two, but a handful of kernels where a copy per run costs a launch and a gap each
+           scatter per layer (or for all layers at once in bulk below PER_LAYER_COPY_BYTES): four passes
+           over the bytes instead of two, but a handful of kernels where a copy per run costs a launch and a gap each
 
 On GPU the copies run on a side stream: layer_done(l) records an event on the current (compute)
 stream, the side stream waits for it and copies; the compute stream never waits and the host
@@ -34,8 +37,6 @@ Nothing but the handshake, Begin/Accept and the done notice crosses the socket.
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import math
 import mmap
 import os
@@ -54,9 +55,9 @@ from pdserve.workers.transfer.receiver import ChannelReceiver
 from pdserve.workers.transfer.sender import ChannelSender
 from pdserve.workers.transfer.sender_transfer import SenderTransfer
 
-PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: 2D (else per-layer) copies from this request size up
+PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: one copy per run and layer from this request size up
 INDEX_RUNS = 8  # more runs than this (a fragmented pool): copy by block index
-log = logging.getLogger("pdserve.transfer")
+WORD = torch.int64  # what the copies move: 8-byte words of a block's bytes
 SPIN_S = 2e-3  # finish(): spin this long on the side stream's event before napping between queries
 
 
@@ -137,6 +138,7 @@ class IpcTransfer(SenderTransfer):
     def __init__(self, sender: Sender, peer: Peer, plan: Plan):
         super().__init__(sender, peer, plan)
         self.dst: torch.Tensor = peer.remote
+        self.src_words, self.dst_words = words(self.src), words(self.dst)  # [layers, blocks, words]
         self.stream: torch.cuda.Stream | None = sender.stream
         self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # the block ids, for many runs
@@ -147,8 +149,8 @@ class IpcTransfer(SenderTransfer):
             # Bulk. Measured on an H200 (bench/results/transfer-*.json): a contiguous copy_ between two
             # processes' pools costs ~40 us of fixed latency (copy engine) but streams at ~1.9 TB/s;
             # one strided copy_ of pool[:, a:b] for all layers is a single kernel with no such
-            # latency but runs at ~0.9 TB/s. So: one strided copy for small requests, one copy per
-            # layer for large ones (crossover between 224 MiB and 896 MiB of KV).
+            # latency but ran at ~0.9 TB/s (bf16 elements). So: one strided copy for small requests, one
+            # copy per layer for large ones (crossover between 224 MiB and 896 MiB of KV).
             self.pending.append((slice(None), ready))
         else:
             self.pending += [(layer, ready) for layer in layers]
@@ -180,15 +182,13 @@ class IpcTransfer(SenderTransfer):
             return
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
-            if self.layered or len(layers) != self.plan.num_layers or len(self.plan.runs) > INDEX_RUNS \
-                    or not self._copies_2d():
-                self._copies(layers)
+            self._copies(layers)
         self.last_event = torch.cuda.Event(enable_timing=True)
         self.last_event.record(self.stream)
 
     def _copies(self, layers: list[int | slice]) -> None:
         """One copy_ per run and layer, or by block index when the runs are many (on the current stream)."""
-        src, dst, runs = self.src, self.dst, self.plan.runs
+        src, dst, runs = self.src_words, self.dst_words, self.plan.runs
         if len(runs) > INDEX_RUNS:
             src_ids, dst_ids = self._block_index()
             for layer in layers:
@@ -209,28 +209,14 @@ class IpcTransfer(SenderTransfer):
             self._index = (torch.tensor(src, device=self.src.device), torch.tensor(dst, device=self.dst.device))
         return self._index
 
-    def _copies_2d(self) -> bool:
-        """Every layer of each run as one cudaMemcpy2DAsync on the side stream; False (nothing issued)
-        where the CUDA runtime is out of reach or refuses the first (then copy_ per layer, from now on)."""
-        memcpy2d = cuda_memcpy2d()
-        if memcpy2d is None:
-            return False
-        src, dst = self.src, self.dst
-        elem = src.element_size()
-        spitch, dpitch = src.stride(0) * elem, dst.stride(0) * elem
-        block = self.plan.block_bytes
-        for i, (s, d, n) in enumerate(self.plan.runs):
-            err = memcpy2d(dst.data_ptr() + d * block, dpitch, src.data_ptr() + s * block, spitch, n * block,
-                           src.shape[0], CUDA_MEMCPY_DEVICE_TO_DEVICE, self.stream.cuda_stream)
-            if err != 0:
-                if i:  # some runs went out: the rest cannot wait for a fallback decision
-                    raise TransferError(f"request {self.request_id}: cudaMemcpy2DAsync failed with CUDA error {err}")
-                log.warning("cudaMemcpy2DAsync refused a KV copy (CUDA error %d); copying layer by layer from now on",
-                            err)
-                _CUDART[0] = None
-                return False
-            self.copies += 1
-        return True
+
+def words(pool: torch.Tensor) -> torch.Tensor:
+    """A pool [layers, blocks, ...] as [layers, blocks, words]: its bytes as 8-byte words where a block's
+    bytes divide by 8, else as [layers, blocks, elements] of its own dtype. The same bytes either way."""
+    blocks = pool.view(pool.shape[0], pool.shape[1], -1)
+    if blocks.shape[-1] * blocks.element_size() % WORD.itemsize:
+        return blocks
+    return blocks.view(WORD)
 
 
 class Sender(ChannelSender):
@@ -247,29 +233,6 @@ class Sender(ChannelSender):
         if isinstance(info, P.ShmInfo):
             return map_shm(info, layout.shape, layout.torch_dtype, peer.address)
         return map_cuda(info, layout.shape, layout.torch_dtype, peer.address)
-
-
-CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
-_CUDART: list = []  # [cudaMemcpy2DAsync or None], looked up once
-
-
-def cuda_memcpy2d():
-    """The CUDA runtime's cudaMemcpy2DAsync (the libcudart torch loaded), or None where it cannot be found."""
-    if not _CUDART:
-        fn = None
-        for name in (f"libcudart.so.{(torch.version.cuda or '0').split('.')[0]}", "libcudart.so"):
-            try:
-                fn = ctypes.CDLL(name).cudaMemcpy2DAsync
-            except (OSError, AttributeError):
-                continue
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-                           ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-            break
-        if fn is None:
-            log.info("no CUDA runtime library found for cudaMemcpy2DAsync; large ipc copies go layer by layer")
-        _CUDART.append(fn)
-    return _CUDART[0]
 
 
 def wait_event(event: torch.cuda.Event, deadline: float, request_id: str, peer: str) -> None:
