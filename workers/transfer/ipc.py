@@ -138,7 +138,6 @@ class IpcTransfer(SenderTransfer):
     def __init__(self, sender: Sender, peer: Peer, plan: Plan):
         super().__init__(sender, peer, plan)
         self.dst: torch.Tensor = peer.remote
-        self.src_words, self.dst_words = words(self.src), words(self.dst)  # [layers, blocks, words]
         self.stream: torch.cuda.Stream | None = sender.stream
         self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # the block ids, for many runs
@@ -188,7 +187,9 @@ class IpcTransfer(SenderTransfer):
 
     def _copies(self, layers: list[int | slice]) -> None:
         """One copy_ per run and layer, or by block index when the runs are many (on the current stream)."""
-        src, dst, runs = self.src_words, self.dst_words, self.plan.runs
+        # the word views are made here, in the grad mode of the copy: a view made under inference mode (a
+        # layer hook inside the prefill's forward) is an inference tensor that copy_ outside it may not write
+        src, dst, runs = words(self.src), words(self.dst), self.plan.runs
         if len(runs) > INDEX_RUNS:
             src_ids, dst_ids = self._block_index()
             for layer in layers:
