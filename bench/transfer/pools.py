@@ -85,7 +85,8 @@ def _timed(fn, device: torch.device) -> float:
 def paged_copy(pool: torch.Tensor, nb: int, device: torch.device) -> dict:
     """Copy patterns inside one pool, GB/s (module docstring)."""
     src, dst = pool[:, :nb], pool[:, nb:2 * nb]
-    wsrc, wdst = words(pool)[:, :nb], words(pool)[:, nb:2 * nb]
+    pool_words = words(pool)
+    wsrc, wdst = pool_words[:, :nb], pool_words[:, nb:2 * nb]
     nbytes = src.numel() * src.element_size()
 
     def per_layer():
@@ -116,7 +117,7 @@ def paged_copy(pool: torch.Tensor, nb: int, device: torch.device) -> dict:
     dst_idx = src_idx + nb
     out["scattered_blocks"] = half
     elements = pool.view(*pool.shape[:2], -1)
-    for name, flat in (("scattered_gather", words(pool)), ("scattered_gather_elements", elements)):
+    for name, flat in (("scattered_gather", pool_words), ("scattered_gather_elements", elements)):
         scattered = pool.shape[0] * half * flat.shape[-1] * flat.element_size()
 
         def gather_scatter(flat=flat):  # as ipc does it (workers/transfer/ipc.py, IpcTransfer._copies)
