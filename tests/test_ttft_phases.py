@@ -33,12 +33,12 @@ pytestmark = pytest.mark.timeout(300)
 SHORT = "The capital of France is"
 LONG = SHORT * 60
 NOT_ON_PATH = {"colocated": {"transfer_exposed", "decode_pickup"}, "disaggregated": set()}
-# (requested policy, prompt, the policy it must be served with)
+# (requested policy, prompt, the policy it must be served with: None for auto, which prices the prompt
+# against the workers' measured speeds and queues; on the shared server an earlier test's load can tip a
+# long prompt to colocated, so the test checks each auto request on the path it was actually served by)
 KINDS = [("colocated", LONG, "colocated"), ("disaggregated", SHORT, "disaggregated"),
-         ("auto", SHORT, "colocated"), ("auto", LONG, "disaggregated")]
-# one of each kind at a time: auto prices a long prompt against the queues, and a wave of two long
-# ones could find the first one queued on the prefill worker and run the second colocated
-WAVES, WAVE = 6, 4  # 24 requests: 12 per policy, 6 of each kind; four at a time
+         ("auto", SHORT, None), ("auto", LONG, None)]
+WAVES, WAVE = 6, 4  # 24 requests: 6 of each kind; four at a time
 
 
 async def one(c: AsyncClient, i: int) -> tuple[str, Timings]:
@@ -51,8 +51,13 @@ async def one(c: AsyncClient, i: int) -> tuple[str, Timings]:
         async with c.stream_complete(prompt, policy=policy, **options) as s:
             async for _ in s:
                 pass
-        return served, s.result.timings
-    return served, (await c.complete(prompt, policy=policy, **options)).timings
+        t = s.result.timings
+    else:
+        t = (await c.complete(prompt, policy=policy, **options)).timings
+    if served is None:  # auto: the path it decided, with its reason
+        assert t.policy in NOT_ON_PATH and t.route is not None and t.route.auto, t.route
+        served = t.policy
+    return served, t
 
 
 async def run_waves(url: str) -> list[tuple[str, Timings]]:
@@ -84,7 +89,7 @@ def test_phases_sum_to_ttft_on_a_live_server(tiny_pdserve):
         now, then = metric(metrics, name, **labels), metric(before, name, **labels)
         return None if now is None else now - (then or 0.0)
     served = [policy for policy, _ in results]
-    assert served.count("colocated") == served.count("disaggregated") == WAVES * WAVE // 2
+    assert served.count("colocated") >= WAVES * WAVE // 4 and served.count("disaggregated") >= WAVES * WAVE // 4
     for policy, t in results:
         phases = t.ttft_phases
         shown = ", ".join(f"{k}={v}" for k, v in phases.items())
