@@ -11,6 +11,10 @@ for all 28 layers moved 1,792 MiB at 1,310 GB/s (65% of a 1 GiB device copy), wh
 per layer had moved it at 1,622 GB/s (79%, 2800d5f): the 2-D memcpy itself ran at 1,556 GB/s
 inside one pool against 1,858 GB/s for one copy_ per layer in the same run. A large bulk request
 goes as one contiguous copy per run and layer.
+
+A fragmented request (more than ipc.INDEX_RUNS runs) goes through block_copy.py's kernel on a GPU: the
+stand-in counts its launches with their bytes and, on real CPU tensors, runs the kernel itself through
+Triton's interpreter, so the exactness checks cover it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.settings.worker import TransferConfig
-from pdserve.workers.transfer import ipc
+from pdserve.workers.transfer import block_copy, ipc
 from pdserve.workers.transfer.plan import Plan
 from pdserve.workers.transfer.sender_transfer import SenderTransfer
 
@@ -100,6 +104,12 @@ class FakeCuda:
         self.log.append(("cudaMemcpy2DAsync", self.current, width * height, False, 1))
         return 0
 
+    def copy_blocks(self, src, dst, src_ids, dst_ids, launch=block_copy.launch):
+        nbytes = src.shape[0] * src_ids.numel() * src.shape[2] * src.element_size()
+        self.log.append(("copy_blocks", self.current, nbytes, False, src.element_size()))
+        if src.device.type != "meta":
+            launch(src, dst, src_ids, dst_ids)
+
     def mark(self):  # SenderTransfer.mark on a CUDA pool: an event on the compute stream
         event = self.Event()
         event.record()
@@ -115,6 +125,10 @@ def cuda(monkeypatch):
     monkeypatch.setattr(SenderTransfer, "mark", lambda transfer: fake.mark())
     # the code before this fix copied a large bulk request with cudaMemcpy2DAsync, looked up here
     monkeypatch.setattr(ipc, "cuda_memcpy2d", lambda: fake.memcpy2d, raising=False)
+    # pools on one device count as one GPU's: the block-copy kernel is launched, logged, and run on real
+    # CPU tensors through Triton's interpreter
+    monkeypatch.setattr(block_copy, "kernel_ready", lambda src, dst: src.device == dst.device)
+    monkeypatch.setattr(block_copy, "launch", fake.copy_blocks)
     return fake
 
 
@@ -181,7 +195,9 @@ def test_the_gpu_path_moves_exactly_the_runs(cuda, monkeypatch, runs, mode):
     src = src.view(torch.bfloat16)
     dst = torch.full(shape, 0x7FC1, dtype=torch.int16).view(torch.bfloat16)  # NaN: a block never written keeps it
     t = gpu_transfer(cuda, src, dst, runs, mode)
-    issued(cuda, t, layered=mode == "layer")
+    ops = issued(cuda, t, layered=mode == "layer")
+    kernel = [op for op in ops if op[0] == "copy_blocks"]  # the fragmented case: the kernel, interpreted
+    assert len(kernel) == (0 if len(runs) <= ipc.INDEX_RUNS else 1 if mode == "bulk" else shape[0])
     written = set()
     for s, d, n in runs:
         assert torch.equal(dst[:, d:d + n].view(torch.int16), src[:, s:s + n].view(torch.int16))
@@ -190,12 +206,70 @@ def test_the_gpu_path_moves_exactly_the_runs(cuda, monkeypatch, runs, mode):
     assert (dst[:, rest].view(torch.int16) == 0x7FC1).all(), "a block outside the runs was written"
 
 
-def test_a_fragmented_32k_bulk_request_is_one_gather_and_one_scatter_per_layer(cuda):
+COPY_OPS = ("copy_", "index_copy_", "index_select", "copy_blocks")
+
+
+def test_a_fragmented_32k_request_is_one_block_copy_launch_in_bulk_and_one_per_layer_in_layer_mode(cuda):
+    # before: one index_select and one index_copy_ of 64 MiB per layer (a gather into a temporary and a
+    # scatter from it: 4 x 1,792 MiB of memory traffic); now the kernel reads and writes each byte once
     src = torch.empty(QWEN, dtype=torch.bfloat16, device="meta")
     dst = torch.empty(QWEN, dtype=torch.bfloat16, device="meta")
     runs = [(2 * i, 4100 - 2 * i, 2) for i in range(1024)]  # 1,024 runs of 2 blocks: 2,048 blocks
     t = gpu_transfer(cuda, src, dst, runs)
     ops = issued(cuda, t)
-    copies = [op for op in ops if op[0] in ("copy_", "index_copy_", "index_select")]
-    assert copies == [("index_select", "side", 64 * MiB, False, 8), ("index_copy_", "side", 64 * MiB, False, 8)] * 28
-    assert sum(op[0] == "stream_wait_event" for op in ops) == 1 and t.copies == 56
+    copies = [op for op in ops if op[0] in COPY_OPS]
+    assert copies == [("copy_blocks", "side", 1792 * MiB, False, 8)], copies
+    assert sum(op[0] == "stream_wait_event" for op in ops) == 1 and t.copies == 1
+    cuda.log.clear()
+    t = gpu_transfer(cuda, src, dst, runs, mode="layer")
+    ops = issued(cuda, t, layered=True)
+    copies = [op for op in ops if op[0] in COPY_OPS]
+    assert copies == [("copy_blocks", "side", 64 * MiB, False, 8)] * 28, copies
+    assert sum(op[0] == "stream_wait_event" for op in ops) == 28 and t.copies == 28
+    assert not [op for op in ops if "synchronize" in op[0]]
+
+
+def test_a_small_fragmented_bulk_request_is_one_launch_too(cuda):
+    shape = (28, 1032, 2, 16, 4, 128)  # 4k tokens in 256 runs of one block: 224 MiB, under PER_LAYER_COPY_BYTES
+    src = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    dst = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    ops = issued(cuda, gpu_transfer(cuda, src, dst, [(i, 1031 - i, 1) for i in range(256)]))
+    assert [op for op in ops if op[0] in COPY_OPS] == [("copy_blocks", "side", 224 * MiB, False, 8)]
+
+
+def test_fragmented_pools_on_two_devices_go_run_by_run():
+    # the index ops and the kernel need both pools on one device (index_copy_ refuses a source on
+    # another); two GPUs' pools are copied with copy_, which takes the peer path. Here: CPU -> meta
+    shape = (2, 30, 2, 4, 2, 8)
+    src, dst = torch.zeros(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    sender = SimpleNamespace(cfg=TransferConfig(transport="ipc", mode="bulk"), kv=SimpleNamespace(pool=src),
+                             stream=None, send=None, _submit=lambda fn, *args: None)
+    runs = tuple((i, 29 - i, 1) for i in range(12))
+    t = ipc.IpcTransfer(sender, SimpleNamespace(address="tcp://decode", remote=dst),
+                        Plan("r", runs, 2, src[0, 0].numel() * 2))
+    log: list = []
+    with Recorder(log, SimpleNamespace(current="caller")):
+        t._copies([slice(None)])
+    assert [op[0] for op in log] == ["copy_"] * 12 and t.copies == 12
+
+
+def test_layer_spans():
+    assert ipc.layer_spans([slice(None)], 28) == [(0, 28)]
+    assert ipc.layer_spans(list(range(28)), 28) == [(0, 28)]
+    assert ipc.layer_spans([3], 28) == [(3, 1)]
+    assert ipc.layer_spans([0, 1, 2, 5, 6, 9], 28) == [(0, 3), (5, 2), (9, 1)]
+
+
+def test_the_handshake_compiles_the_block_copy_kernel(monkeypatch):
+    # a compile takes about a second: at the handshake, not inside a prefill's layer hook at the first
+    # fragmented request
+    shape = (2, 30, 2, 4, 2, 8)  # 256-byte blocks: 32 words
+    local, remote = (torch.empty(shape, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    warmed = []
+    monkeypatch.setattr(ipc, "map_cuda", lambda info, shape, dtype, address: remote)
+    monkeypatch.setattr(block_copy, "kernel_ready", lambda src, dst: src.device == dst.device)
+    monkeypatch.setattr(block_copy, "warmup", lambda src, dst: warmed.append((src.shape, dst.shape)))
+    sender = SimpleNamespace(host="h", kv=SimpleNamespace(pool=local))
+    peer = SimpleNamespace(address="tcp://decode", layout=SimpleNamespace(shape=shape, torch_dtype=torch.bfloat16))
+    assert ipc.Sender._attach(sender, peer, SimpleNamespace(info=object(), host="h")) is remote
+    assert warmed == [((2, 30, 32), (2, 30, 32))]

@@ -10,8 +10,9 @@
     paged_copy(pool, blocks, device)   the longest request's blocks copied inside one pool, all layers: one
                  strided copy_ of the pool's dtype and of 8-byte words (ipc's small bulk pattern), one copy_
                  per layer (its large bulk pattern), one 2D memcpy (its large bulk pattern at c3da930, GPU),
-                 and the same blocks scattered (every other block) moved as ipc moves scattered runs (by
-                 index, in words; and in the pool's dtype, as before)
+                 and the same blocks scattered (every other block) moved by index: a gather and a scatter
+                 (ipc's fragmented path on the CPU, and on the GPU before block_copy.py; in words and in the
+                 pool's dtype) and, on a GPU with Triton, block_copy.py's kernel (ipc's fragmented path there)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from pdserve.bench.engine.decode import sync
 from pdserve.settings.keys import new_deployment, write_worker_keys
 from pdserve.protocol.enums import TRANSPORTS
+from pdserve.workers.transfer import block_copy
 from pdserve.workers.transfer.ipc import words
 
 VARIANTS = ("", "curve", "fragmented")
@@ -120,10 +122,15 @@ def paged_copy(pool: torch.Tensor, nb: int, device: torch.device) -> dict:
     for name, flat in (("scattered_gather", pool_words), ("scattered_gather_elements", elements)):
         scattered = pool.shape[0] * half * flat.shape[-1] * flat.element_size()
 
-        def gather_scatter(flat=flat):  # as ipc does it (workers/transfer/ipc.py, IpcTransfer._copies)
+        def gather_scatter(flat=flat):  # ipc's index ops (workers/transfer/ipc.py, IpcTransfer._copies)
             flat.index_copy_(1, dst_idx, flat.index_select(1, src_idx))
 
         out[f"{name}_gbps"] = scattered / _timed(gather_scatter, device) / 1e9
+    out["scattered_kernel_gbps"] = None  # each block read and written once, one launch (GPU with Triton)
+    if block_copy.kernel_ready(pool_words, pool_words):
+        scattered = pool.shape[0] * half * pool_words.shape[-1] * pool_words.element_size()
+        out["scattered_kernel_gbps"] = scattered / _timed(
+            lambda: block_copy.launch(pool_words, pool_words, src_idx, dst_idx), device) / 1e9
     return out
 
 

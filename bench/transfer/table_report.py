@@ -154,7 +154,9 @@ def paged_line(paged: dict) -> str:
             + (f", {paged['memcpy2d_gbps']:.1f} GB/s as one 2D memcpy" if paged.get("memcpy2d_gbps") else ""))
     return (line + f"; every other block of them {paged['scattered_gather_gbps']:.1f} GB/s gathered and scattered "
             "by index" + (f" ({paged['scattered_gather_elements_gbps']:.1f} in the pool's dtype)"
-                          if paged.get("scattered_gather_elements_gbps") else ""))
+                          if paged.get("scattered_gather_elements_gbps") else "")
+            + (f", {paged['scattered_kernel_gbps']:.1f} GB/s by the block-copy kernel"
+               if paged.get("scattered_kernel_gbps") else ""))
 
 
 def markdown(result: dict) -> str:

@@ -9,6 +9,7 @@
     receiver.py   the decode side every transport shares: handshake, reservations, deadlines, arrivals
     endpoint.py   the I/O thread behind each of them (ZMQ sockets, CURVE)
     plan.py       a request's move as paired runs of blocks; NIXL descriptors
+    block_copy.py blocks copied by index in one pass (a Triton kernel): ipc's fragmented requests on a GPU
     ipc.py, nixl.py, zmq.py   the transports;  fake.py   a real one with a fault, for tests
     ucx_log.py    which UCX lane a NIXL transfer took
 

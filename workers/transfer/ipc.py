@@ -23,9 +23,12 @@ copy kernel moves a quarter of the elements; the dtype itself where a block's by
            moved them at 79%; the 2-D memcpy ran at 1,556 GB/s inside one pool against 1,858 GB/s for
            one copy_ per layer in the same run (bench/results/transfer-house-nvidia-h200-2026-12-02-c3da930.md)
     layer  layer_done(l): the same copies for layer l, as soon as its K/V are in the pool
-    many runs  (more than INDEX_RUNS: a fragmented pool) by block index instead, one gather and one
-           scatter per layer (or for all layers at once in bulk below PER_LAYER_COPY_BYTES): four passes
-           over the bytes instead of two, but a handful of kernels where a copy per run costs a launch and a gap each
+    many runs  (more than INDEX_RUNS: a fragmented pool) by block index instead, where a copy per run costs a
+           launch and a gap each: on GPU block_copy.py's kernel, each block read once and written once (the
+           bytes of a contiguous copy), one launch for all layers in bulk and one per layer in layer mode; on
+           CPU (or without Triton) a gather into a temporary and a scatter from it, per layer or for all layers
+           at once (four passes over the bytes). Pools on two GPUs: one copy_ per run and layer, as for few
+           runs (the index ops and the kernel need both pools on one device; copy_ takes the peer path)
 
 On GPU the copies run on a side stream: layer_done(l) records an event on the current (compute)
 stream, the side stream waits for it and copies; the compute stream never waits and the host
@@ -47,6 +50,7 @@ import torch
 
 from pdserve.protocol import kv as P
 from pdserve.protocol.shm import POOL_NAME, SHM_PREFIX
+from pdserve.workers.transfer import block_copy
 from pdserve.workers.transfer.base import WRITING, TransferState
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
@@ -190,8 +194,13 @@ class IpcTransfer(SenderTransfer):
         # the word views are made here, in the grad mode of the copy: a view made under inference mode (a
         # layer hook inside the prefill's forward) is an inference tensor that copy_ outside it may not write
         src, dst, runs = words(self.src), words(self.dst), self.plan.runs
-        if len(runs) > INDEX_RUNS:
+        if len(runs) > INDEX_RUNS and src.device == dst.device:
             src_ids, dst_ids = self._block_index()
+            if block_copy.kernel_ready(src, dst):  # one launch per span of layers ready together
+                for first, count in layer_spans(layers, src.shape[0]):
+                    block_copy.launch(src[first:first + count], dst[first:first + count], src_ids, dst_ids)
+                    self.copies += 1
+                return
             for layer in layers:
                 dim = 0 if isinstance(layer, int) else 1  # a layer's [blocks, ...], or all layers' [L, blocks, ...]
                 dst[layer].index_copy_(dim, dst_ids, src[layer].index_select(dim, src_ids))
@@ -209,6 +218,17 @@ class IpcTransfer(SenderTransfer):
             dst = [d + i for _, d, n in self.plan.runs for i in range(n)]
             self._index = (torch.tensor(src, device=self.src.device), torch.tensor(dst, device=self.dst.device))
         return self._index
+
+
+def layer_spans(layers: list[int | slice], num_layers: int) -> list[tuple[int, int]]:
+    """(first, count) per span of consecutive layers; slice(None) is all of them."""
+    spans: list[tuple[int, int]] = []
+    for layer in layers:
+        first, count = (0, num_layers) if isinstance(layer, slice) else (layer, 1)
+        if spans and spans[-1][0] + spans[-1][1] == first:
+            first, count = spans[-1][0], spans.pop()[1] + count
+        spans.append((first, count))
+    return spans
 
 
 def words(pool: torch.Tensor) -> torch.Tensor:
@@ -233,7 +253,10 @@ class Sender(ChannelSender):
         layout = peer.layout
         if isinstance(info, P.ShmInfo):
             return map_shm(info, layout.shape, layout.torch_dtype, peer.address)
-        return map_cuda(info, layout.shape, layout.torch_dtype, peer.address)
+        remote = map_cuda(info, layout.shape, layout.torch_dtype, peer.address)
+        if block_copy.kernel_ready(self.kv.pool, remote):  # its compile now, not in a fragmented request's copies
+            block_copy.warmup(words(self.kv.pool), words(remote))
+        return remote
 
 
 def wait_event(event: torch.cuda.Event, deadline: float, request_id: str, peer: str) -> None:

@@ -1,0 +1,99 @@
+"""Copy blocks by index between two KV pools in one pass: block src_ids[i] -> block dst_ids[i], every layer given.
+
+    kernel_ready(src, dst)              whether the kernel can run on these two tensors: both on one CUDA device,
+                                        Triton installed (else ipc.py runs its index ops, the same bytes moved)
+    launch(src, dst, src_ids, dst_ids)  src, dst: [layers, blocks, words] (ipc.words()), the same layers of two
+                                        pools (one layer: a [1, blocks, words] slice); ids [n] int64 on their
+                                        device, in range (plan.make_plan checks; the kernel does not), no
+                                        destination twice. On the current stream; nothing waits for it
+    warmup(src, dst)                    compile the variant for these pools without running it (a compile takes
+                                        about a second: at the handshake, not in a prefill's layer hook)
+
+What a fragmented request (many short runs of blocks) costs, per layer of n blocks of B bytes:
+    index ops   dst.index_copy_(ids, src.index_select(ids)): a gather into a temporary and a scatter from it,
+                4 n B bytes of memory traffic and two launches per layer (one pair for all layers at best)
+    this kernel each program copies one block of one layer, straight from source to destination in chunks
+                of CHUNK_WORDS: 2 n B bytes (each byte read once and written once, as a contiguous copy
+                does) and one launch for all the layers asked for
+The destination may be another process's pool (CUDA IPC) on the same device; ipc.py copies pools on two
+devices run by run, where torch's copy_ takes care of the peer access.
+
+Only ipc copies by block index: a zmq frame and a nixl descriptor each name one run of one layer on
+the wire (protocol/kv.py's Chunk; NIXL's (address, length) rows), so neither has a gather to replace.
+
+One compiled variant per pool layout: the block and layer counts are the grid, never arguments, and the
+strides, the block's words and the chunk depend only on the layout. Tests run the kernel on the CPU
+through Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: ipc.py runs its index ops
+    triton = None
+
+CHUNK_WORDS = 1024  # words one program moves per step (8 KiB of 8-byte words: 64 bytes a thread of 4 warps)
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # the bytes as they are, never as floats
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_blocks(src_ptr, dst_ptr, src_ids, dst_ids, src_layer, src_block, dst_layer, dst_block, block_words,
+                     CHUNK: tl.constexpr):
+        i = tl.program_id(0)  # which pair of blocks
+        layer = tl.program_id(1).to(tl.int64)
+        s = tl.load(src_ids + i).to(tl.int64)
+        d = tl.load(dst_ids + i).to(tl.int64)
+        src = src_ptr + layer * src_layer + s * src_block  # int64 offsets: a pool may pass 2^31 words
+        dst = dst_ptr + layer * dst_layer + d * dst_block
+        for w0 in range(0, block_words, CHUNK):
+            w = w0 + tl.arange(0, CHUNK)
+            ok = w < block_words
+            tl.store(dst + w, tl.load(src + w, mask=ok), mask=ok)
+
+
+def kernel_ready(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    return src.device.type == "cuda" and src.device == dst.device and triton is not None
+
+
+def launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """The kernel itself, on any device Triton runs on (a GPU, or the CPU under its interpreter)."""
+    grid, args, kwargs = launch_args(src, dst, src_ids, dst_ids)
+    if not grid[0] or not grid[1]:
+        return
+    # Triton launches on the current device's current stream
+    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+        _copy_blocks[grid](*args, **kwargs)
+
+
+def warmup(src: torch.Tensor, dst: torch.Tensor) -> None:
+    ids = torch.zeros(1, dtype=torch.int64, device=src.device)
+    grid, args, kwargs = launch_args(src, dst, ids, ids)
+    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+        _copy_blocks.warmup(*args, grid=grid, **kwargs)
+
+
+def launch_args(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor):
+    """(grid, args, kwargs) of the kernel's launch: checked, and the words seen as integers of their size."""
+    if src.dim() != 3 or dst.dim() != 3 or src.shape[0] != dst.shape[0] or src.shape[2] != dst.shape[2]:
+        raise ValueError(f"the block copy needs [layers, blocks, words] views of the same layers and block size, got "
+                         f"{tuple(src.shape)} and {tuple(dst.shape)}")
+    if src.dtype != dst.dtype or src.stride(2) != 1 or dst.stride(2) != 1:
+        raise ValueError("the block copy needs both pools in one dtype with each block's words contiguous")
+    if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
+        raise ValueError(f"the block copy needs as many source as destination ids, got {tuple(src_ids.shape)} and "
+                         f"{tuple(dst_ids.shape)}")
+    words = src.shape[2]
+    chunk = min(CHUNK_WORDS, 1 << max(words - 1, 0).bit_length())  # a power of two, at most one block
+    as_int = INTS[src.element_size()]
+    args = (src.view(as_int), dst.view(as_int), src_ids, dst_ids, src.stride(0), src.stride(1), dst.stride(0),
+            dst.stride(1), words)
+    return (src_ids.shape[0], src.shape[0]), args, {"CHUNK": chunk}
+
