@@ -12,6 +12,7 @@ from pdserve.settings.worker import EngineConfig, TransferConfig
 from pdserve.workers.engine.block_pool import OutOfBlocks
 from pdserve.workers.engine.engine import Engine
 from pdserve.workers.engine.request import InvalidRequest, Request, SamplingParams, Status
+from pdserve.workers.roles.kv_report import DECAY, KVReport
 from pdserve.workers.transfer import fake
 from pdserve.workers.transfer.base import PeerState
 from pdserve.workers.transfer.errors import TransferError
@@ -161,6 +162,7 @@ def test_prefill_worker_batches_waiting_prompts_within_the_token_budget(monkeypa
         send(p, d, {"warm": ids(0, 64)}, sampling)
         pump([p, d], lambda: p.take(P.PrefillDone))  # its four full blocks stay in the prefill worker's cache
         seen = forwards(p.engine, monkeypatch)
+        p.kv_report = report = KVReport(p.engine, p.worker_id)  # what prices a prefill here for the router
         prompts = {"cached": ids(0, 64) + ids(500, 10), "x": ids(100, 40), "y": ids(200, 40),
                    "long": ids(300, 150), "z": ids(400, 30)}
         send(p, d, prompts, sampling)
@@ -171,6 +173,8 @@ def test_prefill_worker_batches_waiting_prompts_within_the_token_budget(monkeypa
         assert all(sum(n for _, n in f) <= 100 or len(f) == 1 for f in seen)
         first = {m.request_id: m.timeline.stamps for m in done}
         assert first["cached"]["prefill_end"] == first["y"]["prefill_end"] < first["long"]["prefill_start"]
+        # its prefill speed: one observation a forward, of all the tokens it computed (decayed sums: n, tokens)
+        assert report._fit[:2] == pytest.approx([1 + DECAY + DECAY ** 2, 90 * DECAY ** 2 + 150 * DECAY + 30])
         assert p.engine.blocks.num_free == p.engine.blocks.num_blocks
     finally:
         p.role.close(), d.role.close()

@@ -65,6 +65,7 @@ import time
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import FailureKind
 from pdserve.workers.engine.block_pool import OutOfBlocks
+from pdserve.workers.engine.outputs import PrefillResult
 from pdserve.workers.engine.request import InvalidRequest, KVTarget, Request, Stamps, Status
 from pdserve.workers.engine.sampler import SamplingError
 from pdserve.workers.roles.base import Role, now, timeline
@@ -198,6 +199,9 @@ class PrefillRole(Role):
                 raise errors[live[0].request_id]
 
         results = self.engine.prefill_batch(batch, on_layer if self.mode == "layer" else None)
+        prefilled = [r for r, result in zip(batch, results) if isinstance(result, PrefillResult)]
+        if prefilled:  # the forward's speed, once over all its tokens (they share its time)
+            self.observe_prefill(*prefilled)
         for req, result in zip(batch, results):
             if result is None:  # no room beside the others: it waits for the next batch
                 continue
@@ -261,7 +265,6 @@ class PrefillRole(Role):
     def _done(self, req: Request, first_token: int, stats: TransferStats) -> None:
         rid = req.request_id
         self.engine.release(rid)
-        self.observe_prefill(req)
         s = req.stamps  # the last copy complete, on this worker's clock (and not before the prefill's end)
         s.kv_delivered = max(s.prefill_end, monotonic(stats.finished_at))
         self.worker.send(P.PrefillDone(
