@@ -13,16 +13,21 @@
 #                                                            # (else a call judges the kinds of arms it was given)
 #   WORKLOAD=mixed ARMS=pd-default,pd-seqs128,pd-seqs32,pd-chunk2048,pd-layer bench/run_defaults_gpu.sh
 #                                                            # the disaggregated arms (twice: ~2 calls)
+#   WORKLOAD=mixed ARMS=pd-default,pd-pbatch1 bench/run_defaults_gpu.sh
+#                                                            # the prefill worker's batch against one prompt a forward
 #
 # Colocated arms (one colocated worker alone on the GPU: --prefill-workers 0 --decode-workers 0
 # --colocated-workers 1, KV GiB of KV pool): default (no chunk flag: the worker's own default), chunkN
 # (--chunk-tokens N), unchunked (--no-chunked-prefill).
 # Disaggregated arms (one prefill and one decode worker sharing the GPU: --no-colocated --prefill-workers 1
 # --decode-workers 1, PD_KV GiB of KV pool each): pd-default (the workers' own defaults: bulk transfer, 64
-# seats, the chunk budget of the device), pd-chunkN (--chunk-tokens N: on a prefill worker, which prefills
-# each prompt whole and alone, it sets the longest prompt run through the piecewise path, N + --max-num-seqs
-# tokens; a longer one runs transformers' forward, its layers compiled), pd-seqsN (--max-num-seqs N: the requests a decode worker seats,
-# reserved, receiving or running), pd-layer (--mode layer: the KV moves layer by layer during the prefill).
+# seats, the chunk budget of the device, the prefill batch of --max-batched-tokens), pd-chunkN (--chunk-tokens
+# N: on a prefill worker, which prefills whole prompts, it sets the longest forward run through the piecewise
+# path, N + --max-num-seqs tokens; a longer one runs transformers' forward, its layers compiled), pd-seqsN
+# (--max-num-seqs N: the requests a decode worker seats, reserved, receiving or running; and the prompts a
+# prefill worker batches), pd-pbatchN (--max-batched-tokens N: the prompt tokens a prefill worker prefills in
+# one forward of several waiting prompts; pd-pbatch1, one prompt a forward, as before batching), pd-layer
+# (--mode layer: the KV moves layer by layer during the prefill).
 # pd-unchunked is refused: a prefill worker prefills whole prompts whatever --no-chunked-prefill says.
 # Each kind's default arm (default, pd-default) runs its search first and in full (start START_RATE, doubling
 # then bisecting to PRECISION, at most MAX_PROBES). Every other arm needs only the probe that decides the
@@ -82,13 +87,14 @@ RESULTS=${RESULTS:-bench/results/defaults-gpu}
 DIR="$RESULTS/$WORKLOAD"
 mkdir -p "$DIR"
 
-ARM_NAMES="default, unchunked, chunkN, pd-default, pd-chunkN, pd-seqsN or pd-layer"
+ARM_NAMES="default, unchunked, chunkN, pd-default, pd-chunkN, pd-seqsN, pd-pbatchN or pd-layer"
 arm_flags() {  # the workers' flags of an arm, on top of its kind's (load_arm)
   case $1 in
     default|pd-default|pd-layer) echo "" ;;
     unchunked) echo "--worker-arg=--no-chunked-prefill" ;;
     chunk[0-9]*|pd-chunk[0-9]*) [[ ${1#*chunk} =~ ^[0-9]+$ ]] && echo "--worker-arg=--chunk-tokens=${1#*chunk}" ;;
     pd-seqs[0-9]*) [[ ${1#pd-seqs} =~ ^[0-9]+$ ]] && echo "--worker-arg=--max-num-seqs=${1#pd-seqs}" ;;
+    pd-pbatch[0-9]*) [[ ${1#pd-pbatch} =~ ^[0-9]+$ ]] && echo "--worker-arg=--max-batched-tokens=${1#pd-pbatch}" ;;
     pd-unchunked) echo "pd-unchunked measures nothing: a prefill worker prefills each prompt whole whatever" \
                        "--no-chunked-prefill says (docs/benchmarks.md); an arm is $ARM_NAMES" >&2; return 2 ;;
     *) false ;;

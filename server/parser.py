@@ -26,7 +26,7 @@ VLLM_SPELLINGS = {
     "-tp": "pdserve runs each worker on one device; --devices deals workers to GPUs",
     "--pipeline-parallel-size": "pdserve runs each worker on one device; --devices deals workers to GPUs",
     "--max-num-batched-tokens": "pdserve's are --chunk-tokens (chunked prefill) and --max-batched-tokens "
-                                "(with --no-chunked-prefill)",
+                                "(a prefill worker's batch, and with --no-chunked-prefill a colocated step)",
     "--enable-chunked-prefill": "chunked prefill is pdserve's default (--no-chunked-prefill turns it off)",
     "--enable-prefix-caching": "the prefix cache is pdserve's default (--no-prefix-cache turns it off)",
     "--no-enable-prefix-caching": "pdserve's is --no-prefix-cache",

@@ -39,8 +39,17 @@ class EngineConfig:
     # default (neither given): 1 GiB on CPU, 30% of free memory on CUDA
     kv_memory_gb: float | None = flag(None, "KV pool size in GiB")
     max_num_seqs: int = flag(64, "running requests at once")
-    max_batched_tokens: int = flag(8192, "with --no-chunked-prefill: prompt tokens per prefill step (a longer "
-                                   "prompt runs alone)")
+    # one budget for every prefill of whole prompts: a colocated worker's prefill step with --no-chunked-prefill,
+    # and a prefill worker's forward over the waiting prompts it batches (roles/prefill.py); a cached prefix
+    # does not count, and a longer prompt runs alone, never split. 8192: past it a forward of a 7B model is
+    # compute-bound on an H100/H200 (the weights' ~3.6 ms are ~2% of it), so a larger batch gains nothing and
+    # only delays its first prompts; the same budget on both sides keeps a disaggregated run comparable with
+    # an unchunked colocated one. To be chosen by measurement on the GPU (bench/run_defaults_gpu.sh: pd-pbatchN
+    # against pd-default; pd-pbatch1 is one prompt a forward), as --chunk-tokens was
+    max_batched_tokens: int = flag(8192, "prompt tokens prefilled in one forward of whole prompts (a cached prefix "
+                                   "does not count; the first prompt runs whatever its length, never split): a "
+                                   "prefill worker's batch of waiting prompts, and with --no-chunked-prefill a "
+                                   "colocated worker's prefill step; 1: one prompt at a time")
     # a step carries every running decode plus up to chunk_tokens prompt tokens
     chunked_prefill: bool = flag(True, "prefill whole prompts in steps of their own (running requests wait for them)")
     # None: CHUNK_TOKENS of the device (resolved where used, step_chunk_tokens: the router builds one config

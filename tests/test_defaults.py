@@ -293,7 +293,7 @@ def test_the_committed_sweep_judges_as_it_did(tmp_path, workload):
 
 def test_pd_arms_start_a_prefill_and_a_decode_worker_and_are_judged_apart(tmp_path):
     long_today(tmp_path / "results" / "long")  # the colocated arms, measured
-    arms = {"ARMS": "pd-default,pd-seqs128,pd-chunk32768,pd-layer",
+    arms = {"ARMS": "pd-default,pd-seqs128,pd-chunk32768,pd-pbatch1,pd-layer",
             "STUB_LIMITS": json.dumps({"pd-default": 0.9, "pd-chunk32768": 1.2})}  # the rest fail any rate
     done, calls = run_script(tmp_path, arms)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -302,10 +302,11 @@ def test_pd_arms_start_a_prefill_and_a_decode_worker_and_are_judged_apart(tmp_pa
     pair = "=disaggregated:--no-colocated --prefill-workers 1 --decode-workers 1 "
     assert [val(c, "--arm") for c in ran] == [
         "pd-default" + pair, "pd-seqs128" + pair + "--worker-arg=--max-num-seqs=128",
-        "pd-chunk32768" + pair + "--worker-arg=--chunk-tokens=32768", "pd-layer" + pair]
+        "pd-chunk32768" + pair + "--worker-arg=--chunk-tokens=32768",
+        "pd-pbatch1" + pair + "--worker-arg=--max-batched-tokens=1", "pd-layer" + pair]
     # the pairs' own pool (PD_KV 16 GiB a worker, not the long workload's 40) and transfer mode
     assert [val(c, "--server-args") for c in ran] == [
-        "--model qwen2.5-7b --devices cuda:0 --transport ipc --mode bulk --kv-memory-gb 16"] * 3 + [
+        "--model qwen2.5-7b --devices cuda:0 --transport ipc --mode bulk --kv-memory-gb 16"] * 4 + [
         "--model qwen2.5-7b --devices cuda:0 --transport ipc --mode layer --kv-memory-gb 16"]
     # pd-default's own full search; every other pair one probe at pd-default's capacity (0.8) / 0.9, not the
     # colocated default's (0.95)
@@ -326,7 +327,7 @@ def test_pd_arms_start_a_prefill_and_a_decode_worker_and_are_judged_apart(tmp_pa
     assert (val(colocated, "--default"), val(colocated, "--reference"), val(colocated, "--name")) == (
         "default", "unchunked", "defaults")
     assert sorted(Path(val(pairs[i:], "--from")).name for i, w in enumerate(pairs) if w == "--from") == [
-        "pd-chunk32768", "pd-default", "pd-layer", "pd-seqs128"]
+        "pd-chunk32768", "pd-default", "pd-layer", "pd-pbatch1", "pd-seqs128"]
     assert (val(pairs, "--default"), val(pairs, "--name")) == ("pd-default", "defaults-pd")
     assert "--reference" not in pairs
     out = tmp_path / "results/long"
@@ -334,8 +335,9 @@ def test_pd_arms_start_a_prefill_and_a_decode_worker_and_are_judged_apart(tmp_pa
     assert set(co["arms"]) == {"default", "unchunked", "chunk16384"}
     assert co["verdict"]["topology"] == "1 colocated worker on cuda:0"
     assert pd["verdict"]["topology"] == "1 prefill + 1 decode workers on cuda:0"
-    # seqs128 and layer failed 0.888: the default within 10% of them; chunk32768 passed it: open
-    assert pd["verdict"]["default_within_margin_of"] == {"pd-seqs128": True, "pd-chunk32768": None, "pd-layer": True}
+    # seqs128, pbatch1 and layer failed 0.888: the default within 10% of them; chunk32768 passed it: open
+    assert pd["verdict"]["default_within_margin_of"] == {"pd-seqs128": True, "pd-chunk32768": None,
+                                                         "pd-pbatch1": True, "pd-layer": True}
     # measured arms are kept: the same call again starts no server
     done, calls = run_script(tmp_path, arms)
     assert done.returncode == 0 and loads(calls) == [] and "arm pd-layer: measured already" in done.stdout
@@ -371,6 +373,7 @@ def test_arms_are_checked_before_any_runs(tmp_path):
     long_today(tmp_path / "results" / "long")
     for bad, says in (("pd-default,pd-unchunked", "pd-unchunked measures nothing: a prefill worker prefills"),
                       ("pd-default,pd-seqs12x", "an arm is default, unchunked, chunkN, pd-default"),
+                      ("pd-pbatch", "got 'pd-pbatch'"),
                       ("pd-chunk", "got 'pd-chunk'"), ("chunk64,chunk6a4", "got 'chunk6a4'")):
         done, calls = run_script(tmp_path, {"ARMS": bad})
         assert done.returncode == 2 and says in done.stdout + done.stderr and calls == [], (bad, done.stderr)

@@ -14,6 +14,7 @@ from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine.engine import Engine
 from pdserve.workers.engine.request import SamplingParams
 from pdserve.settings.worker import TransferConfig
+from pdserve.workers.transfer.base import PeerState
 
 from role_shell import Shell, pump, tokens_of
 
@@ -38,28 +39,51 @@ def reference():
     return prompt, req.output_ids
 
 
+@pytest.fixture(scope="module")
+def concurrent(reference):
+    """Prompts of other lengths beside the reference's, each with its tokens from a colocated run."""
+    prompts = {"r1": reference[0], "r2": [(11 * i) % 250 + 5 for i in range(37)],
+               "r3": [(13 * i + 3) % 250 + 5 for i in range(70)]}
+    reqs = engine().generate(list(prompts.values()), SamplingParams(max_tokens=8, ignore_eos=True))
+    return {rid: (prompt, r.output_ids) for (rid, prompt), r in zip(prompts.items(), reqs)}
+
+
 @pytest.mark.parametrize("transport,mode", [("ipc", "layer"), ("zmq", "bulk")])
-def test_disaggregated_roles_match_colocated(reference, transport, mode):
-    prompt, expected = reference
+def test_disaggregated_roles_match_colocated(concurrent, transport, mode, monkeypatch):
+    """Three prompts waiting together are prefilled in one forward (layer mode: every request's KV sent
+    after each layer of it); each decodes to its colocated tokens."""
     cfg = TransferConfig(transport=transport, mode=mode, deadline_s=10.0)
     d = Shell("decode", engine(shared=True), cfg)
     p = Shell("prefill", engine(), cfg)
     try:
+        p.role.handle(P.Connect(d.worker_id, d.role.kv_address))  # shaken hands first: the prompts wait together
+        pump([p, d], lambda: p.role.sender.reach(d.role.kv_address)[0] is PeerState.READY)
+        forwards = []
+        run = p.engine.runner.run
+        monkeypatch.setattr(p.engine.runner, "run", lambda work, *a, **kw: forwards.append(len(work)) or run(work, *a, **kw))
         sampling = P.Sampling(max_tokens=8, ignore_eos=True)
-        d.role.handle(P.Reserve("r1", prompt, sampling, deadline_s=10.0))
-        [reserved] = d.take(P.Reserved)
-        assert len(reserved.dst_blocks) * 16 >= len(prompt) and reserved.kv_address == d.role.kv_address
-        p.role.handle(P.Prefill("r1", prompt, sampling, d.worker_id, reserved.kv_address, reserved.dst_blocks, 8.0))
-        pump([p, d], lambda: finished(d, "r1"))
-        [done] = p.take(P.PrefillDone)
-        outs = tokens_of(d, "r1")
-        assert [o.token_id for o in outs] == expected
-        assert outs[0].token_id == done.first_token  # the first token came with the KV, emitted first
+        for rid, (prompt, _) in concurrent.items():
+            d.role.handle(P.Reserve(rid, prompt, sampling, deadline_s=10.0))
+        reserved = {m.request_id: m for m in d.take(P.Reserved)}
+        for rid, (prompt, _) in concurrent.items():
+            r = reserved[rid]
+            assert len(r.dst_blocks) * 16 >= len(prompt) and r.kv_address == d.role.kv_address
+            p.role.handle(P.Prefill(rid, prompt, sampling, d.worker_id, r.kv_address, r.dst_blocks, 8.0))
+        pump([p, d], lambda: all(finished(d, rid) for rid in concurrent))
+        assert forwards == [len(concurrent)]  # one forward for all three
+        done = {m.request_id: m for m in p.take(P.PrefillDone)}
         layout = p.engine.layout
-        assert done.kv_bytes == len(reserved.dst_blocks) * layout.block_size * layout.bytes_per_token  # whole blocks
-        pre, dec = done.timeline.stamps, outs[-1].timeline.stamps  # each worker's own clock
-        assert pre["prefill_end"] > pre["prefill_start"] and pre["kv_delivered"] >= pre["prefill_end"]
-        assert dec["first_step_end"] > dec["first_step_start"] and dec["token1"] >= dec["kv_received"]
+        for rid, (prompt, expected) in concurrent.items():
+            outs = tokens_of(d, rid)
+            assert [o.token_id for o in outs] == expected, rid
+            assert outs[0].token_id == done[rid].first_token  # the first token came with the KV, emitted first
+            # whole blocks
+            assert done[rid].kv_bytes == len(reserved[rid].dst_blocks) * layout.block_size * layout.bytes_per_token
+            pre, dec = done[rid].timeline.stamps, outs[-1].timeline.stamps  # each worker's own clock
+            assert pre["prefill_end"] > pre["prefill_start"] and pre["kv_delivered"] >= pre["prefill_end"]
+            assert dec["first_step_end"] > dec["first_step_start"] and dec["token1"] >= dec["kv_received"]
+        # one forward: one start and one end for all
+        assert len({(m.timeline.stamps["prefill_start"], m.timeline.stamps["prefill_end"]) for m in done.values()}) == 1
         assert p.engine.blocks.num_free == NUM_BLOCKS and d.engine.blocks.num_free == NUM_BLOCKS
     finally:
         p.role.close(), d.role.close(), d.engine.kv.close()

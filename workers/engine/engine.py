@@ -9,8 +9,10 @@ IllegalTransition and changes nothing.
 
 For the roles:
     colocated  add_request(req): WAITING in the scheduler; step() until finished (PREFILLING, RUNNING)
-    prefill    admit(req): WAITING in the prefill queue; prefill_only(req, on_layer) -> first token,
-               logits, block ids (SENDING: the blocks stay for the transfer); release(id) after it
+    prefill    admit(req): WAITING in the prefill queue; prefill_batch(reqs, on_layer) -> per request its
+               first token, logits, block ids (SENDING: the blocks stay for the transfer) or what failed
+               it alone, several prompts in one forward (prefill_only(req, on_layer): one); release(id)
+               after it; prefill_tokens(req): what its prefill would compute now
     decode     admit(req): WAITING for room; reserve(id, n) -> block ids a transfer fills (RESERVED);
                begin_receiving(id) once the sender began (RECEIVING); adopt(req, first_token) once it
                landed (RUNNING: the batch at decode step 2, no prompt token recomputed); cancel(id) if
@@ -197,6 +199,13 @@ class Engine:
 
     def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:
         return self.handoff.prefill_only(req, on_layer)
+
+    def prefill_batch(self, reqs: list[Request], on_layer: Callable[[int], None] | None = None
+                      ) -> list[PrefillResult | Exception | None]:
+        return self.handoff.prefill_batch(reqs, on_layer)
+
+    def prefill_tokens(self, req: Request) -> int:
+        return self.handoff.prefill_tokens(req)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         return self.handoff.reserve(request_id, num_tokens)

@@ -4,8 +4,11 @@ KVHandoff is a part the engine owns (`engine.handoff`; Engine's calls of the sam
 to it). It is built from the engine's parts and is given the engine's record of its requests
 through `Record` below: no other call of the engine. Each call moves a request along its ladder
 (request.py) or raises IllegalTransition.
-    prefill    prefill_only(req, on_layer) -> PrefillResult   WAITING -> PREFILLING -> SENDING: first
-               token, logits, block ids (they stay for the transfer); Engine.release(id) after it
+    prefill    prefill_batch(reqs, on_layer) -> [PrefillResult | Exception | None]   WAITING -> PREFILLING
+               -> SENDING, several prompts in one forward, each request's outcome its own: first token,
+               logits, block ids (they stay for the transfer); Engine.release(id) after it
+               prefill_only(req, on_layer) -> PrefillResult   a batch of one, raising what failed it
+               prefill_tokens(req) -> int                     the prompt tokens its prefill would compute now
     decode     reserve(id, n) -> block ids a transfer fills   WAITING -> RESERVED (None: no room now)
                begin_receiving(id)                          RESERVED -> RECEIVING (the sender began)
                adopt(req, first_token) -> StepOutput        -> RUNNING: the batch at decode step 2
@@ -62,38 +65,100 @@ class KVHandoff:
             raise IllegalTransition(f"request {request_id} is not on this worker (never admitted, or finished)")
         return req
 
+    def prefill_tokens(self, req: Request) -> int:
+        """The prompt tokens a prefill of the request would compute now: those after the longest prefix
+        our pool holds or the KV tiers would reload (what a prefill worker's batch budget counts)."""
+        claim = self.prompts.plan(req)
+        return req.num_tokens - (claim.blocks + len(claim.lower)) * self.prompts.block_size
+
     def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:
-        """Prefill one request now and sample its first token (WAITING -> PREFILLING -> SENDING); its
-        blocks stay until release(). Admits it if the caller has not. On any error (OutOfBlocks, its
-        SamplingError, the forward's) the request is finished and its blocks freed, then it raises."""
-        if self.requests.get(req.request_id) is not req:
-            self.record.admit(req)
-        req.start_prefill()
+        """Prefill one request now and sample its first token (prefill_batch of one); raises what failed
+        it (the request finished, its blocks freed), or IllegalTransition (nothing changed)."""
+        [result] = self.prefill_batch([req], on_layer)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def prefill_batch(self, reqs: list[Request], on_layer: Callable[[int], None] | None = None
+                      ) -> list[PrefillResult | Exception | None]:
+        """Prefill several requests in one forward, each its whole prompt from its longest cached prefix
+        (the runner's mixed step: one row segment per request), and sample each one's first token (WAITING
+        -> PREFILLING -> SENDING); their blocks stay until release(). Admits those the caller has not.
+        on_layer(l): after layer l of the forward, for all of them at once.
+
+        One entry per request, in order, and one request's outcome is its own:
+          PrefillResult   SENDING
+          Exception       what failed it alone, the request finished and its blocks freed: InvalidRequest
+                          (admission), OutOfBlocks (the pool cannot hold it, no request before it in the
+                          forward), its SamplingError; or the forward's own error, the same for every
+                          request in it (their KV is half written). IllegalTransition: not its state to
+                          prefill from, nothing changed
+          None            not run: the pool has no room for it beside the requests before it in this
+                          forward (their blocks come back after their transfers), so it and those after
+                          it are left as they were (WAITING) for the next batch
+        Every request in the forward gets its stamps from the batch: prefill_start when the batch began
+        (before its blocks were taken: a reload from the tiers counts in its prefill), prefill_end (and
+        token1) when the forward and the draw of the first tokens ended."""
+        out: list[PrefillResult | Exception | None] = [None] * len(reqs)
+        start = time.monotonic()
+        batch: list[int] = []  # indices into reqs of the requests in the forward
+        for i, req in enumerate(reqs):
+            try:
+                if self.requests.get(req.request_id) is not req:
+                    self.record.admit(req)
+                claim = self.prompts.plan(req)
+                if not self.prompts.fits(claim) and batch:
+                    break  # it and the requests after it wait for the next batch
+                req.start_prefill()
+            except (InvalidRequest, IllegalTransition) as e:
+                out[i] = e
+                continue
+            try:
+                if not self.prompts.fits(claim):
+                    raise OutOfBlocks(f"request {req.request_id}: needs {claim.need} blocks, "
+                                      f"{self.prompts.blocks.num_free} free")
+                req.stamps.prefill_start = start
+                # a reload is cheaper than computing those blocks (the cost model): this worker waits for it
+                self.prompts.take(req, claim, wait=True)
+            except BaseException as e:
+                self.record.fail(req.request_id, f"{type(e).__name__}: {e}")
+                if not isinstance(e, Exception):
+                    raise
+                out[i] = e
+                continue
+            batch.append(i)
+        if not batch:
+            return out
+        members = [reqs[i] for i in batch]
+        computed_from = time.monotonic()
         try:
-            claim = self.prompts.plan(req)
-            if not self.prompts.fits(claim):
-                raise OutOfBlocks(f"request {req.request_id}: needs {claim.need} blocks, "
-                                  f"{self.prompts.blocks.num_free} free")
-            req.stamps.prefill_start = time.monotonic()
-            # a reload is cheaper than computing those blocks (the cost model): this worker waits for it
-            self.prompts.take(req, claim, wait=True)
-            computed_from = time.monotonic()
-            logits = self.runner.prefill([req], on_layer)
-            [(token, req.first_logprobs)] = self.sampler.results(self.sampler.pick(logits, [req]), [req])
+            logits = self.runner.prefill(members, on_layer)  # [len(members), vocab]
+            drawn = self.sampler.results(self.sampler.pick(logits, members), members)
+        except BaseException as e:
+            for req in members:
+                self.record.fail(req.request_id, f"{type(e).__name__}: {e}")
+            if not isinstance(e, Exception):
+                raise
+            for i in batch:
+                out[i] = e
+            return out
+        end = time.monotonic()
+        for k, (i, req, (token, logprobs)) in enumerate(zip(batch, members, drawn)):
             token = prompt_logprobs_complete(req, token)
             if isinstance(token, SamplingError):
-                raise token
-            stamp_end([req], req.stamps.prefill_start, time.monotonic())
+                self.record.fail(req.request_id, f"{type(token).__name__}: {token}")
+                out[i] = token
+                continue
+            req.first_logprobs = logprobs
+            stamp_end([req], start, end)
             self.prompts.name(req)
-            if self.prompts.tiers is not None:
-                computed = len(req.prompt_ids) - req.cached_tokens
-                self.prompts.tiers.observe_prefill(computed, req.stamps.prefill_end - computed_from)
-        except BaseException as e:
-            self.record.fail(req.request_id, f"{type(e).__name__}: {e}")
-            raise
-        req.output_ids = [token]
-        req.start_sending()
-        return PrefillResult(first_token=token, logits=logits[0], block_ids=list(req.block_ids))
+            req.output_ids = [token]
+            req.start_sending()
+            out[i] = PrefillResult(first_token=token, logits=logits[k], block_ids=list(req.block_ids))
+        if self.prompts.tiers is not None:  # the forward's speed, over every token it computed
+            computed = sum(len(r.prompt_ids) - r.cached_tokens for r in members)
+            self.prompts.tiers.observe_prefill(computed, end - computed_from)
+        return out
 
     # ---- decode role ---------------------------------------------------------------------------
 

@@ -108,11 +108,12 @@ class Role:
             self.worker.send(P.Tokens(self.worker_id, tokens))
 
 
-    def observe_prefill(self, r: Request) -> None:
-        """Token 1 exists: the request's prefill speed goes into what prices the next one (KV routing)."""
+    def observe_prefill(self, r: Request, *batch: Request) -> None:
+        """Token 1 exists: the request's prefill speed goes into what prices the next one (KV routing); with
+        `batch`, the others of its forward (a prefill worker's batch), observed together."""
         report = getattr(self.worker, "kv_report", None)
         if report is not None:
-            report.observe(r)
+            report.observe(r, *batch)
 
 
 def now() -> float:

@@ -5,7 +5,8 @@ difference since the last report) and what prices a request here (KVCosts, in ev
       .events() -> KVEvents | None     the heartbeat thread, after each heartbeat: names gained and lost
                                        since the last report (at most MAX_KV_NAMES; the rest next time)
       .costs() -> KVCosts              prefill ms per token (measured), tiers' GB/s, queued prompt tokens
-      .observe(request)                the main thread, at a request's first token: its prefill speed
+      .observe(request, *batch)        the main thread, at a request's first token: its prefill speed (with
+                                       the requests prefilled in the same forward: theirs together)
 
 A report is a difference between two snapshots of the tiers' name sets, not a log of every store and
 eviction: nothing is kept per event, a burst costs one message, and a lost message only leaves the
@@ -82,12 +83,14 @@ class KVReport:
 
     # ---- costs ----------------------------------------------------------------------------------
 
-    def observe(self, req) -> None:
-        """A request's prefill is over: its computed tokens over its prefill time."""
+    def observe(self, req, *batch) -> None:
+        """A request's prefill is over: its computed tokens over its prefill time. With `batch`, the other
+        requests of the same forward (a prefill worker's batch shares the forward's start and end): one
+        observation of all their tokens over that time, not one each of a time they shared."""
         s = req.stamps
         if s.prefill_start is None or s.prefill_end is None:
             return
-        tokens = len(req.prompt_ids) - req.cached_tokens
+        tokens = sum(len(r.prompt_ids) - r.cached_tokens for r in (req, *batch))
         seconds = s.prefill_end - s.prefill_start
         if tokens <= 0 or seconds <= 0:
             return

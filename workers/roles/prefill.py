@@ -1,23 +1,36 @@
 """Prefill role: build a request's KV, push it into a decode worker's reserved blocks, report.
 
 Life cycle of a request (its status, in the engine: workers/engine/request.py):
-    Prefill   -> engine.admit()         WAITING     in arrival order, one prefill at a time (InvalidRequest ->
-                                                    RequestFailed invalid; Abort -> RequestFailed aborted)
-              -> engine.prefill_only(req, on_layer)
-                                        PREFILLING  from its longest prefix in our prefix cache; layer
-                                                    mode: transfer.layer_done(i) after each layer (the
-                                                    transfer opens at the first layer, once the request's
-                                                    source blocks exist); the blocks the decode worker
-                                                    holds already (skip_tokens) are not sent
+    Prefill   -> engine.admit()         WAITING     in arrival order (InvalidRequest -> RequestFailed invalid;
+                                                    Abort -> RequestFailed aborted)
+              -> _next_batch()                      the waiting requests whose decode worker is ready, in
+                                                    arrival order, while the prompt tokens their prefills
+                                                    compute (a cached prefix is not) fit --max-batched-tokens
+                                                    and they number at most --max-num-seqs; the first
+                                                    whatever its length (a long prompt is never split)
+              -> engine.prefill_batch(batch, on_layer)
+                                        PREFILLING  one forward for the batch, each request from its longest
+                                                    prefix in our prefix cache; layer mode: every request's
+                                                    transfer.layer_done(i) after each layer (each transfer
+                                                    opens at the first layer, once the request's source
+                                                    blocks exist); the blocks the decode worker holds
+                                                    already (skip_tokens) are not sent. The batch shares the
+                                                    forward's stamps: prefill_start, prefill_end
               -> transfer.start_finish(first_token), then transfer.poll() on every tick
-                                        SENDING     bulk mode: everything moves once the decode worker accepted;
-                                                    then it is told "kv done" with the first token; meanwhile
-                                                    the loop goes on with other requests (`sending`)
+                                        SENDING     bulk mode: each request's KV moves once the forward ended
+                                                    and its decode worker accepted; then it is told "kv done"
+                                                    with the first token; meanwhile the loop goes on with
+                                                    other requests (`sending`)
               -> engine.release()       FINISHED    (sent) our blocks go back at once
               -> PrefillDone (timeline: inbox, queue, prefill; exposed transfer = last copy complete -
                                                 prefill end; all on this process's clock)
                  or RequestFailed (invalid | capacity | transfer | timeout | internal; the transfer is
                                                 aborted, engine.fail() frees the blocks)
+
+One request's failure is its own: a deadline passed, a transfer that fails, a draw that fails, or no
+room in the pool fails that request alone, and the others of its batch go on (a request for which the
+pool has no room beside the ones before it waits for the next batch; the first of a batch fails with
+`capacity`, as alone). The forward stops early only once every request in it has failed.
 
 Deadline: the router gives each Prefill a deadline shorter than the decode worker's reservation
 (the Request's `deadline`); past it the request fails with `timeout` before (or instead of)
@@ -37,6 +50,11 @@ tick; an Abort from the router ends it there, and its blocks come back at once.
 No queues of its own: the queue is the engine's WAITING requests, in arrival order; where each one's
 KV goes rides on the Request (`send_to`). The engine holds a request's blocks for one prefill and
 its transfer.
+
+Why batches: a forward of a 7B model over a short prompt is partly bound by reading its weights (~15
+GB at ~4 TB/s, ~3.6 ms a forward, against ~28 us a token of compute on an H200), so prompts prefilled
+one at a time waste what a colocated worker, which runs several prompts' chunks in one step, does not.
+`--max-batched-tokens 1` prefills one prompt at a time.
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ import time
 from pdserve.protocol import control as P
 from pdserve.protocol.enums import FailureKind
 from pdserve.workers.engine.block_pool import OutOfBlocks
+from pdserve.workers.engine.outputs import PrefillResult
 from pdserve.workers.engine.request import InvalidRequest, KVTarget, Request, Stamps, Status
 from pdserve.workers.engine.sampler import SamplingError
 from pdserve.workers.roles.base import Role, now, timeline
@@ -74,6 +93,10 @@ class PrefillRole(Role):
         self.sender = make_sender(self.engine.kv, worker.cfg.transfer)
         self.sending: dict[str, tuple[Request, Transfer, int]] = {}  # rid -> (request, transfer, first token)
         self._held = False  # the last tick left WAITING requests for decode workers still shaking hands
+        # one forward prefills several waiting prompts: up to this many prompt tokens computed (the first
+        # prompt whatever its length) and this many requests (settings/worker.py, max_batched_tokens)
+        self.batch_tokens = self.engine.config.max_batched_tokens
+        self.batch_seqs = self.engine.config.max_num_seqs
 
     def on_message(self, msg, arrived: float | None) -> None:
         if isinstance(msg, P.Prefill):
@@ -109,26 +132,43 @@ class PrefillRole(Role):
     def advance(self) -> None:
         for rid in list(self.sending):
             self._follow(rid)
-        req = self._next_ready()
-        if req is not None:
-            self._run(req)
+        batch = self._next_batch()
+        if batch:
+            self._run(batch)
 
-    def _next_ready(self) -> Request | None:
-        """The first WAITING request whose decode worker is ready (or whose deadline passed: _run fails
-        it); those bound for a DEAD decode worker fail now."""
+    def _next_batch(self) -> list[Request]:
+        """The WAITING requests whose decode worker is ready, in arrival order, while the prompt tokens their
+        prefills compute (engine.prefill_tokens: a cached prefix is not computed) stay within
+        --max-batched-tokens and they number at most --max-num-seqs; the first whatever its length. One
+        past its deadline fails here (timeout), one bound for a DEAD decode worker too (transfer); one whose
+        decode worker is still shaking hands waits without holding up those after it."""
         self._held = False
+        batch: list[Request] = []
+        tokens = 0
         for req in self.engine.in_state(Status.WAITING):
+            if now() >= req.deadline:
+                text = (f"request {req.request_id}: waited {now() - req.stamps.arrived:.1f}s in the prefill queue, "
+                        f"past its deadline of {req.deadline - req.stamps.arrived:.1f}s; add prefill workers or "
+                        f"raise the router's --kv-deadline")
+                self.engine.fail(req.request_id, text)
+                self.fail(req.request_id, FailureKind.TIMEOUT, text)
+                continue
             state, why = self.sender.reach(req.send_to.address)
-            if state is PeerState.READY or now() >= req.deadline:
-                return req
             if state is PeerState.DEAD:
                 text = (f"KV transfer {self.worker_id} -> {req.send_to.worker_id} failed: the decode worker at "
                         f"{req.send_to.address} is unreachable ({why}); retry the request on another one")
                 self.engine.fail(req.request_id, text)
                 self.fail(req.request_id, FailureKind.TRANSFER, text)
-            else:
+                continue
+            if state is not PeerState.READY:
                 self._held = True
-        return None
+                continue
+            n = self.engine.prefill_tokens(req)
+            if batch and (tokens + n > self.batch_tokens or len(batch) >= self.batch_seqs):
+                break
+            batch.append(req)
+            tokens += n
+        return batch
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         if self.engine.in_state(Status.WAITING) and not self._held:
@@ -140,43 +180,66 @@ class PrefillRole(Role):
     def close(self) -> None:
         self.sender.close()
 
-    def _run(self, req: Request) -> None:
-        rid, to = req.request_id, req.send_to
-        budget_s = req.deadline - req.stamps.arrived
-        transfer = None
-
-        def open_transfer(src_blocks: list[int]):  # the decode worker holds the first skip_tokens already
-            skip = to.skip_tokens // self.engine.layout.block_size
-            return self.sender.open(rid, to.address, list(src_blocks[skip:]), list(to.dst_blocks),
-                                    len(req.prompt_ids) - to.skip_tokens)
+    def _run(self, batch: list[Request]) -> None:
+        """Prefill the batch in one forward; then each request goes on alone: its transfer opened (layer
+        mode: at its first layer) and started, followed in `sending`. What fails one request (its deadline,
+        its transfer, its draw, no room for it) fails it alone; the forward stops only once every request
+        in it has failed."""
+        transfers: dict[str, Transfer] = {}
+        errors: dict[str, Exception] = {}  # a request's failure during the forward: no more layers for it
 
         def on_layer(layer: int) -> None:
-            nonlocal transfer
-            if now() >= req.deadline:
-                raise PrefillDeadline(f"request {rid}: deadline of {budget_s:.1f}s passed during prefill "
-                                      f"(layer {layer}); nothing more is sent to {to.worker_id}")
-            if transfer is None:
-                transfer = open_transfer(req.block_ids)
-            transfer.layer_done(layer)
+            live = [r for r in batch if r.status is Status.PREFILLING and r.request_id not in errors]
+            for req in live:
+                try:
+                    self._layer_done(req, layer, transfers)
+                except Exception as e:
+                    errors[req.request_id] = e
+            if live and all(r.request_id in errors for r in live):  # nothing left to compute for
+                raise errors[live[0].request_id]
 
-        try:
-            if now() >= req.deadline:
-                raise PrefillDeadline(f"request {rid}: waited {now() - req.stamps.arrived:.1f}s in the prefill queue, past "
-                                      f"its deadline of {budget_s:.1f}s; add prefill workers or raise "
-                                      f"the router's --kv-deadline")
-            result = self.engine.prefill_only(req, on_layer if self.mode == "layer" else None)
-            if transfer is None:
-                transfer = open_transfer(result.block_ids)
-            remaining = req.deadline - now()
-            if remaining <= 0:
-                raise PrefillDeadline(f"request {rid}: deadline of {budget_s:.1f}s passed before the "
-                                      f"transfer to {to.worker_id} could start")
-            transfer.start_finish(result.first_token, remaining)
-        except Exception as e:
-            self._failed(req, transfer, e)
-            return
-        self.sending[rid] = (req, transfer, result.first_token)
-        self._follow(rid)
+        results = self.engine.prefill_batch(batch, on_layer if self.mode == "layer" else None)
+        prefilled = [r for r, result in zip(batch, results) if isinstance(result, PrefillResult)]
+        if prefilled:  # the forward's speed, once over all its tokens (they share its time)
+            self.observe_prefill(*prefilled)
+        for req, result in zip(batch, results):
+            if result is None:  # no room beside the others: it waits for the next batch
+                continue
+            rid, to = req.request_id, req.send_to
+            transfer = transfers.get(rid)
+            try:
+                if isinstance(result, Exception) or rid in errors:
+                    raise errors.get(rid, result)
+                if transfer is None:
+                    transfer = self._open(req, result.block_ids)
+                remaining = req.deadline - now()
+                if remaining <= 0:
+                    raise PrefillDeadline(f"request {rid}: deadline of {req.deadline - req.stamps.arrived:.1f}s "
+                                          f"passed before the transfer to {to.worker_id} could start")
+                transfer.start_finish(result.first_token, remaining)
+            except Exception as e:
+                self._failed(req, transfer, e)
+                continue
+            self.sending[rid] = (req, transfer, result.first_token)
+            self._follow(rid)
+
+    def _layer_done(self, req: Request, layer: int, transfers: dict[str, Transfer]) -> None:
+        """Layer mode: the request's KV of `layer` is in place; its transfer opens at its first layer, once
+        its source blocks exist."""
+        rid = req.request_id
+        if now() >= req.deadline:
+            raise PrefillDeadline(f"request {rid}: deadline of {req.deadline - req.stamps.arrived:.1f}s passed "
+                                  f"during prefill (layer {layer}); nothing more is sent to {req.send_to.worker_id}")
+        if rid not in transfers:
+            transfers[rid] = self._open(req, req.block_ids)
+        transfers[rid].layer_done(layer)
+
+    def _open(self, req: Request, src_blocks: list[int]) -> Transfer:
+        """The request's transfer, from its blocks after those the decode worker holds already (skip_tokens)."""
+        to = req.send_to
+        skip = to.skip_tokens // self.engine.layout.block_size
+        return self.sender.open(req.request_id, to.address, list(src_blocks[skip:]), list(to.dst_blocks),
+                                len(req.prompt_ids) - to.skip_tokens)
 
     def _follow(self, rid: str) -> None:
         """One look at a transfer waiting for its decode worker: done, failed, or still waiting."""
@@ -202,7 +265,6 @@ class PrefillRole(Role):
     def _done(self, req: Request, first_token: int, stats: TransferStats) -> None:
         rid = req.request_id
         self.engine.release(rid)
-        self.observe_prefill(req)
         s = req.stamps  # the last copy complete, on this worker's clock (and not before the prefill's end)
         s.kv_delivered = max(s.prefill_end, monotonic(stats.finished_at))
         self.worker.send(P.PrefillDone(
