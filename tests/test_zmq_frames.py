@@ -1,7 +1,8 @@
 """The zmq transport's frames of many runs (workers/transfer/frames.py): a fragmented request packs into as
 many frames as a contiguous one (qwen2.5-7b at 32k tokens over 1,024 runs of 2 blocks: 224 frames of 8 MiB,
 not 28,672 of 64 KiB), counted on the planner and on the sender's GPU path against test_ipc_copies.py's
-recording stand-in for torch.cuda (the pools on the meta device); moved over real sockets it lands bitwise
+recording stand-in for torch.cuda (the pools on the meta device), the device gather and scatter run through
+Triton's interpreter on the views the two sides pass; moved over real sockets it lands bitwise
 as the contiguous request does; and a header whose runs lie (a block outside the reservation, more or
 fewer bytes than the runs name, a block twice, a layer past the pool, more runs than a header may hold)
 is refused before a byte of its frame is written, on the KV channel and on the --kv-plaintext port."""
@@ -22,11 +23,13 @@ from pdserve.protocol import kv as P
 from pdserve.settings.keys import new_deployment
 from pdserve.settings.worker import TransferConfig
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
-from pdserve.workers.transfer import frames
+from pdserve.workers.transfer import block_copy, frames
+from pdserve.workers.transfer.block_copy import words
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.plan import Plan
 from pdserve.workers.transfer.registry import make_receiver, make_sender
 from pdserve.workers.transfer.zmq import Slots, ZmqTransfer
+from pdserve.workers.transfer.zmq_transfer import gather, scatter, staging_buffer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,7 +70,8 @@ def staged_transfer(runs) -> tuple[ZmqTransfer, list[P.Chunk]]:
     sender = SimpleNamespace(cfg=TransferConfig(transport="zmq"), kv=SimpleNamespace(pool=src), stream=side,
                              slots=Slots(), more_slots=more_slots, staging=lambda: (staging, torch.arange(256)),
                              _submit=lambda fn, *args: None)
-    t = ZmqTransfer(sender, SimpleNamespace(address="tcp://decode", remote=None), Plan("r", tuple(runs), 28, QWEN_BLOCK))
+    plan = Plan("r", tuple(runs), 28, QWEN_BLOCK)
+    t = ZmqTransfer(sender, SimpleNamespace(address="tcp://decode", remote=None), plan)
     t._send = lambda chunk, buf, track=False: sent.append(chunk)  # the slot comes back at once
     return t, sent
 
@@ -93,6 +97,29 @@ def test_the_gpu_path_stages_a_32k_request_as_224_frames_of_8_mib(cuda, kind):  
     layer0 = [r for c in sent if c.runs[0].layer == 0 for r in c.runs]
     want = FRAGMENTED if kind == "fragmented" else [(256 * k, 2050 + 256 * k, 256) for k in range(8)]
     assert [(r.dst_start, r.num_blocks) for r in layer0] == [(d, n) for _, d, n in want]
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_device_gather_and_scatter_move_a_frames_blocks_exactly(monkeypatch, kernel):
+    """The device half of a frame of many runs, on the views the sender and the receiver pass (a layer of the
+    pool into the staging buffer; the staging buffer into the pool seen as [1, layers * blocks, words]):
+    block_copy.py's kernel through Triton's interpreter (what a GPU runs), and the index ops without it."""
+    monkeypatch.setattr(block_copy, "kernel_ready", lambda src, dst: kernel)
+    monkeypatch.setattr(frames, "FRAME_BYTES", 8 * 80)  # 80-byte blocks (10 words): 8 to a frame
+    g = torch.Generator().manual_seed(9)
+    pool = torch.randint(-2**15, 2**15, (3, 20, 2, 4, 1, 5), dtype=torch.int16, generator=g).view(torch.bfloat16)
+    src = words(pool)  # [3, 20, 10]
+    staged, arange = staging_buffer(src, 80), torch.arange(8)
+    assert staged.shape == (1, 8, 10)
+    ids = torch.tensor([7, 2, 3, 15, 0])
+    assert torch.equal(gather(src[1:2], staged, ids, arange), src[1, ids])
+    out = torch.zeros_like(pool)
+    flat = words(out).view(1, -1, 10)
+    dst_ids = torch.tensor([24, 59, 0, 25, 41])  # layer 1 block 4, layer 2 block 19, ...
+    scatter(staged, flat, dst_ids, arange)
+    assert torch.equal(flat[0, dst_ids], src[1, ids])
+    rest = [i for i in range(60) if i not in dst_ids.tolist()]
+    assert (flat[0, rest] == 0).all()
 
 
 def pools(seed: int) -> tuple[KVCache, KVCache]:

@@ -25,15 +25,15 @@ replaced it:
     pool writes  on the receiver's one I/O thread, between reads -> writer threads (one per stream)
     short runs   a fragmented pool (qwen2.5-7b at 32k tokens over 1,024 runs of 2 blocks): one frame per run
                  and layer, 28,672 frames of 64 KiB, each its own staging copy, event, ZMQ message,
-                 header, host-to-device copy and stream synchronisation (~10-20 us a frame on each side)
-                 -> frames of many runs: 224 frames of 8 MiB, as many as the contiguous request's
-A frame of one run is one copy on each side, as it always was: on GPU the sender copies that run's blocks
-into a pinned slot, on CPU it sends a view of the source pool zero-copy (no staging at all); the
-receiver copies the frame into the run's blocks. A frame of several runs: on GPU the sender gathers its
-blocks into a device buffer (block_copy.py's kernel, index_select without Triton), then one
-device-to-host copy into a slot; the receiver copies the frame to a device buffer once and scatters it
-into the blocks by id (the same kernel, index_copy_ without it). On CPU: index_select into the frame's
-buffer, index_copy_ from the received frame.
+                 header, host-to-device copy and stream synchronisation (10-20 us a frame on each side,
+                 estimated, not measured) -> frames of many runs: 224 frames of 8 MiB, as many as the
+                 contiguous request's
+A frame of one run is one copy on each side, as before: on GPU the sender copies its blocks into a pinned
+slot, on CPU it sends a view of the pool zero-copy; the receiver copies the frame into them. A frame of
+several runs: on GPU gathered into a device buffer (block_copy.py's kernel; index_select without Triton),
+then one device-to-host copy into a slot; the receiver copies it to a device buffer once and scatters it
+into the blocks by id (the same kernel; index_copy_). On CPU index_select into the frame's buffer and
+index_copy_ from the received frame. The prefill side's transfer is zmq_transfer.py.
 
 Data streams and who may write: each stream is a DEALER whose routing id carries the token the
 receiver handed out in this handshake's Welcome (over the authenticated channel); the receiver maps a
@@ -49,10 +49,11 @@ Receiver: every run of every frame is checked against the blocks the sender's ac
 (receiver.py, frames.fault: the bytes against the runs' length exactly, no block outside the reservation
 or named twice; the run count is bounded when the header is decoded); a frame that fails a check fails
 its request, as a malformed one always did. Each frame is written into the reserved blocks by a writer
-thread (on GPU on that thread's stream, synchronised before the write counts). The arrival waits for the Done, for as many frames as
-it counts, and for every write of the request; a request given up on is reported only once its writes
-in progress have finished (no write lands in blocks that went back to the pool), and its later frames
-are dropped. Since the bytes land only when the receiver writes them, TransferStats.finished_at is the Ack.
+thread (on GPU on that thread's stream, synchronised before the write counts). The arrival waits for the
+Done, for as many frames as it counts, and for every write of the request; a request given up on is
+reported only once its writes in progress have finished (no write lands in blocks that went back to the
+pool), and its later frames are dropped. Since the bytes land only when the receiver writes them,
+TransferStats.finished_at is the Ack.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
 from pdserve.workers.transfer.receiver import ChannelReceiver, Expected
 from pdserve.workers.transfer.sender import ChannelSender
-from pdserve.workers.transfer.zmq_transfer import Slots, Streams, ZmqTransfer, staging_buffer
+from pdserve.workers.transfer.zmq_transfer import Slots, Streams, ZmqTransfer, scatter, staging_buffer
 
 SLOTS_PER_STREAM = 2  # GPU: pinned staging buffers of frames.FRAME_BYTES per data stream
 TOKEN_PREFIX = b"d"  # a stream's routing id: prefix + token + stream index (ids may not start with 0)
@@ -87,7 +88,7 @@ HANDSHAKE_MS = 2000  # a connection to the plaintext port that has not shown its
 
 
 def data_frame_limit(block_bytes: int) -> int:
-    """The plaintext port's ZMQ_MAXMSGSIZE: a data frame (up to FRAME_BYTES of one layer's blocks) or its Chunk header."""
+    """The plaintext port's ZMQ_MAXMSGSIZE: a data frame (up to FRAME_BYTES of a layer's blocks) or its header."""
     return max(frames.max_frame_bytes(block_bytes), HEADER_BYTES)
 
 
@@ -215,11 +216,7 @@ class Receiver(ChannelReceiver):
         with torch.cuda.stream(stream):
             staged, arange = self._staging()
             staged[0, :n].view(torch.uint8).view(-1).copy_(frame)  # one host-to-device copy of the frame
-            ids = ids.to(pool.device)
-            if block_copy.kernel_ready(staged, pool):
-                block_copy.launch(staged, pool, arange[:n], ids)
-            else:
-                pool[0].index_copy_(0, ids, staged[0, :n])
+            scatter(staged, pool, ids.to(pool.device), arange)
         stream.synchronize()
 
     def _stream(self) -> torch.cuda.Stream:

@@ -32,6 +32,27 @@ def staging_buffer(pool: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return torch.empty(1, frames.frame_blocks(block_bytes), pool.shape[2], dtype=pool.dtype, device=pool.device)
 
 
+def gather(src: torch.Tensor, staged: torch.Tensor, ids: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
+    """staged[0, k] <- src[0, ids[k]]: a frame's blocks of one layer (src: [1, blocks, words]) into the staging
+    buffer, on the current stream; returns them, [n, words]."""
+    n = ids.shape[0]
+    if block_copy.kernel_ready(src, staged):
+        block_copy.launch(src, staged, ids, arange[:n])
+    else:
+        torch.index_select(src[0], 0, ids, out=staged[0, :n])
+    return staged[0, :n]
+
+
+def scatter(staged: torch.Tensor, pool: torch.Tensor, ids: torch.Tensor, arange: torch.Tensor) -> None:
+    """pool[0, ids[k]] <- staged[0, k]: a received frame's blocks into the pool seen as [1, layers * blocks,
+    words], on the current stream."""
+    n = ids.shape[0]
+    if block_copy.kernel_ready(staged, pool):
+        block_copy.launch(staged, pool, arange[:n], ids)
+    else:
+        pool[0].index_copy_(0, ids, staged[0, :n])
+
+
 @dataclass
 class Streams:
     """A decode worker's data sockets (Peer.remote)."""
@@ -163,16 +184,9 @@ class ZmqTransfer(SenderTransfer):
         if len(pieces) == 1:
             s, _, n = pieces[0]
             return self.src[layer, s:s + n]
-        ids = self._index()[i]
-        n = ids.shape[0]
-        src = words(self.src)[layer:layer + 1]  # [1, blocks, words]
         staged, arange = self.sender.staging()
-        if block_copy.kernel_ready(src, staged):
-            block_copy.launch(src, staged, ids, arange[:n])
-        else:
-            torch.index_select(src[0], 0, ids, out=staged[0, :n])
         self.copies += 1
-        return staged[0, :n]
+        return gather(words(self.src)[layer:layer + 1], staged, self._index()[i], arange)
 
     def _writes_in_flight(self) -> bool:
         if not self.gpu:
