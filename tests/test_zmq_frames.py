@@ -10,7 +10,6 @@ is refused before a byte of its frame is written, on the KV channel and on the -
 from __future__ import annotations
 
 import contextlib
-import random
 from types import SimpleNamespace
 
 import msgspec
@@ -202,21 +201,21 @@ REASONS = {"outside": "outside its reservation", "fewer_runs": "bytes (its heade
            "too_many": "did not arrive within"}  # not decoded: its request misses a frame until its deadline
 
 
-def test_fault_refuses_each_lie_and_passes_the_truth():
+def test_a_header_that_lies_is_refused_and_the_truth_passes():
     reserved = frozenset(range(10, 20))
     ok = P.Chunk("r", [P.Run(0, 10, 2), P.Run(2, 10, 2), P.Run(0, 14, 1)], 5 * LAYOUT.block_bytes)
-    assert frames.fault(ok, ok.nbytes, LAYOUT, reserved) is None  # the same blocks in two layers: fine
+    assert frames.refusal(ok, ok.nbytes, LAYOUT, reserved) is None  # the same blocks in two layers: fine
     truth = P.Chunk("r", [P.Run(1, b, 1) for b in (10, 13, 11, 15, 17, 19)], 6 * LAYOUT.block_bytes)
-    assert frames.fault(truth, truth.nbytes, LAYOUT, reserved) is None
+    assert frames.refusal(truth, truth.nbytes, LAYOUT, reserved) is None
     for kind, reason in REASONS.items():
         if kind == "too_many":
             continue
         lie = forge(kind, truth, spare=40)
         assert lie != truth, kind
-        assert reason in (frames.fault(lie, truth.nbytes, LAYOUT, reserved) or ""), kind
+        assert reason in (frames.refusal(lie, truth.nbytes, LAYOUT, reserved) or ""), kind
     # a count no frame could hold is refused by its length before any block is walked
     huge = P.Chunk("r", [P.Run(0, 10, 2**40)], 2**40 * 1024)
-    assert "bytes" in frames.fault(huge, 1024, LAYOUT, reserved)
+    assert "bytes" in frames.refusal(huge, 1024, LAYOUT, reserved)
 
 
 def test_a_header_names_at_most_max_frame_runs():

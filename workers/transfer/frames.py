@@ -1,7 +1,7 @@
 """The zmq transport's data frames: which blocks each one carries (integer bookkeeping, no torch).
 
-A frame carries up to `per_frame` blocks of one layer (frame_blocks: FRAME_BYTES of them) taken from any number of
-the plan's runs, at most P.MAX_FRAME_RUNS; its header (protocol/kv.py's Chunk) lists them as
+A frame carries up to `per_frame` blocks of one layer (frame_blocks: FRAME_BYTES of them) taken from any
+number of the plan's runs, at most P.MAX_FRAME_RUNS; its header (protocol/kv.py's Chunk) lists them as
 (layer, dst_start, num_blocks) in the order their bytes come.
 
     sender    pack(runs, per_frame)           one layer's runs as frames of pieces (src, dst, n), the same for
@@ -9,7 +9,7 @@ the plan's runs, at most P.MAX_FRAME_RUNS; its header (protocol/kv.py's Chunk) l
                                               of per_frame, each a frame of its own (a contiguous request: one
                                               run per frame); shorter pieces share a frame while they fit
               block_ids(starts, counts)       the block ids a frame's pieces name, in frame order (its gather)
-    receiver  fault(chunk, nbytes, layout, reserved)   why a frame may not be written, or None
+    receiver  refusal(chunk, nbytes, layout, reserved)  why a frame may not be written, or None
               dst_index(chunk, num_blocks)    the [layer * num_blocks + block] ids of its blocks (its scatter)
 
 What the pack saves (qwen2.5-7b, 32k tokens, 32 KiB blocks, a pool fragmented into 1,024 runs of 2 blocks):
@@ -62,7 +62,7 @@ def block_ids(starts: Sequence[int], counts: Sequence[int]) -> np.ndarray:
     return np.repeat(starts - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
-def fault(chunk: P.Chunk, nbytes: int, layout, reserved: frozenset[int]) -> str | None:
+def refusal(chunk: P.Chunk, nbytes: int, layout, reserved: frozenset[int]) -> str | None:
     """Why the frame `chunk` heads (nbytes of data) may not be written into the blocks `reserved`, or None.
     Checked in this order, so no check walks more blocks than the frame's bytes hold: the bytes against the
     runs' length, each run's layer and blocks against the layout and the reservation, no block twice."""

@@ -28,7 +28,7 @@ and where it needs them:
     _setup_transport() / _teardown_transport()   once, at start / at close (export or register the pool)
     _write_chunk(exp, chunk, data)  one_sided = False (zmq): the bytes come as data frames, this side
                                 writes each into the reserved blocks; the base checks every frame
-                                (each of its runs) against the reservation first (frames.fault),
+                                (each of its runs) against the reservation first (frames.refusal),
                                 and the frame and byte counts against the Done before the arrival;
                                 set `stream` when the writes go on a CUDA stream (synchronised
                                 before the arrival is reported)
@@ -293,7 +293,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
             exp = self._expected.get(chunk.request_id)
         if exp is None or exp.state is not ReceiveState.ACCEPTED or exp.sender != ident or exp.give_up:
             return  # late frames of a request we gave up on: dropped, never written
-        bad = frames.fault(chunk, data.nbytes, self.layout, exp.block_set)
+        bad = frames.refusal(chunk, data.nbytes, self.layout, exp.block_set)
         if bad is not None:
             self._give_up(exp, f"request {chunk.request_id}: bad data frame: {bad}")
             return

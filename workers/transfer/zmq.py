@@ -46,7 +46,7 @@ frames of that token's stream, at most one frame's size each. A prefill worker w
 refuses a receiver that offers only that.
 
 Receiver: every run of every frame is checked against the blocks the sender's accepted request reserved
-(receiver.py, frames.fault: the bytes against the runs' length exactly, no block outside the reservation
+(receiver.py, frames.refusal: the bytes against the runs' length exactly, no block outside the reservation
 or named twice; the run count is bounded when the header is decoded); a frame that fails a check fails
 its request, as a malformed one always did. Each frame is written into the reserved blocks by a writer
 thread (on GPU on that thread's stream, synchronised before the write counts). The arrival waits for the
