@@ -41,17 +41,17 @@ def max_frame_bytes(block_bytes: int) -> int:
 
 def pack(runs: Sequence[Piece], per_frame: int, max_runs: int = P.MAX_FRAME_RUNS) -> list[list[Piece]]:
     """One layer's frames: each at most per_frame blocks in at most max_runs pieces, in the runs' order."""
-    frames: list[list[Piece]] = []
-    held = per_frame  # blocks in frames[-1]: none open yet
+    out: list[list[Piece]] = []
+    held = per_frame  # blocks in out[-1]: none open yet
     for s, d, n in runs:
         for k in range(0, n, per_frame):
             m = min(per_frame, n - k)
-            if held + m > per_frame or len(frames[-1]) >= max_runs:
-                frames.append([])
+            if held + m > per_frame or len(out[-1]) >= max_runs:
+                out.append([])
                 held = 0
-            frames[-1].append((s + k, d + k, m))
+            out[-1].append((s + k, d + k, m))
             held += m
-    return frames
+    return out
 
 
 def block_ids(starts: Sequence[int], counts: Sequence[int]) -> np.ndarray:
