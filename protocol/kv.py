@@ -3,7 +3,8 @@
 Sender -> receiver (DEALER -> ROUTER, one connection per worker pair):
     Hello       once per pair: protocol version, transport, host, KV layout
     Begin       a request's transfer starts: which reserved blocks it will fill
-    Chunk       zmq transport only: header of one data frame (the bytes follow as the next frame)
+    Chunk       zmq transport only: header of one data frame (the bytes follow as the next frame): the
+                runs of blocks it holds, in their order (at most MAX_FRAME_RUNS)
     Done        "kv done": all bytes landed; carries the first sampled token
     Abort       the sender gave up on a request and writes no more into its blocks
 
@@ -137,14 +138,23 @@ class Reject(msgspec.Struct, tag="reject"):
     error: Text
 
 
-class Chunk(msgspec.Struct, tag="chunk"):
-    """Header of one zmq data frame: blocks dst_start..dst_start+num_blocks-1 of `layer`
-    (-1: all layers at once, as [num_layers, num_blocks, ...])."""
+MAX_FRAME_RUNS = 512  # runs one data frame may name (a header of at most ~12 KiB)
 
-    request_id: Id
-    layer: Annotated[int, msgspec.Meta(ge=-1, le=1 << 16)]
+
+class Run(msgspec.Struct, array_like=True, frozen=True):
+    """Blocks dst_start..dst_start+num_blocks-1 of `layer`: a run of a zmq data frame ([l, d, n] on the wire)."""
+
+    layer: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
     dst_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+
+
+class Chunk(msgspec.Struct, tag="chunk"):
+    """Header of one zmq data frame: its bytes are the blocks of `runs`, one after the other in this order,
+    each block [2, block_size, heads, dim]; nbytes = their blocks x the block's bytes."""
+
+    request_id: Id
+    runs: Annotated[list[Run], msgspec.Meta(min_length=1, max_length=MAX_FRAME_RUNS)]
     nbytes: Count
 
 

@@ -1,6 +1,7 @@
 """A request over a fragmented pool: many short runs on both sides (every transport, both modes),
 moved exactly and nothing outside the reservation touched; ipc moves them by block index (a handful
-of copies, not one per run and layer)."""
+of copies, not one per run and layer), zmq in frames of many runs (one per layer here, not one per run and
+layer; tests/test_zmq_frames.py has the rest)."""
 
 from __future__ import annotations
 
@@ -58,5 +59,7 @@ def test_a_scattered_request_arrives_exactly(transport, mode):
         assert (dst.pool[:, rest].view(torch.int16) == POISON).all(), "a block outside the reservation was written"
         if transport == "ipc":  # a gather and a scatter: for all layers (bulk), per layer (layer mode)
             assert stats.copies == (2 if mode == "bulk" else 2 * LAYOUT.num_layers), stats.copies
+        if transport == "zmq":  # the 40 runs of 1 KiB blocks share a frame per layer; one per run and layer before
+            assert t.writes == LAYOUT.num_layers, t.writes
     finally:
         send.close(), recv.close(), dst.close()

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import re
 import sys
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -150,6 +151,29 @@ def test_a_transfer_moves_only_along_its_ladder():
         t._transition("accept")
     t.io_step()  # no write in flight: the receiver is told
     assert t.state is TransferState.FAILED and t.over and isinstance(sender.sent[-1], P.Abort)
+
+
+def test_a_failure_while_landing_ends_finish_at_once():
+    """A Cancel that comes while finish() waits for the writes to land (LANDING): the wait ends with the
+    failure once no write is in flight. Before, the landing was resolved only while the transfer was live,
+    so finish() slept on until its deadline (10 s in tests/test_zmq_frames.py, now and then)."""
+    sender = QuietSender()
+    t = counted(sender, "w")
+    t.on_accept()
+
+    def cancel() -> None:  # what the I/O thread does on a Cancel, 0.2 s into finish()'s wait
+        t.fail(TransferError("the decode worker stopped waiting"))
+        t.io_step()
+
+    timer = threading.Timer(0.2, cancel)
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransferError, match="stopped waiting"):
+            t.finish(5, deadline_s=5)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 2 and t.landing is not None and t.landing.done()
 
 
 def test_a_peer_is_one_record_with_its_own_ladder():

@@ -20,6 +20,7 @@ from pdserve.protocol import kv as P
 from pdserve.settings.keys import new_deployment
 from pdserve.settings.worker import TransferConfig
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.transfer import frames
 from pdserve.workers.transfer import zmq as Z
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.registry import make_receiver, make_sender
@@ -31,7 +32,7 @@ LAYOUT = KVLayout(3, 2, 8, "bfloat16", 16, 64)  # 1 KiB per block and layer
 
 @pytest.fixture()
 def small_frames(monkeypatch):
-    monkeypatch.setattr(Z, "FRAME_BYTES", 3 * LAYOUT.block_bytes)  # a 10-block run: 4 frames per layer
+    monkeypatch.setattr(frames, "FRAME_BYTES", 3 * LAYOUT.block_bytes)  # a 10-block run: 4 frames per layer
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +96,9 @@ def test_frames_over_several_streams_arrive_exactly(small_frames, keys, secure, 
         assert same(src, dst, sb, db)
         untouched = [b for b in range(LAYOUT.num_blocks) if b not in db]
         assert (dst.pool[:, untouched].view(torch.int16) == 0x7FC1).all()
-        frames = LAYOUT.num_layers * (4 + 1)
-        assert len(ids) == frames if not plain else len(ids) == 0  # plaintext: read on the data port
+        # per layer: 3 + 3 + 3 blocks of the 10-block run, then its last block and the 1-block run in one frame
+        want = LAYOUT.num_layers * 4
+        assert len(ids) == want if not plain else len(ids) == 0  # plaintext: read on the data port
         assert (recv.data_address != "") == plain
         if not plain:
             assert len(set(ids)) == 3 and all(i.startswith(Z.TOKEN_PREFIX) and len(i) == 18 for i in ids)
@@ -127,9 +129,9 @@ def test_strangers_on_the_plaintext_port_write_nothing(keys):
         recv.expect("x", [20, 21], 10)
         send.connect(recv.address, 5)
         data = torch.zeros(2, *LAYOUT.shape[2:], dtype=torch.bfloat16).view(torch.uint8).numpy()
-        header = P.encode(P.Chunk("x", 0, 20, 2, data.nbytes))
+        header = P.encode(P.Chunk("x", [P.Run(0, 20, 2)], data.nbytes))
         for ident, payload in ((Z.TOKEN_PREFIX + bytes(16) + b"\0", data), (None, data),
-                               (Z.TOKEN_PREFIX + bytes(17), bytes(Z.max_frame_bytes(LAYOUT.block_bytes) + 8192))):
+                               (Z.TOKEN_PREFIX + bytes(17), bytes(frames.max_frame_bytes(LAYOUT.block_bytes) + 8192))):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             if ident is not None:
@@ -259,7 +261,7 @@ class HostStream:
 
 def test_staging_slots_are_reused_and_all_come_back(monkeypatch):
     layout = KVLayout(3, 4, 64, "bfloat16", 16, 64)  # 16 KiB blocks: 5-block frames go zero-copy, tracked
-    monkeypatch.setattr(Z, "FRAME_BYTES", 5 * layout.block_bytes)
+    monkeypatch.setattr(frames, "FRAME_BYTES", 5 * layout.block_bytes)
     monkeypatch.setattr(Z, "SLOTS_PER_STREAM", 1)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     src, dst = KVCache(layout, "cpu"), KVCache(layout, "cpu", shared=True)

@@ -9,8 +9,11 @@
     receiver.py   the decode side every transport shares: handshake, reservations, deadlines, arrivals
     endpoint.py   the I/O thread behind each of them (ZMQ sockets, CURVE)
     plan.py       a request's move as paired runs of blocks; NIXL descriptors
-    block_copy.py blocks copied by index in one pass (a Triton kernel): ipc's fragmented requests on a GPU
-    ipc.py, nixl.py, zmq.py   the transports;  fake.py   a real one with a fault, for tests
+    block_copy.py blocks copied by index in one pass (a Triton kernel): ipc's fragmented requests on a GPU,
+                  zmq's frames of many runs
+    frames.py     zmq's data frames: runs packed into frames (sender), a frame's header checked (receiver)
+    ipc.py, nixl.py, zmq.py   the transports (zmq_transfer.py: zmq's prefill side);  fake.py   a real one
+                  with a fault, for tests
     ucx_log.py    which UCX lane a NIXL transfer took
 
 How to add a transport `foo`

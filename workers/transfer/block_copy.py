@@ -1,8 +1,9 @@
 """Copy blocks by index between two KV pools in one pass: block src_ids[i] -> block dst_ids[i], every layer given.
 
+    words(pool)                         a pool [layers, blocks, ...] as [layers, blocks, words], what launch takes
     kernel_ready(src, dst)              whether the kernel can run on these two tensors: both on one CUDA device,
                                         Triton installed (else ipc.py runs its index ops, the same bytes moved)
-    launch(src, dst, src_ids, dst_ids)  src, dst: [layers, blocks, words] (ipc.words()), the same layers of two
+    launch(src, dst, src_ids, dst_ids)  src, dst: [layers, blocks, words] (words()), the same layers of two
                                         pools (one layer: a [1, blocks, words] slice); ids [n] int64 on their
                                         device, in range (plan.make_plan checks; the kernel does not), no
                                         destination twice. On the current stream; nothing waits for it
@@ -18,8 +19,9 @@ What a fragmented request (many short runs of blocks) costs, per layer of n bloc
 The destination may be another process's pool (CUDA IPC) on the same device; ipc.py copies pools on two
 devices run by run, where torch's copy_ takes care of the peer access.
 
-Only ipc copies by block index: a zmq frame and a nixl descriptor each name one run of one layer on
-the wire (protocol/kv.py's Chunk; NIXL's (address, length) rows), so neither has a gather to replace.
+ipc copies pool to pool by block index; zmq gathers a frame's runs into a staging buffer on the sender and
+scatters it into the reserved blocks on the receiver (frames.py), each with one launch per frame. A nixl
+descriptor names one run of one layer (NIXL's (address, length) rows): it has no gather to replace.
 
 One compiled variant per pool layout: the block and layer counts are the grid, never arguments, and the
 strides, the block's words and the chunk depend only on the layout. Tests run the kernel on the CPU
@@ -39,6 +41,7 @@ except ImportError:  # a CPU-only install: ipc.py runs its index ops
     triton = None
 
 CHUNK_WORDS = 1024  # words one program moves per step (8 KiB of 8-byte words: 64 bytes a thread of 4 warps)
+WORD = torch.int64  # what the copies move: 8-byte words of a block's bytes
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # the bytes as they are, never as floats
 
 
@@ -57,6 +60,15 @@ if triton is not None:
             w = w0 + tl.arange(0, CHUNK)
             ok = w < block_words
             tl.store(dst + w, tl.load(src + w, mask=ok), mask=ok)
+
+
+def words(pool: torch.Tensor) -> torch.Tensor:
+    """A pool [layers, blocks, ...] as [layers, blocks, words]: its bytes as 8-byte words where a block's
+    bytes divide by 8, else as [layers, blocks, elements] of its own dtype. The same bytes either way."""
+    blocks = pool.view(pool.shape[0], pool.shape[1], -1)
+    if blocks.shape[-1] * blocks.element_size() % WORD.itemsize:
+        return blocks
+    return blocks.view(WORD)
 
 
 def kernel_ready(src: torch.Tensor, dst: torch.Tensor) -> bool:

@@ -51,6 +51,7 @@ import torch
 from pdserve.protocol import kv as P
 from pdserve.protocol.shm import POOL_NAME, SHM_PREFIX
 from pdserve.workers.transfer import block_copy
+from pdserve.workers.transfer.block_copy import words
 from pdserve.workers.transfer.base import WRITING, TransferState
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
@@ -61,7 +62,6 @@ from pdserve.workers.transfer.sender_transfer import SenderTransfer
 
 PER_LAYER_COPY_BYTES = 512 * 2**20  # bulk on GPU: one copy per run and layer from this request size up
 INDEX_RUNS = 8  # more runs than this (a fragmented pool): copy by block index
-WORD = torch.int64  # what the copies move: 8-byte words of a block's bytes
 SPIN_S = 2e-3  # finish(): spin this long on the side stream's event before napping between queries
 
 
@@ -229,15 +229,6 @@ def layer_spans(layers: list[int | slice], num_layers: int) -> list[tuple[int, i
             first, count = spans[-1][0], spans.pop()[1] + count
         spans.append((first, count))
     return spans
-
-
-def words(pool: torch.Tensor) -> torch.Tensor:
-    """A pool [layers, blocks, ...] as [layers, blocks, words]: its bytes as 8-byte words where a block's
-    bytes divide by 8, else as [layers, blocks, elements] of its own dtype. The same bytes either way."""
-    blocks = pool.view(pool.shape[0], pool.shape[1], -1)
-    if blocks.shape[-1] * blocks.element_size() % WORD.itemsize:
-        return blocks
-    return blocks.view(WORD)
 
 
 class Sender(ChannelSender):

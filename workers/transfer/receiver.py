@@ -28,9 +28,10 @@ and where it needs them:
     _setup_transport() / _teardown_transport()   once, at start / at close (export or register the pool)
     _write_chunk(exp, chunk, data)  one_sided = False (zmq): the bytes come as data frames, this side
                                 writes each into the reserved blocks; the base checks every frame
-                                against the reservation first, and the frame and byte counts against
-                                the Done before the arrival; set `stream` when the writes go on a
-                                CUDA stream (synchronised before the arrival is reported)
+                                (each of its runs) against the reservation first (frames.refusal),
+                                and the frame and byte counts against the Done before the arrival;
+                                set `stream` when the writes go on a CUDA stream (synchronised
+                                before the arrival is reported)
     _progress()                 needs_progress = True (nixl): each loop; count each write's notification
                                 into exp.received: the arrival waits for Done.writes of them
 
@@ -64,6 +65,7 @@ import zmq
 from pdserve.protocol import kv as P
 from pdserve.settings.worker import TransferConfig
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
+from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import Arrival, KVReceiver
 from pdserve.workers.transfer.errors import TransferError, layout_mismatch
 from pdserve.workers.transfer.endpoint import IDLE_S, MOVING_S, NOW_S, Endpoint
@@ -291,14 +293,9 @@ class ChannelReceiver(Endpoint, KVReceiver):
             exp = self._expected.get(chunk.request_id)
         if exp is None or exp.state is not ReceiveState.ACCEPTED or exp.sender != ident or exp.give_up:
             return  # late frames of a request we gave up on: dropped, never written
-        L = self.layout
-        layers = L.num_layers if chunk.layer == -1 else 1
-        want = layers * chunk.num_blocks * L.block_bytes
-        blocks = range(chunk.dst_start, chunk.dst_start + chunk.num_blocks)
-        if not -1 <= chunk.layer < L.num_layers or chunk.num_blocks <= 0 or not exp.block_set.issuperset(blocks) \
-                or chunk.nbytes != want or data.nbytes != want:
-            self._give_up(exp, f"request {chunk.request_id}: bad data frame (layer {chunk.layer}, blocks "
-                          f"{chunk.dst_start}+{chunk.num_blocks}, {data.nbytes} bytes, expected {want}) outside its reservation")
+        bad = frames.refusal(chunk, data.nbytes, self.layout, exp.block_set)
+        if bad is not None:
+            self._give_up(exp, f"request {chunk.request_id}: bad data frame: {bad}")
             return
         try:
             self._write_chunk(exp, chunk, data)
@@ -306,7 +303,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
             self._give_up(exp, f"request {chunk.request_id}: could not write a data frame: {e}")
             return
         exp.received += 1
-        exp.received_bytes += want
+        exp.received_bytes += data.nbytes
 
     def _on_done(self, ident: bytes, msg: P.Done) -> None:
         with self._lock:

@@ -272,6 +272,9 @@ class SenderTransfer(Transfer):
                 and not self.queue and not self._in_flight:
             self.finished_at = time.time()
             self.finishing.set_result(None)
+        elif self.finishing is not None and not self.finishing.done() and self.error is not None \
+                and not self._in_flight:  # a finish() waiting for the landing wakes to the failure, not the deadline
+            self.finishing.set_exception(self.error)
         if self.state is TransferState.ABORTING and not self._in_flight:
             self.sender.send(self.p, P.Abort(self.request_id, str(self.error)))
             self._transition("aborted")

@@ -1,9 +1,11 @@
 """`zmq`: host-staged copy over TCP; works between any two hosts, no shared memory, no RDMA.
 
-The bytes go as frames of at most FRAME_BYTES, each a piece of one layer's paired run of blocks
-([n, 2, block_size, heads, dim], contiguous in both pools), after a typed Chunk header, dealt round
-robin over --kv-streams data sockets per decode worker; the handshake, Begin/Accept and Done/Ack
-stay on the KV channel's own socket (sender.py, receiver.py).
+The bytes go as frames of at most FRAME_BYTES of one layer's blocks, after a typed Chunk header that
+lists the runs they hold, (layer, dst_start, num_blocks) in the order the bytes come (frames.py): a run of
+FRAME_BYTES or more is cut into frames of one piece each (a contiguous request: 8 MiB frames of one run,
+as before), shorter runs share a frame, up to P.MAX_FRAME_RUNS of them. Frames are dealt round robin over
+--kv-streams data sockets per decode worker; the handshake, Begin/Accept and Done/Ack stay on the KV
+channel's own socket (sender.py, receiver.py).
 
     bulk   finish(): every layer's frames       layer  layer_done(l): layer l's frames
 
@@ -21,7 +23,17 @@ replaced it:
                                       device-to-host copy on a side stream, sent zero-copy as soon as
                                       that copy completes, its slot free again once ZMQ let go of it
     pool writes  on the receiver's one I/O thread, between reads -> writer threads (one per stream)
-On CPU a frame is a view of the source pool, sent zero-copy: no staging at all.
+    short runs   a fragmented pool (qwen2.5-7b at 32k tokens over 1,024 runs of 2 blocks): one frame per run
+                 and layer, 28,672 frames of 64 KiB, each its own staging copy, event, ZMQ message,
+                 header, host-to-device copy and stream synchronisation (10-20 us a frame on each side,
+                 estimated, not measured) -> frames of many runs: 224 frames of 8 MiB, as many as the
+                 contiguous request's
+A frame of one run is one copy on each side, as before: on GPU the sender copies its blocks into a pinned
+slot, on CPU it sends a view of the pool zero-copy; the receiver copies the frame into them. A frame of
+several runs: on GPU gathered into a device buffer (block_copy.py's kernel; index_select without Triton),
+then one device-to-host copy into a slot; the receiver copies it to a device buffer once and scatters it
+into the blocks by id (the same kernel; index_copy_). On CPU index_select into the frame's buffer and
+index_copy_ from the received frame. The prefill side's transfer is zmq_transfer.py.
 
 Data streams and who may write: each stream is a DEALER whose routing id carries the token the
 receiver handed out in this handshake's Welcome (over the authenticated channel); the receiver maps a
@@ -33,11 +45,15 @@ PLAIN handshake (answered by the ZAP gate from the tokens handed out), and takes
 frames of that token's stream, at most one frame's size each. A prefill worker without --kv-plaintext
 refuses a receiver that offers only that.
 
-Receiver: each frame is copied into the reserved blocks by a writer thread (on GPU on that thread's
-stream, synchronised before the write counts). The arrival waits for the Done, for as many frames as
-it counts, and for every write of the request; a request given up on is reported only once its writes
-in progress have finished (no write lands in blocks that went back to the pool), and its later frames
-are dropped. Since the bytes land only when the receiver writes them, TransferStats.finished_at is the Ack.
+Receiver: every run of every frame is checked against the blocks the sender's accepted request reserved
+(receiver.py, frames.refusal: the bytes against the runs' length exactly, no block outside the reservation
+or named twice; the run count is bounded when the header is decoded); a frame that fails a check fails
+its request, as a malformed one always did. Each frame is written into the reserved blocks by a writer
+thread (on GPU on that thread's stream, synchronised before the write counts). The arrival waits for the
+Done, for as many frames as it counts, and for every write of the request; a request given up on is
+reported only once its writes in progress have finished (no write lands in blocks that went back to the
+pool), and its later frames are dropped. Since the bytes land only when the receiver writes them,
+TransferStats.finished_at is the Ack.
 """
 
 from __future__ import annotations
@@ -48,7 +64,6 @@ import secrets
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -56,32 +71,25 @@ import zmq
 
 from pdserve.protocol import auth
 from pdserve.protocol import kv as P
+from pdserve.workers.transfer import block_copy, frames
+from pdserve.workers.transfer.block_copy import words
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.peers import Peer
 from pdserve.workers.transfer.receiver import ChannelReceiver, Expected
-from pdserve.workers.transfer.sender import ZERO_COPY_MIN, ChannelSender
-from pdserve.workers.transfer.sender_transfer import SenderTransfer
+from pdserve.workers.transfer.sender import ChannelSender
+from pdserve.workers.transfer.zmq_transfer import Slots, Streams, ZmqTransfer, scatter, staging_buffer
 
-FRAME_BYTES = 8 * 2**20  # at most this per frame (one block more where a single block is larger)
-SLOTS_PER_STREAM = 2  # GPU: pinned staging buffers of FRAME_BYTES per data stream
+SLOTS_PER_STREAM = 2  # GPU: pinned staging buffers of frames.FRAME_BYTES per data stream
 TOKEN_PREFIX = b"d"  # a stream's routing id: prefix + token + stream index (ids may not start with 0)
 MAX_TOKENS = 4096  # handshakes remembered (oldest forgotten first)
-HEADER_BYTES = 4096  # a Chunk header is ~100 bytes (its request id at most 256)
+HEADER_BYTES = 1024 + 24 * P.MAX_FRAME_RUNS  # a Chunk header: its request id (at most 256), ~2-24 bytes a run
 DATA_DOMAIN = b"pdserve-kv-data"  # the plaintext port's ZAP domain
 HANDSHAKE_MS = 2000  # a connection to the plaintext port that has not shown its token by then is cut
 
 
-def frame_blocks(block_bytes: int) -> int:
-    return max(1, FRAME_BYTES // block_bytes)
-
-
-def max_frame_bytes(block_bytes: int) -> int:
-    return frame_blocks(block_bytes) * block_bytes
-
-
 def data_frame_limit(block_bytes: int) -> int:
-    """The plaintext port's ZMQ_MAXMSGSIZE: a data frame (one layer's slice of a run) or its Chunk header."""
-    return max(max_frame_bytes(block_bytes), HEADER_BYTES)
+    """The plaintext port's ZMQ_MAXMSGSIZE: a data frame (up to FRAME_BYTES of a layer's blocks) or its header."""
+    return max(frames.max_frame_bytes(block_bytes), HEADER_BYTES)
 
 
 # ---- decode side ---------------------------------------------------------------------------------
@@ -98,7 +106,11 @@ class Receiver(ChannelReceiver):
 
     def _setup_transport(self) -> None:
         self.writers = ThreadPoolExecutor(self.cfg.streams, thread_name_prefix="kv-writer")
-        self.local = threading.local()  # a writer thread's CUDA stream
+        self.local = threading.local()  # a writer thread's CUDA stream, its staging buffer (GPU)
+        pool = words(self.kv.pool)
+        self.flat = pool.view(1, -1, pool.shape[2])  # [1, layers * blocks, words]: a frame's runs name any layer
+        if block_copy.kernel_ready(self.flat, self.flat):  # its compile now, not in a transfer's first frame
+            block_copy.warmup(staging_buffer(self.flat, self.layout.block_bytes), self.flat)
         self.writing: dict[str, list[Future]] = {}  # request -> its pool writes
         self.owners: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # token -> channel identity
         self.data_sock: zmq.Socket | None = None
@@ -156,33 +168,31 @@ class Receiver(ChannelReceiver):
             return
         for _ in range(1000):  # the plaintext port: data frames of known streams, nothing else
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident = frames[0].bytes
-            owner = self._owner(ident) if len(frames) == 3 else None
-            if owner is None or frames[1].get("User-Id") != ident[1:17].hex():
+            ident = parts[0].bytes
+            owner = self._owner(ident) if len(parts) == 3 else None
+            if owner is None or parts[1].get("User-Id") != ident[1:17].hex():
                 self._throttle("stranger", logging.WARNING, "%s: dropped a message on the plaintext KV port that "
                                "is not one data frame of the stream its token names", self._name)
                 continue
             try:
-                msg = P.decode_to_receiver(frames[1].buffer)
+                msg = P.decode_to_receiver(parts[1].buffer)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             if isinstance(msg, P.Chunk):
-                super()._on_chunk(owner, msg, frames[2].buffer)
+                super()._on_chunk(owner, msg, parts[2].buffer)
 
     def _write_chunk(self, exp: Expected, chunk: P.Chunk, data: memoryview) -> None:
-        L = self.layout
-        block = (2, L.block_size, L.num_kv_heads, L.head_dim)
-        d, n = chunk.dst_start, chunk.num_blocks
-        if chunk.layer == -1:  # all layers of a run in one frame (senders before the streams)
-            src = torch.frombuffer(data, dtype=L.torch_dtype).view(L.num_layers, n, *block)
-            dst = self.kv.pool[:, d:d + n]
-        else:
-            src = torch.frombuffer(data, dtype=L.torch_dtype).view(n, *block)
-            dst = self.kv.pool[chunk.layer, d:d + n]
-        fut = self.writers.submit(self._copy, dst, src)  # src keeps the frame alive until then
+        frame = torch.frombuffer(data, dtype=torch.uint8)  # keeps the frame alive until its write is done
+        if len(chunk.runs) == 1:  # a piece of one run: contiguous in the pool, one copy
+            r = chunk.runs[0]
+            dst = self.kv.pool[r.layer, r.dst_start:r.dst_start + r.num_blocks]
+            fut = self.writers.submit(self._copy, dst, frame.view(dst.dtype).view(dst.shape))
+        else:  # many runs: one scatter by block id
+            ids = torch.from_numpy(frames.dst_index(chunk, self.layout.num_blocks))
+            fut = self.writers.submit(self._scatter, ids, frame)
         fut.add_done_callback(lambda _: self._submit(_nothing))  # wake the I/O thread: the arrival may be due
         self.writing.setdefault(exp.request_id, []).append(fut)
 
@@ -190,12 +200,37 @@ class Receiver(ChannelReceiver):
         if dst.device.type != "cuda":
             dst.copy_(src)
             return
-        stream = getattr(self.local, "stream", None)
-        if stream is None:
-            stream = self.local.stream = torch.cuda.Stream(dst.device)
+        stream = self._stream()
         with torch.cuda.stream(stream):
             dst.copy_(src)  # from pageable memory: returns once the frame has been read
         stream.synchronize()
+
+    def _scatter(self, ids: torch.Tensor, frame: torch.Tensor) -> None:  # a writer thread
+        """The frame's blocks, in order, into pool blocks `ids` (of the pool seen as [layers * blocks, words])."""
+        pool = self.flat  # [1, layers * blocks, words]
+        n = ids.shape[0]
+        if pool.device.type != "cuda":
+            pool[0].index_copy_(0, ids, frame.view(pool.dtype).view(n, -1))
+            return
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            staged, arange = self._staging()
+            staged[0, :n].view(torch.uint8).view(-1).copy_(frame)  # one host-to-device copy of the frame
+            scatter(staged, pool, ids.to(pool.device), arange)
+        stream.synchronize()
+
+    def _stream(self) -> torch.cuda.Stream:
+        """This writer thread's CUDA stream."""
+        if getattr(self.local, "stream", None) is None:
+            self.local.stream = torch.cuda.Stream(self.kv.pool.device)
+        return self.local.stream
+
+    def _staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This writer thread's device buffer for a frame of many runs, and arange over its blocks."""
+        if getattr(self.local, "staged", None) is None:
+            self.local.staged = staging_buffer(self.flat, self.layout.block_bytes)
+            self.local.arange = torch.arange(self.local.staged.shape[1], device=self.flat.device)
+        return self.local.staged, self.local.arange
 
     def _landed(self, exp: Expected) -> bool:
         if exp.received < exp.done.writes:
@@ -220,113 +255,6 @@ def _nothing() -> None: ...
 # ---- prefill side --------------------------------------------------------------------------------
 
 
-@dataclass
-class Streams:
-    """A decode worker's data sockets (Peer.remote)."""
-
-    socks: list[zmq.Socket]
-    turn: int = 0
-
-    def next(self) -> zmq.Socket:
-        self.turn += 1
-        return self.socks[self.turn % len(self.socks)]
-
-
-@dataclass
-class Slots:
-    """GPU: the sender's pinned staging buffers (I/O thread only)."""
-
-    free: list[torch.Tensor] = field(default_factory=list)
-    sending: list[tuple[torch.Tensor, zmq.MessageTracker]] = field(default_factory=list)
-
-    def reclaim(self) -> None:
-        self.free += [slot for slot, tracker in self.sending if tracker.done]
-        self.sending = [(slot, tracker) for slot, tracker in self.sending if not tracker.done]
-
-
-class ZmqTransfer(SenderTransfer):
-    """Queue items: (layers, the compute stream's event), as the base queues them; _post cuts them into
-    frames. GPU: frames wait in `todo` for a free slot, then in `staged` for their copy."""
-
-    def __init__(self, sender: Sender, peer: Peer, plan):
-        super().__init__(sender, peer, plan)
-        self.streams: Streams = peer.remote
-        self.gpu = sender.stream is not None  # on GPU: frames staged through pinned slots
-        self.polls_writes = self.gpu  # staged copies to watch: poll without a nap
-        self.todo: collections.deque = collections.deque()  # (layer, src, dst, n)
-        self.staged: collections.deque = collections.deque()  # (slot, its view, Chunk, copy event)
-
-    def frames(self, layers: list[int]):
-        step = frame_blocks(self.plan.block_bytes)
-        for layer in layers:
-            for s, d, n in self.plan.runs:
-                for k in range(0, n, step):
-                    yield layer, s + k, d + k, min(step, n - k)
-
-    def _post(self, layers: list[int]) -> int:
-        self.mark_started()
-        frames = list(self.frames(layers))
-        if not self.gpu:  # a layer's run is contiguous in the pool: zero-copy
-            for layer, s, d, n in frames:
-                self._send(self._chunk(layer, d, n), self.src[layer, s:s + n])
-        else:
-            self.todo.extend(frames)
-            self._pump()
-        return len(frames)
-
-    def _chunk(self, layer: int, d: int, n: int) -> P.Chunk:
-        return P.Chunk(self.request_id, layer, d, n, n * self.plan.block_bytes)
-
-    def _send(self, chunk: P.Chunk, buf: torch.Tensor, track: bool = False) -> zmq.MessageTracker | None:
-        # zero-copy: ZMQ holds the buffer until it is on the wire; the source blocks stay untouched
-        # until finish() returns (after the Ack, after every frame arrived); a slot until its tracker is done
-        sock = self.streams.next()
-        data = buf.view(torch.uint8).numpy()
-        sock.send(P.encode(chunk), zmq.SNDMORE)
-        if data.nbytes < ZERO_COPY_MIN:
-            sock.send(data, copy=True)
-            return None
-        return sock.send(data, copy=False, track=track)
-
-    def _pump(self) -> None:
-        """GPU, I/O thread: send the staged frames whose copy is done, then stage more into free slots."""
-        slots: Slots = self.sender.slots
-        while self.staged and self.staged[0][3].query():
-            slot, buf, chunk, _ = self.staged.popleft()
-            tracker = self._send(chunk, buf, track=True)
-            if tracker is None:
-                slots.free.append(slot)
-            else:
-                slots.sending.append((slot, tracker))
-        slots.reclaim()
-        stream = self.sender.stream
-        while self.todo and (slots.free or self.sender.more_slots()):
-            layer, s, d, n = self.todo.popleft()
-            view = self.src[layer, s:s + n]
-            slot = slots.free.pop()  # [max_frame_bytes] uint8, pinned
-            buf = slot[:view.numel() * view.element_size()].view(view.dtype).view(view.shape)
-            with torch.cuda.stream(stream):
-                buf.copy_(view, non_blocking=True)
-            self.staged.append((slot, buf, self._chunk(layer, d, n), stream.record_event()))
-            self.copies += 1
-
-    def _writes_in_flight(self) -> bool:
-        if not self.gpu:
-            return False
-        if self.error is not None:  # nothing more goes out; the slots come back once their copies are done
-            self._drop_writes()
-            return False
-        self._pump()
-        return bool(self.todo or self.staged)
-
-    def _drop_writes(self) -> None:
-        self.todo.clear()
-        while self.staged:
-            slot, _, _, event = self.staged.popleft()
-            event.synchronize()  # a device-to-host copy of at most FRAME_BYTES
-            self.sender.slots.free.append(slot)
-
-
 class Sender(ChannelSender):
     transport = "zmq"
     info = (P.ZmqInfo,)
@@ -336,6 +264,20 @@ class Sender(ChannelSender):
     def _setup_transport(self) -> None:
         self.slots = Slots()
         self.slot_count = 0
+        self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # GPU: staging() once made
+        pool = words(self.kv.pool)[:1]
+        if block_copy.kernel_ready(pool, pool):  # its compile now, not in a transfer's first frame
+            block_copy.warmup(pool, self.staging()[0])
+
+    def staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPU: the buffer a frame of many runs is gathered into before its copy to a slot, [1, frame_blocks,
+        words] on the pool's device (one: every gather and copy runs on the side stream, in order), and
+        arange over its blocks."""
+        if self.staged is None:
+            with torch.cuda.stream(self.stream):
+                buf = staging_buffer(words(self.kv.pool), self.layout.block_bytes)
+                self.staged = (buf, torch.arange(buf.shape[1], device=buf.device))
+        return self.staged
 
     def _setup(self) -> None:
         self._ctx.set(zmq.IO_THREADS, self.cfg.streams)  # before the first socket: one per stream
@@ -345,7 +287,7 @@ class Sender(ChannelSender):
         """GPU: allocate one more pinned slot if the sender has fewer than SLOTS_PER_STREAM per stream."""
         if self.slot_count >= SLOTS_PER_STREAM * self.cfg.streams:
             return False
-        nbytes = max_frame_bytes(self.layout.block_bytes)
+        nbytes = frames.max_frame_bytes(self.layout.block_bytes)
         self.slots.free.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.kv.pool.is_cuda))
         self.slot_count += 1
         return True
