@@ -2,8 +2,8 @@
 buckets, and `pdserve-bench start` on the CPU (the GPU run's smoke test).
 
 - start_engine on a tiny CPU worker: its ready line names every part (no graphs on the CPU), the parts
-  are the record's and never sum past the total; a prefill worker captures nothing, --no-warmup runs
-  no request.
+  are the record's and never sum past the total; a prefill worker captures its piecewise graphs and no
+  decode graph, --no-warmup runs no request.
 - decode_buckets: no block-table bucket wider than the pool (a request never holds more blocks); a
   limit under the first bucket size is a bucket of its own (it looped forever).
 - CompileWatch sees a dynamo recompile with its reason and a Triton compile by kernel name.
@@ -64,11 +64,28 @@ def test_ready_line_names_each_part_and_they_sum_to_at_most_the_total():
     assert engine.requests == {} and engine.blocks.num_free == engine.blocks.num_blocks  # the warm-up left nothing
 
 
-def test_a_prefill_worker_without_warm_up_runs_no_request_and_captures_nothing():
+def test_a_prefill_worker_without_warm_up_runs_no_request_and_captures_no_decode_graphs(monkeypatch):
+    """A prefill worker takes its piecewise graphs at start, as the other roles do (its forwards replay
+    them: taken lazily, the first prompt of each size paid the capture in its TTFT), and no decode graph."""
+    from pdserve.workers.engine.graphs import DecodeGraphs, MixedGraphs
+
+    taken = []
+    monkeypatch.setattr(MixedGraphs, "capture", lambda self, buckets=None: taken.append("piecewise") or 0.0)
+    monkeypatch.setattr(DecodeGraphs, "capture", lambda self, keys: taken.append("decode") or 0.0)
     engine = start_engine(EngineConfig(model="tiny", num_blocks=64), "prefill", warmup=False)
+    assert engine.runner.mixed is not None and taken == ["piecewise"]
     s = engine.start
     assert s.warmup_s == 0 and s.decode_graphs == 0 and s.total_s >= sum(s.parts().values())
     assert "warm-up request 0.00 s" in startup_line("prefill-0", "prefill", engine)
+    # the decode graphs, where a worker has them, are taken by the decoding roles only
+    engine.runner.graphs = DecodeGraphs.__new__(DecodeGraphs)
+    engine.runner.graphs.capture_s = {}
+    monkeypatch.setattr(DecodeGraphs, "capture_order", lambda self: [(1, 16)])
+    taken.clear()
+    engine.warmup(decode=False)
+    assert taken == ["piecewise"]
+    engine.warmup()
+    assert taken == ["piecewise", "decode", "piecewise"]
 
 
 def test_a_line_before_the_start_is_over_says_nothing_of_it():

@@ -22,13 +22,15 @@ WARMUP_TOKENS = 4  # decode steps after the prefill
 
 def start_engine(config, role: str, warmup: bool = True, disk_key: bytes | None = None):
     """The engine of a worker of this role, ready for traffic: built (model loaded, KV pool allocated),
-    graphs captured (CUDA; not on a prefill worker, which never decodes), the warm-up request run
-    (unless `warmup` is off); `engine.start` holds each part's seconds and the total."""
+    graphs captured (CUDA: the piecewise graphs of steps with prompt tokens on every role, which a
+    prefill worker's forwards replay too; the decode graphs not on a prefill worker, which never
+    decodes), the warm-up request run (unless `warmup` is off); `engine.start` holds each part's
+    seconds and the total. A prefill worker used to take its piecewise graphs lazily, each bucket at
+    the first prompt of its size: those prompts' TTFT paid the capture under traffic."""
     from pdserve.workers.engine.engine import Engine
 
     engine = Engine(config, disk_key=disk_key)
-    if role != "prefill":
-        engine.warmup()
+    engine.warmup(decode=role != "prefill")
     if warmup:
         engine.start.warmup_s = warm_up(engine)
     engine.start.finish()

@@ -138,14 +138,15 @@ class Engine:
         # the pool holds one block more than requests may use: the scratch block
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)
 
-    def warmup(self) -> float:
-        """CUDA: capture the decode graph of every (batch, block table) bucket and the piecewise graphs
-        ahead of traffic, largest first so the shared memory pool is sized once; returns seconds spent
-        (0 on CPU or with cuda_graphs off), and records them by kind in `start`."""
+    def warmup(self, decode: bool = True) -> float:
+        """CUDA: capture the decode graph of every (batch, block table) bucket (unless not `decode`: a
+        prefill worker never decodes) and the piecewise graphs ahead of traffic, largest first so the
+        shared memory pool is sized once; returns seconds spent (0 on CPU or with cuda_graphs off), and
+        records them by kind in `start`."""
         graphs, mixed, start = self.runner.graphs, self.runner.mixed, self.start
         spent = 0.0
         with torch.inference_mode():
-            if graphs is not None:
+            if graphs is not None and decode:
                 spent += graphs.capture(graphs.capture_order())
                 start.decode_graphs, start.decode_graphs_s = len(graphs.capture_s), sum(graphs.capture_s.values(), 0.0)
             if mixed is not None:
