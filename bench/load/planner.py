@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--chunk", type=int, default=None, help="colocated chunked prefill: prompt tokens per step "
                    "(default: the worker's own for the profile's device, 8192 on CUDA, 512 on the CPU)")
     d.add_argument("--max-batch", type=int, default=256, help="decoding rows a worker holds")
+    d.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens,
+                   help="a forward of whole prompts (a prefill worker's batch, an unchunked colocated worker's "
+                        "prefill step): prompt tokens at most, the first prompt whatever its length (default: the "
+                        "worker's --max-batched-tokens; 1: one prompt a forward)")
     d.add_argument("--link-gbps", type=float, default=100.0, help="GB/s of the KV link between P and D")
     d.add_argument("--transfer-fixed-ms", type=float, default=0.5, help="fixed cost of one KV move")
     s = p.add_argument_group("search")
@@ -154,7 +158,8 @@ def predict(split: Split, profile: Profile, workload: Workload, slos: dict[str, 
 
 
 def splits_for(gpus: int, args) -> list[Split]:
-    common = {"max_batch": args.max_batch, "link_gbps": args.link_gbps, "transfer_fixed_ms": args.transfer_fixed_ms}
+    common = {"max_batch": args.max_batch, "link_gbps": args.link_gbps, "transfer_fixed_ms": args.transfer_fixed_ms,
+              "max_batched_tokens": args.max_batched_tokens}
     out = [Split(0, gpus, chunk=args.chunk, **common), Split(0, gpus, chunk=0, **common)]
     if gpus == 1:  # the one-GPU disaggregated arm: a prefill and a decode worker time-slicing it
         return out + [Split(1, 1, shared=True, **common)]
