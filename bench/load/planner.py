@@ -6,8 +6,10 @@ from a worker's measured profile.
     pdserve-bench plan --measure tiny --device cpu --gpus 2 ...   # runs `pdserve-bench engine` first (plan_measure.py)
     pdserve-bench plan --profile engine.json --trace mooncake.jsonl ...   # a trace's prompt and reply lengths
 
-The profile: prefill time by prompt length and decode step time by batch x context, from `pdserve-bench
-engine`'s JSON (bench/load/plan_sim.py fits it). For every split of --gpus workers (colocated chunked and
+The profile: prefill time by prompt length (a forward's fixed cost, the decode fit's alpha, and the tokens'
+cost beyond it), decode step time by batch x context and, where the JSON has the chunked scenario, what a
+chunked step costs beyond its decodes and tokens, from `pdserve-bench engine`'s JSON (bench/load/plan_sim.py
+fits it; a prefill worker batches waiting prompts within --max-batched-tokens, as the worker does). For every split of --gpus workers (colocated chunked and
 unchunked, and each xP:yD with x + y = N; on one GPU, 1P:1D sharing it), a discrete-event simulation (bench/load/plan_sim.py) runs the
 workload at Poisson rates and the capacity search of the load bench (bench/load/capacity.py) finds the highest
 rate at which >= --goodput-target of the requests meet the SLOs and the queue does not grow: the split's
