@@ -27,6 +27,7 @@ def _profile(prefill_ms_at_1024: float, alpha: float, beta: float, gamma: float 
 def _args(**kw):
     base = dict(input_len="1024", output_len="16", long_fraction=0.0, long_input_len="4096", trace=None, seed=0,
                 gpus=2, chunk=512, max_batch=256, link_gbps=100.0, transfer_fixed_ms=0.5, goodput=["ttft:1000"],
+                max_batched_tokens=8192,
                 goodput_target=0.9, probe_seconds=20.0, probe_min_requests=100, search_precision=0.05,
                 search_max_probes=14)
     return types.SimpleNamespace(**{**base, **kw})
@@ -124,9 +125,10 @@ def test_a_probe_is_judged_on_its_queue():
     prof = _profile(25.0, alpha=5.0, beta=0.01)
     args = _args(input_len="1024", output_len="2")
     slos = parse_slos(["ttft:100000"])  # no SLO binds: only the queue can fail a probe
-    cap, probes = predict(Split(0, 1, chunk=0), prof, Workload(args), slos, probe_seconds=20, min_requests=50,
-                          precision=0.05, max_probes=14)
-    assert 1000 / 30.1 / 1.1 <= cap.rate <= 1000 / 30.1 * 1.06  # 25 ms prefill + 5.01 ms decode per request
+    # one prompt a forward: each request's 25 ms prefill step, then its 5.01 ms decode step
+    cap, probes = predict(Split(0, 1, chunk=0, max_batched_tokens=1), prof, Workload(args), slos, probe_seconds=20,
+                          min_requests=50, precision=0.05, max_probes=14)
+    assert 1000 / 30.1 / 1.1 <= cap.rate <= 1000 / 30.1 * 1.06
     failed = [b for b in probes if not b["probe_passed"]]
     assert failed and all(b["goodput_fraction"] >= 0.9 and b["saturation"]["queue_growing"] for b in failed)
 

@@ -180,6 +180,33 @@ def test_prefill_worker_batches_waiting_prompts_within_the_token_budget(monkeypa
         p.role.close(), d.role.close()
 
 
+def test_a_prefill_worker_reports_the_prompt_tokens_waiting_for_its_next_forwards():
+    """The router prices a prefill against the queue a heartbeat reports (KVCosts.queued_tokens). A prefill
+    worker's queue is the engine's WAITING requests, never the scheduler's: after each pick, the tokens the
+    requests left waiting will compute (a cached prefix not counted) are what it reports."""
+    p, d = ready_pair("bulk", tiny(max_batched_tokens=100))
+    try:
+        sampling = P.Sampling(max_tokens=2, ignore_eos=True)
+        send(p, d, {"warm": ids(0, 64)}, sampling)
+        pump([p, d], lambda: p.take(P.PrefillDone))  # its four full blocks stay in the prefill worker's cache
+        p.kv_report = report = KVReport(p.engine, p.worker_id)
+        assert report.costs().queued_tokens == 0
+        prompts = {"x": ids(100, 40), "y": ids(200, 40), "long": ids(300, 150), "cached": ids(0, 64) + ids(500, 10),
+                   "z": ids(400, 30)}
+        send(p, d, prompts, sampling)
+        p.role.tick()  # x and y in one forward; long, cached (10 of its 74 to compute) and z left waiting
+        assert [r.request_id for r in p.engine.in_state(Status.WAITING)] == ["long", "cached", "z"]
+        assert report.costs().queued_tokens == 150 + 10 + 30
+        p.role.tick()  # long alone (past the budget); cached and z wait
+        assert report.costs().queued_tokens == 10 + 30
+        p.role.tick()  # cached and z in one forward: nothing waits
+        assert report.costs().queued_tokens == 0
+        assert not p.engine.in_state(Status.WAITING) and not p.take(P.RequestFailed)
+        pump([p, d], lambda: not p.role.sending)  # the transfers end before the roles close
+    finally:
+        p.role.close(), d.role.close()
+
+
 def test_a_failed_or_aborted_transfer_in_a_batch_fails_that_request_alone(monkeypatch):
     """Layer mode, one forward for four requests: `bad`'s transfer fails to open at its first layer (the
     forward goes on for the others), `late-1` is aborted while its KV is in flight; `ok-0` and `ok-2`

@@ -3,7 +3,9 @@ suited to the device, within a memory limit said up front.
 
     GRIDS[device type]             the engine bench's flags for what the planner reads (prefill by length, decode by
                                    batch x context) and nothing else: no transformers decode comparison, no
-                                   chunked or mixed-step scenario, no mixed-context point; a few rounds each
+                                   chunked or mixed-step scenario (so the profile's chunk_step_ms is 0: a
+                                   chunked step costs its decodes and tokens only), no mixed-context point;
+                                   a few rounds each
     engine_argv(model, device, extra)   the engine bench's command line: the grid, then --measure-args (later wins)
     needs(argv)                    what that run holds at its peak, in GiB, from the model's shapes (no weights
                                    loaded): weights, KV pool, the roofline copy's buffers, the longest prefill's

@@ -1,24 +1,37 @@
 """The planner's model of a deployment: a worker's measured profile and a discrete-event simulation of
 requests through colocated workers or a prefill pool and a decode pool.
 
-    Profile.from_engine_json(data)   prefill time by prompt length and decode step time by batch x context,
-                                     from `pdserve-bench engine`'s JSON
+    Profile.from_engine_json(data)   a forward's fixed cost, the prompt tokens' cost by position and the
+                                     decode step time by batch x context, from `pdserve-bench engine`'s JSON
     Split(prefill, decode, ...)      a deployment: colocated (prefill 0) with N workers, or xP:yD
     simulate(split, profile, requests)   each request's first-token and finish time
 
 The model, stated so it can be checked against a measured run:
-  - a prefill of tokens [a, b) of a prompt costs prefill_ms(b) - prefill_ms(a) (measured points, linear
-    between them, through 0, the last segment's slope beyond);
+  - every forward pays a fixed cost (fixed_ms: the weights read once, the layers launched), whatever its
+    tokens; from an engine JSON it is the decode fit's alpha (Profile.from_engine_json says why);
+  - prompt tokens [a, b) of a prompt cost tokens(a, b) = T(b) - T(a) beyond it, T the measured prefill
+    times less the fixed cost (linear between the measured points, through 0, the last segment's slope
+    beyond): the measured curve's shape, attention growing with the context, is kept;
   - a decode step of batch B over contexts c_i costs alpha + beta B + gamma sum(c_i), a least-squares fit
     of the measured batch x context grid (weights read once a step, per-row work, KV read);
-  - a colocated step runs the decodes and a chunk of waiting prompts (chunk tokens; 0: one whole prompt),
-    its time the decode step's plus the chunk's prefill: the interference a colocated worker has;
-  - a prefill worker runs one prompt at a time; the KV moves in kv_bytes / link bandwidth (plus a fixed
-    cost), the first token arrives with it; the decode worker adopts the request at its next step;
+  - a colocated chunked step runs the decodes and a chunk of waiting prompts, a token at position p
+    counting 1 + p / chunk_attention_tokens against the chunk budget (the scheduler's rule); it costs the
+    decode step plus the chunk's tokens (the decode step already reads the weights: the fixed cost is not
+    paid twice), or the fixed cost plus the chunk's tokens when nothing decodes, plus chunk_step_ms: what
+    the engine's chunked steps measured beyond their decodes and tokens (Profile.from_engine_json). Many
+    small chunks thus cost a step each;
+  - a forward of whole prompts (a prefill worker's, an unchunked colocated worker's) takes the waiting
+    prompts in arrival order while their tokens fit max_batched_tokens, at most max_num_seqs of them,
+    the first whatever its length (workers/roles/prefill.py, the scheduler's unchunked step); it costs the
+    fixed cost once plus every prompt's tokens, and all of them have their first token at its end. An
+    unchunked colocated worker never runs it beside its decodes: after it, if anything runs, a decode step;
+  - a prefill worker's KV moves in kv_bytes / link bandwidth (plus a fixed cost) after its forward, the
+    first token arrives with it; the decode worker adopts the request at its next step;
   - a new request goes to the worker with the least queued work (prompt tokens waiting, or rows running);
   - a worker holds at most max_batch decoding rows; more wait;
   - shared (1P:1D on one GPU): the GPU is shared evenly while both workers run a step (processor sharing:
-    each step's work advances at half speed then), as two processes time-slicing one GPU.
+    each step's work advances at half speed then), as two processes time-slicing one GPU; each pays the
+    fixed cost of its own forwards.
 Torch-free.
 """
 
@@ -30,21 +43,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.settings.worker import EngineConfig
+
 
 @dataclass
 class Profile:
     prefill_tokens: list[int]
-    prefill_ms: list[float]
+    prefill_ms: list[float]  # measured: a forward of one whole prompt of that many tokens
     decode_coef: tuple[float, float, float]  # alpha ms, beta ms per row, gamma ms per context token
     kv_bytes_per_token: int = 0
     source: str = ""
+    fixed_ms: float = 0.0  # what every forward pays whatever its tokens (0: all of a prefill is in its tokens)
+    chunk_step_ms: float = 0.0  # what a chunked step with prompt tokens pays beyond its decodes and those tokens
 
-    def prefill(self, start: int, end: int) -> float:
-        """Milliseconds to prefill prompt tokens [start, end)."""
+    def tokens(self, start: int, end: int) -> float:
+        """Milliseconds prompt tokens [start, end) add to a forward, beyond its fixed cost."""
         return self._cumulative(end) - self._cumulative(start)
 
+    def prefill(self, start: int, end: int) -> float:
+        """Milliseconds of a forward of prompt tokens [start, end) alone: the fixed cost and the tokens'."""
+        return self.fixed_ms + self.tokens(start, end)
+
     def _cumulative(self, n: int) -> float:
-        xs, ys = [0, *self.prefill_tokens], [0.0, *self.prefill_ms]
+        xs, ys = [0, *self.prefill_tokens], [0.0, *(m - self.fixed_ms for m in self.prefill_ms)]
         if n <= xs[-1]:
             return float(np.interp(n, xs, ys))
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
@@ -56,8 +77,9 @@ class Profile:
 
     @classmethod
     def from_points(cls, prefill: dict[int, float], decode: list[tuple[int, int, float]], kv_bytes_per_token: int = 0,
-                    source: str = "") -> "Profile":
-        """prefill {tokens: ms}; decode [(batch, context, ms)] (each row at that context)."""
+                    source: str = "", fixed_ms: float | None = 0.0) -> "Profile":
+        """prefill {tokens: ms}; decode [(batch, context, ms)] (each row at that context). fixed_ms: a forward's
+        fixed cost; None: the decode fit's alpha (from_engine_json says why), at most the shortest prefill's."""
         if not prefill or not decode:
             raise ValueError("a profile needs prefill points and decode points")
         tokens = sorted(prefill)
@@ -66,23 +88,45 @@ class Profile:
         ms = np.maximum.accumulate([float(prefill[t]) for t in tokens])
         rows = np.array([[1.0, b, b * c] for b, c, _ in decode])
         coef, *_ = np.linalg.lstsq(rows, np.array([t for _, _, t in decode]), rcond=None)
-        return cls(tokens, [float(m) for m in ms], tuple(float(c) for c in coef), kv_bytes_per_token, source)
+        fixed = float(coef[0]) if fixed_ms is None else fixed_ms
+        fixed = min(max(0.0, fixed), float(ms[0]))  # no prompt's tokens cost less than nothing
+        return cls(tokens, [float(m) for m in ms], tuple(float(c) for c in coef), kv_bytes_per_token, source, fixed)
 
     @classmethod
     def from_engine_json(cls, data: dict, source: str = "") -> "Profile":
         """`pdserve-bench engine` JSON: prefill [{tokens, ours_ms: {median}}], decode [{kind: uniform, batch,
-        context, ours_ms: {median}}], config.kv_bytes_per_token."""
+        context, ours_ms: {median}}], config.kv_bytes_per_token, and chunked.on when it ran.
+
+        The fixed cost of a forward is the decode fit's alpha: a decode step's cost at no rows, the weights read
+        once and every layer launched, which a forward of prompts pays too on the same GPU. The prefill points
+        agree without pinning it: on the H200 (engine-nvidia-h200-2026-12-01-4acfb30.json) a quadratic through
+        their four lengths, 1k-32k, crosses 0 tokens at 2-3 ms against alpha's 5.6, and with alpha taken out
+        the tokens' cost per token grows with the prompt from the first segment on (attention), as it must.
+
+        A chunked step with prompt tokens beside decodes costs more than its decode step and those tokens:
+        in the chunked scenario (decodes running while a long prompt is prefilled in chunks, the engine's own
+        step loop) the prompt's steps took (ttft - steps x the steady decode gap - the prompt's tokens) /
+        steps more each: 9 ms on that H200 profile, where the mixed-step point, a bare forward without the
+        step's bookkeeping, shows about 1. chunk_step_ms is that, 0 where the JSON has no chunked scenario."""
         try:
             prefill = {int(p["tokens"]): float(p["ours_ms"]["median"]) for p in data["prefill"]}
             decode = [(int(d["batch"]), int(d["context"]), float(d["ours_ms"]["median"])) for d in data["decode"]
                       if d.get("kind", "uniform") == "uniform"]
             kv = int((data.get("config") or {}).get("kv_bytes_per_token") or 0)
+            profile = cls.from_points(prefill, decode, kv, source, fixed_ms=None)
+            on = (data.get("chunked") or {}).get("on")
+            if on and on.get("prefill_steps"):
+                steps = int(on["prefill_steps"])
+                rest = float(on["ttft_ms"]) - steps * float(on["steady_gap_ms"]["median"]) \
+                    - profile.tokens(0, int(on["prompt"]))
+                profile.chunk_step_ms = max(0.0, rest / steps)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not an engine profile (pdserve-bench engine JSON): missing or bad {e}") from e
-        return cls.from_points(prefill, decode, kv, source)
+        return profile
 
     def to_dict(self) -> dict:
         return {"source": self.source, "prefill_points": dict(zip(self.prefill_tokens, self.prefill_ms)),
+                "fixed_ms_per_forward": self.fixed_ms, "chunk_step_ms": self.chunk_step_ms,
                 "decode_fit_ms": dict(zip(("alpha", "beta_per_row", "gamma_per_context_token"), self.decode_coef)),
                 "kv_bytes_per_token": self.kv_bytes_per_token}
 
@@ -92,15 +136,23 @@ class Split:
     """prefill == 0: `decode` colocated workers; else a prefill pool and a decode pool."""
     prefill: int
     decode: int
-    chunk: int = 512  # colocated: prompt tokens per step (0: a whole prompt in one step)
+    chunk: int = 512  # colocated: prompt tokens per step (0: unchunked, whole prompts in steps of their own)
+    # a prompt token at position p counts 1 + p / chunk_attention_tokens against `chunk` (the scheduler's rule)
+    chunk_attention_tokens: int = EngineConfig.chunk_attention_tokens
     max_batch: int = 256
     link_gbps: float = 100.0  # GB/s between a prefill and a decode worker
     transfer_fixed_ms: float = 0.5
     shared: bool = False  # 1P:1D on one GPU: the two workers time-slice it
+    # a forward of whole prompts (a prefill worker's, an unchunked colocated one's): prompt tokens at most (the
+    # first prompt whatever its length; 1: one prompt a forward) and prompts at most; the worker's defaults
+    max_batched_tokens: int = EngineConfig.max_batched_tokens
+    max_num_seqs: int = EngineConfig.max_num_seqs
 
     def __post_init__(self):
         if self.decode < 1 or self.prefill < 0 or (self.shared and (self.prefill, self.decode) != (1, 1)):
             raise ValueError(f"a split needs >= 1 decode (or colocated) worker; shared is 1P:1D only: {self}")
+        if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError(f"max_batched_tokens and max_num_seqs must be >= 1: {self}")
 
     @property
     def gpus(self) -> int:
@@ -138,6 +190,7 @@ class _Worker:
     left_ms: float = 0.0  # the step's work left at full speed, as of `since`
     since: float = 0.0
     version: int = 0  # a step-end event of an older version is stale (the GPU's share changed)
+    prefilled_last: bool = False  # unchunked colocated: the last step was whole prompts (the next decodes)
 
     def load(self) -> int:
         if self.role == "decode":
@@ -178,30 +231,56 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             w.version += 1
             push(now + max(0.0, w.left_ms) * len(running) / 1e3, "step", (w, w.version))
 
+    def whole_prompts(w: _Worker, room: int) -> list:
+        """A forward of whole prompts: the waiting ones in arrival order while their tokens fit
+        max_batched_tokens, at most `room` of them, the first whatever its length."""
+        batch, tokens = [], 0
+        for r in w.waiting:
+            n = r.prompt - r.done_prefill
+            if batch and (tokens + n > split.max_batched_tokens or len(batch) >= room):
+                break
+            batch.append((r, r.prompt))
+            tokens += n
+        return batch
+
+    def weight(position: int) -> float:
+        return 1.0 + position / split.chunk_attention_tokens if split.chunk_attention_tokens else 1.0
+
+    def chunk_of(w: _Worker) -> list:
+        """A colocated chunked step's prompt tokens: the waiting prompts in order, each token at position p
+        counting weight(p) against `chunk` (workers/engine/scheduler.py)."""
+        chunks, budget = [], float(split.chunk)
+        for r in w.waiting:
+            n = min(r.prompt - r.done_prefill, round(budget / weight(r.done_prefill))) if budget >= 0.5 else 0
+            if n <= 0:
+                break
+            chunks.append((r, r.done_prefill + n))
+            budget -= n * weight(r.done_prefill)
+        return chunks
+
     def start(w: _Worker, now: float) -> None:
         if w.busy:
             return
         while w.role == "decode" and w.waiting and len(w.running) < split.max_batch:
             w.running.append(w.waiting.popleft())
         rows = list(w.running[:split.max_batch])
-        chunks, ms = [], 0.0
-        if rows:
-            ms += profile.decode(len(rows), sum(r.prompt + r.generated for r in rows))
+        chunks: list = []
         if w.role == "prefill" and w.waiting:
-            r = w.waiting[0]
-            chunks.append((r, r.prompt))
-            ms += profile.prefill(r.done_prefill, r.prompt)
+            chunks = whole_prompts(w, split.max_num_seqs)
         elif w.role == "colocated" and w.waiting and len(w.running) < split.max_batch:
-            budget = split.chunk if split.chunk > 0 else w.waiting[0].prompt - w.waiting[0].done_prefill
-            for r in w.waiting:
-                if budget <= 0:
-                    break
-                end = min(r.prompt, r.done_prefill + budget)
-                chunks.append((r, end))
-                ms += profile.prefill(r.done_prefill, end)
-                budget -= end - r.done_prefill
+            if split.chunk > 0:
+                chunks = chunk_of(w)
+            elif not (w.prefilled_last and rows):  # unchunked: whole prompts in a step of their own
+                chunks, rows = whole_prompts(w, min(split.max_num_seqs, split.max_batch - len(w.running))), []
         if not rows and not chunks:
             return
+        w.prefilled_last = not rows
+        # the decode step pays the forward's fixed cost; a forward of prompts alone pays it itself
+        ms = (profile.decode(len(rows), sum(r.prompt + r.generated for r in rows)) if rows else profile.fixed_ms) \
+            + sum(profile.tokens(r.done_prefill, end) for r, end in chunks)
+        if chunks and w.role == "colocated" and split.chunk > 0:
+            ms += profile.chunk_step_ms
+
         def begin():
             w.busy, w.step, w.left_ms, w.since = True, (rows, chunks), ms, now
         reshare(w.gpu, now, begin)

@@ -6,8 +6,10 @@ from a worker's measured profile.
     pdserve-bench plan --measure tiny --device cpu --gpus 2 ...   # runs `pdserve-bench engine` first (plan_measure.py)
     pdserve-bench plan --profile engine.json --trace mooncake.jsonl ...   # a trace's prompt and reply lengths
 
-The profile: prefill time by prompt length and decode step time by batch x context, from `pdserve-bench
-engine`'s JSON (bench/load/plan_sim.py fits it). For every split of --gpus workers (colocated chunked and
+The profile: prefill time by prompt length (a forward's fixed cost, the decode fit's alpha, and the tokens'
+cost beyond it), decode step time by batch x context and, where the JSON has the chunked scenario, what a
+chunked step costs beyond its decodes and tokens, from `pdserve-bench engine`'s JSON (bench/load/plan_sim.py
+fits it; a prefill worker batches waiting prompts within --max-batched-tokens, as the worker does). For every split of --gpus workers (colocated chunked and
 unchunked, and each xP:yD with x + y = N; on one GPU, 1P:1D sharing it), a discrete-event simulation (bench/load/plan_sim.py) runs the
 workload at Poisson rates and the capacity search of the load bench (bench/load/capacity.py) finds the highest
 rate at which >= --goodput-target of the requests meet the SLOs and the queue does not grow: the split's
@@ -61,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--chunk", type=int, default=None, help="colocated chunked prefill: prompt tokens per step "
                    "(default: the worker's own for the profile's device, 8192 on CUDA, 512 on the CPU)")
     d.add_argument("--max-batch", type=int, default=256, help="decoding rows a worker holds")
+    d.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens,
+                   help="a forward of whole prompts (a prefill worker's batch, an unchunked colocated worker's "
+                        "prefill step): prompt tokens at most, the first prompt whatever its length (default: the "
+                        "worker's --max-batched-tokens; 1: one prompt a forward)")
     d.add_argument("--link-gbps", type=float, default=100.0, help="GB/s of the KV link between P and D")
     d.add_argument("--transfer-fixed-ms", type=float, default=0.5, help="fixed cost of one KV move")
     s = p.add_argument_group("search")
@@ -154,7 +160,8 @@ def predict(split: Split, profile: Profile, workload: Workload, slos: dict[str, 
 
 
 def splits_for(gpus: int, args) -> list[Split]:
-    common = {"max_batch": args.max_batch, "link_gbps": args.link_gbps, "transfer_fixed_ms": args.transfer_fixed_ms}
+    common = {"max_batch": args.max_batch, "link_gbps": args.link_gbps, "transfer_fixed_ms": args.transfer_fixed_ms,
+              "max_batched_tokens": args.max_batched_tokens}
     out = [Split(0, gpus, chunk=args.chunk, **common), Split(0, gpus, chunk=0, **common)]
     if gpus == 1:  # the one-GPU disaggregated arm: a prefill and a decode worker time-slicing it
         return out + [Split(1, 1, shared=True, **common)]

@@ -5,8 +5,12 @@ difference since the last report) and what prices a request here (KVCosts, in ev
       .events() -> KVEvents | None     the heartbeat thread, after each heartbeat: names gained and lost
                                        since the last report (at most MAX_KV_NAMES; the rest next time)
       .costs() -> KVCosts              prefill ms per token (measured), tiers' GB/s, queued prompt tokens
+                                       (the scheduler's waiting prompts', and what queue() was last told)
       .observe(request, *batch)        the main thread, at a request's first token: its prefill speed (with
                                        the requests prefilled in the same forward: theirs together)
+      .queue(tokens)                   the main thread, a prefill worker as it picks a batch: the prompt
+                                       tokens its waiting requests will compute (its queue is the engine's
+                                       WAITING requests, which the scheduler never holds)
 
 A report is a difference between two snapshots of the tiers' name sets, not a log of every store and
 eviction: nothing is kept per event, a burst costs one message, and a lost message only leaves the
@@ -34,6 +38,7 @@ class KVReport:
         self._reset = True
         self._fit = [0.0] * 5  # decayed sums over prefills: n, tokens, ms, tokens^2, tokens x ms
         self._lock = threading.Lock()
+        self._queued = 0  # prompt tokens waiting outside the scheduler (a prefill worker's), replaced whole
 
     def resync(self) -> None:
         """The next report is a full one (a router that did not know this worker)."""
@@ -98,6 +103,12 @@ class KVReport:
         with self._lock:
             self._fit = [DECAY * s + x for s, x in zip(self._fit, (1.0, tokens, ms, tokens * tokens, tokens * ms))]
 
+    def queue(self, tokens: int) -> None:
+        """A prefill worker's waiting requests will compute this many prompt tokens (engine.prefill_tokens:
+        a cached prefix is not computed); read by costs() on the heartbeat thread. The main thread counts
+        them: the count extends a request's block names and looks the tiers up, which only it may do."""
+        self._queued = tokens
+
     def prefill_model(self) -> tuple[float | None, float]:
         """(ms per token, fixed ms per prefill): a least-squares line through the recent prefills (time
         against computed tokens); while their sizes barely differ, time over tokens and no fixed part."""
@@ -121,6 +132,7 @@ class KVReport:
             queued = sum(len(r.prompt_ids) - r.num_computed for r in list(eng.scheduler.waiting))
         except RuntimeError:  # the deque changed under us
             queued = 0
+        queued += self._queued
         per_token, fixed = self.prefill_model()
         return P.KVCosts(bytes_per_token=eng.layout.bytes_per_token, prefill_ms_per_token=per_token,
                          prefill_ms_fixed=fixed, tier_gbps={t: g for t, g in gbps.items() if g is not None},

@@ -7,7 +7,9 @@ Life cycle of a request (its status, in the engine: workers/engine/request.py):
                                                     arrival order, while the prompt tokens their prefills
                                                     compute (a cached prefix is not) fit --max-batched-tokens
                                                     and they number at most --max-num-seqs; the first
-                                                    whatever its length (a long prompt is never split)
+                                                    whatever its length (a long prompt is never split);
+                                                    the prompt tokens of those left waiting go to the
+                                                    router in the heartbeat (kv_report.queue)
               -> engine.prefill_batch(batch, on_layer)
                                         PREFILLING  one forward for the batch, each request from its longest
                                                     prefix in our prefix cache; layer mode: every request's
@@ -141,11 +143,16 @@ class PrefillRole(Role):
         prefills compute (engine.prefill_tokens: a cached prefix is not computed) stay within
         --max-batched-tokens and they number at most --max-num-seqs; the first whatever its length. One
         past its deadline fails here (timeout), one bound for a DEAD decode worker too (transfer); one whose
-        decode worker is still shaking hands waits without holding up those after it."""
+        decode worker is still shaking hands waits without holding up those after it. The tokens of those
+        left waiting go to the router (kv_report: what a prefill here waits behind)."""
         self._held = False
         batch: list[Request] = []
-        tokens = 0
+        tokens = queued = 0
+        full = False
         for req in self.engine.in_state(Status.WAITING):
+            if full:  # past this batch: checked when its turn comes
+                queued += self.engine.prefill_tokens(req)
+                continue
             if now() >= req.deadline:
                 text = (f"request {req.request_id}: waited {now() - req.stamps.arrived:.1f}s in the prefill queue, "
                         f"past its deadline of {req.deadline - req.stamps.arrived:.1f}s; add prefill workers or "
@@ -160,14 +167,20 @@ class PrefillRole(Role):
                 self.engine.fail(req.request_id, text)
                 self.fail(req.request_id, FailureKind.TRANSFER, text)
                 continue
+            n = self.engine.prefill_tokens(req)
             if state is not PeerState.READY:
                 self._held = True
+                queued += n
                 continue
-            n = self.engine.prefill_tokens(req)
             if batch and (tokens + n > self.batch_tokens or len(batch) >= self.batch_seqs):
-                break
+                full = True
+                queued += n
+                continue
             batch.append(req)
             tokens += n
+        report = getattr(self.worker, "kv_report", None)
+        if report is not None:
+            report.queue(queued)
         return batch
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
