@@ -139,7 +139,7 @@ class Split:
     chunk: int = 512  # colocated: prompt tokens per step (0: unchunked, whole prompts in steps of their own)
     # a prompt token at position p counts 1 + p / chunk_attention_tokens against `chunk` (the scheduler's rule)
     chunk_attention_tokens: int = EngineConfig.chunk_attention_tokens
-    max_batch: int = 256
+    max_batch: int = EngineConfig.max_num_seqs  # decoding rows a worker holds: its --max-num-seqs
     link_gbps: float = 100.0  # GB/s between a prefill and a decode worker
     transfer_fixed_ms: float = 0.5
     shared: bool = False  # 1P:1D on one GPU: the two workers time-slice it

@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--gpus", type=int, default=2, help="workers to split (one GPU each)")
     d.add_argument("--chunk", type=int, default=None, help="colocated chunked prefill: prompt tokens per step "
                    "(default: the worker's own for the profile's device, 8192 on CUDA, 512 on the CPU)")
-    d.add_argument("--max-batch", type=int, default=256, help="decoding rows a worker holds")
+    d.add_argument("--max-batch", type=int, default=EngineConfig.max_num_seqs,
+                   help="decoding rows a worker holds (the workers' --max-num-seqs; default theirs)")
     d.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens,
                    help="a forward of whole prompts (a prefill worker's batch, an unchunked colocated worker's "
                         "prefill step): prompt tokens at most, the first prompt whatever its length (default: the "
