@@ -55,19 +55,32 @@ def test_the_simulation_adds_up_by_hand():
     assert r.first_token == pytest.approx(0.020 + 0.001524) and r.finish == pytest.approx(r.first_token + 0.024)
 
 
-def test_two_workers_sharing_one_gpu_each_run_at_half_speed():
-    """1P:1D on one GPU, the KV move free: while both run a step each advances at half speed."""
+def test_two_workers_sharing_one_gpu_run_at_their_own_paces():
+    """1P:1D on one GPU, the KV move free: while both run a step each advances at its side's pace, and a
+    forward that overlaps decoding pays the extra once."""
     prof = _profile(20.0, alpha=5.0, beta=1.0)
-    split = Split(1, 1, shared=True, transfer_fixed_ms=0.0)
+    even = dict(shared_decode_slowdown=2.0, shared_prefill_slowdown=2.0, shared_prefill_extra_ms=0.0)
+    split = Split(1, 1, shared=True, transfer_fixed_ms=0.0, **even)
     assert split.gpus == 1 and split.label == "1P:1D sharing 1 GPU"
     a, b = simulate(split, prof, [Req(0, 0.0, 1024, 3), Req(1, 0.0, 1024, 3)])
-    # P: a's prefill alone 0-20 ms. Then D's step for a (6 ms of work) beside b's prefill (20): both at half
-    # speed, D's step ends at 32 ms and its next at 44 (a's third token: done); b's prefill has 20 - 12 = 8
-    # ms left at 44, alone: 52 ms; then D's two steps for b alone: 64 ms
+    # an even half: P: a's prefill alone 0-20 ms. Then D's step for a (6 ms of work) beside b's prefill (20):
+    # both at half speed, D's step ends at 32 ms and its next at 44 (a's third token: done); b's prefill has
+    # 20 - 12 = 8 ms left at 44, alone: 52 ms; then D's two steps for b alone: 64 ms
     assert a.first_token == pytest.approx(0.020) and a.finish == pytest.approx(0.044)
     assert b.first_token == pytest.approx(0.052) and b.finish == pytest.approx(0.064)
+    # decode at 1/3, prefill at 1/1.5 and 3 ms more: at 20 ms b's prefill (20 ms of work) meets D's step, its
+    # extra 3 ms at the shared pace is 2 ms of work (22 left); D's 6 ms at 1/3 end at 38, P then has 22 - 12 =
+    # 10 left, done at 53 (b's first token); D's second step, 5 of its 6 ms done by then at 1/3, ends alone at
+    # 54 (a done); then b's two steps alone: 66 ms
+    paced = Split(1, 1, shared=True, transfer_fixed_ms=0.0, shared_decode_slowdown=3.0,
+                  shared_prefill_slowdown=1.5, shared_prefill_extra_ms=3.0)
+    a, b = simulate(paced, prof, [Req(0, 0.0, 1024, 3), Req(1, 0.0, 1024, 3)])
+    assert a.first_token == pytest.approx(0.020) and a.finish == pytest.approx(0.054)
+    assert b.first_token == pytest.approx(0.053) and b.finish == pytest.approx(0.066)
     with pytest.raises(ValueError):
         Split(2, 1, shared=True)
+    with pytest.raises(ValueError, match="factor >= 1"):
+        Split(1, 1, shared=True, shared_prefill_slowdown=0.5)
 
 
 def test_the_profile_fits_a_measured_engine_json():

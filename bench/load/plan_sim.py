@@ -29,9 +29,18 @@ The model, stated so it can be checked against a measured run:
     first token arrives with it; the decode worker adopts the request at its next step;
   - a new request goes to the worker with the least queued work (prompt tokens waiting, or rows running);
   - a worker holds at most max_batch decoding rows; more wait;
-  - shared (1P:1D on one GPU): the GPU is shared evenly while both workers run a step (processor sharing:
-    each step's work advances at half speed then), as two processes time-slicing one GPU; each pays the
-    fixed cost of its own forwards.
+  - shared (1P:1D on one GPU): while both workers run a step each advances at its own measured pace, not
+    an even half: a decode step takes shared_decode_slowdown (2.0) times its time alone, a prefill forward
+    shared_prefill_slowdown (1.65) times, and a forward that overlaps decoding pays shared_prefill_extra_ms
+    (9.1 ms) more once; each pays the fixed cost of its own forwards. Measured on the H200 by
+    bench/load/plan_shared.py from the 1P:1D runs in bench/results/load-h200-2026-12-01/results.json (87151ad,
+    one prompt a forward, decode batches 1-11; rates 4, 8, 16 and 8 req/s, the cold first run at 2 left out)
+    against engine-nvidia-h200-2026-12-01-4acfb30.json: 4912 gaps between tokens inside a forward took 1.99x
+    the profile's decode step (outside every forward 1.00x); 73 forwards with a request decoding throughout
+    took 18.4 ms + 1.65x their tokens' cost (median error 3%; an even half, 2x the forward, is 14-23% slow
+    on each of the 19 long prompts, 8k-16k tokens, that fill the prefill worker), forwards alone 0.97x.
+    The paces sum past 1 (1/1.99 + 1/1.65): a decode step's host work leaves the GPU to the prefill. Not
+    measured: decode batches past 11, batched forwards (the extra is taken per forward), another GPU.
 Torch-free.
 """
 
@@ -143,6 +152,11 @@ class Split:
     link_gbps: float = 100.0  # GB/s between a prefill and a decode worker
     transfer_fixed_ms: float = 0.5
     shared: bool = False  # 1P:1D on one GPU: the two workers time-slice it
+    # shared, while both run a step: a decode step's time over its time alone, a prefill forward's, and what a
+    # forward that overlaps decoding pays once more (ms, at the shared pace); the model's list says their source
+    shared_decode_slowdown: float = 2.0
+    shared_prefill_slowdown: float = 1.65
+    shared_prefill_extra_ms: float = 9.1
     # a forward of whole prompts (a prefill worker's, an unchunked colocated one's): prompt tokens at most (the
     # first prompt whatever its length; 1: one prompt a forward) and prompts at most; the worker's defaults
     max_batched_tokens: int = EngineConfig.max_batched_tokens
@@ -153,6 +167,8 @@ class Split:
             raise ValueError(f"a split needs >= 1 decode (or colocated) worker; shared is 1P:1D only: {self}")
         if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(f"max_batched_tokens and max_num_seqs must be >= 1: {self}")
+        if min(self.shared_decode_slowdown, self.shared_prefill_slowdown) < 1 or self.shared_prefill_extra_ms < 0:
+            raise ValueError(f"a shared GPU slows each side by a factor >= 1 and adds >= 0 ms: {self}")
 
     @property
     def gpus(self) -> int:
@@ -191,6 +207,7 @@ class _Worker:
     since: float = 0.0
     version: int = 0  # a step-end event of an older version is stale (the GPU's share changed)
     prefilled_last: bool = False  # unchunked colocated: the last step was whole prompts (the next decodes)
+    overlapped: bool = False  # shared: the step in flight has run beside the other worker's (paid the extra)
 
     def load(self) -> int:
         if self.role == "decode":
@@ -219,17 +236,26 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
     for r in requests:
         push(r.arrival, "arrive", r)
 
+    def pace(w: _Worker, running: list) -> float:
+        """The share of its pace alone a running step advances at: 1 alone on its GPU, else its side's."""
+        if len(running) < 2:
+            return 1.0
+        return 1.0 / (split.shared_decode_slowdown if w.role == "decode" else split.shared_prefill_slowdown)
+
     def reshare(gpu: int, now: float, change) -> None:
-        """Advance the GPU's running steps to `now` at the old share, apply `change`, reschedule their ends."""
+        """Advance the GPU's running steps to `now` at the old paces, apply `change`, reschedule their ends."""
         running = [w for w in on_gpu[gpu] if w.busy]
         for w in running:
-            w.left_ms -= (now - w.since) * 1e3 / len(running)
+            w.left_ms -= (now - w.since) * 1e3 * pace(w, running)
             w.since = now
         change()
         running = [w for w in on_gpu[gpu] if w.busy]
         for w in running:
+            if len(running) > 1 and w.role == "prefill" and not w.overlapped:
+                w.overlapped = True  # the extra, in work at the shared pace: shared_prefill_extra_ms of time
+                w.left_ms += split.shared_prefill_extra_ms * pace(w, running)
             w.version += 1
-            push(now + max(0.0, w.left_ms) * len(running) / 1e3, "step", (w, w.version))
+            push(now + max(0.0, w.left_ms) / pace(w, running) / 1e3, "step", (w, w.version))
 
     def whole_prompts(w: _Worker, room: int) -> list:
         """A forward of whole prompts: the waiting ones in arrival order while their tokens fit
@@ -282,7 +308,7 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             ms += profile.chunk_step_ms
 
         def begin():
-            w.busy, w.step, w.left_ms, w.since = True, (rows, chunks), ms, now
+            w.busy, w.step, w.left_ms, w.since, w.overlapped = True, (rows, chunks), ms, now, False
         reshare(w.gpu, now, begin)
 
     def step_done(w: _Worker, now: float) -> None:
