@@ -125,3 +125,30 @@ def test_the_reader_runs_on_a_results_json(recorded, tmp_path, capsys):
     assert "1.99x the profile" in capsys.readouterr().out
     assert plan_shared.main(argv + ["--arm", "nope"]) == 2
     assert "no runs of arm 'nope'" in capsys.readouterr().err
+
+
+def test_the_plan_takes_the_shared_slowdowns_of_another_gpu(tmp_path, capsys):
+    import argparse
+
+    from pdserve.bench import cli
+    from pdserve.bench.load import planner
+
+    p = argparse.ArgumentParser()
+    planner.add_arguments(p)
+    args = p.parse_args(["--gpus", "1", "--shared-slowdowns", "2,2,0"])
+    args.chunk = 8192
+    [shared] = [s for s in planner.splits_for(1, args) if s.shared]
+    assert (shared.shared_decode_slowdown, shared.shared_prefill_slowdown, shared.shared_prefill_extra_ms) == (2, 2, 0)
+    args = p.parse_args(["--gpus", "1"])
+    args.chunk = 8192
+    assert [s for s in planner.splits_for(1, args) if s.shared] == [Split(1, 1, shared=True)]
+    out = tmp_path / "plan.json"
+    base = ["plan", "--profile", str(ENGINE_JSON), "--gpus", "1", "--input-len", "uniform:256:1024",
+            "--output-len", "16", "--goodput", "ttft:2000", "tpot:100", "--probe-seconds", "5"]
+    assert cli.main(base + ["--shared-slowdowns", "2.5,1.5,4", "--out", str(out)]) == 0
+    [arm] = [a for a in json.loads(out.read_text())["arms"] if a["split"] == "1P:1D sharing 1 GPU"]
+    assert arm["shared_slowdowns"] == [2.5, 1.5, 4.0]
+    capsys.readouterr()
+    for bad, says in (("2,2", "DECODE,PREFILL,EXTRA_MS"), ("0.5,2,0", "factor >= 1")):
+        assert cli.main(base + ["--shared-slowdowns", bad]) == 2
+        assert says in capsys.readouterr().err

@@ -9,11 +9,13 @@ from a worker's measured profile.
 The profile: prefill time by prompt length (a forward's fixed cost, the decode fit's alpha, and the tokens'
 cost beyond it), decode step time by batch x context and, where the JSON has the chunked scenario, what a
 chunked step costs beyond its decodes and tokens, from `pdserve-bench engine`'s JSON (bench/load/plan_sim.py
-fits it; a prefill worker batches waiting prompts within --max-batched-tokens, as the worker does). For every split of --gpus workers (colocated chunked and
-unchunked, and each xP:yD with x + y = N; on one GPU, 1P:1D sharing it), a discrete-event simulation (bench/load/plan_sim.py) runs the
-workload at Poisson rates and the capacity search of the load bench (bench/load/capacity.py) finds the highest
-rate at which >= --goodput-target of the requests meet the SLOs and the queue does not grow: the split's
-predicted goodput (DistServe's, per GPU too). The split with the highest wins; within the search's
+fits it; a prefill worker batches waiting prompts within --max-batched-tokens, as the worker does). For
+every split of --gpus workers (colocated chunked and unchunked, and each xP:yD with x + y = N; on one GPU,
+1P:1D sharing it, each side slowed by its measured factor while the other runs: --shared-slowdowns), a
+discrete-event simulation (bench/load/plan_sim.py) runs the workload at Poisson rates and the capacity
+search of the load bench (bench/load/capacity.py) finds the highest rate at which >= --goodput-target of
+the requests meet the SLOs and the queue does not grow: the split's predicted goodput (DistServe's, per GPU
+too). The split with the highest wins; within the search's
 precision of it, the colocated one (fewer moving parts). A prediction is a model: compare it with a
 measured `pdserve-bench load --capacity-search` before trusting it (docs/benchmarks.md says how).
 """
@@ -70,6 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "worker's --max-batched-tokens; 1: one prompt a forward)")
     d.add_argument("--link-gbps", type=float, default=100.0, help="GB/s of the KV link between P and D")
     d.add_argument("--transfer-fixed-ms", type=float, default=0.5, help="fixed cost of one KV move")
+    one = Split(1, 1, shared=True)
+    d.add_argument("--shared-slowdowns", default=None, metavar="DECODE,PREFILL,EXTRA_MS",
+                   help="--gpus 1, the prefill and decode workers sharing the GPU: while both run, a decode step's "
+                        "time over its time alone, a prefill forward's, and the ms a forward pays once it overlaps "
+                        f"decoding (default {one.shared_decode_slowdown:g},{one.shared_prefill_slowdown:g},"
+                        f"{one.shared_prefill_extra_ms:g}: measured on the H200, bench/load/plan_sim.py says how; "
+                        "python -m pdserve.bench.load.plan_shared reads them from a load run)")
     s = p.add_argument_group("search")
     s.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="the SLOs (required), e.g. ttft:2000 tpot:25")
@@ -165,8 +174,19 @@ def splits_for(gpus: int, args) -> list[Split]:
               "max_batched_tokens": args.max_batched_tokens}
     out = [Split(0, gpus, chunk=args.chunk, **common), Split(0, gpus, chunk=0, **common)]
     if gpus == 1:  # the one-GPU disaggregated arm: a prefill and a decode worker time-slicing it
-        return out + [Split(1, 1, shared=True, **common)]
+        return out + [Split(1, 1, shared=True, **common, **shared_slowdowns(args.shared_slowdowns))]
     return out + [Split(x, gpus - x, **common) for x in range(1, gpus)]
+
+
+def shared_slowdowns(text: str | None) -> dict:
+    """--shared-slowdowns DECODE,PREFILL,EXTRA_MS as Split's fields; None: Split's defaults."""
+    if text is None:
+        return {}
+    try:
+        decode, prefill, extra = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--shared-slowdowns is DECODE,PREFILL,EXTRA_MS (e.g. 2.0,1.65,9.1), got {text!r}") from None
+    return {"shared_decode_slowdown": decode, "shared_prefill_slowdown": prefill, "shared_prefill_extra_ms": extra}
 
 
 def plan(profile: Profile, workload: Workload, args) -> dict:
@@ -182,6 +202,8 @@ def plan(profile: Profile, workload: Workload, args) -> dict:
         at = next((b for b in probes if b["request_rate"] == cap.rate), {})
         arms.append({"split": split.label, "prefill_workers": split.prefill, "decode_workers": split.decode,
                      "colocated": split.prefill == 0, "chunk": split.chunk if split.prefill == 0 else None,
+                     "shared_slowdowns": [split.shared_decode_slowdown, split.shared_prefill_slowdown,
+                                          split.shared_prefill_extra_ms] if split.shared else None,
                      "predicted_capacity_rate": cap.rate, "per_gpu": None if cap.rate is None else cap.rate / split.gpus,
                      "at_capacity": {k: at.get(k) for k in ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")}, **cap.to_dict()})
     best = recommend(arms, args.search_precision)
@@ -252,6 +274,7 @@ def run(args) -> int:
         if not args.goodput:
             raise ValueError("give the SLOs the split must meet: --goodput ttft:MS tpot:MS")
         workload = Workload(args)
+        Split(1, 1, shared=True, **shared_slowdowns(args.shared_slowdowns))  # refused here, not mid-plan
         if "itl" in parse_slos(args.goodput):
             raise ValueError("the planner's simulation has no per-token gaps: give its SLOs as ttft, tpot or e2el")
         engine_json = json.loads(Path(args.profile).read_text()) if args.profile else None
