@@ -5,7 +5,11 @@
 #   ARM=colocated bench/run_plan_check_gpu.sh              # capacity search, >= 60-s probes (~7 minutes)
 #   ARM=disaggregated bench/run_plan_check_gpu.sh          # prefill + decode sharing the GPU
 #   ARM=colocated-unchunked bench/run_plan_check_gpu.sh
-#   COMPARE=1 bench/run_plan_check_gpu.sh                  # plan.json: predicted vs measured, the error of each
+#   COMPARE=1 bench/run_plan_check_gpu.sh                  # plan.json: predicted vs measured, the error of each;
+#                                                          # sharing.json: the disaggregated arm's slowdowns
+#                                                          # (decode beside a forward, prefill beside decoding)
+#                                                          # read from its per-request records, and its runs
+#                                                          # replayed (bench/load/plan_shared.py)
 #
 # Workload (both sides): prompts INPUT_LEN (uniform:256:1024), LONG_FRACTION (0.25) of them LONG_LEN
 # (uniform:4096:8192), OUTPUT_LEN (64) out; SLOs GOODPUT (ttft:2000 tpot:100). The profile: PROFILE_JSON
@@ -37,6 +41,12 @@ if [ "${COMPARE:-0}" = 1 ]; then
     if [ -f "$OUT/$arm/results.json" ]; then MEASURED+=(--measured "${SPLIT[$arm]}=$OUT/$arm/results.json:$arm"); fi
   done
   if [ ${#MEASURED[@]} -eq 0 ]; then echo "no measured arm under $OUT: run ARM=... first"; exit 2; fi
+  if [ -f "$OUT/disaggregated/results.json" ]; then
+    # what the planner's shared GPU assumes (Split.shared_*), read from this GPU and this code: if it differs,
+    # plan with --shared-slowdowns DECODE,PREFILL,EXTRA_MS from it
+    "$PYTHON" -m pdserve.bench.load.plan_shared "$OUT/disaggregated/results.json" --profile "$PROFILE_JSON" \
+      --out "$OUT/sharing.json" || echo "sharing: not read (above); the plan goes on"
+  fi
   # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
   exec "$PYTHON" -m pdserve.bench.cli plan --profile "$PROFILE_JSON" --gpus 1 "${WORKLOAD[@]}" --goodput $GOODPUT \
     --probe-seconds "$PROBE_SECONDS" "${MEASURED[@]}" --out "$OUT/plan.json"
