@@ -16,9 +16,8 @@ every one of its requests beside the attack must succeed within twice its median
 
     python -m pytest tests/test_hostile_clients.py -q -s     # -s prints the latencies and what each saw
 
-[item1] runs the uploads alone (20 of them); [items1-3-4] all three kinds (7, 7 and 6). Until items 3
-and 4 are fixed, [items1-3-4] is expected to fail (strict xfail: it fails the run once it passes, so
-that the mark goes).
+[item1] runs the uploads alone (20 of them); [items1-3-4] all three kinds (7, 7 and 6), on the same
+pdserve (a fresh one if the first case's attack left it unable to serve).
 """
 
 from __future__ import annotations
