@@ -114,9 +114,10 @@ def one(url: str, max_tokens: int = 4) -> tuple[float, str | None, float | None,
 def test_killing_one_decode_worker_does_not_delay_requests_for_the_other():
     with Pdserve(*TINY, "--decode-workers", "2", "--colocated-workers", "0", "--transport", "zmq",
                  "--no-restart", "--drain-timeout", "5") as srv:
-        # the tiny model streams 1500 tokens in ~3 s on a fast CPU: each phase starts its own stream, so
-        # the victim holds it (and some of the burst) whatever the machine's speed
-        long = {"prompt": "Hello", "max_tokens": 1900, "ignore_eos": True, "policy": "disaggregated", "stream": True}
+        # each phase starts its own stream, so the victim holds it (and some of the burst). It has 100-200
+        # tokens out by the kill and by the probes' end (decode steps, whatever the machine's speed): 1000
+        # outlast both; the baseline's stream, which runs to its end, checks that it outlived its probes
+        long = {"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "policy": "disaggregated", "stream": True}
 
         def start_stream() -> tuple[threading.Thread, list, dict]:
             events: list = []
@@ -137,10 +138,10 @@ def test_killing_one_decode_worker_does_not_delay_requests_for_the_other():
         for _ in range(2):  # warm both paths
             one(srv.url)
 
-        def under_load(kill: bool) -> tuple[list, list, list, dict]:
+        def under_load(kill: bool) -> tuple[list, list, list, int, dict]:
             """A stream, a burst of longer requests (the least-loaded choice sends some to the stream's
             worker, the victim), and while they run, probes one after another: (the burst's results, the
-            probes', the stream's events, the victim)."""
+            probes', the stream's events, how many of them had come when the probes ended, the victim)."""
             streamer, events, victim = start_stream()
             with ThreadPoolExecutor(8) as pool:
                 burst = [pool.submit(one, srv.url, BURST_TOKENS) for _ in range(8)]
@@ -149,16 +150,18 @@ def test_killing_one_decode_worker_does_not_delay_requests_for_the_other():
                 if kill:
                     os.kill(victim["pid"], signal.SIGKILL)
                 probes = [one(srv.url) for _ in range(6)]
+                streamed = len(events)
                 results = [f.result() for f in burst]
             streamer.join(30)
-            return results, probes, events, victim
+            return results, probes, events, streamed, victim
 
-        _, baseline, events, _ = under_load(kill=False)
+        _, baseline, events, streamed, _ = under_load(kill=False)
         assert all(err is None for *_, err in baseline), baseline
         assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2:]
+        assert streamed < long["max_tokens"], "the stream ended before the probes: they ran under a lighter load"
         normal = statistics.median(ttft for _, _, ttft, _ in baseline)
         killed = time.monotonic()
-        burst, after, events, victim = under_load(kill=True)
+        burst, after, events, _, victim = under_load(kill=True)
         survivor = ({"decode-0", "decode-1"} - {victim["id"]}).pop()
         results = burst + after
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_lost", events[-2:]

@@ -310,8 +310,8 @@ def test_out_of_descriptors_a_worker_still_connects(tmp_path):
                     s.sendall(request)
                 except OSError:
                     pass
-                if i % 25 == 0:
-                    time.sleep(0.2)
+                if i % 25 == 0:  # a pause for the router to take them: connections over its listen backlog
+                    time.sleep(0.05)  # would wait for a SYN retry (1 s)
                     assert srv.proc.poll() is None, f"the router died\n{srv.log_text()[-3000:]}"
                     peak = max(peak, fds(pid))
             registered = workers[1].registered.wait(10)

@@ -66,21 +66,26 @@ def test_a_killed_worker_is_restarted_and_a_killed_pdserve_leaves_nothing():
 
         # pdserve SIGKILLed mid-stream: no chance to clean up; the workers must do it, and at once
         pids = {w["id"]: w["pid"] for w in srv.health()["workers"]}
+        decoding = threading.Event()
+
         def consume() -> None:
             with contextlib.suppress(httpx.HTTPError):  # cut when pdserve dies: that is the point
-                for _ in srv.stream("/v1/completions", body):
-                    pass
+                for i, _ in enumerate(srv.stream("/v1/completions", body)):
+                    if i == 2:  # tokens after the first come from the decode worker
+                        decoding.set()
 
         stream = threading.Thread(target=consume, daemon=True)
         stream.start()
-        srv.wait_for(lambda h: any(w["running"] for w in h["workers"]), timeout=30, what="the stream to run")
+        assert decoding.wait(30), "the stream did not run"
         srv.proc.kill()
         gone_from = time.monotonic()
         left = wait_gone(pids.values(), 2.0)
         took = time.monotonic() - gone_from
         assert not left, f"workers {left} outlived a SIGKILLed pdserve by 2 s"
         print(f"every worker gone {took:.2f}s after pdserve was SIGKILLed")
-        time.sleep(0.2)
+        end = time.monotonic() + 0.2
+        while rundir.exists() and time.monotonic() < end:
+            time.sleep(0.01)
         assert not rundir.exists(), f"{rundir} outlived pdserve: {list(rundir.iterdir())}"
         assert not [p for pid in pids.values() for p in shm_of(pid)]
     finally:
