@@ -82,6 +82,24 @@ class PrefixCache:
         return hits * self.block
 
 
+class CountedStream(StreamingResponse):
+    """A streamed answer counted in `live` while Starlette serves it: from its start until it ended or was dropped.
+    Counted here, not by a try/finally in the body's generator: a client that disconnects while an event is
+    being sent leaves the generator suspended at its yield, and its finally would run only once the garbage
+    collector found it (on an idle server, maybe never): /health would report the dropped stream in flight."""
+
+    def __init__(self, content, live: list[int], **kwargs):
+        super().__init__(content, **kwargs)
+        self.live = live
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.live[0] += 1
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.live[0] -= 1
+
+
 def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
     """`bodies`, when given, collects every request body (tests check what the client sent)."""
     app = FastAPI()
@@ -202,14 +220,6 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
                     "model": cfg.model, "choices": [choice], **(extra or {})}
             return f"data: {json.dumps(data)}\n\n"
 
-        async def events():
-            streaming[0] += 1
-            try:
-                async for chunk in answer():
-                    yield chunk
-            finally:
-                streaming[0] -= 1
-
         async def answer():
             t = await prefill()
             if chat:
@@ -229,7 +239,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
             yield event("", "length", extra)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return CountedStream(answer(), streaming, media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
