@@ -3,30 +3,57 @@ growing queue fails it. On a fake server of known capacity the search finds that
 precision; the old probe (24 prompts, judged on the SLO target alone) passes far past it."""
 
 import json
+import shlex
+import subprocess
 import sys
+import time
+
+import httpx
+import pytest
 
 from pdserve.bench.load import generator
+from pdserve.bench.load.arms import READY
+from pdserve.bench.load.early_stop import server_idle
 
-# one prefill at a time, 12.5 ms each: at most 80 req/s (a little less: each sleep overshoots). A fast fake keeps
+# one prefill at a time, 12.5 ms each on the fake's own clock: 80 req/s at most. A fast fake keeps
 # the probes short: a 1 s probe at capacity holds 80 requests
 CAPACITY = 80.0
 SERVER = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
          "--prefill-ms-per-request 12.5"
-# near-periodic arrivals (burstiness 50) keep the queue empty below capacity; by default a loose TTFT SLO (250 ms,
-# 20 prefills) that a short burst past capacity still meets: only the window's length can expose the queue
-COMMON = ["--arm", "colo=colocated:", "--server-command", SERVER, "--capacity-search", "--search-start-rate", "24",
+# near-periodic arrivals (burstiness 50) keep the queue empty below capacity; by default a loose TTFT SLO (300 ms,
+# 24 prefills) that a short burst past capacity still meets: only the window's length can expose the queue
+COMMON = ["--policies", "colocated", "--capacity-search", "--search-start-rate", "24",
           "--search-precision", "0.1", "--input-len", "8", "--output-len", "2", "--burstiness", "50",
           "--warmup-batch", "2", "--sweep-factors", "", "--no-progress", "--no-plots"]
 
 
-def _search(out, *flags, ttft_ms: int = 250) -> tuple[dict, list[dict]]:
-    assert generator.main(COMMON + ["--goodput", f"ttft:{ttft_ms}", "--out", str(out), *flags]) == 0
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    """One fake server for this file's searches (a server start each would cost more than a probe): each search
+    finds it idle, warms it up, and leaves it idle (a probe stopped early settles until nothing is in flight)."""
+    log = tmp_path_factory.mktemp("fake") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(shlex.split(SERVER), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ready := READY.search(log.read_text(errors="replace"))):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.05)
+        yield ready.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _search(url: str, out, *flags, ttft_ms: int = 300) -> tuple[dict, list[dict]]:
+    assert server_idle(httpx.get(f"{url}/health").json())
+    assert generator.main(COMMON + ["--base-url", url, "--goodput", f"ttft:{ttft_ms}", "--out", str(out), *flags]) == 0
     run = json.loads((out / "results.json").read_text())
     return run["arms"][0]["capacity"], [b for b in run["results"] if b["phase"] == "probe"]
 
 
-def test_long_probes_find_the_capacity_and_the_old_short_probe_does_not(tmp_path):
-    cap, probes = _search(tmp_path / "long", "--probe-seconds", "1", "--probe-min-requests", "24",
+def test_long_probes_find_the_capacity_and_the_old_short_probe_does_not(fake, tmp_path):
+    cap, probes = _search(fake, tmp_path / "long", "--probe-seconds", "1", "--probe-min-requests", "24",
                           "--search-max-probes", "7")
     assert cap["probe_judge"] == "goodput+queue" and cap["probe_seconds"] == 1.0
     assert cap["bracket"] == [cap["capacity_rate"], cap["first_failing_rate"]]
@@ -53,8 +80,8 @@ def test_long_probes_find_the_capacity_and_the_old_short_probe_does_not(tmp_path
             assert p["passed"] and b["saturation"]["lateness_slope"] < 0.05
 
     # the old probe: 24 prompts whatever the rate, passed on the SLO target alone. At 192 req/s (2.4x the
-    # capacity) its 24 requests arrive within 0.125 s and the last waits ~0.2 s: the 250 ms SLO still holds
-    old, old_probes = _search(tmp_path / "short", "--probe-seconds", "0", "--probe-min-requests", "24",
+    # capacity) its 24 requests arrive within 0.125 s and the last waits ~0.2 s: the 300 ms SLO still holds
+    old, old_probes = _search(fake, tmp_path / "short", "--probe-seconds", "0", "--probe-min-requests", "24",
                               "--probe-judge", "goodput", "--search-max-probes", "5", "--no-probe-early-stop")
     assert all(p["requests"] == 24 for p in old["probes"])
     assert old["capacity_rate"] >= 1.5 * CAPACITY, old
@@ -93,7 +120,7 @@ def test_a_probe_that_would_not_end_within_the_budget_does_not_start():
     assert not probe_passes({"goodput_fraction": 0.8, "saturation": None}, 0.9, queue=False)
 
 
-def test_a_probe_past_capacity_stops_once_it_cannot_pass_and_the_verdict_is_the_whole_runs(tmp_path):
+def test_a_probe_past_capacity_stops_once_it_cannot_pass_and_the_verdict_is_the_whole_runs(fake, tmp_path):
     """At 2x the capacity the TTFT SLO (150 ms) is missed by every request once the queue passes 0.15 s: the
     probe stops when more than 10% of its planned requests have missed, long before its arrivals
     end, and says what it proved. The same probe run whole fails too: stopping changed the time, not the
@@ -101,7 +128,7 @@ def test_a_probe_past_capacity_stops_once_it_cannot_pass_and_the_verdict_is_the_
     rate = 2 * CAPACITY
     flags = ["--probe-seconds", "1.5", "--probe-min-requests", "24", "--search-max-probes", "1",
              "--search-start-rate", str(rate)]
-    cap, [stopped] = _search(tmp_path / "stop", *flags, ttft_ms=150)
+    cap, [stopped] = _search(fake, tmp_path / "stop", *flags, ttft_ms=150)
     stop = stopped["stopped_early"]
     assert stop and not cap["probes"][0]["passed"] and stopped["meets_goodput_target"] is False
     planned = cap["probes"][0]["requests"]
@@ -109,11 +136,11 @@ def test_a_probe_past_capacity_stops_once_it_cannot_pass_and_the_verdict_is_the_
     assert stop["missed"] > 0.1 * planned and stop["goodput_fraction_at_most"] < 0.9
     assert stopped["goodput_fraction"] == stop["goodput_fraction_at_most"]
     assert stopped["duration"] < 0.7 * stopped["arrival_window_s"] and stop["settle_s"] is not None
-    whole, [full] = _search(tmp_path / "whole", *flags, "--no-probe-early-stop", ttft_ms=150)
+    whole, [full] = _search(fake, tmp_path / "whole", *flags, "--no-probe-early-stop", ttft_ms=150)
     assert full["stopped_early"] is None and not whole["probes"][0]["passed"]
     assert full["num_prompts"] == planned and full["goodput_fraction"] < 0.9
     assert full["duration"] > stopped["duration"] + 1.0
-    below, [kept] = _search(tmp_path / "below", "--probe-seconds", "1", "--probe-min-requests", "24",
+    below, [kept] = _search(fake, tmp_path / "below", "--probe-seconds", "1", "--probe-min-requests", "24",
                             "--search-max-probes", "1", "--search-start-rate", str(CAPACITY / 2), ttft_ms=150)
     assert kept["stopped_early"] is None and below["probes"][0]["passed"] and kept["num_prompts"] == 40
 
@@ -143,6 +170,75 @@ def test_early_stop_counts_only_certain_misses():
     assert not server_idle({"workers": [{"in_flight": 0}, {"running": 2}]})
 
 
+# ---- the fake server these probes rely on: its capacity holds, and a dropped stream is not left in flight -------
+
+SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "scheme": "http",
+         "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+
+
+async def _asgi(app, method: str, path: str, body: dict | None = None, on_send=None) -> list[dict]:
+    """One request straight into the ASGI app, as uvicorn (ASGI 2.3) makes it; the messages the app sent.
+    on_send(message, gone) may stall a send and set `gone` (the client left: receive() answers disconnect)."""
+    import asyncio
+
+    data = json.dumps(body).encode() if body is not None else b""
+    gone, sent = asyncio.Event(), []
+    pending = [{"type": "http.request", "body": data, "more_body": False}]
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if on_send is not None:
+            await on_send(message, gone)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await asyncio.wait_for(app({**SCOPE, "method": method, "path": path, "raw_path": path.encode(),
+                                "headers": headers}, receive, send), 10)
+    return sent
+
+
+def _body(sent: list[dict]) -> bytes:
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_the_fake_servers_capacity_holds_when_its_sleeps_wake_late(monkeypatch):
+    """The probes above take the fake's capacity to be 1 / (prefill time). On a loaded machine every sleep wakes
+    late; a prefill that started only when the event loop got round to it would add each lateness to the next
+    one's start, and the capacity would sink with the machine's load. Here every sleep wakes 20 ms late: ten
+    20 ms prefills queued at once are answered ~240 ms after they came (the last answer's own two sleeps late),
+    not ~400 ms, and each took its 20 ms."""
+    import asyncio
+
+    from pdserve.bench.load import fake_server
+
+    class LateLoop:  # the fake's asyncio, whose every sleep wakes 20 ms late
+        def __getattr__(self, name):
+            return getattr(asyncio, name)
+
+        @staticmethod
+        async def sleep(seconds: float) -> None:
+            await asyncio.sleep(seconds + 0.020)
+
+    monkeypatch.setattr(fake_server, "asyncio", LateLoop())
+    app = fake_server.make_app(fake_server.FakeConfig(prefill_ms_per_request=20, prefill_ms_per_token=0, itl_ms=0))
+
+    async def ten_at_once() -> tuple[float, list[dict]]:
+        t0 = time.perf_counter()
+        sent = await asyncio.gather(*(_asgi(app, "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 1})
+                                      for _ in range(10)))
+        return time.perf_counter() - t0, [json.loads(_body(s))["timings"] for s in sent]
+
+    elapsed, timings = asyncio.run(ten_at_once())
+    assert all(t["prefill_ms"] >= 20 for t in timings), timings
+    # one at a time, and no lateness added up (10 x 40 ms if it did)
+    assert 0.2 <= elapsed < 0.33, f"10 prefills of 20 ms took {elapsed * 1e3:.0f} ms"
+
+
 def test_a_stream_dropped_mid_send_leaves_the_fake_server_idle():
     """The early stop waits for the server's /health to show nothing in flight. A client that drops a stream
     while an event is being sent (its socket full) must not stay counted in the fake's in_flight until the
@@ -153,28 +249,6 @@ def test_a_stream_dropped_mid_send_leaves_the_fake_server_idle():
     from pdserve.bench.load.fake_server import FakeConfig, make_app
 
     app = make_app(FakeConfig(itl_ms=1, prefill_ms_per_token=0))
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "scheme": "http", "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 2)}
-
-    async def call(method: str, path: str, body: bytes, on_send) -> list[dict]:
-        gone, sent = asyncio.Event(), []
-        pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive():
-            if pending:
-                return pending.pop()
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-            await on_send(message, gone)
-
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await asyncio.wait_for(app({**scope, "method": method, "path": path, "raw_path": path.encode(),
-                                    "headers": headers}, receive, send), 10)
-        return sent
 
     async def stalls_on_the_first_token(message, gone):
         # as uvicorn's send: the first token's waits on a full socket until the client is gone, by which time the
@@ -184,15 +258,11 @@ def test_a_stream_dropped_mid_send_leaves_the_fake_server_idle():
             gone.set()
             await asyncio.sleep(0.05)
 
-    async def just_send(message, gone):
-        pass
-
     async def drop_then_ask():
-        body = json.dumps({"prompt": "a b", "max_tokens": 4, "stream": True}).encode()
-        sent = await call("POST", "/v1/completions", body, stalls_on_the_first_token)
-        assert b"tok0" in b"".join(m.get("body", b"") for m in sent)  # dropped after its first token
-        health = await call("GET", "/health", b"", just_send)
-        return json.loads(b"".join(m.get("body", b"") for m in health))
+        body = {"prompt": "a b", "max_tokens": 4, "stream": True}
+        sent = await _asgi(app, "POST", "/v1/completions", body, stalls_on_the_first_token)
+        assert b"tok0" in _body(sent)  # dropped after its first token
+        return json.loads(_body(await _asgi(app, "GET", "/health")))
 
     gc.disable()  # the count must not wait on the collector
     try:
