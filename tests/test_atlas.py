@@ -83,7 +83,7 @@ def test_grid_capacity_and_winner():
 # ---- a machine of unknown reach: rates measured first, and no cell left empty without a reason -----------------
 
 COLO = "colo=colocated:--itl-ms 2 --prefill-ms-per-request 10 --prefill-ms-per-token 0.01"
-DISAGG = ("disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 20 --prefill-ms-per-token 0.02 "
+DISAGG = ("disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 25 --prefill-ms-per-token 0.025 "
           "--transfer-ms-per-token 0")
 
 
@@ -95,7 +95,8 @@ def atlas_argv(out, *extra) -> list[str]:
 
 def test_rates_auto_are_set_from_a_measured_calibration(tmp_path):
     """--rates auto (the default without a GPU): a short closed-loop run per arm first; the grid spans from below
-    the slower arm's throughput to past the faster's, so the map has a winner (colo prefills twice as fast)."""
+    the slower arm's throughput to past the faster's, so the map has a winner (colo prefills 2.5 times as fast:
+    the grid's third rate, ~1.5x disagg's throughput, is well past disagg's capacity and half colo's)."""
     from pdserve.bench.load import calibrate
 
     out = tmp_path / "atlas"
