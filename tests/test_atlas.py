@@ -1,8 +1,10 @@
 """The crossover atlas (bench/load/atlas.py) end to end on fake servers whose trade is known: arm "colo" prefills
-fast (20 ms + 0.02 ms a word: ~47 req/s at 50-word prompts, ~25 at 1000) but decodes at 20 ms a token, arm
-"disagg" prefills at less than half the speed (50 ms + 0.05: ~19 and ~10 req/s) and decodes at 2 ms. A tight
+fast (10 ms + 0.01 ms a word: ~95 req/s at 50-word prompts, ~50 at 1000) but decodes at 20 ms a token, arm
+"disagg" prefills at less than half the speed (25 ms + 0.025: ~38 and ~20 req/s) and decodes at 2 ms. A tight
 TPOT (12 ms) only disagg meets; under a loose one (80 ms) colo's faster prefill serves the higher rate.
-Near-periodic arrivals (burstiness 50): a seeded Poisson draw of 15 requests can come ~30% slower than its rate."""
+Near-periodic arrivals (burstiness 50): a seeded Poisson draw of 15 requests can come ~30% slower than its rate.
+Prefills this fast keep the runs short: half a second of arrivals holds as many requests as a second did at half
+the rates."""
 
 import json
 import sys
@@ -17,13 +19,14 @@ FAKE = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0"
 def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):
     out = tmp_path / "atlas"
     rc = cli.main(["atlas", "--server-command", FAKE,
-                   "--arm", "colo=colocated:--itl-ms 20 --prefill-ms-per-request 20 --prefill-ms-per-token 0.02",
-                   "--arm", "disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 50 --prefill-ms-per-token 0.05 "
+                   "--arm", "colo=colocated:--itl-ms 20 --prefill-ms-per-request 10 --prefill-ms-per-token 0.01",
+                   "--arm", "disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 25 --prefill-ms-per-token 0.025 "
                             "--transfer-ms-per-token 0",
                    "--profile", "short=--input-len 50", "--profile", "long=--input-len 1000", "--profiles", "short,long",
-                   "--rates", "short=12,30;long=6,15", "--output-len", "3",
-                   "--slo", "tight=ttft:1000,tpot:12", "--slo", "loose=ttft:1000,tpot:80",
-                   "--run-seconds", "1", "--min-requests", "12", "--burstiness", "50", "--warmup-batch", "0", "--out", str(out)])
+                   "--rates", "short=24,60;long=12,30", "--output-len", "3",
+                   "--slo", "tight=ttft:500,tpot:12", "--slo", "loose=ttft:500,tpot:80",
+                   "--run-seconds", "0.5", "--min-requests", "12", "--burstiness", "50", "--warmup-batch", "0",
+                   "--out", str(out)])
     assert rc == 0
     atlas = json.loads((out / "atlas.json").read_text())
     assert atlas["arms"] == ["colo", "disagg"] and (out / "short" / "results.json").is_file()
@@ -35,26 +38,26 @@ def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):
         assert tight["winner"] == "disagg" and tight["capacities"]["colo"]["capacity_rate"] is None
         assert loose["winner"] == "colo", loose
     # every grid rate below capacity passes, the one past it fails on its growing queue
-    for profile, low, high in (("short", 12, 30), ("long", 6, 15)):
+    for profile, low, high in (("short", 24, 60), ("long", 12, 30)):
         caps = cells[(profile, "loose")]["capacities"]
         assert caps["colo"]["capacity_rate"] == high and caps["colo"]["at_least"]
         assert caps["disagg"]["bracket"] == [low, high]
         failing = next(r for r in caps["disagg"]["runs"] if r["rate"] == high)
         assert failing["queue_growing"] and not failing["passed"]
         assert cells[(profile, "tight")]["capacities"]["disagg"]["capacity_rate"] == low
-        for run in caps["disagg"]["runs"]:  # every run >= 1 s of arrivals, or 12 requests
-            assert run["requests"] == max(12, -(-run["rate"] // 1))
+        for run in caps["disagg"]["runs"]:  # every run >= 0.5 s of arrivals, or 12 requests
+            assert run["requests"] == max(12, -(-run["rate"] * 0.5 // 1))
     assert atlas["profiles"]["long"] == "--input-len 1000 --output-len 3"
     md = (out / "atlas.md").read_text()
-    assert "| short | tight: ttft 1000 ms, tpot 12 ms | disagg | < 12 [-, 12] | 12 [12, 30] |" in md
-    assert atlas["shortest_run_arrivals_s"]["short"] >= 0.8  # 12 requests at 12/s: 11 gaps
+    assert "| short | tight: ttft 500 ms, tpot 12 ms | disagg | < 24 [-, 24] | 24 [24, 60] |" in md
+    assert atlas["shortest_run_arrivals_s"]["short"] >= 0.4  # 12 requests at 24/s: 11 gaps
 
     # the same runs judged again under other SLOs, nothing measured: one arm per folder merges the same way
     again = tmp_path / "again"
     assert cli.main(["atlas", "--from", str(out), "--slo", "any=ttft:100000,tpot:100000", "--out", str(again)]) == 0
     merged = json.loads((again / "atlas.json").read_text())
     assert [c["winner"] for c in merged["cells"]] == ["colo", "colo"]  # the faster prefill, once TPOT is free
-    assert merged["rates"] == {"short": [12, 30], "long": [6, 15]} and merged["run_seconds"] is None
+    assert merged["rates"] == {"short": [24, 60], "long": [12, 30]} and merged["run_seconds"] is None
     assert cli.main(["atlas", "--from", str(out), "--from", str(out), "--out", str(again)]) == 2  # arms twice
 
 
@@ -79,20 +82,21 @@ def test_grid_capacity_and_winner():
 
 # ---- a machine of unknown reach: rates measured first, and no cell left empty without a reason -----------------
 
-COLO = "colo=colocated:--itl-ms 2 --prefill-ms-per-request 20 --prefill-ms-per-token 0.02"
-DISAGG = ("disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 40 --prefill-ms-per-token 0.04 "
+COLO = "colo=colocated:--itl-ms 2 --prefill-ms-per-request 10 --prefill-ms-per-token 0.01"
+DISAGG = ("disagg=disaggregated:--itl-ms 2 --prefill-ms-per-request 25 --prefill-ms-per-token 0.025 "
           "--transfer-ms-per-token 0")
 
 
 def atlas_argv(out, *extra) -> list[str]:
     return ["atlas", "--server-command", FAKE, "--arm", COLO, "--arm", DISAGG, "--profile", "short=--input-len 50",
-            "--profiles", "short", "--output-len", "3", "--run-seconds", "1", "--min-requests", "8",
+            "--profiles", "short", "--output-len", "3", "--run-seconds", "0.5", "--min-requests", "8",
             "--burstiness", "50", "--warmup-batch", "0", "--out", str(out), *extra]
 
 
 def test_rates_auto_are_set_from_a_measured_calibration(tmp_path):
     """--rates auto (the default without a GPU): a short closed-loop run per arm first; the grid spans from below
-    the slower arm's throughput to past the faster's, so the map has a winner (colo prefills twice as fast)."""
+    the slower arm's throughput to past the faster's, so the map has a winner (colo prefills 2.5 times as fast:
+    the grid's third rate, ~1.5x disagg's throughput, is well past disagg's capacity and half colo's)."""
     from pdserve.bench.load import calibrate
 
     out = tmp_path / "atlas"
@@ -110,7 +114,7 @@ def test_rates_auto_are_set_from_a_measured_calibration(tmp_path):
 
 
 def test_slos_no_arm_can_meet_are_refused_before_the_grid(tmp_path, capsys):
-    """Every request sent alone takes >= 20 ms to its first token: a 5 ms TTFT SLO cannot be met at any rate, so
+    """Every request sent alone takes >= 10 ms to its first token: a 5 ms TTFT SLO cannot be met at any rate, so
     the atlas stops after the calibration, saying so, instead of running the grid into an empty map."""
     out = tmp_path / "atlas"
     assert cli.main(atlas_argv(out, "--rates", "auto", "--slo", "instant=ttft:5,tpot:80")) == 2
@@ -124,15 +128,15 @@ def test_a_cell_no_arm_won_says_why(tmp_path):
     """Given rates and an SLO pair no run meets: the cell is 'neither', and the map, the table and the JSON say
     why (every rate failed; each arm's best share and the SLO it missed)."""
     out = tmp_path / "atlas"
-    assert cli.main(atlas_argv(tmp_path / "long", "--rates", "4,8", "--max-minutes", "0.01")) == 2  # refused up front
+    assert cli.main(atlas_argv(tmp_path / "long", "--rates", "8,16", "--max-minutes", "0.01")) == 2  # refused up front
     assert not (tmp_path / "long" / "short").exists()
-    assert cli.main(atlas_argv(out, "--rates", "4,8", "--slo", "instant=ttft:5,tpot:80",
+    assert cli.main(atlas_argv(out, "--rates", "8,16", "--slo", "instant=ttft:5,tpot:80",
                                "--slo", "loose=ttft:1000,tpot:80")) == 0
     atlas = json.loads((out / "atlas.json").read_text())
     cells = {c["slo"]: c for c in atlas["cells"]}
     assert cells["instant"]["winner"] == "neither"
     why = cells["instant"]["why"]
     assert why.startswith("every grid rate failed the SLOs (>= 90% of requests within them, queue steady): ")
-    assert "colo at best 0% within them at 4/s (ttft <= 5 ms: 0%)" in why
+    assert "colo at best 0% within them at 8/s (ttft <= 5 ms: 0%)" in why
     assert cells["loose"]["winner"] != "neither"
     assert f"- short x instant: **neither**: {why}" in (out / "atlas.md").read_text()

@@ -257,18 +257,25 @@ def test_cpu_bench_against_generate_smoke(tmp_path, capsys):
 
 def test_cpu_bench_serves_the_same_prompts_through_pdserve(tmp_path, capsys):
     # --served: a third arm through a pdserve server the bench starts (tiny), in every round with the same
-    # prompts; its TPOT paired with transformers', its text that of transformers' greedy tokens
+    # prompts; its TPOT paired with transformers', its text that of transformers' greedy tokens. The server a
+    # colocated worker alone with a small KV pool (--server-args): it starts sooner than the default's three workers
     from pdserve.bench.engine import cpu
 
     parser = argparse.ArgumentParser()
     cpu.add_arguments(parser)
     out = tmp_path / "cpu.json"
+    flags = ["--prefill-workers", "0", "--decode-workers", "0", "--kv-memory-gb", "0.05"]
     args = parser.parse_args(["--model", "tiny", "--threads", "1", "--batches", "2", "--prompt-tokens", "12",
-                              "--new-tokens", "5", "--pairs", "2", "--served", "--out", str(out)])
+                              "--new-tokens", "5", "--pairs", "2", "--served", "--server-args", " ".join(flags),
+                              "--out", str(out)])
     assert cpu.run(args) == 0
     result = json.loads(out.read_text())
     server = result["config"]["served"]["1"]
     assert server["command"][-4:] == ["--model", "tiny", "--threads", "1"] and "1 torch threads each" in server["ready"]
+    assert server["command"][-4 - len(flags):-4] == flags and "colocated-0 on cpu;" in server["ready"]
+    assert "prefill-0" not in server["ready"] and "decode-0" not in server["ready"]
+    with pytest.raises(ValueError, match="give --served"):  # flags for a server that would not start
+        cpu.run(parser.parse_args(["--model", "tiny", "--server-args", " ".join(flags)]))
     (p,) = result["points"]
     assert [sorted(o) for o in p["orders"]] == [["ours", "served", "transformers"]] * 2
     check_summary(p["served_ms_per_token"], 2)

@@ -1,5 +1,5 @@
 """Capacity search, saturation marks and warm-up steadiness: alone, then against a fake server whose
-one "GPU" prefills 20 requests a second, so its queue (and TTFT) grows without bound past 20 req/s."""
+one "GPU" prefills 40 requests a second, so its queue (and TTFT) grows without bound past 40 req/s."""
 
 from __future__ import annotations
 
@@ -113,33 +113,34 @@ def test_warmup_steadiness():
 
 
 def test_capacity_search_finds_the_fake_servers_limit(tmp_path):
-    """One arm with its own server (the fake one, in its own process): 50 ms a prefill, one at a time,
-    so 20 req/s at most. TTFT SLO 150 ms: a prefill plus two queued. Near-periodic arrivals
-    (burstiness 50) keep the queue empty below the limit; above it each request waits 50 - 1000/rate
-    ms more than the one before, so with 24 requests (3 may fail) the SLOs fail from ~22 req/s on."""
+    """One arm with its own server (the fake one, in its own process): 25 ms a prefill, one at a time,
+    so 40 req/s at most. TTFT SLO 100 ms: a prefill plus three queued. Near-periodic arrivals
+    (burstiness 50) keep the queue empty below the limit; above it each request waits 25 - 1000/rate
+    ms more than the one before, so with 24 requests (3 may fail) the SLOs fail from ~46 req/s on; the
+    queue grows, and fails a probe, from just past 40."""
     out = tmp_path / "cap"
     server = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0 --itl-ms 1 --prefill-ms-per-token 0 " \
-             "--prefill-ms-per-request 50"
+             "--prefill-ms-per-request 25"
     rc = generator.main(["--arm", "colo=colocated:", "--server-command", server, "--capacity-search",
-                    "--search-start-rate", "8", "--search-precision", "0.15", "--search-max-probes", "7",
-                    "--sweep-factors", "0.5,1.5", "--num-prompts", "24", "--probe-seconds", "1", "--input-len", "20",
+                    "--search-start-rate", "16", "--search-precision", "0.15", "--search-max-probes", "7",
+                    "--sweep-factors", "0.5,1.5", "--num-prompts", "24", "--probe-seconds", "0.5", "--input-len", "20",
                     "--output-len", "2",
-                    "--burstiness", "50", "--goodput", "ttft:150", "--warmup-batch", "2",
+                    "--burstiness", "50", "--goodput", "ttft:100", "--warmup-batch", "2",
                     "--out", str(out), "--no-progress"])
     assert rc == 0
     run = json.loads((out / "results.json").read_text())
     arm = run["arms"][0]
     assert arm["label"] == "colo" and arm["server"]["startup_s"] > 0 and (out / "server-colo.log").is_file()
     cap = arm["capacity"]
-    assert cap["converged"] and 15.0 <= cap["capacity_rate"] <= 23.5 and cap["first_failing_rate"] <= 27.0
+    assert cap["converged"] and 30.0 <= cap["capacity_rate"] <= 47.0 and cap["first_failing_rate"] <= 54.0
     probes = [b for b in run["results"] if b["phase"] == "probe"]
     assert [b["request_rate"] for b in probes] == [p["rate"] for p in cap["probes"]]
-    assert [p["rate"] for p in cap["probes"]][:3] == [8.0, 16.0, 32.0]
+    assert [p["rate"] for p in cap["probes"]][:3] == [16.0, 32.0, 64.0]
     for b in probes:
         assert b["meets_goodput_target"] == (b["goodput_fraction"] >= 0.9)
-        if b["request_rate"] >= 30:  # 1.5x the limit and more: marked (or stopped early, certain to fail), failing
+        if b["request_rate"] >= 60:  # 1.5x the limit and more: marked (or stopped early, certain to fail), failing
             assert (b["saturation"]["saturated"] is True or b["stopped_early"]) and not b["meets_goodput_target"]
-        if b["request_rate"] <= 16:  # 0.8x and less: kept up
+        if b["request_rate"] <= 32:  # 0.8x and less: kept up
             assert b["saturation"]["saturated"] is False
     sweep = {b["sweep_factor"]: b for b in run["results"] if b["phase"] == "sweep"}
     assert sorted(sweep) == [0.5, 1.5]

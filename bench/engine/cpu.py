@@ -12,7 +12,8 @@ untimed round:
                    prefill, prefix cache, the CPU's chunk budget; its KV pool --kv-memory-gb): B requests
                    (ignore_eos, --new-tokens), step() until done; each step's return stamped
     served         (--served) the same prompts through a `pdserve` server the bench starts per thread
-                   count (the CPU default with --threads T: bench/engine/cpu_served.py), sent at once as
+                   count (the CPU default with --threads T, or --server-args on top: bench/engine/
+                   cpu_served.py), sent at once as
                    token ids by the load generator's request; its time per token is the requests' mean
                    TPOT as `pdserve-bench load` reports it, (E2E - TTFT) / (tokens - 1), with every gap
                    between tokens (ITL) and TTFT beside it; its text is compared with
@@ -42,6 +43,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -66,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-memory-gb", type=float, default=0.25, help="the engine's KV pool (default 0.25)")
     a("--served", action="store_true",
       help="also serve each round's prompts through a pdserve server the bench starts per thread count (TPOT, ITL)")
+    a("--server-args", default="",
+      help="--served: flags for that server, before the bench's --model and --threads (default none: the CPU "
+           "default), e.g. '--prefill-workers 0 --decode-workers 0 --kv-memory-gb 0.25'")
     a("--out", default=None,
       help="JSON path (default bench/results/engine-cpu[-served]-<machine>-<date>-<commit>.json)")
 
@@ -200,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     threads, batches = parse_counts(args.threads), parse_counts(args.batches)
     if args.pairs < 1 or args.new_tokens < 2 or args.prompt_tokens < 1:
         raise ValueError("--pairs must be >= 1, --new-tokens >= 2 and --prompt-tokens >= 1")
+    if args.server_args and not args.served:
+        raise ValueError("--server-args sets the served arm's server: give --served too")
     prov = provenance.collect(["cpu"])
     t_start = time.monotonic()
     load_start = os.getloadavg()
@@ -219,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
             from pdserve.bench.engine.cpu_served import Served
 
             log(f"starting pdserve with {t} torch threads a worker for the served arm")
-            served = Served(args.model, t, Path(tempfile.mkdtemp(prefix="pdserve-cpu-bench-")))
+            served = Served(args.model, t, Path(tempfile.mkdtemp(prefix="pdserve-cpu-bench-")),
+                            shlex.split(args.server_args))
             servers[t] = {"command": served.command, "ready": served.ready, "log": str(served.log)}
         try:
             rows += [point(engine, twin, t, b, args, model.config.vocab_size,

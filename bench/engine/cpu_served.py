@@ -1,8 +1,9 @@
 """The served arm of `pdserve-bench cpu --served`: the round's prompts through a `pdserve` server.
 
-    Served(model, threads, log_dir)   start `pdserve --model M --threads T --port 0` (the CPU default:
-                                      prefill, decode and colocated workers, a router; T torch threads
-                                      each) and hold a client to it; close() stops both
+    Served(model, threads, log_dir, server_args)   start `pdserve [server_args] --model M --threads T
+                                      --port 0` (without server_args the CPU default: prefill, decode and
+                                      colocated workers, a router; T torch threads each) and hold a client
+                                      to it; close() stops both
     expected_text(tokenizer, tokens) -> str   the text the server answers for these tokens: special
                                       tokens left out (skip_special_tokens, the API's default)
     Served.round(prompts, new_tokens, tag) -> (ms, record)   every prompt sent at once as its token ids,
@@ -34,10 +35,11 @@ def expected_text(tokenizer, tokens: list[int]) -> str:
 
 
 class Served:
-    def __init__(self, model: str, threads: int, log_dir: Path):
+    def __init__(self, model: str, threads: int, log_dir: Path, server_args: list[str] | tuple[str, ...] = ()):
         from pdserve.client import AsyncClient
 
-        self.command = default_server_command() + ["--model", model, "--threads", str(threads)]
+        # the bench's model and threads last: they win over the same flags in server_args
+        self.command = default_server_command() + [*server_args, "--model", model, "--threads", str(threads)]
         self.log = log_dir / f"server-threads{threads}.log"
         self.loop = asyncio.new_event_loop()
         self.server = ArmServer(self.command, self.log, start_timeout_s=600, label=f"served-threads{threads}")

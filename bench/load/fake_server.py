@@ -3,7 +3,8 @@
 It answers /v1/models, /v1/completions and /v1/chat/completions (streaming and not) with
 " tok0 tok1 ..." and pdserve's `timings` object. Time is simulated with sleeps: prefills run one at a
 time (one "GPU"), so requests queue behind each other; a prefill takes prefill_ms_per_request +
-prefill_ms_per_token * prompt tokens, so the server serves at most 1 / that many requests a second
+prefill_ms_per_token * prompt tokens, so the server serves 1 / that many requests a second (each prefill
+starts when the one before it ended, on the GPU's clock: a loaded machine's late wake-ups do not add up)
 and its queue (and TTFT) grows without bound past that rate; each token then takes `itl_ms`;
 `disaggregated` requests add a KV transfer. Prompt tokens are counted as whitespace-separated words
 (a chat prompt: every message's role and content, in order).
@@ -82,10 +83,29 @@ class PrefixCache:
         return hits * self.block
 
 
+class CountedStream(StreamingResponse):
+    """A streamed answer counted in `live` while Starlette serves it: from its start until it ended or was dropped.
+    Counted here, not by a try/finally in the body's generator: a client that disconnects while an event is
+    being sent leaves the generator suspended at its yield, and its finally would run only once the garbage
+    collector found it (on an idle server, maybe never): /health would report the dropped stream in flight."""
+
+    def __init__(self, content, live: list[int], **kwargs):
+        super().__init__(content, **kwargs)
+        self.live = live
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.live[0] += 1
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.live[0] -= 1
+
+
 def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
     """`bodies`, when given, collects every request body (tests check what the client sent)."""
     app = FastAPI()
     gpu = asyncio.Lock()
+    gpu_free_at = [0.0]  # perf_counter() when the GPU's last prefill ends, on the GPU's own clock (prefill())
     cache = PrefixCache(cfg.prefix_cache_block) if cfg.prefix_cache_block > 0 else None
     arrivals = [0]  # completion requests seen (the first cfg.cold_requests are slow)
     streaming = [0]  # streamed answers not yet ended (or dropped): /health's in_flight, as pdserve's workers
@@ -138,12 +158,17 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
         async def prefill() -> dict:
             if cold:
                 await asyncio.sleep(cfg.cold_ms / 1e3)
+            queued = time.perf_counter()
             async with gpu:
-                started = time.perf_counter()
+                # a prefill starts when the one before it ended (or when it came, if later), not when this event
+                # loop got round to it: a busy loop (a loaded machine) delays answers but costs no capacity, so the
+                # server serves exactly 1 / (prefill time) requests a second however late each sleep wakes
+                started = max(queued, gpu_free_at[0])
                 if cache is not None:
                     cached[0] = cache.lookup_and_insert(prompt.split())
                 computed = n_prompt - (cached[0] or 0)
-                await asyncio.sleep((cfg.prefill_ms_per_request + cfg.prefill_ms_per_token * computed) / 1e3)
+                gpu_free_at[0] = started + (cfg.prefill_ms_per_request + cfg.prefill_ms_per_token * computed) / 1e3
+                await asyncio.sleep(max(0.0, gpu_free_at[0] - time.perf_counter()))
             ended = time.perf_counter()
             t = {"policy": policy, "queue_ms": (started - arrived) * 1e3, "prefill_ms": (ended - started) * 1e3,
                  "cached_tokens": cached[0],
@@ -202,14 +227,6 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
                     "model": cfg.model, "choices": [choice], **(extra or {})}
             return f"data: {json.dumps(data)}\n\n"
 
-        async def events():
-            streaming[0] += 1
-            try:
-                async for chunk in answer():
-                    yield chunk
-            finally:
-                streaming[0] -= 1
-
         async def answer():
             t = await prefill()
             if chat:
@@ -229,7 +246,7 @@ def make_app(cfg: FakeConfig, bodies: list | None = None) -> FastAPI:
             yield event("", "length", extra)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return CountedStream(answer(), streaming, media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
