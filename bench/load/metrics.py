@@ -269,5 +269,32 @@ def per_turn(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES) -> l
         tiers = [t["reused_tokens"] for t in timed if isinstance(t.get("reused_tokens"), dict)]
         row["mean_reused_tokens"] = {k: float(np.mean([d.get(k) or 0 for d in tiers]))
                                      for k in dict.fromkeys(k for d in tiers for k in d)} if tiers else None
+        row.update(predicted_ttft(ok))
         rows.append(row)
     return rows
+
+
+def predicted_ttft(records: list[RequestRecord]) -> dict:
+    """The KV-aware router's predicted TTFT (timings.route.predicted_ttft_ms: the chosen worker's queue ahead,
+    prefill, reload and load as priced from its measured costs) beside the TTFT the client measured, over the
+    successful requests that carry a prediction (least-loaded routing and workers that had measured nothing
+    yet carry none): how many, both means, the server's own queue + prefill for the same requests, the error
+    of the mean (predicted / measured - 1) and the median of the per-request |predicted - measured| /
+    measured. None where no request carried a prediction."""
+    pairs = [(r.timings["route"]["predicted_ttft_ms"], r.ttft_s * 1e3, r.timings) for r in records
+             if r.success and r.ttft_s and r.timings and isinstance(r.timings.get("route"), dict)
+             and r.timings["route"].get("predicted_ttft_ms") is not None]
+    out = {"predicted_reported": len(pairs), "mean_predicted_ttft_ms": None, "mean_measured_ttft_ms": None,
+           "mean_server_queue_prefill_ms": None, "predicted_ttft_error": None,
+           "median_predicted_ttft_abs_error": None}
+    if not pairs:
+        return out
+    pred = np.array([p for p, _, _ in pairs], dtype=float)
+    meas = np.array([m for _, m, _ in pairs], dtype=float)
+    server = [(t.get("queue_ms") or 0.0) + (t.get("prefill_ms") or 0.0) for _, _, t in pairs
+              if t.get("queue_ms") is not None or t.get("prefill_ms") is not None]
+    out.update(mean_predicted_ttft_ms=float(pred.mean()), mean_measured_ttft_ms=float(meas.mean()),
+               mean_server_queue_prefill_ms=float(np.mean(server)) if server else None,
+               predicted_ttft_error=float(pred.mean() / meas.mean() - 1.0),
+               median_predicted_ttft_abs_error=float(np.median(np.abs(pred - meas) / meas)))
+    return out

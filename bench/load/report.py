@@ -172,6 +172,14 @@ def _capacity_lines(run: dict) -> list[str]:
     return lines
 
 
+def _predicted_cells(t: dict) -> list[str]:
+    """The per-turn row's router prediction beside the measured TTFT (metrics.predicted_ttft)."""
+    if not t.get("predicted_reported"):
+        return ["-", "-", "-"]
+    return [f"{_fmt(t['mean_predicted_ttft_ms'])} ({t['predicted_reported']})", _fmt(t["mean_measured_ttft_ms"]),
+            f"{t['predicted_ttft_error']:+.0%}; {t['median_predicted_ttft_abs_error']:.0%}"]
+
+
 def _per_turn_lines(blocks: list[dict], ps: list[str]) -> list[str]:
     """Multi-turn runs: TTFT and reuse per turn index, one row per arm, run and turn."""
     rows = [(b, t) for b in blocks for t in b.get("per_turn") or []]
@@ -180,10 +188,14 @@ def _per_turn_lines(blocks: list[dict], ps: list[str]) -> list[str]:
     lines = ["", "Per turn (multi-turn runs; turn 1 is each conversation's first request): TTFT in ms (client clock); "
              "cached = prompt tokens the server reported reused (usage.prompt_tokens_details.cached_tokens), "
              "'-' where it reported none; the tiers they came from, server queue, prefill and reload means from "
-             "pdserve `timings`.", "",
+             "pdserve `timings`; predicted = the KV-aware router's TTFT prediction (timings.route), mean over the "
+             "requests that carried one (n), beside their measured TTFT mean; error = predicted / measured - 1 "
+             "of the means, and the median per-request |error| ('-': no prediction, as under least-loaded "
+             "routing).", "",
              *_table_head(["arm", "load", "turn", "done", "prompt tok (mean)", "cached tok (mean)", "cached share",
                            "cached from (mean tok)", *(f"TTFT {p}" for p in ps), "TTFT min-max",
-                           "server queue (mean)", "server prefill (mean)", "reload (mean)"])]
+                           "server queue (mean)", "server prefill (mean)", "reload (mean)",
+                           "predicted TTFT (mean, n)", "measured TTFT (same, mean)", "pred. error (mean; median abs)"])]
     for b, t in rows:
         share = "-" if t["cached_share"] is None else f"{t['cached_share']:.0%}"
         tiers = t.get("mean_reused_tokens")
@@ -192,7 +204,7 @@ def _per_turn_lines(blocks: list[dict], ps: list[str]) -> list[str]:
                  _fmt(t["mean_prompt_tokens"], 0), _fmt(t["mean_cached_tokens"], 0), share, where,
                  *(_fmt(t[f"{p}_ttft_ms"]) for p in ps), f"{_fmt(t.get('min_ttft_ms'))}-{_fmt(t.get('max_ttft_ms'))}",
                  _fmt(t["mean_queue_ms"]), _fmt(t["mean_prefill_ms"]),
-                 _fmt(t.get("mean_reload_ms"))]
+                 _fmt(t.get("mean_reload_ms")), *_predicted_cells(t)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
