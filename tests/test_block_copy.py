@@ -59,6 +59,23 @@ def test_the_kernel_moves_exactly_the_blocks_asked_for(monkeypatch, block, dtype
         assert torch.equal(as_bits(got[:, untouched]), as_bits(dst[:, untouched]))
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_copy_is_one_launch_with_the_kernel_and_a_gather_and_a_scatter_a_layer_without(monkeypatch, kernel):
+    """block_copy.copy, what the transports call: the kernel where it can run (here the interpreter stands in
+    for a GPU), else the index ops one layer at a time (a temporary of one layer's blocks); the same bytes
+    either way, and it says how many calls it issued (a transfer's `copies`)."""
+    monkeypatch.setattr(block_copy, "kernel_ready", lambda src, dst: kernel)
+    src, dst = pools((3, 21, 2, 4, 1, 5), (3, 17, 2, 4, 1, 5), torch.bfloat16, 5)
+    src_ids, dst_ids = fragmented_ids(5, 9, 21, 17)
+    for layers, calls in ((slice(None), 1 if kernel else 6), (slice(1, 2), 1 if kernel else 2)):
+        want = reference(src, dst, src_ids, dst_ids, layers)
+        got = dst.clone()
+        assert block_copy.copy(src[layers], got[layers], src_ids, dst_ids) == calls
+        assert torch.equal(as_bits(got), as_bits(want)), f"layers {layers}"
+    with pytest.raises(ValueError, match="same layers"):
+        block_copy.copy(src, dst[:1], src_ids, dst_ids)
+
+
 def test_the_bytes_are_copied_as_integers_not_floats():
     # a bf16 NaN with a payload, a negative zero, a denormal: a float load/store on a GPU may canonicalise
     # them (the interpreter does not, so the kernel is also checked to be handed integers)

@@ -34,6 +34,7 @@ from pdserve.workers.transfer.sender_transfer import SenderTransfer
 MiB = 2**20
 # qwen2.5-7b: [layers, blocks, 2, block_size, kv_heads, head_dim]; the bench's pools hold 2 x 2,050 + 8 blocks
 QWEN = (28, 4108, 2, 16, 4, 128)
+POISON = 0x7FC1  # a NaN pattern: a block never written keeps it
 
 
 class Recorder(TorchDispatchMode):
@@ -235,6 +236,30 @@ def test_a_small_fragmented_bulk_request_is_one_launch_too(cuda):
     dst = torch.empty(shape, dtype=torch.bfloat16, device="meta")
     ops = issued(cuda, gpu_transfer(cuda, src, dst, [(i, 1031 - i, 1) for i in range(256)]))
     assert [op for op in ops if op[0] in COPY_OPS] == [("copy_blocks", "side", 224 * MiB, False, 8)]
+
+
+@pytest.mark.parametrize("layers", [[slice(None)], [0, 1, 2]])  # bulk; layer mode's layers ready together
+def test_without_the_kernel_a_fragmented_request_is_a_gather_and_a_scatter_a_layer(layers):
+    # the CPU (a GPU without Triton): block_copy.copy's index ops, one layer at a time, so the temporary holds
+    # one layer's blocks, never the whole request's (before: one gather and one scatter over every layer at
+    # once for a bulk request, through the pool's strided [layers, blocks] view)
+    shape = (3, 30, 2, 4, 2, 8)  # 256-byte blocks
+    src = torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=torch.Generator().manual_seed(8))
+    src, dst = src.view(torch.bfloat16), torch.full(shape, POISON, dtype=torch.int16).view(torch.bfloat16)
+    sender = SimpleNamespace(cfg=TransferConfig(transport="ipc", mode="bulk"), kv=SimpleNamespace(pool=src),
+                             stream=None, send=None, _submit=lambda fn, *args: None)
+    runs = tuple((2 * i, 29 - i, 1) for i in range(12))
+    t = ipc.IpcTransfer(sender, SimpleNamespace(address="tcp://decode", remote=dst),
+                        Plan("r", runs, 3, src[0, 0].numel() * 2))
+    log: list = []
+    with Recorder(log, SimpleNamespace(current="caller")):
+        t._copies(layers)
+    assert log == [("index_select", "caller", 12 * 256, False, 8), ("index_copy_", "caller", 12 * 256, False, 8)] * 3
+    assert t.copies == 2 * 3
+    for s, d, _ in runs:
+        assert torch.equal(dst[:, d].view(torch.int16), src[:, s].view(torch.int16))
+    rest = [b for b in range(30) if b not in {d for _, d, _ in runs}]
+    assert (dst[:, rest].view(torch.int16) == POISON).all()
 
 
 def test_fragmented_pools_on_two_devices_go_run_by_run():

@@ -207,6 +207,34 @@ def test_a_prefill_worker_reports_the_prompt_tokens_waiting_for_its_next_forward
         p.role.close(), d.role.close()
 
 
+def tier_lookups(engine: Engine) -> tuple[int, int]:
+    """The KV tiers' hits and misses so far, every tier's together."""
+    figures = [t.figures() for t in engine.tiers.levels]
+    return sum(f.hits for f in figures), sum(f.misses for f in figures)
+
+
+def test_a_waiting_request_is_one_tier_lookup_however_many_ticks_it_waits():
+    """Every tick prices the requests left waiting again (engine.prefill_tokens: the batch budget and the
+    heartbeat's queued tokens); that look counts nothing, so the tiers' hits and misses count each
+    prefill's lookup once. Host memory below the pool holds none of these prompts: each prefill's lookup
+    is one miss (it stops at the first)."""
+    p, d = ready_pair("bulk", tiny(max_batched_tokens=100, host_cache_gb=0.001))
+    try:
+        sampling = P.Sampling(max_tokens=2, ignore_eos=True)
+        p.kv_report = report = KVReport(p.engine, p.worker_id)
+        send(p, d, {"x": ids(100, 40), "y": ids(200, 40), "long": ids(300, 150), "z": ids(400, 30)}, sampling)
+        p.role.tick()  # x and y in one forward; long and z wait
+        assert tier_lookups(p.engine) == (0, 2) and report.costs().queued_tokens == 150 + 30
+        p.role.tick()  # long alone (past the budget); z waits
+        assert tier_lookups(p.engine) == (0, 3) and report.costs().queued_tokens == 30
+        p.role.tick()
+        assert tier_lookups(p.engine) == (0, 4) and report.costs().queued_tokens == 0
+        assert not p.engine.in_state(Status.WAITING) and not p.take(P.RequestFailed)
+        pump([p, d], lambda: not p.role.sending)  # the transfers end before the roles close
+    finally:
+        p.role.close(), d.role.close()
+
+
 def test_a_failed_or_aborted_transfer_in_a_batch_fails_that_request_alone(monkeypatch):
     """Layer mode, one forward for four requests: `bad`'s transfer fails to open at its first layer (the
     forward goes on for the others), `late-1` is aborted while its KV is in flight; `ok-0` and `ok-2`

@@ -133,6 +133,25 @@ def test_prefill_worker_path_reloads_too():
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+def test_pricing_a_waiting_prefill_reads_the_tiers_without_counting_a_lookup():
+    """engine.prefill_tokens (a prefill worker prices its queue with it every tick) sees the prefix host
+    memory would reload, and leaves the tiers' hits and misses to the prefill's own lookup."""
+    p = prompt(7, 70)
+    eng = engine()
+    eng.generate([p], PARAMS)
+    evict_everything(eng, p)
+    host = eng.tiers.host
+    before = host.figures()
+    req = Request("pf", p + [3], PARAMS)
+    for _ in range(3):
+        assert eng.prefill_tokens(req) == 71 - 64  # the four full blocks come back from host memory
+    assert (host.figures().hits, host.figures().misses) == (before.hits, before.misses)
+    eng.prefill_only(req)
+    assert req.tier_tokens == {"host": 64}
+    assert (host.figures().hits, host.figures().misses) == (before.hits + 4, before.misses)
+    eng.release("pf")
+
+
 def test_heartbeat_figures_reach_the_metrics():
     import msgspec
 

@@ -111,7 +111,8 @@ def test_the_device_gather_and_scatter_move_a_frames_blocks_exactly(monkeypatch,
     staged, arange = staging_buffer(src, 80), torch.arange(8)
     assert staged.shape == (1, 8, 10)
     ids = torch.tensor([7, 2, 3, 15, 0])
-    assert torch.equal(gather(src[1:2], staged, ids, arange), src[1, ids])
+    assert gather(src[1:2], staged, ids, arange) == (1 if kernel else 2)  # a launch, or a gather and a scatter
+    assert torch.equal(staged[0, :5], src[1, ids])
     out = torch.zeros_like(pool)
     flat = words(out).view(1, -1, 10)
     dst_ids = torch.tensor([24, 59, 0, 25, 41])  # layer 1 block 4, layer 2 block 19, ...

@@ -1,8 +1,9 @@
 """A prompt's blocks: the one place a request is given the KV blocks for its prompt.
 
-    plan(req, num_tokens) -> Claim   what it would take: the leading blocks the pool holds (shared),
-                                     the tier of each block after them to reload rather than compute,
-                                     and how many fresh blocks
+    plan(req, num_tokens, count)     what it would take (a Claim): the leading blocks the pool holds
+                                     (shared), the tier of each block after them to reload rather than
+                                     compute, and how many fresh blocks (count=False: a look that takes
+                                     nothing, left out of the tiers' hits and misses)
     fits(claim) -> bool              the pool has room for it now
     take(req, claim, wait)           take them: the cached blocks acquired, fresh ones allocated,
                                      num_computed past the cached prefix, the reloads started (wait:
@@ -47,13 +48,15 @@ class PromptBlocks:
         self.root = root  # the prefix cache's root name (model and layout)
         self.tiers = tiers
 
-    def plan(self, req: Request, num_tokens: int | None = None) -> Claim:
+    def plan(self, req: Request, num_tokens: int | None = None, count: bool = True) -> Claim:
         """The blocks for the request's first num_tokens positions (default: all it has). A cached
-        prefix is looked up only for all of them (a decode worker's reservation of a whole prompt)."""
+        prefix is looked up only for all of them (a decode worker's reservation of a whole prompt).
+        count=False: a look that takes nothing (the pool's match counts nothing either way; its hit rate
+        is take()'s)."""
         n = req.num_tokens if num_tokens is None else num_tokens
         whole = bool(req.prompt_ids) and n == req.num_tokens
         hit = self.cached_prefix(req) if whole else []
-        lower = self.lower_prefix(req, len(hit)) if whole else []
+        lower = self.lower_prefix(req, len(hit), count) if whole else []
         return Claim(blocks_for(n, self.block_size) - len(hit), hit, lower, req.status is not Status.PREEMPTED)
 
     def fits(self, claim: Claim) -> bool:
@@ -93,9 +96,10 @@ class PromptBlocks:
             return []  # prompt logprobs need the logits of every prompt position: nothing may be skipped
         return self.blocks.match(names_upto(req, full, self.block_size, self.root))
 
-    def lower_prefix(self, req: Request, gpu_blocks: int) -> list[str]:
-        """The tier (a protocol.enums.Tier name) of each block after the GPU hit to reload rather than compute."""
+    def lower_prefix(self, req: Request, gpu_blocks: int, count: bool = True) -> list[str]:
+        """The tier (a protocol.enums.Tier name) of each block after the GPU hit to reload rather than
+        compute (count: see Tiers.plan)."""
         full = (req.num_tokens - 1) // self.block_size
         if self.tiers is None or full <= gpu_blocks:
             return []
-        return self.tiers.plan(names_upto(req, full, self.block_size, self.root)[gpu_blocks:])
+        return self.tiers.plan(names_upto(req, full, self.block_size, self.root)[gpu_blocks:], count)

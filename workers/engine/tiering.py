@@ -11,8 +11,10 @@ when a prompt's prefix is reloaded from there instead of recomputed.
     offload(req)                    a request is over: its named blocks are copied down, in the
                                     background (skipping those the tier holds); the GPU copies stay
                                     cached until evicted, so eviction itself costs nothing
-    plan(names) -> [tier]           of the names after a GPU hit, the leading run held below, cut to
+    plan(names, count) -> [tier]    of the names after a GPU hit, the leading run held below, cut to
                                     what the cost model says is cheaper to reload than to recompute
+                                    (count=False: the tiers' hits and misses are left as they were)
+    peek(names) -> [tier]           what host.lookup(names) answers, counting no hit or miss
     start(req, names, blocks, tiers)  reload those entries into the request's blocks, asynchronously
     poll(req) -> bool               True once nothing is loading for it (its KV landed, or the part
                                     that did not is left to compute: num_computed says how far)
@@ -79,14 +81,28 @@ class Tiers:
         if items:
             self.host.store(self.pool, items)
 
-    def plan(self, names: list[bytes]) -> list[str]:
-        tiers = self.host.lookup(names) if names else []
+    def plan(self, names: list[bytes], count: bool = True) -> list[str]:
+        """The tier of each name to reload from (above). count=False: a look that takes nothing (a
+        prefill worker prices its waiting requests on every tick), left out of the tiers' hits and
+        misses (peek)."""
+        tiers = (self.host.lookup(names) if count else self.peek(names)) if names else []
         # the cost model: a tier slower than recomputing (the seed's break-even) serves nothing, and the
         # prefix stops where it would be needed
         cost, bs = self.host.cost, self.block_size
         ok = {t: cost.should_reload(t, tiers.count(t) * bs, self.bytes_per_token) for t in set(tiers)}
         cut = next((i for i, t in enumerate(tiers) if not ok[t]), len(tiers))
         return tiers[:cut]
+
+    def peek(self, names: list[bytes]) -> list[str]:
+        """What host.lookup(names) answers, counting nothing: the nearest tier holding each leading name,
+        to the first name none holds."""
+        out = []
+        for name in names:
+            tier = next((t.name for t in self.levels if t.contains(name)), None)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
 
     def start(self, req: Request, names: list[bytes], blocks: list[int], tiers: list[str], first: int) -> None:
         handle = self.host.load(self.pool, list(zip(names, blocks)))

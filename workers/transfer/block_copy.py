@@ -1,8 +1,10 @@
 """Copy blocks by index between two KV pools in one pass: block src_ids[i] -> block dst_ids[i], every layer given.
 
     words(pool)                         a pool [layers, blocks, ...] as [layers, blocks, words], what launch takes
+    copy(src, dst, src_ids, dst_ids)    what the transports call: launch() where kernel_ready(), else the index
+                                        ops layer by layer (the same bytes moved); returns the calls it issued
     kernel_ready(src, dst)              whether the kernel can run on these two tensors: both on one CUDA device,
-                                        Triton installed (else ipc.py runs its index ops, the same bytes moved)
+                                        Triton installed
     launch(src, dst, src_ids, dst_ids)  src, dst: [layers, blocks, words] (words()), the same layers of two
                                         pools (one layer: a [1, blocks, words] slice); ids [n] int64 on their
                                         device, in range (plan.make_plan checks; the kernel does not), no
@@ -12,7 +14,11 @@
 
 What a fragmented request (many short runs of blocks) costs, per layer of n blocks of B bytes:
     index ops   dst.index_copy_(ids, src.index_select(ids)): a gather into a temporary and a scatter from it,
-                4 n B bytes of memory traffic and two launches per layer (one pair for all layers at best)
+                4 n B bytes of memory traffic and two launches per layer. copy() without the kernel runs them
+                one layer at a time: the temporary is one layer's blocks, never a whole request's, and on the
+                CPU a real pool's layer goes faster than a pair over every layer at once, which reads the
+                blocks through the pool's strided [layers, blocks] view (28 layers of 32 KiB blocks, a
+                quarter of them moved: 29 ms against 180 ms on two cores)
     this kernel each program copies one block of one layer, straight from source to destination in chunks
                 of CHUNK_WORDS: 2 n B bytes (each byte read once and written once, as a contiguous copy
                 does) and one launch for all the layers asked for
@@ -20,8 +26,9 @@ The destination may be another process's pool (CUDA IPC) on the same device; ipc
 devices run by run, where torch's copy_ takes care of the peer access.
 
 ipc copies pool to pool by block index; zmq gathers a frame's runs into a staging buffer on the sender and
-scatters it into the reserved blocks on the receiver (frames.py), each with one launch per frame. A nixl
-descriptor names one run of one layer (NIXL's (address, length) rows): it has no gather to replace.
+scatters it into the reserved blocks on the receiver (frames.py), each with one launch per frame; all three
+through copy(). A nixl descriptor names one run of one layer (NIXL's (address, length) rows): it has no
+gather to replace.
 
 One compiled variant per pool layout: the block and layer counts are the grid, never arguments, and the
 strides, the block's words and the chunk depend only on the layout. Tests run the kernel on the CPU
@@ -37,7 +44,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # a CPU-only install: ipc.py runs its index ops
+except ImportError:  # a CPU-only install: copy() runs the index ops
     triton = None
 
 CHUNK_WORDS = 1024  # words one program moves per step (8 KiB of 8-byte words: 64 bytes a thread of 4 warps)
@@ -71,6 +78,20 @@ def words(pool: torch.Tensor) -> torch.Tensor:
     return blocks.view(WORD)
 
 
+def copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> int:
+    """dst[:, dst_ids[i]] <- src[:, src_ids[i]] for every layer of two [layers, blocks, words] views (words()),
+    on the current stream: the kernel, one launch for all the layers, where it can run (kernel_ready); else a
+    gather into a temporary and a scatter from it per layer. Returns the calls it issued (a transfer counts
+    them as its copies): 1, or 2 a layer."""
+    if kernel_ready(src, dst):
+        launch(src, dst, src_ids, dst_ids)
+        return 1
+    _check(src, dst, src_ids, dst_ids)
+    for s, d in zip(src, dst):
+        d.index_copy_(0, dst_ids, s.index_select(0, src_ids))
+    return 2 * src.shape[0]
+
+
 def kernel_ready(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return src.device.type == "cuda" and src.device == dst.device and triton is not None
 
@@ -94,6 +115,18 @@ def warmup(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def launch_args(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor):
     """(grid, args, kwargs) of the kernel's launch: checked, and the words seen as integers of their size."""
+    _check(src, dst, src_ids, dst_ids)
+    words = src.shape[2]
+    chunk = min(CHUNK_WORDS, 1 << max(words - 1, 0).bit_length())  # a power of two, at most one block
+    as_int = INTS[src.element_size()]
+    args = (src.view(as_int), dst.view(as_int), src_ids, dst_ids, src.stride(0), src.stride(1), dst.stride(0),
+            dst.stride(1), words)
+    return (src_ids.shape[0], src.shape[0]), args, {"CHUNK": chunk}
+
+
+def _check(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Raise ValueError unless both are [layers, blocks, words] views of the same layers, dtype and block size,
+    each block's words contiguous, with as many source as destination ids."""
     if src.dim() != 3 or dst.dim() != 3 or src.shape[0] != dst.shape[0] or src.shape[2] != dst.shape[2]:
         raise ValueError(f"the block copy needs [layers, blocks, words] views of the same layers and block size, got "
                          f"{tuple(src.shape)} and {tuple(dst.shape)}")
@@ -102,10 +135,4 @@ def launch_args(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst
     if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
         raise ValueError(f"the block copy needs as many source as destination ids, got {tuple(src_ids.shape)} and "
                          f"{tuple(dst_ids.shape)}")
-    words = src.shape[2]
-    chunk = min(CHUNK_WORDS, 1 << max(words - 1, 0).bit_length())  # a power of two, at most one block
-    as_int = INTS[src.element_size()]
-    args = (src.view(as_int), dst.view(as_int), src_ids, dst_ids, src.stride(0), src.stride(1), dst.stride(0),
-            dst.stride(1), words)
-    return (src_ids.shape[0], src.shape[0]), args, {"CHUNK": chunk}
 

@@ -24,11 +24,12 @@ copy kernel moves a quarter of the elements; the dtype itself where a block's by
            one copy_ per layer in the same run (bench/results/transfer-house-nvidia-h200-2026-12-02-c3da930.md)
     layer  layer_done(l): the same copies for layer l, as soon as its K/V are in the pool
     many runs  (more than INDEX_RUNS: a fragmented pool) by block index instead, where a copy per run costs a
-           launch and a gap each: on GPU block_copy.py's kernel, each block read once and written once (the
-           bytes of a contiguous copy), one launch for all layers in bulk and one per layer in layer mode; on
-           CPU (or without Triton) a gather into a temporary and a scatter from it, per layer or for all layers
-           at once (four passes over the bytes). Pools on two GPUs: one copy_ per run and layer, as for few
-           runs (the index ops and the kernel need both pools on one device; copy_ takes the peer path)
+           launch and a gap each (block_copy.copy, per span of layers ready together): on GPU block_copy.py's
+           kernel, each block read once and written once (the bytes of a contiguous copy), one launch for all
+           layers in bulk and one per layer in layer mode; on CPU (or without Triton) a gather into a
+           temporary and a scatter from it per layer (four passes over the bytes). Pools on two GPUs: one
+           copy_ per run and layer, as for few runs (the index ops and the kernel need both pools on one
+           device; copy_ takes the peer path)
 
 On GPU the copies run on a side stream: layer_done(l) records an event on the current (compute)
 stream, the side stream waits for it and copies; the compute stream never waits and the host
@@ -196,15 +197,8 @@ class IpcTransfer(SenderTransfer):
         src, dst, runs = words(self.src), words(self.dst), self.plan.runs
         if len(runs) > INDEX_RUNS and src.device == dst.device:
             src_ids, dst_ids = self._block_index()
-            if block_copy.kernel_ready(src, dst):  # one launch per span of layers ready together
-                for first, count in layer_spans(layers, src.shape[0]):
-                    block_copy.launch(src[first:first + count], dst[first:first + count], src_ids, dst_ids)
-                    self.copies += 1
-                return
-            for layer in layers:
-                dim = 0 if isinstance(layer, int) else 1  # a layer's [blocks, ...], or all layers' [L, blocks, ...]
-                dst[layer].index_copy_(dim, dst_ids, src[layer].index_select(dim, src_ids))
-            self.copies += 2 * len(layers)
+            for first, count in layer_spans(layers, src.shape[0]):  # the layers ready together
+                self.copies += block_copy.copy(src[first:first + count], dst[first:first + count], src_ids, dst_ids)
             return
         for layer in layers:
             for s, d, n in runs:

@@ -30,10 +30,10 @@ replaced it:
                  contiguous request's
 A frame of one run is one copy on each side, as before: on GPU the sender copies its blocks into a pinned
 slot, on CPU it sends a view of the pool zero-copy; the receiver copies the frame into them. A frame of
-several runs: on GPU gathered into a device buffer (block_copy.py's kernel; index_select without Triton),
-then one device-to-host copy into a slot; the receiver copies it to a device buffer once and scatters it
-into the blocks by id (the same kernel; index_copy_). On CPU index_select into the frame's buffer and
-index_copy_ from the received frame. The prefill side's transfer is zmq_transfer.py.
+several runs: on GPU gathered into a device buffer (block_copy.copy: its kernel; without Triton a gather into
+a temporary and a scatter from it), then one device-to-host copy into a slot; the receiver copies it to a
+device buffer once and scatters it into the blocks by id (block_copy.copy again). On CPU index_select into
+the frame's buffer and index_copy_ from the received frame. The prefill side's transfer is zmq_transfer.py.
 
 Data streams and who may write: each stream is a DEALER whose routing id carries the token the
 receiver handed out in this handshake's Welcome (over the authenticated channel); the receiver maps a

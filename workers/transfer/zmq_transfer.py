@@ -3,7 +3,7 @@
     ZmqTransfer   _post(layers): the layers' frames (frames.pack's, the same for every layer): on CPU each sent
                   at once (one piece: a view of the pool, zero-copy; several: gathered by index_select); on GPU
                   queued in `todo`, each staged into a free pinned slot by one device-to-host copy on the
-                  side stream (several pieces: gathered on the device first, block_copy.py's kernel), sent once
+                  side stream (several pieces: gathered on the device first, block_copy.copy), sent once
                   that copy is done, the slot free again once ZMQ let go of it
     Streams       a decode worker's data sockets, dealt round robin (Peer.remote)
     Slots         the sender's pinned staging buffers (I/O thread only)
@@ -32,25 +32,16 @@ def staging_buffer(pool: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return torch.empty(1, frames.frame_blocks(block_bytes), pool.shape[2], dtype=pool.dtype, device=pool.device)
 
 
-def gather(src: torch.Tensor, staged: torch.Tensor, ids: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
+def gather(src: torch.Tensor, staged: torch.Tensor, ids: torch.Tensor, arange: torch.Tensor) -> int:
     """staged[0, k] <- src[0, ids[k]]: a frame's blocks of one layer (src: [1, blocks, words]) into the staging
-    buffer, on the current stream; returns them, [n, words]."""
-    n = ids.shape[0]
-    if block_copy.kernel_ready(src, staged):
-        block_copy.launch(src, staged, ids, arange[:n])
-    else:
-        torch.index_select(src[0], 0, ids, out=staged[0, :n])
-    return staged[0, :n]
+    buffer, on the current stream (block_copy.copy); returns the calls it issued."""
+    return block_copy.copy(src, staged, ids, arange[:ids.shape[0]])
 
 
 def scatter(staged: torch.Tensor, pool: torch.Tensor, ids: torch.Tensor, arange: torch.Tensor) -> None:
     """pool[0, ids[k]] <- staged[0, k]: a received frame's blocks into the pool seen as [1, layers * blocks,
-    words], on the current stream."""
-    n = ids.shape[0]
-    if block_copy.kernel_ready(staged, pool):
-        block_copy.launch(staged, pool, arange[:n], ids)
-    else:
-        pool[0].index_copy_(0, ids, staged[0, :n])
+    words], on the current stream (block_copy.copy)."""
+    block_copy.copy(staged, pool, arange[:ids.shape[0]], ids)
 
 
 @dataclass
@@ -185,8 +176,9 @@ class ZmqTransfer(SenderTransfer):
             s, _, n = pieces[0]
             return self.src[layer, s:s + n]
         staged, arange = self.sender.staging()
-        self.copies += 1
-        return gather(words(self.src)[layer:layer + 1], staged, self._index()[i], arange)
+        ids = self._index()[i]
+        self.copies += gather(words(self.src)[layer:layer + 1], staged, ids, arange)
+        return staged[0, :ids.shape[0]]
 
     def _writes_in_flight(self) -> bool:
         if not self.gpu:
