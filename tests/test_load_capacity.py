@@ -74,6 +74,28 @@ def test_capacity_then_sweep_through_one_measure():
     assert [c[0] for c in calls] == ["probe"] * 4 and cap.out_of_time
 
 
+def test_a_cold_failing_probe_is_run_again_and_the_warm_run_judges_it():
+    calls = []
+
+    async def measure(rate: float, phase: str, factor):
+        calls.append((phase, rate))
+        first = len(calls) == 1  # the arm's first run: cold, and failing on start-up alone
+        return {"goodput_fraction": 0.5 if first or rate > 13.7 else 1.0, "cold": first or rate == 16.0}
+
+    cap, blocks = asyncio.run(capacity_and_sweep(measure, start_rate=8.0, max_probes=6, precision=0.1, target=0.9,
+                                                 factors=[]))
+    # 8 failed cold and ran again warm (a pass); 16 fails cold twice and counts as a fail once
+    assert calls[:5] == [("probe", 8.0), ("probe", 8.0), ("probe", 16.0), ("probe", 16.0), ("probe", 12.0)]
+    assert [(p.rate, p.passed) for p in cap.probes][:3] == [(8.0, True), (16.0, False), (12.0, True)]
+    assert cap.rate is not None and cap.rate <= 13.7 < cap.first_fail <= 16.0
+    assert [b.get("repeated_warm", False) for b in blocks[:4]] == [True, False, True, False]
+    # a warm fail is not repeated; nor a cold one that no longer fits the budget
+    calls.clear()
+    cap, blocks = asyncio.run(capacity_and_sweep(measure, start_rate=20.0, max_probes=1, precision=0.1, target=0.9,
+                                                 factors=[], fits=lambda rate: False))
+    assert calls == [("probe", 20.0)] and not cap.probes[0].passed and "repeated_warm" not in blocks[0]
+
+
 def _records(sends: list[float], finish_of) -> list[RequestRecord]:
     out = []
     for i, s in enumerate(sends):

@@ -115,33 +115,52 @@ def test_buckets_below_the_first_size_end_at_the_limit():
     assert _buckets(2048, [16], lambda b: b * 2) == [16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
-def test_compile_watch_sees_a_recompile_and_a_triton_compile():
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+_COMPILE_WATCH = """
+import json, torch, triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from pdserve.bench.engine.compile_watch import CompileWatch
 
-    from pdserve.bench.engine.compile_watch import CompileWatch
+def add_one(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
 
-    def add_one(x_ptr, n, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+add_one = JITFunction(add_one)
+real = triton.compiler.compile
+watch = CompileWatch().start()
+f = torch.compile(lambda x: (x * 2).sum(0), backend="eager", dynamic=True)
+for n in (1, 2, 3):  # batch 1 is specialised: the second call recompiles, the third reuses it
+    f(torch.ones(n, 3))
+src = ASTSource(add_one, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 16})
+triton.compiler.compile(src, target=GPUTarget("cuda", 90, 32))  # the sm_90 binary, built without a GPU
+got = watch.stop()
+got["put_back"] = triton.compiler.compile is real
+print(json.dumps(got))
+"""
 
-    add_one = JITFunction(add_one)  # compiled, not interpreted (conftest sets TRITON_INTERPRET for the kernels)
-    real = triton.compiler.compile
-    watch = CompileWatch().start()
-    f = torch.compile(lambda x: (x * 2).sum(0), backend="eager", dynamic=True)
-    for n in (1, 2, 3):  # batch 1 is specialised: the second call recompiles, the third reuses it
-        f(torch.ones(n, 3))
-    src = ASTSource(add_one, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 16})
-    triton.compiler.compile(src, target=GPUTarget("cuda", 90, 32))  # the sm_90 binary, built without a GPU
-    got = watch.stop()
+
+def test_compile_watch_sees_a_recompile_and_a_triton_compile(tmp_path):
+    # in a fresh interpreter, without TRITON_INTERPRET: a kernel the interpreter ran in this process (the suite's
+    # kernels run so, tests/conftest.py) can leave triton.language's builtins patched for the interpreter, and a
+    # real compile after that fails on them
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "watch.py"  # a file: Triton reads a kernel's source from it
+    script.write_text(_COMPILE_WATCH)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["dynamo_frames_compiled"] == 2 and got["dynamo_recompiles"] == 1, got
     assert "size mismatch" in got["dynamo_recompile_reasons"][0]
     assert got["triton_compiles"] == 1 and got["triton_by_kernel"]["add_one"]["compiles"] == 1
     assert got["triton_compile_s"] == got["triton_by_kernel"]["add_one"]["s"] > 0
-    assert triton.compiler.compile is real  # put back
+    assert got["put_back"]
 
 
 def test_start_bench_cpu_smoke(tmp_path, capsys):

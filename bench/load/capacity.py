@@ -253,18 +253,30 @@ async def capacity_and_sweep(measure: Callable[[float, str, float | None], Await
     """`measure(rate, phase, factor)` runs one open-loop point and returns its result block (with
     `goodput_fraction`, `saturation`, `duration`). A probe passes by probe_passes(block, target, queue).
     Probes first, then the sweep at capacity x each factor (none when every probe failed); no run starts
-    once out_of_time() or when not fits(its rate). Each probe records its requests, arrival window and
+    once out_of_time() or when not fits(its rate). A probe that fails cold (its block's `cold`, set by measure)
+    is run once more at its rate, and the second run judges it: the cold block is kept with `repeated_warm`. Each probe records its requests, arrival window and
     duration (the block's `arrival_window_s`, when measure sets it)."""
     blocks: list[dict] = []
+    judged: list[dict] = []  # the block each probe was judged on, in the order of cap.probes
 
     async def probe(rate: float) -> bool:
         block = await measure(rate, "probe", None)
         blocks.append(block)
-        return probe_passes(block, target, queue)
+        passed = probe_passes(block, target, queue)
+        if not passed and block.get("cold") and not out_of_time() and fits(rate):
+            # a cold fail may be start-up alone (an unsteady warm-up, a slow first quarter): the rate is run
+            # once more on the now warm server and that run judges it; the cold one stays in the results,
+            # marked as repeated, and bounds nothing
+            block["repeated_warm"] = True
+            block = await measure(rate, "probe", None)
+            blocks.append(block)
+            passed = probe_passes(block, target, queue)
+        judged.append(block)
+        return passed
 
     cap = await search_capacity(probe, start_rate, max_probes=max_probes, precision=precision, target=target,
                                 out_of_time=out_of_time, fits=fits)
-    for p, b in zip(cap.probes, blocks):
+    for p, b in zip(cap.probes, judged):
         stopped = b.get("stopped_early")  # a probe stopped early sent fewer than it planned: `requests` is the plan
         p.requests = stopped["planned"] if stopped else b.get("num_prompts")
         p.arrivals_s, p.duration_s = b.get("arrival_window_s"), b.get("duration")

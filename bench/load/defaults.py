@@ -113,6 +113,7 @@ def _folder_runs(d: str) -> list[dict]:
             "probes": [{"rate": b["request_rate"], "passed": b.get("probe_passed"),
                         "goodput_fraction": b.get("goodput_fraction"),
                         "stopped_early": bool(b.get("stopped_early")), "duration_s": b.get("duration"),
+                        "repeated_warm": bool(b.get("repeated_warm")),
                         "ttft_p50_ms": b.get("median_ttft_ms"), "tpot_p99_ms": b.get("p99_tpot_ms"),
                         "folder": str(d)} for b in blocks],
         })
@@ -235,7 +236,8 @@ def _rate(x) -> str:
 def _probes(a: dict) -> str:
     """Each probe as rate: pass/FAIL; an arm of several folders says which folder each came from."""
     def one(p):
-        return f"{p['rate']:.3g}: {'pass' if p['passed'] else 'FAIL'}{' (stopped)' if p['stopped_early'] else ''}"
+        return (f"{p['rate']:.3g}: {'pass' if p['passed'] else 'FAIL'}{' (stopped)' if p['stopped_early'] else ''}"
+                f"{' (cold, run again)' if p.get('repeated_warm') else ''}")
     if len(a.get("folders", [a["folder"]])) == 1:
         return ", ".join(one(p) for p in a["probes"])
     return "; ".join(f"{Path(f).name}: " + ", ".join(one(p) for p in a["probes"] if p.get("folder") == f)
@@ -296,7 +298,8 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
     lines += ["", "An arm's capacity lies between its highest passing and lowest failing probe (a probe passes with "
               ">= 90% of its requests within every SLO and no growing queue; each lasts --probe-seconds of "
               "arrivals). A probe marked stopped ended once that share could no longer be met "
-              "(bench/load/early_stop.py). An arm measured in several folders (a search, then more probes) "
+              "(bench/load/early_stop.py); one marked cold, run again, failed while start-up effects still "
+              "showed (bench/load/capacity.py) and the same rate's next run judged it. An arm measured in several folders (a search, then more probes) "
               "takes every folder's probes; where one passed at or above a rate another failed, its probes "
               "disagree (noise) and no verdict rests on it.", ""]
     return "\n".join(lines)

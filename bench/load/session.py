@@ -417,6 +417,7 @@ def rests_on_cold(cap, blocks: list[dict]) -> list[dict]:
     out = []
     for role, rate in (("capacity", cap.rate), ("first failing", cap.first_fail)):
         for b in blocks:
-            if rate is not None and b.get("phase") == "probe" and b["request_rate"] == rate and b.get("cold"):
+            if rate is not None and b.get("phase") == "probe" and b["request_rate"] == rate and b.get("cold") \
+                    and not b.get("repeated_warm"):
                 out.append({"run": role, "rate": rate, "reason": b["cold_reason"]})
     return out
