@@ -174,7 +174,7 @@ run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capaci
     --server-timeout 300 --capacity-search --goodput $GOODPUT --search-start-rate "$2" \
     --search-max-probes "$3" --search-precision "$PRECISION" --probe-seconds "$PROBE_SECONDS" \
     --probe-min-requests 24 --arm-budget "$4" --sweep-factors '' \
-    "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 3 \
+    "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 6 \
     --request-timeout 300 --out "$5" --no-progress --no-plots || echo "arm $1: load exited $?"
   if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi
 }

@@ -55,10 +55,13 @@ from pdserve.settings.worker import WorkerConfig
 from pdserve.workers.preflight import StartupError, describe_bind_error
 from pdserve.workers.roles.kv_report import KVReport
 from pdserve.workers.status_log import StatsLine, startup_line
+from pdserve.workers.engine.compiles import ServingWork
+from pdserve.workers.engine.compiles import describe as describe_work
 from pdserve.workers.warmup import start_engine
 
 log = logging.getLogger("pdserve.worker")
 
+SERVING_WORK_CHECK_S = 5.0  # how often the loop looks for compiles and captures since ready (check_serving_work)
 IDLE_POLL_MS = 50  # nothing to do: wake up this often to notice a stop request
 STOP_GRACE_S = 5.0  # a worker still stopping this long after SIGTERM dumps its stacks and exits
 JOIN_S = 1.5  # stopping: the longest wait for one thread, or for the ZMQ context's last messages
@@ -206,10 +209,13 @@ class Worker:
         self.ctx = zmq.Context()
         self.inbox = Inbox(self.ctx, cfg.control, cfg.advertise_host, cfg.keys, self.throttle)
         self.address = self.inbox.address
+        self.serving_work = ServingWork().start()  # before anything compiles: see check_serving_work
         if engine is None:  # built, graphs captured, warmed up; the ready line says where the time went
             engine = start_engine(cfg.engine, cfg.role, cfg.warmup, cfg.disk_key())
             log.info("%s", startup_line(cfg.worker_id, cfg.role, engine))
         self.engine = engine
+        self.serving_work.mark(engine)
+        self._work_checked = time.monotonic()
         self.stats = StatsLine(cfg.worker_id, cfg.stats_interval_s)
         self.kv_report = KVReport(engine, cfg.worker_id) if hasattr(engine, "prefix_root") else None
         self.router = RouterLink(self.ctx, cfg.router, self.incarnation, cfg.keys)
@@ -283,6 +289,17 @@ class Worker:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
+    def check_serving_work(self) -> str | None:
+        """Compiles and graph captures since ready (or the last check), logged as a warning: each held the
+        steps it happened in, and requests waited (workers/engine/compiles.py). Returns the line's text."""
+        self._work_checked = time.monotonic()
+        taken = self.serving_work.take(self.engine)
+        if taken is None:
+            return None
+        text = describe_work(taken)
+        log.warning("%s: start-up work while serving (the steps waited for it): %s", self.worker_id, text)
+        return text
+
     def run(self) -> int:
         log.info("%s: control %s, router %s, model %s on %s", self.worker_id, self.address, self.cfg.router,
                  self.engine.model_name, self.engine.device)
@@ -296,6 +313,8 @@ class Worker:
                 if self.stats.due():
                     self.stats.log(self.role.running(), self.role.queue_depth(), self.engine.blocks.num_free,
                                    self.engine.blocks.num_blocks, self.cache_figures())
+                if time.monotonic() - self._work_checked >= SERVING_WORK_CHECK_S:
+                    self.check_serving_work()
         except Exception as e:
             self._stop_reason = f"crashed: {type(e).__name__}: {e}"
             raise
