@@ -79,7 +79,7 @@ def test_a_prefill_worker_without_warm_up_runs_no_request_and_captures_no_decode
     assert "warm-up request 0.00 s" in startup_line("prefill-0", "prefill", engine)
     # the decode graphs, where a worker has them, are taken by the decoding roles only
     engine.runner.graphs = DecodeGraphs.__new__(DecodeGraphs)
-    engine.runner.graphs.capture_s = {}
+    engine.runner.graphs.capture_s, engine.runner.graphs.graphs = {}, {}
     monkeypatch.setattr(DecodeGraphs, "capture_order", lambda self: [(1, 16)])
     taken.clear()
     engine.warmup(decode=False)

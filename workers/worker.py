@@ -307,7 +307,7 @@ class Worker:
         self.inbox.start()
         try:
             while not self._stop.is_set():
-                for arrived, frame in self.inbox.take(self.role.poll_timeout_ms(IDLE_POLL_MS) / 1e3):
+                for arrived, frame in self.inbox.take(self.role.wait_ms(IDLE_POLL_MS) / 1e3):
                     self._on_frame(arrived, frame)
                 self.role.tick()
                 if self.stats.due():

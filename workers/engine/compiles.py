@@ -15,7 +15,8 @@ its log, one line per stats interval in which any happened (Worker.run), with wh
 
 Counted: dynamo's compiled frames and the seconds of `_compile.compile_inner` (torch._dynamo.utils),
 Triton compiles by kernel name with their seconds (a compile served from Triton's disk cache counts too,
-at a few ms), graphs captured (the engine's decode and piecewise graphs' capture_s). All cheap to read:
+at a few ms), graphs captured (the engine's decode and piecewise graphs' capture_s, less those a lazy
+worker took while it had no request: DecodeGraphs.idle). All cheap to read:
 counters and dict sizes, once an interval.
 """
 
@@ -72,9 +73,10 @@ class ServingWork:
         n, s = 0, 0.0
         runner = getattr(engine, "runner", None)
         for part in (getattr(runner, "graphs", None), getattr(runner, "mixed", None)):
-            if part is not None:
-                n += len(part.capture_s)
-                s += sum(part.capture_s.values(), 0.0)
+            if part is not None:  # a graph taken while the worker had no request held no step
+                idle = getattr(part, "idle", ())
+                n += len(part.capture_s) - len(idle)
+                s += sum((v for k, v in part.capture_s.items() if k not in idle), 0.0)
         return n, s
 
     def _now(self, engine) -> tuple[int, float, int, int, float]:

@@ -112,6 +112,7 @@ class Engine:
         # CUDA by default (on the CPU a step is done when launched: nothing to overlap)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._inflight: overlap.Inflight | None = None
+        self._lazy_decode = False  # decode graphs left for idle time (warmup, EngineConfig.decode_graphs "lazy")
         self.handoff = KVHandoff(self, self.prompts, self.runner, self.sampler, self.scheduler, self.vocab_size)
         self.start.setup_s = setup + self._since(t)
 
@@ -147,13 +148,31 @@ class Engine:
         spent = 0.0
         with torch.inference_mode():
             if graphs is not None and decode:
-                spent += graphs.capture(graphs.capture_order())
+                keys = graphs.capture_order()
+                self._lazy_decode = self.config.decode_graphs == "lazy"
+                spent += graphs.capture(keys[:1] if self._lazy_decode else keys)
                 start.decode_graphs, start.decode_graphs_s = len(graphs.capture_s), sum(graphs.capture_s.values(), 0.0)
+                start.decode_graphs_left = len(graphs.pending())
             if mixed is not None:
                 spent += mixed.capture()
                 start.piecewise_graphs = len(mixed.capture_s) * mixed.cut.num_segments
                 start.piecewise_graphs_s = sum(mixed.capture_s.values(), 0.0)
         return spent
+
+    def graphs_pending(self) -> bool:
+        """Decode graphs the start left for idle time (EngineConfig.decode_graphs "lazy") remain."""
+        if self._lazy_decode and not self.runner.graphs.pending():
+            self._lazy_decode = False
+        return self._lazy_decode
+
+    def capture_idle(self) -> float:
+        """Capture one decode graph the start left, if no request is on the worker; the seconds it took
+        (0: none captured). A worker's loop calls it between turns, so a request that arrives waits for one
+        capture at most."""
+        if not self.graphs_pending() or self.requests or self.has_work():
+            return 0.0
+        with torch.inference_mode():
+            return self.runner.graphs.capture_idle()
 
     def validate(self, req: Request) -> None:
         n = len(req.prompt_ids)

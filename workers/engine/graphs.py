@@ -30,6 +30,10 @@ once), so a wider table costs almost nothing; its width only sizes the kernel's 
 context, and a 32k-token context needs 8 table buckets. `capture(capture_order())` takes every
 graph ahead of traffic (a decode or colocated worker does at start), so no request pays for a
 capture; `capture_s` holds each graph's seconds (Engine.warmup reports them in the start's parts).
+With EngineConfig.decode_graphs "lazy" the start takes the first bucket only (the largest: it
+compiles what every graph runs and sizes the shared memory pool); the worker takes the others one
+at a time while it has no request (`capture_idle`, from its loop), and a step whose graph is not
+there yet captures it first, as before.
 A capture costs one warm-up forward and the captured one, plus whatever that first forward
 compiles: on the first graph, the dense code's torch.compile (dynamic sizes) and the paged-attention
 kernels' Triton variants (with "layers", on the first graph of batch 1 the layers' code again).
@@ -115,6 +119,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_s: dict[tuple[int, int], float] = {}  # (batch, blocks) -> seconds its capture took
+        self.idle: set[tuple[int, int]] = set()  # the buckets captured while the worker had no request
         self.mempool = None
 
     # The positions come first, at storage offset 0: the compiled layers take them (position_ids), and
@@ -176,6 +181,19 @@ class DecodeGraphs:
         is sized by the first)."""
         return [(batch, blocks) for blocks in self.block_buckets[::-1] for batch in self.batch_buckets[::-1]]
 
+    def pending(self) -> list[tuple[int, int]]:
+        """The buckets not captured yet, in capture order."""
+        return [key for key in self.capture_order() if key not in self.graphs]
+
+    def capture_idle(self) -> float:
+        """Capture the next pending bucket while no request is on the worker (EngineConfig.decode_graphs
+        "lazy"): a step that arrives meanwhile waits for one capture at most. Seconds spent (0: none left)."""
+        pending = self.pending()
+        if not pending:
+            return 0.0
+        self.idle.add(pending[0])
+        return self.capture(pending[:1])
+
     def capture(self, keys: list[tuple[int, int]]) -> float:
         """Capture the graphs of these (batch, blocks) buckets ahead of traffic, with padding rows only
         (they touch the scratch block alone); returns the seconds it took."""
@@ -187,7 +205,8 @@ class DecodeGraphs:
         for batch, blocks in keys:
             if (batch, blocks) not in self.graphs:
                 self._capture(batch, blocks)
-        torch.cuda.synchronize(self.runner.device)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
         return time.monotonic() - start
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:

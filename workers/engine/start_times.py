@@ -33,6 +33,7 @@ class StartTimes:
     setup_s: float = 0.0  # the runner (fused Q/K/V, compile wrappers, graph buffers), scheduler, sampler
     decode_graphs: int = 0
     decode_graphs_s: float = 0.0
+    decode_graphs_left: int = 0  # left for idle time (EngineConfig.decode_graphs "lazy")
     piecewise_graphs: int = 0  # token buckets x segments
     piecewise_graphs_s: float = 0.0
     warmup_s: float = 0.0  # the warm-up request (0: none ran)
@@ -61,7 +62,8 @@ class StartTimes:
         for attr, name in PARTS[1:]:
             s = getattr(self, attr)
             if attr == "decode_graphs_s":
-                shown.append(f"{self.decode_graphs} decode graphs {s:.2f} s")
+                left = f" ({self.decode_graphs_left} more while idle)" if self.decode_graphs_left else ""
+                shown.append(f"{self.decode_graphs} decode graphs {s:.2f} s{left}")
             elif attr == "piecewise_graphs_s":
                 shown.append(f"{self.piecewise_graphs} piecewise graphs {s:.2f} s")
             else:
@@ -73,6 +75,7 @@ class StartTimes:
 
     def to_dict(self) -> dict:
         out = {attr: getattr(self, attr) for attr, _ in PARTS}
-        out.update(decode_graphs=self.decode_graphs, piecewise_graphs=self.piecewise_graphs, total_s=self.total_s,
+        out.update(decode_graphs=self.decode_graphs, decode_graphs_left=self.decode_graphs_left,
+                   piecewise_graphs=self.piecewise_graphs, total_s=self.total_s,
                    other_s=self.other_s, after_load_s=self.after_load_s)
         return out

@@ -51,7 +51,13 @@ class Role:
 
     def tick(self) -> None:
         self.advance()
+        self.engine.capture_idle()  # no request on the worker: one decode graph the start left, if any
         self._counts = self.engine.counts()
+
+    def wait_ms(self, idle_ms: int) -> int:
+        """How long the loop may block before the next tick: the role's answer, or 0 while decode graphs
+        wait for idle time (a message that arrives is still read between two captures)."""
+        return 0 if self.engine.graphs_pending() and not self.engine.requests else self.poll_timeout_ms(idle_ms)
 
     def on_message(self, msg, arrived: float | None) -> None:
         raise NotImplementedError

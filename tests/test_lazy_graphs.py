@@ -1,0 +1,119 @@
+"""Decode graphs taken lazily (EngineConfig.decode_graphs "lazy"): the start captures the largest bucket only,
+the worker takes the others one at a time while it has no request, each with padding rows only, and the
+ready line says how many are left. The capture itself is CUDA-only: here a stand-in records what each
+capture would have captured (its bucket, and whether the graph's buffers held padding alone), on the CPU."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.compiles import ServingWork
+from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.graphs import DecodeGraphs
+from pdserve.workers.engine.request import Request, SamplingParams
+from pdserve.workers.roles.base import Role
+
+
+def lazy_engine(monkeypatch, mode: str):
+    engine = Engine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_blocks=64, max_num_seqs=8,
+                                 decode_graphs=mode))
+    engine.runner.build_forwards(replace(engine.config, decode_graphs=mode), engine.max_model_len,
+                                 decode_graphs=True, mixed_graphs=False, compile=False)
+    taken = []
+
+    def capture(self, batch, blocks):  # what _capture would capture, recorded
+        scratch = self.runner.scratch_block * 2 * self.runner.block_size
+        padding = bool((self.k_slots == scratch).all() and (self.table == 0).all() and (self.lens == 1).all())
+        taken.append(((batch, blocks), padding))
+        self.graphs[(batch, blocks)] = SimpleNamespace(replay=lambda: None)
+        self.capture_s[(batch, blocks)] = 0.01
+        return self.graphs[(batch, blocks)]
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    return engine, taken
+
+
+def test_a_lazy_start_takes_the_largest_bucket_and_idle_time_the_rest(monkeypatch):
+    engine, taken = lazy_engine(monkeypatch, "lazy")
+    graphs = engine.runner.graphs
+    order = graphs.capture_order()
+    assert len(order) > 2 and order[0] == (graphs.batch_buckets[-1], graphs.block_buckets[-1])
+    engine.warmup(decode=True)
+    assert [k for k, _ in taken] == order[:1] and engine.start.decode_graphs == 1
+    assert engine.start.decode_graphs_left == len(order) - 1
+    assert "1 decode graphs 0.0" in engine.start.describe()
+    assert f"({len(order) - 1} more while idle)" in engine.start.describe()
+    assert engine.graphs_pending()
+    # a request on the worker: no idle capture until it is gone
+    req = Request("r0", list(range(3, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request(req)
+    assert engine.capture_idle() == 0.0 and len(taken) == 1
+    while engine.has_work():
+        engine.step()
+    assert not engine.requests and len(taken) == 1  # finished and gone; its steps ran without a graph (CPU)
+    # idle: one capture a call, in capture order, each over padding rows only (the last step's rows are gone)
+    while engine.graphs_pending():
+        assert engine.capture_idle() >= 0.0
+    assert [k for k, _ in taken] == order and graphs.idle == set(order[1:])
+    assert all(padding for _, padding in taken[1:])
+    assert engine.capture_idle() == 0.0 and not engine.graphs_pending()
+
+
+def test_a_lazy_engine_gives_the_tokens_of_an_engine_without_graphs(monkeypatch):
+    engine, taken = lazy_engine(monkeypatch, "lazy")
+    engine.warmup(decode=True)
+    reqs = [Request(f"r{i}", list(range(5, 5 + 10 * (i + 1))), SamplingParams(max_tokens=4, ignore_eos=True))
+            for i in range(3)]
+    want = engine.generate([r.prompt_ids for r in reqs], SamplingParams(max_tokens=4, ignore_eos=True))
+    eager = Engine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_blocks=64, max_num_seqs=8))
+    got = eager.generate([r.prompt_ids for r in reqs], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [r.output_ids for r in want] == [r.output_ids for r in got]
+    assert all(r.error is None for r in want)
+
+
+def test_all_takes_every_graph_at_start_and_leaves_nothing(monkeypatch):
+    engine, taken = lazy_engine(monkeypatch, "all")
+    engine.warmup(decode=True)
+    order = engine.runner.graphs.capture_order()
+    assert [k for k, _ in taken] == order and engine.start.decode_graphs_left == 0
+    assert "more while idle" not in engine.start.describe()
+    assert not engine.graphs_pending() and engine.capture_idle() == 0.0
+
+
+def test_a_prefill_worker_never_captures_decode_graphs_idle(monkeypatch):
+    engine, taken = lazy_engine(monkeypatch, "lazy")
+    engine.warmup(decode=False)
+    assert taken == [] and not engine.graphs_pending() and engine.capture_idle() == 0.0
+
+
+def test_idle_captures_are_not_reported_as_work_while_serving(monkeypatch):
+    engine, taken = lazy_engine(monkeypatch, "lazy")
+    engine.warmup(decode=True)
+    work = ServingWork().start()
+    work.mark(engine)
+    assert engine.capture_idle() > 0.0 and len(taken) == 2
+    assert work.take(engine) is None  # taken with no request on the worker: it held no step
+    engine.runner.graphs.capture(engine.runner.graphs.pending()[-1:])  # as a step that needs it captures it
+    got = work.take(engine)
+    assert got is not None and got["graphs"] == 1 and got["graphs_s"] == pytest.approx(0.01)
+
+
+def test_the_loop_does_not_block_while_graphs_wait_for_idle_time():
+    eng = SimpleNamespace(graphs_pending=lambda: True, requests={})
+    role = SimpleNamespace(engine=eng, poll_timeout_ms=lambda idle: idle)
+    assert Role.wait_ms(role, 50) == 0
+    eng.requests = {"r": object()}  # a request on the worker: the role decides
+    assert Role.wait_ms(role, 50) == 50
+    eng.requests, eng.graphs_pending = {}, lambda: False
+    assert Role.wait_ms(role, 50) == 50
+
+
+def test_the_flag_is_checked():
+    with pytest.raises(ValueError, match="decode_graphs must be all or lazy"):
+        EngineConfig(decode_graphs="later")
+    assert torch.cuda.is_available() or EngineConfig().decode_graphs == "all"
