@@ -12,7 +12,7 @@ import torch
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine.engine import Engine
 from pdserve.workers.engine.prefix_cache import extend_names
-from pdserve.workers.engine.request import Request, SamplingParams
+from pdserve.workers.engine.request import Request, SamplingParams, Status
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -150,6 +150,78 @@ def test_pricing_a_waiting_prefill_reads_the_tiers_without_counting_a_lookup():
     assert req.tier_tokens == {"host": 64}
     assert (host.figures().hits, host.figures().misses) == (before.hits + 4, before.misses)
     eng.release("pf")
+
+
+def host_lookups(eng: Engine) -> tuple[int, int]:
+    """The host tier's hits and misses so far."""
+    f = eng.tiers.host.figures()
+    return f.hits, f.misses
+
+
+def waiting_for_room(seed: int, room: int, **kw) -> tuple[Engine, list[int], list[int], tuple[int, int]]:
+    """An engine whose host memory holds the first four blocks of a 70-token prompt (gone from the
+    pool), with all but `room` of its pool's blocks held; the prompt, the held blocks, and the host
+    tier's hits and misses by then."""
+    p = prompt(seed, 70)
+    eng = engine(**kw)
+    eng.generate([p], PARAMS)
+    evict_everything(eng, p)
+    held = eng.blocks.allocate(eng.blocks.num_free - room)
+    return eng, p, held, host_lookups(eng)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_request_waiting_for_room_is_one_tier_lookup_however_many_steps_it_waits(chunked):
+    """The scheduler plans the head of `waiting` again on every step until the pool has room for it;
+    the tiers count its lookup once, when it is admitted (four hits: its four full blocks)."""
+    eng, p, held, (hits, misses) = waiting_for_room(8, 4, chunked_prefill=chunked)
+    req = Request("waits", p + [3], PARAMS)  # 5 blocks
+    eng.add_request(req)
+    for _ in range(3):
+        assert eng.scheduler.schedule() == [] and req.status is Status.WAITING
+    assert host_lookups(eng) == (hits, misses)
+    eng.blocks.free(held)
+    eng.run_until_done([req])
+    assert req.tier_tokens == {"host": 64} and len(req.output_ids) == PARAMS.max_tokens
+    assert host_lookups(eng) == (hits + 4, misses)
+
+
+def test_a_prefill_left_for_the_next_batch_is_one_tier_lookup():
+    """prefill_batch leaves a request the pool has no room for beside those before it in the forward
+    WAITING (None) for the next batch; the tiers count its lookup once, in the batch that takes it."""
+    eng, p, held, (hits, misses) = waiting_for_room(9, 5)
+    for i in range(2):
+        short = Request(f"short-{i}", prompt(20 + i, 10), PARAMS)  # one block, no full one to look up
+        late = eng.requests.get("late") or Request("late", p + [3], PARAMS)  # 5 blocks: 4 left beside short
+        [done, left] = eng.prefill_batch([short, late])
+        assert done is not None and not isinstance(done, Exception) and left is None
+        assert late.status is Status.WAITING
+        eng.release(short.request_id)
+    assert host_lookups(eng) == (hits, misses)
+    eng.blocks.free(held)
+    [result] = eng.prefill_batch([late])
+    assert not isinstance(result, Exception) and late.tier_tokens == {"host": 64}
+    assert host_lookups(eng) == (hits + 4, misses)
+    eng.release("late")
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_reservation_without_room_yet_is_one_tier_lookup():
+    """A decode worker asks reserve() again on every tick while it answers None (no room yet); the
+    tiers count the lookup once, for the reservation that takes the blocks (and reloads the prefix)."""
+    eng, p, held, (hits, misses) = waiting_for_room(10, 4)
+    req = Request("d", p + [3], PARAMS)
+    eng.admit(req)
+    for _ in range(3):
+        assert eng.reserve("d", len(req.prompt_ids)) is None and req.status is Status.WAITING
+    assert host_lookups(eng) == (hits, misses)
+    eng.blocks.free(held)
+    assert len(eng.reserve("d", len(req.prompt_ids))) == 5
+    assert req.cached_tokens == 64 and req.tier_tokens == {"host": 64}
+    assert host_lookups(eng) == (hits + 4, misses)
+    eng.cancel("d")
+    eng.release("d")
+    assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
 def test_heartbeat_figures_reach_the_metrics():

@@ -67,10 +67,10 @@ class KVHandoff:
 
     def prefill_tokens(self, req: Request) -> int:
         """The prompt tokens a prefill of the request would compute now: those after the longest prefix
-        our pool holds or the KV tiers would reload (what a prefill worker's batch budget counts). A look,
-        not a lookup: a prefill worker asks it of every waiting request on every tick, so the tiers' hits
-        and misses are left to the prefill's own lookup (prefill_batch)."""
-        claim = self.prompts.plan(req, count=False)
+        our pool holds or the KV tiers would reload (what a prefill worker's batch budget counts). A look
+        (plan counts nothing): a prefill worker asks it of every waiting request on every tick, and the
+        tiers' hits and misses count the prefill's lookup once, when prefill_batch takes its blocks."""
+        claim = self.prompts.plan(req)
         return req.num_tokens - (claim.blocks + len(claim.lower)) * self.prompts.block_size
 
     def prefill_only(self, req: Request, on_layer: Callable[[int], None] | None = None) -> PrefillResult:

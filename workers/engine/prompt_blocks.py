@@ -1,13 +1,15 @@
 """A prompt's blocks: the one place a request is given the KV blocks for its prompt.
 
-    plan(req, num_tokens, count)     what it would take (a Claim): the leading blocks the pool holds
-                                     (shared), the tier of each block after them to reload rather than
-                                     compute, and how many fresh blocks (count=False: a look that takes
-                                     nothing, left out of the tiers' hits and misses)
+    plan(req, num_tokens) -> Claim   what it would take: the leading blocks the pool holds (shared),
+                                     the tier of each block after them to reload rather than compute,
+                                     and how many fresh blocks; a look that takes and counts nothing
+                                     (a request that waits for room is planned again at every try)
     fits(claim) -> bool              the pool has room for it now
     take(req, claim, wait)           take them: the cached blocks acquired, fresh ones allocated,
                                      num_computed past the cached prefix, the reloads started (wait:
-                                     until they land)
+                                     until they land); the lookup counted here, not per plan: in the
+                                     tiers' hits and misses, and at the prompt's first placement in the
+                                     pool's hit rate
     name(req)                        name its newly completed full blocks (a later prompt reuses them)
 
 Its callers, each once: the scheduler admitting a waiting request (scheduler.py), a prefill worker's
@@ -35,6 +37,7 @@ class Claim:
     hit: list[int] = field(default_factory=list)  # leading blocks the pool holds (shared, already named)
     lower: list[str] = field(default_factory=list)  # the tier of each block after `hit` to reload
     first: bool = True  # its prompt's first placement (not a preempted request's): counts in the hit rate
+    looked: list[bytes] = field(default_factory=list)  # the names after `hit` looked for in the tiers
 
     @property
     def blocks(self) -> int:
@@ -48,16 +51,17 @@ class PromptBlocks:
         self.root = root  # the prefix cache's root name (model and layout)
         self.tiers = tiers
 
-    def plan(self, req: Request, num_tokens: int | None = None, count: bool = True) -> Claim:
+    def plan(self, req: Request, num_tokens: int | None = None) -> Claim:
         """The blocks for the request's first num_tokens positions (default: all it has). A cached
         prefix is looked up only for all of them (a decode worker's reservation of a whole prompt).
-        count=False: a look that takes nothing (the pool's match counts nothing either way; its hit rate
-        is take()'s)."""
+        Counts nothing: the pool's hit rate and the tiers' hits and misses are take()'s."""
         n = req.num_tokens if num_tokens is None else num_tokens
         whole = bool(req.prompt_ids) and n == req.num_tokens
         hit = self.cached_prefix(req) if whole else []
-        lower = self.lower_prefix(req, len(hit), count) if whole else []
-        return Claim(blocks_for(n, self.block_size) - len(hit), hit, lower, req.status is not Status.PREEMPTED)
+        looked = self.lower_names(req, len(hit)) if whole else []
+        lower = self.tiers.plan(looked) if looked else []
+        return Claim(blocks_for(n, self.block_size) - len(hit), hit, lower, req.status is not Status.PREEMPTED,
+                     looked)
 
     def fits(self, claim: Claim) -> bool:
         return self.blocks.can_allocate(claim.need, claim.hit)
@@ -74,6 +78,8 @@ class PromptBlocks:
         if claim.first:  # a preempted request's reuse is not its prompt's
             req.cached_tokens = req.num_computed
             self.blocks.count(len(req.prompt_ids), req.cached_tokens)
+        if claim.looked:  # counted here, not in plan(): once per placement, however often it was planned
+            self.tiers.count(claim.looked)
         if claim.lower:
             k, n = req.named_blocks, len(claim.lower)
             self.tiers.start(req, req.block_names[k:k + n], req.block_ids[k:k + n], claim.lower, k)
@@ -96,10 +102,10 @@ class PromptBlocks:
             return []  # prompt logprobs need the logits of every prompt position: nothing may be skipped
         return self.blocks.match(names_upto(req, full, self.block_size, self.root))
 
-    def lower_prefix(self, req: Request, gpu_blocks: int, count: bool = True) -> list[str]:
-        """The tier (a protocol.enums.Tier name) of each block after the GPU hit to reload rather than
-        compute (count: see Tiers.plan)."""
+    def lower_names(self, req: Request, gpu_blocks: int) -> list[bytes]:
+        """The names of the request's full blocks after the GPU hit, those the KV tiers may hold (none
+        without tiers); Tiers.plan says which to reload rather than compute."""
         full = (req.num_tokens - 1) // self.block_size
         if self.tiers is None or full <= gpu_blocks:
             return []
-        return self.tiers.plan(names_upto(req, full, self.block_size, self.root)[gpu_blocks:], count)
+        return names_upto(req, full, self.block_size, self.root)[gpu_blocks:]

@@ -11,10 +11,12 @@ when a prompt's prefix is reloaded from there instead of recomputed.
     offload(req)                    a request is over: its named blocks are copied down, in the
                                     background (skipping those the tier holds); the GPU copies stay
                                     cached until evicted, so eviction itself costs nothing
-    plan(names, count) -> [tier]    of the names after a GPU hit, the leading run held below, cut to
-                                    what the cost model says is cheaper to reload than to recompute
-                                    (count=False: the tiers' hits and misses are left as they were)
+    plan(names) -> [tier]           of the names after a GPU hit, the leading run held below, cut to
+                                    what the cost model says is cheaper to reload than to recompute;
+                                    a look (peek), counting no hit or miss
     peek(names) -> [tier]           what host.lookup(names) answers, counting no hit or miss
+    count(names)                    the lookup of a claim taken (PromptBlocks.take), counted in each
+                                    tier's hits and misses: once per placement, not per plan
     start(req, names, blocks, tiers)  reload those entries into the request's blocks, asynchronously
     poll(req) -> bool               True once nothing is loading for it (its KV landed, or the part
                                     that did not is left to compute: num_computed says how far)
@@ -81,11 +83,11 @@ class Tiers:
         if items:
             self.host.store(self.pool, items)
 
-    def plan(self, names: list[bytes], count: bool = True) -> list[str]:
-        """The tier of each name to reload from (above). count=False: a look that takes nothing (a
-        prefill worker prices its waiting requests on every tick), left out of the tiers' hits and
-        misses (peek)."""
-        tiers = (self.host.lookup(names) if count else self.peek(names)) if names else []
+    def plan(self, names: list[bytes]) -> list[str]:
+        """The tier of each name to reload from (above). A look that counts nothing (peek): a request is
+        planned again at every try to place it (no room yet, the next tick's pricing), and its lookup is
+        counted once, when its claim is taken (count)."""
+        tiers = self.peek(names) if names else []
         # the cost model: a tier slower than recomputing (the seed's break-even) serves nothing, and the
         # prefix stops where it would be needed
         cost, bs = self.host.cost, self.block_size
@@ -103,6 +105,11 @@ class Tiers:
                 break
             out.append(tier)
         return out
+
+    def count(self, names: list[bytes]) -> None:
+        """Count a lookup of these names in each tier's hits and misses, as host.lookup counts it; its
+        answer is not used (what is reloaded is the claim's, from plan)."""
+        self.host.lookup(names)
 
     def start(self, req: Request, names: list[bytes], blocks: list[int], tiers: list[str], first: int) -> None:
         handle = self.host.load(self.pool, list(zip(names, blocks)))
