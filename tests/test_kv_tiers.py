@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import itertools
 import json
 import os
@@ -17,7 +18,7 @@ import torch
 from pdserve.protocol.enums import Tier
 from pdserve.workers.engine import tiering
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout
-from pdserve.workers.engine.kv_tiers.base import KVTier, chain
+from pdserve.workers.engine.kv_tiers.base import KVTier, LowerTier, chain
 from pdserve.workers.engine.kv_tiers.cost import CostModel
 from pdserve.workers.engine.kv_tiers.disk import DiskTier
 from pdserve.workers.engine.kv_tiers.disk_format import HEAD, MAGIC
@@ -472,11 +473,15 @@ class MemoryTier:
         pass
 
 
-def test_every_tier_answers_the_one_interface(tmp_path):
+def test_every_tier_answers_its_interface(tmp_path):
     members = [m for m in vars(KVTier) if not m.startswith("_")] + list(KVTier.__annotations__)
     host, disk = host_tier(KVCache(LAYOUT, "cpu"), 2, disk_tier(tmp_path)), MemoryTier()
     for tier in (host, host.below, disk):
         assert [m for m in members if not hasattr(tier, m)] == [], type(tier).__name__
+    for tier in (host.below, disk):  # the tiers under another: store and load bytes, as LowerTier says
+        for m in ("store", "load"):
+            want = list(inspect.signature(getattr(LowerTier, m)).parameters)[1:]
+            assert len(inspect.signature(getattr(tier, m)).parameters) == len(want), (type(tier).__name__, m)
     assert [t.name for t in chain(host)] == ["host", "disk"]
     assert all(callable(importlib.import_module(tiering.MODULES[t]).build) for t in Tier)
     host.close()

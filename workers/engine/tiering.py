@@ -6,7 +6,7 @@ when a prompt's prefix is reloaded from there instead of recomputed.
                                     build(setting, below) (kv_tiers/base.py: how to add a tier)
     Tiers(engine's prefix cache, pool, HostTier)
     levels                          the tiers below the pool, nearest first (each a kv_tiers.base.KVTier:
-                                    name, lookup, load, store, names() and figures(); each drives the one below it)
+                                    name, contains, lookup, names() and figures(); each drives the one below it)
     reloaded_tokens                 {tier name: prompt tokens reloaded from it}, cumulative
     offload(req)                    a request is over: its named blocks are copied down, in the
                                     background (skipping those the tier holds); the GPU copies stay

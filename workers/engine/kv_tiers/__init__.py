@@ -7,8 +7,9 @@ drives a HostTier from one caller thread (through workers/engine/tiering.py), an
 one below it; the tiers' own threads only write files, read files and free slots.
 
 One concept per module (each docstring lists its primitives):
-    base.py    KVTier: what every tier answers (name, lookup, load, store, figures, ...); TierSetting,
-               what a tier module's build() takes; how to add a tier
+    base.py    KVTier: what every tier answers (name, lookup, figures, ...); LowerTier: a tier under
+               another, its store and load of bytes; TierSetting, what a tier module's build() takes;
+               how to add a tier
     host.py    HostTier: the slot memory and its bookkeeping (LRU, spill to the tier below, discard, stats)
     copies.py  the copies between GPU blocks and host slots, both ways (staging, streams, runs; CUDA),
                and the load path that spans the host tier and the one below it

@@ -34,7 +34,7 @@ from typing import Callable
 from pdserve.protocol.auth import Throttle
 from pdserve.protocol.enums import Tier
 from pdserve.workers.engine.kv_cache import KVLayout
-from pdserve.workers.engine.kv_tiers.base import KVTier, TierSetting
+from pdserve.workers.engine.kv_tiers.base import LowerTier, TierSetting
 from pdserve.workers.engine.kv_tiers.disk_format import SUFFIX, DiskFile, header, layout_fields, survey
 from pdserve.workers.engine.kv_tiers.files import (folder_key, mac, open_regular, private_dir, read_all, read_gbps,
                                                    run_with_deadline, write_all)
@@ -70,7 +70,7 @@ class DiskTier:
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, layout: KVLayout, model_id: str,
                  *, fsync: bool = False, read_threads: int = 8, max_file_bytes: int = 256 << 20,
-                 key: bytes | None = None, read_timeout_s: float = READ_TIMEOUT_S, below: KVTier | None = None):
+                 key: bytes | None = None, read_timeout_s: float = READ_TIMEOUT_S, below: LowerTier | None = None):
         self.below = below  # entries leave this tier only by eviction: none move down; lookup, discard, flush reach it
         self.dir = private_dir(Path(directory))
         self._key = key if key is not None else folder_key(self.dir)
@@ -388,7 +388,7 @@ class DiskTier:
             self.below.close()
 
 
-def build(setting: TierSetting, below: KVTier | None) -> DiskTier | None:
+def build(setting: TierSetting, below: LowerTier | None) -> DiskTier | None:
     """The disk tier, if the config asks for one (--disk-cache-dir)."""
     config = setting.config
     if not config.disk_cache_dir:

@@ -5,7 +5,7 @@ files, read files and free slots). This module holds the slot memory (anonymous 
 with cudaHostRegister) and the bookkeeping: which hash holds which slot, what is on its way to
 the tier below, which pending copies a GPU block or a freed slot must wait for. The copies themselves, and
 the load path, are in copies.py.
-    HostTier(layout, capacity_bytes, device, pinned=True, below=None)   slots allocated once; below: a KVTier
+    HostTier(layout, capacity_bytes, device, pinned=True, below=None)   slots allocated once; below: a LowerTier
     build(setting, below) -> HostTier | None  what the config asks for (tiering.build)
     store(pool, [(hash, gpu_block)]) -> int   copy those blocks out, async; held hashes skipped; LRU
                                               entries go below in the background, or are dropped
@@ -37,7 +37,7 @@ from pdserve.workers.engine.block_pool import BlockPool
 from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.engine.kv_tiers.copies import HostCopies, _Entry
 from pdserve.workers.engine.kv_tiers.cost import CostModel
-from pdserve.workers.engine.kv_tiers.base import KVTier, TierSetting, chain
+from pdserve.workers.engine.kv_tiers.base import LowerTier, TierSetting, chain
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 
@@ -51,7 +51,7 @@ class HostTier(HostCopies):
     name = Tier.HOST.value
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, device, pinned: bool = True,
-                 below: KVTier | None = None, *, staging_bytes: int = 128 << 20, evict_ahead: float = 0.1,
+                 below: LowerTier | None = None, *, staging_bytes: int = 128 << 20, evict_ahead: float = 0.1,
                  probe: bool = True):
         self.layout = layout
         self.device = torch.device(device)
@@ -320,7 +320,7 @@ class HostTier(HostCopies):
             self._registered = False
 
 
-def build(setting: TierSetting, below: KVTier | None) -> HostTier | None:
+def build(setting: TierSetting, below: LowerTier | None) -> HostTier | None:
     """The host tier, if the config asks for one (--host-cache-gb), over the tier below."""
     config = setting.config
     if not config.host_cache_gb:
