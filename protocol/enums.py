@@ -48,6 +48,13 @@ class Policy(Name):
     AUTO = "auto"  # short prompts colocated, long ones disaggregated (RouterConfig.auto_threshold)
 
 
+class Routing(Name):
+    """How the router chooses a request's workers (RouterConfig.routing; each rule's class: server/worker_choice.py)."""
+
+    KV = "kv"  # the lowest predicted TTFT from the prefix each worker holds (least loaded until workers report)
+    LEAST_LOADED = "least-loaded"
+
+
 class FailureKind(Name):
     """Why a worker could not go on with a request (RequestFailed.kind); the router maps each to an HTTP status."""
 
@@ -72,5 +79,6 @@ ROLES = Role.values()
 TRANSPORTS = Transport.values()
 MODES = Mode.values()
 POLICIES = Policy.values()
+ROUTINGS = Routing.values()
 FAILURE_KINDS = FailureKind.values()
 TIERS = Tier.values()

@@ -132,18 +132,19 @@ def reporting(workers: list, index: KVIndex) -> bool:
 
 
 def auto_policy(co: bool, dis: bool, colocated: list, prefills: list, index: KVIndex, prompt_ids: list[int],
-                threshold: int, kv: bool = True) -> tuple[Policy, str, str]:
-    """Policy auto: (policy, reason, why). The one servable now, if only one is (only_servable). Without
-    reports (or `kv` off): colocated below `threshold` prompt tokens (threshold). From measured costs:
-    colocated when the prefix the best colocated worker holds leaves fewer than `threshold` tokens to
-    compute (a small prefill: small_prefill), or when the queue ahead on the best prefill worker costs
-    more than the one on the colocated worker plus the decode interference disaggregating saves (the
-    colocated prefill's own compute, which the decodes there wait through: queue); disaggregated
-    otherwise (disaggregate)."""
+                threshold: int, priced: bool) -> tuple[Policy, str, str]:
+    """Policy auto: (policy, reason, why). The one servable now, if only one is (only_servable). Unless the
+    worker choice prices these workers from their reports (`priced`, server/worker_choice.py: not with
+    --routing least-loaded, nor before some worker reports): colocated below `threshold` prompt tokens
+    (threshold). Priced, from the measured costs: colocated when the prefix the best colocated worker holds
+    leaves fewer than `threshold` tokens to compute (a small prefill: small_prefill), or when the queue ahead
+    on the best prefill worker costs more than the one on the colocated worker plus the decode interference
+    disaggregating saves (the colocated prefill's own compute, which the decodes there wait through: queue);
+    disaggregated otherwise (disaggregate)."""
     if co != dis:
         policy = Policy.COLOCATED if co else Policy.DISAGGREGATED
         return policy, "only_servable", f"only {policy} is servable now"
-    if not (kv and co and reporting(colocated + prefills, index)):
+    if not (priced and co):
         policy = Policy.COLOCATED if len(prompt_ids) < threshold else Policy.DISAGGREGATED
         return policy, "threshold", f"{len(prompt_ids)} prompt tokens against --auto-threshold {threshold}"
     c = choose(colocated, index, prompt_ids)

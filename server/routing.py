@@ -12,12 +12,13 @@ are then driven is the plan's: server/plans.py).
       decode worker, else a colocated worker) and --migrate (after token 1: the same policy on other
       workers, else the other policy); both admitted like any request
 
-Worker choice (--routing): `kv` (the default, once workers report their block names): the lowest
-predicted TTFT, priced in milliseconds from the prefix each worker holds and its measured costs, under
-a load rule (server/kv_route.py); a disaggregated request's decode worker is the one holding most of its
-prompt (not re-sent), its prefill worker priced the same way. `least-loaded` (`load`), a decode worker
-with free blocks for the prompt first. A prefill worker pairs only with a decode worker it can send KV
-to (its transport and mode). The choice and what it expected go into timings.route.
+Worker choice (--routing), the rule made once from the config (server/worker_choice.py): `kv` (the
+default, once workers report their block names): the lowest predicted TTFT, priced in milliseconds from
+the prefix each worker holds and its measured costs, under a load rule (server/kv_route.py); a
+disaggregated request's decode worker is the one holding most of its prompt (not re-sent), its prefill
+worker priced the same way. `least-loaded`, a decode worker with free blocks for the prompt first. A
+prefill worker pairs only with a decode worker it can send KV to (its transport and mode). The choice
+and what it expected go into timings.route.
 
 A new policy: its member in protocol/enums.py Policy, its plan class in server/plans.py PLANS, and its
 choice here in Planner._choose. /health, the CLI's and the API's choices and the metrics' labels follow
@@ -30,29 +31,16 @@ from dataclasses import replace
 from typing import Callable
 
 from pdserve.protocol import control as P
-from pdserve.protocol.enums import Policy, Role
+from pdserve.protocol.enums import Policy, Role, Routing
 from pdserve.server.admission import Admission, unavailable
 from pdserve.server.errors import APIError
 from pdserve.server.job import Job
-from pdserve.server.kv_route import Estimate, auto_policy, choose, not_overloaded, reporting
+from pdserve.server.kv_route import Estimate, auto_policy
 from pdserve.server.metrics import Metrics
 from pdserve.server.plans import PLANS, ColocatedPlan, DisaggregatedPlan, RequestPlan
 from pdserve.server.pool import NoWorker, WorkerPool, WorkerState
+from pdserve.server.worker_choice import CHOICES
 from pdserve.settings.router import RouterConfig
-
-
-# ---- worker choice --------------------------------------------------------------------------------
-
-def load(w: WorkerState) -> tuple[int, int]:
-    """Smaller is less loaded: requests the router has in flight there (exact, immediate), then the
-    worker's own queue as of its last heartbeat, then more free blocks."""
-    return (len(w.inflight) + w.queue_depth, -w.free_blocks)
-
-
-def least_loaded(workers: list[WorkerState], need_blocks: int = 0) -> WorkerState:
-    """The least loaded of `workers` (not empty), of those with need_blocks free if any has them."""
-    roomy = [w for w in workers if w.free_blocks >= need_blocks]
-    return min(roomy or workers, key=load)
 
 
 def named(est: Estimate | None) -> dict[str, list[bytes]]:
@@ -69,13 +57,15 @@ class Planner:
 
     def __init__(self, cfg: RouterConfig, pool: WorkerPool, admission: Admission, metrics: Metrics):
         self.cfg, self.pool, self.admission, self.metrics = cfg, pool, admission, metrics
+        self.choice = CHOICES[Routing(cfg.routing)](pool.kv)  # --routing: who takes each part of a request
 
     def resolve(self, requested: str | None, prompt_tokens: int) -> Policy:
         return self.decide(requested, list(range(prompt_tokens)))[0]
 
     def decide(self, requested: str | None, prompt_ids: list[int]) -> tuple[Policy, str | None]:
-        """(policy, why: policy auto only). Auto, when the workers report: from the measured costs
-        (server/kv_route.py auto_policy); without reports: the prompt's length against --auto-threshold.
+        """(policy, why: policy auto only). Auto, when the worker choice prices the workers from their
+        reports: from the measured costs (server/kv_route.py auto_policy); else the prompt's length against
+        --auto-threshold.
         Counted in pdserve_auto_decisions; the why goes into timings.route.auto."""
         policy = Policy(requested or self.cfg.policy)
         if policy is not Policy.AUTO:
@@ -83,7 +73,7 @@ class Planner:
         colocated, prefills = self.pool.alive(Role.COLOCATED), self.pool.alive(Role.PREFILL)
         policy, reason, why = auto_policy(self.servable(Policy.COLOCATED), self.servable(Policy.DISAGGREGATED),
                                           colocated, prefills, self.pool.kv, prompt_ids, self.cfg.auto_threshold,
-                                          self.cfg.routing == "kv")
+                                          self.choice.priced(colocated + prefills))
         return self._decided(policy, reason, why)
 
     def _decided(self, policy: Policy, reason: str, why: str) -> tuple[Policy, str]:
@@ -114,7 +104,7 @@ class Planner:
             ticket.release()
             raise
         plan.ticket = ticket
-        self.metrics.routed.labels("least-loaded" if plan.estimate is None else "kv").inc()
+        self.metrics.routed.labels(Routing.LEAST_LOADED if plan.estimate is None else Routing.KV).inc()
         if self.cfg.migrate:
             plan.migrate = self._migration
         return plan
@@ -135,26 +125,14 @@ class Planner:
 
     def _choose(self, policy: Policy, job: Job, without: str | None = None,
                 fallback: Callable[[DisaggregatedPlan], RequestPlan | None] | None = None) -> RequestPlan:
-        """The plan of `policy` for `job` on the workers the choice rule picks now, leaving out the
+        """The plan of `policy` for `job` on the workers the worker choice picks now, leaving out the
         decode worker `without`; raises NoWorker."""
         if policy == Policy.COLOCATED:
-            workers = self._alive(Role.COLOCATED)
-            est = self._kv_choice(workers, job)
-            return ColocatedPlan(job, est.worker if est else least_loaded(workers), estimate=est,
-                                 kv_names=named(est))
+            worker, est = self.choice.worker(self._alive(Role.COLOCATED), job)
+            return ColocatedPlan(job, worker, estimate=est, kv_names=named(est))
         prefill, decode, est, held = self._pair(job, without)
         return DisaggregatedPlan(job, prefill, decode, fallback=fallback, estimate=est,
                                  kv_names=named(est) | named(held))
-
-    def _kv_choice(self, workers: list[WorkerState], job: Job) -> Estimate | None:
-        """The KV-aware choice among `workers` (None: --routing least-loaded, or none reports yet); the
-        tokens it expects to compute there count as ahead of the next request until its first token."""
-        if self.cfg.routing != "kv" or not reporting(workers, self.pool.kv):
-            return None
-        est = choose(workers, self.pool.kv, job.prompt_ids)
-        est.worker.pending[job.request_id] = est.uncached_tokens
-        est.worker.chosen += 1
-        return est
 
     def _fallback(self, failed: DisaggregatedPlan) -> RequestPlan | None:
         """Where a disaggregated request that failed before its first token runs once more: another pair
@@ -196,10 +174,9 @@ class Planner:
 
     def _pair(self, job: Job, without: str | None = None) \
             -> tuple[WorkerState, WorkerState, Estimate | None, Estimate | None]:
-        """(prefill, decode, the prefill's estimate, the decode's): of the decode workers some prefill worker
-        can send KV to and with free blocks for the prompt (any, if none has them), the one that holds most
-        of the prompt (kv; within the load rule) else the least loaded; then its prefill worker by the same
-        choice."""
+        """(prefill, decode, the prefill's estimate, the decode's): the worker choice's decode worker, of those
+        some prefill worker can send KV to (with free blocks for the prompt first); then its prefill worker,
+        by the same choice."""
         prompt_tokens = len(job.prompt_ids)
         decodes = [d for d in self._alive(Role.DECODE) if d.id != without]
         paired = [d for d in decodes if self._prefills_for(d)]
@@ -208,16 +185,9 @@ class Planner:
             raise NoWorker(f"no prefill worker matches a decode worker's transport and mode (decode: {have}); "
                            f"start prefill workers with the same --transport and --mode")
         need = P.blocks_for(prompt_tokens, min(d.info.block_size for d in paired))
-        decode, kept = least_loaded(paired, need), None
-        if self.cfg.routing == "kv" and reporting(paired, self.pool.kv):
-            held = {d.id: choose([d], self.pool.kv, job.prompt_ids)
-                    for d in not_overloaded([d for d in paired if d.free_blocks >= need] or paired)}
-            decode = max((self.pool.workers[i] for i in held), key=lambda d: (
-                sum(held[d.id].cached.values()), -load(d)[0], d.free_blocks))
-            kept = held[decode.id]
-        prefills = self._prefills_for(decode)
-        est = self._kv_choice(prefills, job)
-        return (est.worker if est else least_loaded(prefills)), decode, est, kept
+        decode, held = self.choice.decode(paired, need, job)
+        prefill, est = self.choice.worker(self._prefills_for(decode), job)
+        return prefill, decode, est, held
 
     def _prefills_for(self, d: WorkerState) -> list[WorkerState]:
         return [p for p in self.pool.alive(Role.PREFILL) if p.can_send_kv_to(d)]

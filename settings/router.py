@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pdserve.settings.keys import RouterKeys
 from pdserve.settings.worker import MODEL_HELP
-from pdserve.protocol.enums import POLICIES, ROLES
+from pdserve.protocol.enums import POLICIES, ROLES, ROUTINGS
 from pdserve.settings.flags import flag
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt is under 1 MB of text or of token ids
@@ -49,7 +49,7 @@ class RouterConfig:
     auto_threshold: int = flag(256, "auto policy: prompts shorter than this many tokens stay colocated")
     routing: str = flag("kv", "worker choice: kv (the lowest predicted TTFT from the prefix each worker holds and "
                         "its measured costs; least loaded until workers report) or least-loaded",
-                        choices=("kv", "least-loaded"))
+                        choices=ROUTINGS)
     # told to workers at registration
     heartbeat_interval_s: float = flag(1.0, "seconds between worker heartbeats", name="--heartbeat-interval")
     heartbeat_misses: int = flag(3, "missed heartbeats before a worker is dropped")
@@ -116,6 +116,8 @@ class RouterConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_misses < 1:
             raise ValueError("heartbeat interval must be positive and misses at least 1")
         if self.max_body_bytes < 1024:

@@ -20,7 +20,8 @@ from pdserve.server.errors import APIError, worker_failed
 from pdserve.server.metrics import Metrics
 from pdserve.server.pool import WorkerState
 from pdserve.server.plans import ColocatedPlan, DisaggregatedPlan
-from pdserve.server.routing import Planner, load
+from pdserve.server.routing import Planner
+from pdserve.server.worker_choice import load
 
 THRESHOLD = 8
 
