@@ -15,8 +15,13 @@ import pytest
 pytestmark = pytest.mark.timeout(400)
 
 POLICIES = ("colocated", "disaggregated")
-PROMPT = "The capital of France is"
-MESSAGES = [{"role": "user", "content": "Name three colours."}]
+# Prompts no other test sends: the server is shared, and a prefix one worker cached from another module's
+# request (and the other did not) is prefilled through other kernels on that worker alone, so the two
+# policies' floats differ in their last bits (seen when test_client_shapes and test_logprobs ran first).
+# A chat prompt shares its template's opening with every other chat request: test_chat_... sends it to
+# both policies once before it compares, so both workers hold the same cached blocks of it.
+PROMPT = "The capital of Portugal is"
+MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +46,7 @@ def test_chat_logprobs_are_the_same_on_both_policies(oai):
         c = r.choices[0]
         return (c.message.content, [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
                                     for t in c.logprobs.content])
+    both(ask)  # each policy's worker caches the prompt's full blocks: the compared requests reuse the same
     got = both(ask)
     assert got["colocated"] == got["disaggregated"]
     text, entries = got["colocated"]
