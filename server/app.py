@@ -40,6 +40,7 @@ from pdserve.protocol.sampling import MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS, MAX_LO
 from pdserve.server import responses
 from pdserve.server.admission import AdmittedStream, Tickets, workers_pace
 from pdserve.server.api_docs import docs_page, openapi_body
+from pdserve.server.apis import CHAT, COMPLETIONS, MESSAGE_CHARS, Api
 from pdserve.server.body import parse_body
 from pdserve.server.dispatch import Dispatcher
 from pdserve.server.errors import APIError, bad_request, unknown_model
@@ -61,7 +62,6 @@ log = logging.getLogger("pdserve.router")
 
 LONG_TEXT_CHARS = 8192  # longer prompts are tokenized off the event loop
 LONG_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
-MESSAGE_CHARS = 64  # what one chat message costs the template and tokenizer beyond its text, roughly
 DETOKENIZE_MAX = 131072  # /detokenize's bound on ids while no worker has said its context
 OFF_LOOP_THREADS = 2  # parsing and tokenizing threads: bounds the memory hostile bodies can take at once
 
@@ -121,23 +121,20 @@ class Router:
 
     # ---- one request ------------------------------------------------------------------------------
 
-    async def prepare(self, kind: str, req: CompletionRequest | ChatRequest, request_id: str,
+    async def prepare(self, api: Api, req: CompletionRequest | ChatRequest, request_id: str,
                       clock: Clock) -> Job:
         req.check()
         self._check_model(req.model)
         prompt = req.prompt_input()
-        param = "messages" if kind == "chat" else "prompt"
+        param = api.prompt_field
         context = self.pool.max_model_len()
-        if kind == "chat":
-            chars = sum(len(m["content"]) for m in prompt)
-            self._check_fits(chars, context, param)
-            ids = await self._off_loop(lambda p: req.encode(self.encoder, p), prompt,
-                                       chars + MESSAGE_CHARS * len(prompt))
-        elif isinstance(prompt, str):
-            self._check_fits(len(prompt), context, param)
-            ids = await self._off_loop(lambda p: req.encode(self.encoder, p), prompt, len(prompt))
-        else:
+        size = api.prompt_size(prompt)
+        if size is None:  # token ids
             ids = self.encoder.check_ids(prompt)
+        else:
+            chars, work = size
+            self._check_fits(chars, context, param)
+            ids = await self._off_loop(lambda p: req.encode(self.encoder, p), prompt, work)
         # truncate_prompt_tokens; the token ids the request names checked, its bad words tokenized
         ids = await self._off_loop(lambda i: req.prepared_ids(i, context, self.encoder), ids, req.named_size())
         if not ids:
@@ -154,7 +151,7 @@ class Router:
                                   f"{context} tokens of context; ask for at most {context - n}", "max_tokens",
                                   "context_length_exceeded")
         if max_tokens is None:
-            default = self.cfg.default_chat_max_tokens if kind == "chat" else self.cfg.default_max_tokens
+            default = api.default_max_tokens(self.cfg)
             max_tokens = default if context is None else min(default, context - n)
         clock.prepared = time.monotonic()  # the end of the `parse` phase
         return Job(request_id, ids, req.sampling(max_tokens), req.policy, clock)
@@ -173,21 +170,21 @@ class Router:
             return fn(arg)
         return await asyncio.get_running_loop().run_in_executor(self._work, fn, arg)
 
-    async def handle(self, kind: str, http: Request) -> Response:
+    async def handle(self, api: Api, http: Request) -> Response:
         clock = Clock.start()  # arrival: parsing and tokenizing count as the router's queue time
         self.require_key(http)
-        cls = ChatRequest if kind == "chat" else CompletionRequest
+        cls = api.request
         raw = await self.read_body(http)
         parse = (lambda body: parse_body(body, cls, self.field_sizes))
         req = parse(raw) if len(raw) < LONG_BODY_BYTES else await self.heavy.run(self._work, parse, raw)
-        rid = responses.new_id(kind)
+        rid = api.new_id()
         http.state.request_id = rid  # the response's x-request-id (server/request_id.py)
-        job = await self.prepare(kind, req, rid, clock)
+        job = await self.prepare(api, req, rid, clock)
         plans = self.planner.plan_all(fan_out(job, req.n))
         tickets = Tickets([p.ticket for p in plans])
-        choices = self._choices(kind, req, job)
+        choices = self._choices(api, req, job)
         if req.stream:
-            events = completion_events(kind, req.response_id(rid), self.cfg.served_name, len(job.prompt_ids),
+            events = completion_events(api, req.response_id(rid), self.cfg.served_name, len(job.prompt_ids),
                                        req.stream_options, choices, workers_pace(self.dispatcher.execute_all(plans)))
             return AdmittedStream(events, tickets, self.cfg.send_timeout_s,
                                   media_type="text/event-stream",
@@ -217,17 +214,17 @@ class Router:
             return Response(status_code=499)
         work.result()  # raises the request's APIError, if any
         return JSONResponse(responses.response_body(
-            kind, req.response_id(rid), responses.now_s(), self.cfg.served_name, [c.body() for c in choices],
+            api, req.response_id(rid), responses.now_s(), self.cfg.served_name, [c.body() for c in choices],
             len(job.prompt_ids), sum(len(d.token_ids) for d in dones), dones[0].timings))
 
-    def _choices(self, kind: str, req: CompletionRequest | ChatRequest, job: Job) -> list[responses.ChoiceBuilder]:
+    def _choices(self, api: Api, req: CompletionRequest | ChatRequest, job: Job) -> list[responses.ChoiceBuilder]:
         """One builder per choice: logprobs if asked, the prompt's text first if echoed (completions)."""
         logprobs = job.sampling.logprobs is not None
         echo = None
-        if kind != "chat" and req.echo:
+        if api.echoes(req):
             prompt = req.prompt_input()
             echo = prompt if isinstance(prompt, str) else self.encoder.decode(job.prompt_ids)
-        return [responses.ChoiceBuilder(kind, i, self._token_text, logprobs, req.return_token_ids, echo, job.prompt_ids)
+        return [responses.ChoiceBuilder(api, i, self._token_text, logprobs, req.return_token_ids, echo, job.prompt_ids)
                 for i in range(req.n)]
 
     def _token_text(self, token_id: int) -> str:
@@ -367,11 +364,11 @@ def create_app(cfg: RouterConfig, tokenizer) -> FastAPI:
 
     @app.post("/v1/completions", openapi_extra=completion_body)
     async def completions(request: Request):
-        return await router.handle("completion", request)
+        return await router.handle(COMPLETIONS, request)
 
     @app.post("/v1/chat/completions", openapi_extra=chat_body)
     async def chat_completions(request: Request):
-        return await router.handle("chat", request)
+        return await router.handle(CHAT, request)
 
     @app.get("/v1/models")
     async def models(request: Request):

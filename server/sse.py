@@ -1,7 +1,7 @@
 """A completion streamed as server-sent events (OpenAI's chunk stream), from its choices' Token and Done
 events as the dispatcher runs them.
 
-    completion_events(kind, rid, model, prompt_tokens, options, choices, events) -> the stream's text
+    completion_events(api, rid, model, prompt_tokens, options, choices, events) -> the stream's text
         one event per token; a choice's last token and its finish reason in one event; the last event
         carries the usage (the prompt counted once) and pdserve's timings (choice 0's); then
         `data: [DONE]`. stream_options: OpenAI's include_usage (every event says "usage": null, and a
@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from pdserve.protocol.timings import Timings
 from pdserve.server import responses
+from pdserve.server.apis import Api
 from pdserve.server.errors import APIError
 from pdserve.server.job import Done, Token
 from pdserve.server.requests import StreamOptions
@@ -24,7 +25,7 @@ from pdserve.server.requests import StreamOptions
 log = logging.getLogger("pdserve.router")
 
 
-async def completion_events(kind: str, rid: str, model: str, prompt_tokens: int, options: StreamOptions | None,
+async def completion_events(api: Api, rid: str, model: str, prompt_tokens: int, options: StreamOptions | None,
                             choices: list[responses.ChoiceBuilder],
                             events: AsyncIterator[tuple[int, Token | Done]]) -> AsyncIterator[str]:
     created = responses.now_s()
@@ -43,14 +44,14 @@ async def completion_events(kind: str, rid: str, model: str, prompt_tokens: int,
                 if event.last:  # the Done follows at once: one final event carries both
                     held[i] = (text, [event.token_id])
                 else:
-                    body = responses.chunk_body(kind, rid, created, model, c.delta(text, [event.token_id]),
+                    body = responses.chunk_body(api, rid, created, model, c.delta(text, [event.token_id]),
                                                 null_usage=usage_event)
                     if continuous:
                         body["usage"] = responses.usage(prompt_tokens, generated)
                     yield event_text(body)
                 continue
             text, ids = held.pop(i, ("", []))
-            body = responses.chunk_body(kind, rid, created, model, c.delta(text, ids, event.finish_reason),
+            body = responses.chunk_body(api, rid, created, model, c.delta(text, ids, event.finish_reason),
                                         null_usage=usage_event)
             if continuous:
                 body["usage"] = responses.usage(prompt_tokens, generated)
@@ -62,7 +63,7 @@ async def completion_events(kind: str, rid: str, model: str, prompt_tokens: int,
                 continue
             if usage_event:
                 yield event_text(body)
-                body = responses.usage_chunk_body(kind, rid, created, model)
+                body = responses.usage_chunk_body(api, rid, created, model)
             # the prompt counted once (and its cached tokens: choice 0's)
             body["usage"] = responses.usage(prompt_tokens, completion_tokens, timings.cached_tokens)
             body["timings"] = timings.to_dict()
