@@ -12,7 +12,8 @@
 # $OUT/check-gpu.tgz.
 #
 #   bench/run_check_gpu.sh                       # every part
-#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk, decode, cut, lazy)
+#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk, decode, cut, lazy, fuse)
+#   PARTS=decode,fuse bench/run_check_gpu.sh     # the decode step with two gate/up products, then one
 #   PARTS=start,lazy bench/run_check_gpu.sh      # the start with every decode graph, then --decode-graphs lazy
 #   CHUNK_PROMPT=32k CHUNK_TOKENS=8192 bench/run_check_gpu.sh
 source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES
@@ -63,6 +64,11 @@ if has lazy; then  # decode graphs at start (the default) against the largest at
     --decode-graphs lazy --cache-dir "$LAZY_CACHE" --out "$RESULTS/lazy-start-cold.json"
   part lazy-start-warm 150 "$PYTHON" -m pdserve.bench.cli start --model "$MODEL" --device "$DEVICE" \
     --decode-graphs lazy --cache-dir "$LAZY_CACHE" --out "$RESULTS/lazy-start-warm.json"
+fi
+if has fuse; then  # the decode step with one gate/up projection per MLP, against the decode part's (two)
+  part fuse-decode 240 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths 1k \
+    --pairs 1 --batches 1,32 --contexts 1k,16k --mixed-batch 0 --hf-decode-context 0 --chunk-decodes 0 \
+    --mixed-step '' --repeats 20 --fuse-gate-up --out "$RESULTS/fuse-decode.json"
 fi
 if has cut; then
   CUT_CACHE=$(mktemp -d)

@@ -81,6 +81,9 @@ class EngineConfig:
     # turns fuse_qkv off too (workers/cli.py)
     compile: bool = flag(True, "CUDA: run decoder layers eagerly (no torch.compile, no fused Q/K/V)")
     fuse_qkv: bool = True  # CUDA: one Q/K/V projection instead of three (fusion.py)
+    # CUDA: one gate/up projection in each MLP instead of two (fusion.py); off until the engine bench's A/B
+    # of the decode step on a GPU measures it (bench/run_check_gpu.sh PARTS=fuse)
+    fuse_gate_up: bool = flag(False, "CUDA: one gate/up projection in each MLP instead of two (fusion.py)")
     cuda_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (False: eager, for debugging)
     # steps with prompt tokens run piecewise (workers/engine/graphs.py, MixedGraphs: the dense segments between
     # the attention calls) up to a chunk and the decodes beside it; those of up to this many tokens replay the

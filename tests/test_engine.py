@@ -330,10 +330,11 @@ def test_a_prompt_alone_in_chunks_equals_one_prefill():
 
 
 @pytest.mark.parametrize("name", ["tiny", "smollm2-135m"])
-def test_fused_qkv_gives_the_same_tokens_and_logits(name):
-    """The CUDA engine's one-projection attention (fusion.py) computes what transformers' own
-    forward does; checked here on the CPU in float32, with chunked prefill and decodes mixed."""
-    from pdserve.workers.engine.fusion import fuse_qkv
+def test_fused_projections_give_the_same_tokens_and_logits(name):
+    """The CUDA engine's one-projection attention and one gate/up projection per MLP (fusion.py)
+    compute what transformers' own forward does; checked here on the CPU in float32, with chunked
+    prefill and decodes mixed."""
+    from pdserve.workers.engine.fusion import fuse_gate_up, fuse_qkv
 
     prompts = prompts_of_lengths(reference(name).tokenizer, [5, 40, 23])
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -342,7 +343,9 @@ def test_fused_qkv_gives_the_same_tokens_and_logits(name):
     want_logits = run_collect(plain, want)
     fused_engine = make_engine(name, chunk_tokens=16)
     layers = fused_engine.model.config.num_hidden_layers
-    assert fuse_qkv(fused_engine.model) == layers
+    assert fuse_qkv(fused_engine.model) == layers and fuse_gate_up(fused_engine.model) == layers
+    mlp = fused_engine.model.model.layers[0].mlp
+    assert not hasattr(mlp, "gate_proj") and mlp.gate_up_proj.out_features == 2 * mlp.down_proj.in_features
     got = [Request(f"a{i}", p, params, return_logits=True) for i, p in enumerate(prompts)]
     got_logits = run_collect(fused_engine, got)
     for w, g in zip(want, got):

@@ -29,7 +29,7 @@ from pdserve.workers import cli as W
 
 WORKER_FLAGS = {
     "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--decode-graphs", "--device",
-    "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
+    "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--fuse-gate-up", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
     "--kv-checksum", "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-streams", "--log-level",
     "--max-batched-tokens", "--max-model-len", "--max-num-seqs", "--mode", "--model", "--no-chunked-prefill", "--no-compile", "--no-prefix-cache",
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
@@ -112,6 +112,11 @@ def test_parsed_flags_build_the_configs():
     assert (cfg.engine.compile, cfg.engine.fuse_qkv, cfg.engine.dtype, cfg.engine.threads) == (False, False,
                                                                                               "float16", 2)
     assert (cfg.transfer.port, cfg.transfer.deadline_s, cfg.transfer.transport) == (7300, 5.0, "zmq")
+    on = W.worker_config(W.serve_parser().parse_args(["--role", "decode", "--keys", "/k", "--fuse-gate-up"]))
+    off = W.worker_config(W.serve_parser().parse_args(["--role", "decode", "--keys", "/k", "--fuse-gate-up",
+                                                       "--no-compile"]))
+    assert on.engine.fuse_gate_up and not off.engine.fuse_gate_up  # --no-compile drops the fused projections
+    assert not W.worker_config(W.serve_parser().parse_args(["--role", "decode", "--keys", "/k"])).engine.fuse_gate_up
     assert not cfg.warmup and not cfg.engine.kv_shared  # /dev/shm only for ipc
     with pytest.raises(SystemExit):
         W.serve_parser().parse_args(["--keys", "/k"])  # --role is required without --worker-config

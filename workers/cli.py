@@ -30,9 +30,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, base: EngineConfig | None =
 
 
 def engine_config(args, base: EngineConfig | None = None, **given) -> EngineConfig:
-    """The EngineConfig of the parsed flags (on top of `base`); --no-compile drops the fused Q/K/V too."""
+    """The EngineConfig of the parsed flags (on top of `base`); --no-compile drops the fused projections too."""
     cfg = from_args(EngineConfig, args, base=base, **given)
-    return replace(cfg, fuse_qkv=cfg.fuse_qkv and cfg.compile)
+    return replace(cfg, fuse_qkv=cfg.fuse_qkv and cfg.compile, fuse_gate_up=cfg.fuse_gate_up and cfg.compile)
 
 
 def serve_parser(base: WorkerConfig | None = None) -> argparse.ArgumentParser:

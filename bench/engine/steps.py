@@ -90,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-graph-forward", default=None, choices=DECODE_GRAPH_FORWARDS,
       help="what the decode graphs run: cut (the piecewise segments) or layers (transformers' forward); "
            "default: the engine's")
+    a("--fuse-gate-up", action="store_true",
+      help="one gate/up projection in each MLP (EngineConfig.fuse_gate_up; off by default): the A/B of it")
     a("--kv-memory-gb", type=float, default=None, help="cap the decode points' KV pool (GiB); default: sized from them")
     a("--reserve-gb", type=float, default=20.0,
       help="CUDA: memory left free beside the pool for activations, graphs, transformers' cache (default 20)")
@@ -271,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
                  max_batched_tokens=max(8192, max(lengths)), max_model_len=max(max_len, loaded.max_model_len))
     if args.decode_graph_forward:
         shape["decode_graph_forward"] = args.decode_graph_forward
+    if args.fuse_gate_up:
+        shape["fuse_gate_up"] = True
     if chunk:
         shape["chunk_tokens"] = chunk_tokens
     engine = make_engine(loaded, device, dtype, chunked_prefill=True, **shape)
@@ -325,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats, "warmup": args.warmup, "pairs": args.pairs,
             "lengths": lengths, "batches": batches, "contexts": contexts, "model_load_s": round(load_s, 2),
             "decode_graph_forward": args.decode_graph_forward or EngineConfig().decode_graph_forward,
+            "fuse_gate_up": bool(args.fuse_gate_up),
             "run_s": round(time.monotonic() - t_start, 1),
             "roofline_method": "one copy_ of N/2 bytes into N/2 bytes (N = weights a step reads + the batch's KV "
                                "bytes): N bytes of memory traffic; the median over the copies at the start and the "

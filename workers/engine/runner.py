@@ -58,7 +58,7 @@ def compile_decoder_layers(model) -> None:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, config: EngineConfig, max_model_len: int):
         """What the config asks of the forward (kernels, graphs, compiled and fused layers) is taken as
-        this device allows: on the CPU, no CUDA graphs, no compile, no fused Q/K/V, and the widening
+        this device allows: on the CPU, no CUDA graphs, no compile, no fused projections, and the widening
         products' weights stored transposed (cpu_weights.py). The pool's last
         block is the scratch block (padding rows of a graphed batch write there)."""
         cuda = kv.device.type == "cuda"
@@ -81,6 +81,8 @@ class ModelRunner:
         self.placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         if config.fuse_qkv and cuda:
             fusion.fuse_qkv(model)
+        if config.fuse_gate_up and cuda:
+            fusion.fuse_gate_up(model)
         if not cuda:  # small-batch products that widen, transposed (cpu_weights.py)
             cpu_weights.transpose_wide(model)
         self.build_forwards(config, max_model_len, decode_graphs=cuda_graphs, mixed_graphs=cuda_graphs,
