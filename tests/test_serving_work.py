@@ -98,3 +98,24 @@ def test_a_real_worker_start_reports_nothing_after_ready():
     [req] = engine.generate([list(range(3, 40))], SamplingParams(max_tokens=4, ignore_eos=True))
     assert req.error is None and time.monotonic() - t < 30
     assert work.take(engine) is None
+
+
+def test_the_load_report_names_the_warnings_an_arms_server_logged(tmp_path):
+    from pdserve.bench.load import report, session
+
+    (tmp_path / "server-a.log").write_text(
+        "2026-12-06 20:18:59,466 INFO pdserve.worker: colocated-0: colocated on cuda:0 ... ready\n"
+        "2026-12-06 20:19:09,755 WARNING pdserve.worker: colocated-0: start-up work while serving (the steps "
+        "waited for it): 1 torch.compile frame 2.10 s; Triton _paged_attention 0.61 s\n"
+        "2026-12-06 20:19:19,757 INFO pdserve.worker: colocated-0: prompt throughput 19840.1 tokens/s\n")
+    info = {"label": "a", "policy": "colocated", "server": {"command": "pdserve ...", "log": "server-a.log",
+                                                            "startup_s": 41.0}}
+    session.serving_work(SimpleNamespace(out=tmp_path), info)
+    assert info["server"]["serving_work_count"] == 1 and "Triton _paged_attention" in info["server"]["serving_work"][0]
+    [line] = report._arm_lines({"arms": [info]})
+    assert ("**1 warning(s) of start-up work while serving** in its log (the first: 1 torch.compile frame 2.10 s; "
+            "Triton _paged_attention 0.61 s)") in line
+    quiet = {"label": "b", "server": {"command": "pdserve ...", "log": "server-b.log", "startup_s": 5.0}}
+    (tmp_path / "server-b.log").write_text("nothing of the kind\n")
+    session.serving_work(SimpleNamespace(out=tmp_path), quiet)
+    assert quiet["server"]["serving_work_count"] == 0 and "start-up work" not in report._arm_lines({"arms": [quiet]})[0]

@@ -128,6 +128,11 @@ def _arm_lines(run: dict) -> list[str]:
             continue
         if arm.get("server", {}).get("startup_s") is not None:
             text += f" (ready in {arm['server']['startup_s']:.0f} s, log {arm['server']['log']})"
+        work = arm.get("server", {}).get("serving_work")
+        if work:  # compiles or graph captures after ready, each of which held a step (workers/engine/compiles.py)
+            first = work[0].rsplit("): ", 1)[-1]  # the warning's text after "... (the steps waited for it): "
+            text += (f"; **{arm['server']['serving_work_count']} warning(s) of start-up work while serving** "
+                     f"in its log (the first: {first})")
         w = arm.get("warmup")
         if w:
             medians = ", ".join(f"{m:.0f}" for m in w["median_ttft_ms"])

@@ -301,6 +301,22 @@ async def settle(client, timeout_s: float = SETTLE_TIMEOUT_S, every_s: float = 0
         await asyncio.sleep(every_s)
 
 
+SERVING_WORK = "start-up work while serving"  # a worker's warning (workers/engine/compiles.py)
+
+
+def serving_work(session: Session, info: dict) -> None:
+    """The workers' warnings of start-up work after ready (a compile, a graph capture: each held a step),
+    read from the arm's server log once the server stopped, into info["server"]: a cold run's likely cause."""
+    server = info.get("server")
+    if not server or not server.get("log"):
+        return
+    path = session.out / server["log"]
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if SERVING_WORK in line] \
+        if path.exists() else []
+    server["serving_work_count"] = len(lines)
+    server["serving_work"] = lines[:20]
+
+
 async def _arm_client(session: Session, arm, stack):
     """A client for the arm's server, starting the server first when the arm has its own."""
     from pdserve.client import AsyncClient
@@ -385,6 +401,7 @@ async def _run_arm(session: Session, arm, points) -> tuple[dict, list[dict]]:
         else:
             for point in points:
                 blocks.append(await session.measure(client, arm, point))
+    serving_work(session, info)
     return info, blocks
 
 
