@@ -152,3 +152,23 @@ def test_the_plan_takes_the_shared_slowdowns_of_another_gpu(tmp_path, capsys):
     for bad, says in (("2,2", "DECODE,PREFILL,EXTRA_MS"), ("0.5,2,0", "factor >= 1")):
         assert cli.main(base + ["--shared-slowdowns", bad]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_a_colocated_arm_replays_and_a_stopped_probe_is_named_not_replayed(tmp_path):
+    """`--colocated CHUNK` replays a colocated arm's runs through that split (bench/results/defaults-gpu-b051920,
+    the H200 default arm: its first probe stopped early and is left out by its rate); the measured side is the
+    run's own outcome."""
+    results = ROOT / "bench/results/defaults-gpu-b051920/mixed/default/results.json"
+    engine = ROOT / "bench/results/engine-nvidia-h200-2026-12-06-b051920.json"
+    out = tmp_path / "replay.json"
+    assert plan_shared.main([str(results), "--profile", str(engine), "--arm", "default", "--colocated", "8192",
+                             "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["split"] == "colocated x1 chunk 8192" and got["left_out_rates"] == [10.0]
+    assert [r["rate"] for r in got["runs"]] == [5.0, 7.5, 8.75, 9.375]
+    data = json.loads(results.read_text())
+    block = next(b for b in data["results"] if b["request_rate"] == 5.0)
+    ttft = sorted(r["ttft_s"] * 1e3 for r in block["requests"])
+    assert got["runs"][0]["measured"]["ttft_p50"] == pytest.approx(float(np.percentile(ttft, 50)))
+    assert all(r["simulated"]["ttft_p50"] > 0 for r in got["runs"])
+    assert plan_shared.main([str(results), "--profile", str(engine), "--arm", "nobody", "--colocated", "0"]) == 2

@@ -9,6 +9,8 @@ and, for a prefill and a decode worker sharing one GPU, the pace each side kept 
     python -m pdserve.bench.load.plan_shared RESULTS.json --profile ENGINE.json [--arm A] [--out sharing.json]
                                          both, for a 1P:1D arm on one GPU: the slowdowns it measured and its runs
                                          replayed under an even half, the planner's defaults and those slowdowns
+    ... --arm A --colocated CHUNK        a colocated arm's runs replayed (chunk budget CHUNK, 0: unchunked)
+Runs that did not answer every request (a probe stopped early) are left out of both, and named.
 
 A block is one entry of results.json's "results" with its per-request records ("requests": scheduled_s,
 prompt_len, output_len, ttft_s, itls_s, e2e_s and the server's timings). Everything is read on the client's
@@ -147,11 +149,29 @@ def sharing(blocks: list[dict], profile: Profile) -> dict:
 EVEN_HALF = {"shared_decode_slowdown": 2.0, "shared_prefill_slowdown": 2.0, "shared_prefill_extra_ms": 0.0}
 
 
-def report(results: dict, profile: Profile, arm: str, max_batched_tokens: int) -> dict:
-    """The arm's measured slowdowns, and its runs replayed under an even half, the defaults and those."""
+def _runs(results: dict, arm: str) -> tuple[list[dict], list[float]]:
+    """The arm's runs that answered every request (replayable), and the rates of those that did not (a probe
+    stopped early, failed requests): a simulation runs every request to its end, so those are left out."""
     blocks = [b for b in results["results"] if b["arm"] == arm]
     if not blocks:
         raise ValueError(f"no runs of arm {arm!r} (arms: {sorted({b['arm'] for b in results['results']})})")
+    whole = [b for b in blocks if all(r["success"] for r in b["requests"])]
+    if not whole:
+        raise ValueError(f"arm {arm!r}: every run has failed or stopped requests: nothing to replay")
+    return whole, [b["request_rate"] for b in blocks if b not in whole]
+
+
+def replay_report(results: dict, profile: Profile, arm: str, split: Split) -> dict:
+    """A colocated arm's runs replayed through `split`: measured beside simulated, run by run."""
+    blocks, skipped = _runs(results, arm)
+    return {"results": arm, "profile": profile.source, "split": split.label,
+            "runs": [compare(b, split, profile, results["slos_ms"]) for b in blocks],
+            "left_out_rates": skipped}
+
+
+def report(results: dict, profile: Profile, arm: str, max_batched_tokens: int) -> dict:
+    """The arm's measured slowdowns, and its runs replayed under an even half, the defaults and those."""
+    blocks, skipped = _runs(results, arm)
     fit = sharing(blocks, profile)
     measured = {"shared_decode_slowdown": max(1.0, fit["decode_slowdown"]),
                 "shared_prefill_slowdown": max(1.0, fit["prefill_slowdown"]),
@@ -167,7 +187,7 @@ def report(results: dict, profile: Profile, arm: str, max_batched_tokens: int) -
             row[name] = compare(block, split, profile, results["slos_ms"])
         runs.append(row)
     return {"results": arm, "profile": profile.source, "sharing": fit, "measured_split_fields": measured,
-            "runs": runs}
+            "runs": runs, "left_out_rates": skipped}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,14 +197,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm", default="disaggregated")
     p.add_argument("--max-batched-tokens", type=int, default=Split(1, 1).max_batched_tokens,
                    help="the prefill worker's (1: one prompt a forward, as before it batched)")
+    p.add_argument("--colocated", default=None, metavar="CHUNK",
+                   help="the arm is one colocated worker with this chunk budget (0: unchunked): its runs replayed "
+                        "through it, measured beside simulated (no sharing to read)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     try:
         profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile)
-        out = report(json.loads(Path(args.results).read_text()), profile, args.arm, args.max_batched_tokens)
+        results = json.loads(Path(args.results).read_text())
+        if args.colocated is not None:
+            split = Split(0, 1, chunk=int(args.colocated), max_batched_tokens=args.max_batched_tokens)
+            out = replay_report(results, profile, args.arm, split)
+        else:
+            out = report(results, profile, args.arm, args.max_batched_tokens)
     except (OSError, KeyError, ValueError) as e:
         print(f"plan_shared: {e}", file=sys.stderr)
         return 2
+    if args.colocated is not None:
+        for c in out["runs"]:
+            print(f"{c['rate']:>6g} req/s {out['split']}: " + "  ".join(
+                f"{k} {c['measured'][k]:.1f}/{c['simulated'][k]:.1f}" for k in c["measured"]))
+        print(f"(measured/simulated; left out, stopped or failed: {out['left_out_rates'] or 'none'})")
+        return _write(args, out)
     s = out["sharing"]
     nan = float("nan")
     print(f"decode step beside a forward: {s['decode_slowdown']:.2f}x the profile ({s['decode_steps']} gaps; "
@@ -196,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             c = row[name]
             print(f"{row['rate']:>6g} req/s {name:<9} " + "  ".join(
                 f"{k} {c['measured'][k]:.1f}/{c['simulated'][k]:.1f}" for k in c["measured"]))
+    return _write(args, out)
+
+
+def _write(args, out: dict) -> int:
     if args.out:
         from pdserve.bench.provenance import collect
         out = {"provenance": collect([]), "results_file": args.results, "max_batched_tokens": args.max_batched_tokens,
