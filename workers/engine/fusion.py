@@ -54,6 +54,19 @@ def forward_fused(self, hidden_states, position_embeddings, attention_mask=None,
 
 
 @torch.no_grad()
+def _joined(projs: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the projections' outputs, in order (their weights, and biases if all
+    have one, stacked along the output dimension)."""
+    first = projs[0]
+    out = nn.Linear(first.in_features, sum(p.out_features for p in projs), bias=first.bias is not None,
+                    device=first.weight.device, dtype=first.weight.dtype)
+    out.weight.copy_(torch.cat([p.weight for p in projs]))
+    if out.bias is not None:
+        out.bias.copy_(torch.cat([p.bias for p in projs]))
+    return out
+
+
+@torch.no_grad()
 def fuse_qkv(model: nn.Module) -> int:
     fused = 0
     for module in model.modules():
@@ -63,13 +76,8 @@ def fuse_qkv(model: nn.Module) -> int:
         has_bias = [p.bias is not None for p in projs]
         if any(has_bias) and not all(has_bias):
             continue
-        qkv = nn.Linear(projs[0].in_features, sum(p.out_features for p in projs), bias=all(has_bias),
-                        device=projs[0].weight.device, dtype=projs[0].weight.dtype)
-        qkv.weight.copy_(torch.cat([p.weight for p in projs]))
-        if qkv.bias is not None:
-            qkv.bias.copy_(torch.cat([p.bias for p in projs]))
         module.qkv_sizes = [p.out_features for p in projs]
-        module.qkv_proj = qkv
+        module.qkv_proj = _joined(projs)
         del module.q_proj, module.k_proj, module.v_proj
         module.apply_rotary = importlib.import_module(type(module).__module__).apply_rotary_pos_emb
         module.forward = types.MethodType(forward_fused, module)
@@ -97,13 +105,7 @@ def fuse_gate_up(model: nn.Module) -> int:
     for module in model.modules():
         if not _mlp_fusable(module):
             continue
-        gate, up = module.gate_proj, module.up_proj
-        both = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
-                         device=gate.weight.device, dtype=gate.weight.dtype)
-        both.weight.copy_(torch.cat([gate.weight, up.weight]))
-        if both.bias is not None:
-            both.bias.copy_(torch.cat([gate.bias, up.bias]))
-        module.gate_up_proj = both
+        module.gate_up_proj = _joined([module.gate_proj, module.up_proj])
         del module.gate_proj, module.up_proj
         module.forward = types.MethodType(forward_gate_up, module)
         fused += 1
