@@ -52,11 +52,11 @@ from pdserve.protocol import auth
 from pdserve.settings import keys
 from pdserve.protocol import control as P
 from pdserve.settings.worker import WorkerConfig
+from pdserve.workers.engine.compiles import LOG_MARK, ServingWork
+from pdserve.workers.engine.compiles import describe as describe_work
 from pdserve.workers.preflight import StartupError, describe_bind_error
 from pdserve.workers.roles.kv_report import KVReport
 from pdserve.workers.status_log import StatsLine, startup_line
-from pdserve.workers.engine.compiles import ServingWork
-from pdserve.workers.engine.compiles import describe as describe_work
 from pdserve.workers.warmup import start_engine
 
 log = logging.getLogger("pdserve.worker")
@@ -297,7 +297,7 @@ class Worker:
         if taken is None:
             return None
         text = describe_work(taken)
-        log.warning("%s: start-up work while serving (the steps waited for it): %s", self.worker_id, text)
+        log.warning("%s: %s%s", self.worker_id, LOG_MARK, text)
         return text
 
     def run(self) -> int:

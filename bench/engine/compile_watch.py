@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.workers.engine.compiles import by_kernel, timing
+
 TOP = 15
 
 
@@ -66,16 +68,7 @@ class CompileWatch:
         except ImportError:
             return
         real = tc.compile
-        into = self.triton
-
-        def timed(src, *args, **kwargs):
-            t = time.monotonic()
-            try:
-                return real(src, *args, **kwargs)
-            finally:
-                into.append((getattr(src, "name", type(src).__name__), time.monotonic() - t))
-
-        tc.compile = timed
+        tc.compile = timing(real, self.triton)
         self._restore = lambda: setattr(tc, "compile", real)
         self.triton_timed = True
 
@@ -88,11 +81,7 @@ class CompileWatch:
         if self.triton_timed:
             self._restore()
         phases = {k: sum(v) - self.metrics0.get(k, 0.0) for k, v in compilation_time_metrics.items()}
-        by_kernel: dict[str, dict] = {}
-        for name, s in self.triton:
-            row = by_kernel.setdefault(name, {"compiles": 0, "s": 0.0})
-            row["compiles"] += 1
-            row["s"] += s
+        kernels = by_kernel(self.triton)
         return {
             "seconds_watched": time.monotonic() - self.began,
             "dynamo_frames_compiled": counters["frames"]["ok"] - self.frames0,
@@ -103,7 +92,7 @@ class CompileWatch:
             "dynamo_phase_s": dict(sorted(((k, v) for k, v in phases.items() if v > 0), key=lambda kv: -kv[1])[:10]),
             "triton_compiles": len(self.triton) if self.triton_timed else None,
             "triton_compile_s": sum(s for _, s in self.triton) if self.triton_timed else None,
-            "triton_by_kernel": by_kernel if self.triton_timed else None,
+            "triton_by_kernel": kernels if self.triton_timed else None,
         }
 
 

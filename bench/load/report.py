@@ -18,6 +18,7 @@ from pathlib import Path
 from pdserve.bench.load.capacity import COLD_MIN_COMPARED, COLD_RATIO, LATENESS_GROWTH_MAX, THROUGHPUT_RATIO_MIN
 from pdserve.bench.load.verdict import verdict_lines
 from pdserve.bench.load.metrics import SERVER_PHASES, pct_name
+from pdserve.workers.engine.compiles import LOG_MARK
 
 PACKAGES = ("pdserve", "httpx", "numpy", "torch", "transformers", "fastapi", "uvicorn", "nixl")
 
@@ -130,7 +131,7 @@ def _arm_lines(run: dict) -> list[str]:
             text += f" (ready in {arm['server']['startup_s']:.0f} s, log {arm['server']['log']})"
         work = arm.get("server", {}).get("serving_work")
         if work:  # compiles or graph captures after ready, each of which held a step (workers/engine/compiles.py)
-            first = work[0].rsplit("): ", 1)[-1]  # the warning's text after "... (the steps waited for it): "
+            first = work[0].split(LOG_MARK, 1)[-1]  # the warning's text, after the worker's name and the mark
             text += (f"; **{arm['server']['serving_work_count']} warning(s) of start-up work while serving** "
                      f"in its log (the first: {first})")
         w = arm.get("warmup")

@@ -34,6 +34,7 @@ from pdserve.bench.load.metrics import summarize
 from pdserve.bench.load.workload import (LengthDist, arrival_times, assign_policies, mooncake_samples, retext, sharegpt_samples,
                                     synthetic_samples)
 from pdserve.client import ClientError
+from pdserve.workers.engine.compiles import LOG_MARK
 
 
 @dataclass(frozen=True)
@@ -301,9 +302,6 @@ async def settle(client, timeout_s: float = SETTLE_TIMEOUT_S, every_s: float = 0
         await asyncio.sleep(every_s)
 
 
-SERVING_WORK = "start-up work while serving"  # a worker's warning (workers/engine/compiles.py)
-
-
 def serving_work(session: Session, info: dict) -> None:
     """The workers' warnings of start-up work after ready (a compile, a graph capture: each held a step),
     read from the arm's server log once the server stopped, into info["server"]: a cold run's likely cause."""
@@ -311,7 +309,7 @@ def serving_work(session: Session, info: dict) -> None:
     if not server or not server.get("log"):
         return
     path = session.out / server["log"]
-    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if SERVING_WORK in line] \
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if LOG_MARK in line] \
         if path.exists() else []
     server["serving_work_count"] = len(lines)
     server["serving_work"] = lines[:20]

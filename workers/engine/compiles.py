@@ -22,12 +22,42 @@ counters and dict sizes, once an interval.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 
+# what the worker's warning says before its text (Worker.check_serving_work); the load bench finds it in a log
+LOG_MARK = "start-up work while serving (the steps waited for it): "
+
 _TRITON: list[tuple[str, float]] = []  # (kernel, seconds) of every Triton compile since the wrap went in
 _LOCK = threading.Lock()
+
+
+def timing(real, into: list, lock=None):
+    """`real` (triton.compiler.compile) wrapped to append (kernel name, seconds) of each call to `into`
+    (under `lock`, if given), a failed compile too; pdserve-bench start's CompileWatch uses it as well."""
+    guard = lock if lock is not None else contextlib.nullcontext()
+
+    def timed(src, *args, **kwargs):
+        t = time.monotonic()
+        try:
+            return real(src, *args, **kwargs)
+        finally:
+            with guard:
+                into.append((getattr(src, "name", type(src).__name__), time.monotonic() - t))
+
+    return timed
+
+
+def by_kernel(compiles: list[tuple[str, float]]) -> dict[str, dict]:
+    """(kernel, seconds) rows -> {kernel: {"compiles": n, "s": seconds}}."""
+    out: dict[str, dict] = {}
+    for name, s in compiles:
+        row = out.setdefault(name, {"compiles": 0, "s": 0.0})
+        row["compiles"] += 1
+        row["s"] += s
+    return out
 
 
 def _wrap_triton() -> None:
@@ -36,18 +66,9 @@ def _wrap_triton() -> None:
         import triton.compiler as tc
     except ImportError:  # no Triton (a CPU-only install): nothing of it to see
         return
-    real = tc.compile
-    if getattr(real, "_pdserve_timed", False):
+    if getattr(tc.compile, "_pdserve_timed", False):
         return
-
-    def timed(src, *args, **kwargs):
-        t = time.monotonic()
-        try:
-            return real(src, *args, **kwargs)
-        finally:
-            with _LOCK:
-                _TRITON.append((getattr(src, "name", type(src).__name__), time.monotonic() - t))
-
+    timed = timing(tc.compile, _TRITON, _LOCK)
     timed._pdserve_timed = True
     tc.compile = timed
 
@@ -96,13 +117,7 @@ class ServingWork:
             kernels = _TRITON[t0:n_triton]
         if frames == f0 and not kernels and graphs == g0:
             return None
-        by_kernel: dict[str, list] = {}
-        for name, s in kernels:
-            row = by_kernel.setdefault(name, [0, 0.0])
-            row[0] += 1
-            row[1] += s
-        return {"dynamo_frames": frames - f0, "dynamo_s": dynamo_s - d0,
-                "triton": {k: {"compiles": n, "s": s} for k, (n, s) in by_kernel.items()},
+        return {"dynamo_frames": frames - f0, "dynamo_s": dynamo_s - d0, "triton": by_kernel(kernels),
                 "graphs": graphs - g0, "graphs_s": graphs_s - gs0}
 
 
