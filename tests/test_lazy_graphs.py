@@ -103,13 +103,18 @@ def test_idle_captures_are_not_reported_as_work_while_serving(monkeypatch):
     assert got is not None and got["graphs"] == 1 and got["graphs_s"] == pytest.approx(0.01)
 
 
-def test_the_loop_does_not_block_while_graphs_wait_for_idle_time():
-    eng = SimpleNamespace(graphs_pending=lambda: True, requests={})
-    role = SimpleNamespace(engine=eng, poll_timeout_ms=lambda idle: idle)
+def test_the_loop_does_not_block_while_graphs_wait_for_idle_time(monkeypatch):
+    engine, _ = lazy_engine(monkeypatch, "lazy")
+    engine.warmup(decode=True)
+    role = SimpleNamespace(engine=engine, poll_timeout_ms=lambda idle: idle)
     assert Role.wait_ms(role, 50) == 0
-    eng.requests = {"r": object()}  # a request on the worker: the role decides
-    assert Role.wait_ms(role, 50) == 50
-    eng.requests, eng.graphs_pending = {}, lambda: False
+    engine.add_request(Request("r", list(range(3, 30)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert Role.wait_ms(role, 50) == 50  # a request on the worker: the role decides
+    while engine.has_work():
+        engine.step()
+    assert Role.wait_ms(role, 50) == 0
+    while engine.graphs_pending():
+        engine.capture_idle()
     assert Role.wait_ms(role, 50) == 50
 
 

@@ -165,11 +165,15 @@ class Engine:
             self._lazy_decode = False
         return self._lazy_decode
 
+    def idle_capture_due(self) -> bool:
+        """A decode graph the start left may be captured now: one remains and no request is on the worker."""
+        return self.graphs_pending() and not self.requests and not self.has_work()
+
     def capture_idle(self) -> float:
         """Capture one decode graph the start left, if no request is on the worker; the seconds it took
         (0: none captured). A worker's loop calls it between turns, so a request that arrives waits for one
         capture at most."""
-        if not self.graphs_pending() or self.requests or self.has_work():
+        if not self.idle_capture_due():
             return 0.0
         with torch.inference_mode():
             return self.runner.graphs.capture_idle()

@@ -57,7 +57,7 @@ class Role:
     def wait_ms(self, idle_ms: int) -> int:
         """How long the loop may block before the next tick: the role's answer, or 0 while decode graphs
         wait for idle time (a message that arrives is still read between two captures)."""
-        return 0 if self.engine.graphs_pending() and not self.engine.requests else self.poll_timeout_ms(idle_ms)
+        return 0 if self.engine.idle_capture_due() else self.poll_timeout_ms(idle_ms)
 
     def on_message(self, msg, arrived: float | None) -> None:
         raise NotImplementedError
