@@ -253,9 +253,10 @@ async def capacity_and_sweep(measure: Callable[[float, str, float | None], Await
     """`measure(rate, phase, factor)` runs one open-loop point and returns its result block (with
     `goodput_fraction`, `saturation`, `duration`). A probe passes by probe_passes(block, target, queue).
     Probes first, then the sweep at capacity x each factor (none when every probe failed); no run starts
-    once out_of_time() or when not fits(its rate). A probe that fails cold (its block's `cold`, set by measure)
-    is run once more at its rate, and the second run judges it: the cold block is kept with `repeated_warm`. Each probe records its requests, arrival window and
-    duration (the block's `arrival_window_s`, when measure sets it)."""
+    once out_of_time() or when not fits(its rate). A probe that fails cold (its block's `cold`, set by
+    measure) is run once more at its rate, and the second run judges it: the cold block is kept with
+    `repeated_warm`. Each probe records its requests, arrival window and duration (the block's
+    `arrival_window_s`, when measure sets it)."""
     blocks: list[dict] = []
     judged: list[dict] = []  # the block each probe was judged on, in the order of cap.probes
 

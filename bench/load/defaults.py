@@ -299,8 +299,8 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
               ">= 90% of its requests within every SLO and no growing queue; each lasts --probe-seconds of "
               "arrivals). A probe marked stopped ended once that share could no longer be met "
               "(bench/load/early_stop.py); one marked cold, run again, failed while start-up effects still "
-              "showed (bench/load/capacity.py) and the same rate's next run judged it. An arm measured in several folders (a search, then more probes) "
-              "takes every folder's probes; where one passed at or above a rate another failed, its probes "
+              "showed (bench/load/capacity.py) and the same rate's next run judged it. An arm measured in "
+              "several folders (a search, then more probes) takes every folder's probes; where one passed at or above a rate another failed, its probes "
               "disagree (noise) and no verdict rests on it.", ""]
     return "\n".join(lines)
 
