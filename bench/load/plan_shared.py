@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm", default="disaggregated")
     p.add_argument("--max-batched-tokens", type=int, default=Split(1, 1).max_batched_tokens,
                    help="the prefill worker's (1: one prompt a forward, as before it batched)")
-    p.add_argument("--colocated", default=None, metavar="CHUNK",
+    p.add_argument("--colocated", type=int, default=None, metavar="CHUNK",
                    help="the arm is one colocated worker with this chunk budget (0: unchunked): its runs replayed "
                         "through it, measured beside simulated (no sharing to read)")
     p.add_argument("--out", default=None)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile)
         results = json.loads(Path(args.results).read_text())
         if args.colocated is not None:
-            split = Split(0, 1, chunk=int(args.colocated), max_batched_tokens=args.max_batched_tokens)
+            split = Split(0, 1, chunk=args.colocated, max_batched_tokens=args.max_batched_tokens)
             out = replay_report(results, profile, args.arm, split)
         else:
             out = report(results, profile, args.arm, args.max_batched_tokens)
@@ -215,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.colocated is not None:
         for c in out["runs"]:
-            print(f"{c['rate']:>6g} req/s {out['split']}: " + "  ".join(
-                f"{k} {c['measured'][k]:.1f}/{c['simulated'][k]:.1f}" for k in c["measured"]))
+            print(f"{c['rate']:>6g} req/s {out['split']}: " + _cells(c))
         print(f"(measured/simulated; left out, stopped or failed: {out['left_out_rates'] or 'none'})")
         return _write(args, out)
     s = out["sharing"]
@@ -228,9 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     for row in out["runs"]:
         for name in ("even_half", "defaults", "measured"):
             c = row[name]
-            print(f"{row['rate']:>6g} req/s {name:<9} " + "  ".join(
-                f"{k} {c['measured'][k]:.1f}/{c['simulated'][k]:.1f}" for k in c["measured"]))
+            print(f"{row['rate']:>6g} req/s {name:<9} " + _cells(c))
     return _write(args, out)
+
+
+def _cells(c: dict) -> str:
+    """One compare(): each figure as measured/simulated."""
+    return "  ".join(f"{k} {c['measured'][k]:.1f}/{c['simulated'][k]:.1f}" for k in c["measured"])
 
 
 def _write(args, out: dict) -> int:
