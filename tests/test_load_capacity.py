@@ -96,6 +96,29 @@ def test_a_cold_failing_probe_is_run_again_and_the_warm_run_judges_it():
     assert calls == [("probe", 20.0)] and not cap.probes[0].passed and "repeated_warm" not in blocks[0]
 
 
+def test_a_cold_fail_whose_queue_grew_is_not_run_again_unless_its_warm_up_was_unsteady():
+    """A slow first quarter with lateness growing over the run is overload, not start-up: judged as it is.
+    An unsteady warm-up may leave compiles for any point of the run: that cold fail is run again."""
+    from pdserve.bench.load.capacity import start_up_may_explain
+
+    grew, flat = {"lateness_growth": 4.8}, {"lateness_growth": 0.7}
+    assert not start_up_may_explain({"cold": True, "saturation": grew})
+    assert start_up_may_explain({"cold": True, "saturation": flat})
+    assert start_up_may_explain({"cold": True, "saturation": None})  # no rate, no growth to read
+    assert start_up_may_explain({"cold": True, "cold_warmup": True, "saturation": grew})
+    assert not start_up_may_explain({"cold": False, "saturation": flat})
+    for warmup, runs in ((False, 1), (True, 2)):
+        calls = []
+
+        async def measure(rate: float, phase: str, factor):
+            calls.append(rate)
+            return {"goodput_fraction": 0.3, "cold": len(calls) == 1, "cold_warmup": warmup and len(calls) == 1,
+                    "saturation": grew}
+
+        asyncio.run(capacity_and_sweep(measure, start_rate=20.0, max_probes=1, precision=0.1, target=0.9, factors=[]))
+        assert calls == [20.0] * runs
+
+
 def _records(sends: list[float], finish_of) -> list[RequestRecord]:
     out = []
     for i, s in enumerate(sends):

@@ -143,8 +143,12 @@ def test_separate_runs_each_policy_on_its_own_duration(tmp_path):
         # the same lengths and the same schedule for both policies
         assert [r["prompt_len"] for r in colo["requests"]] == [r["prompt_len"] for r in dis["requests"]]
         assert [r["scheduled_s"] for r in colo["requests"]] == [r["scheduled_s"] for r in dis["requests"]]
-        # each run's own duration: the transfer (200-300 ms here) shows in the disaggregated one only
-        assert 0.12 < dis["duration"] - colo["duration"] < 0.6
+        # each run's own duration: the transfer (200-300 ms here) shows in the disaggregated one only; the
+        # same request's end-to-end time differs by about it (the median pair: a stall of this shared host's
+        # cores can lengthen one run, which the durations alone would blame on the design)
+        assert dis["duration"] - colo["duration"] > 0.12
+        paired = sorted(d["e2e_s"] - c["e2e_s"] for c, d in zip(colo["requests"], dis["requests"]))
+        assert 0.15 < paired[len(paired) // 2] < 0.45
         assert colo["request_throughput"] > dis["request_throughput"] * 1.05
     # one seeded schedule: at 20/s it is the 10/s one in half the time
     assert np.allclose([r["scheduled_s"] * 2 for r in by[("rate 20/s", "colocated")]["requests"]],

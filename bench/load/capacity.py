@@ -245,6 +245,20 @@ def warmup_not_steady(warmup: dict | None) -> str | None:
             f"({medians} ms)")
 
 
+def start_up_may_explain(block: dict) -> bool:
+    """Could start-up work explain this cold run's failure, so that a run on the warm server may judge
+    otherwise? Yes when its arm's warm-up ended unsteady (compiles may still come, at any point of the run).
+    When only its first quarter was slow, yes unless its lateness grew past LATENESS_GROWTH_MAX over the
+    run: start-up work makes the first answers late, and a server that fell further behind as the run went
+    on was over its capacity, which a warm run does not change."""
+    if not block.get("cold"):
+        return False
+    if block.get("cold_warmup"):
+        return True
+    growth = (block.get("saturation") or {}).get("lateness_growth")
+    return growth is None or growth <= LATENESS_GROWTH_MAX
+
+
 async def capacity_and_sweep(measure: Callable[[float, str, float | None], Awaitable[dict]], *, start_rate: float,
                              max_probes: int, precision: float, target: float, factors: list[float],
                              out_of_time: Callable[[], bool] = lambda: False,
@@ -254,7 +268,7 @@ async def capacity_and_sweep(measure: Callable[[float, str, float | None], Await
     `goodput_fraction`, `saturation`, `duration`). A probe passes by probe_passes(block, target, queue).
     Probes first, then the sweep at capacity x each factor (none when every probe failed); no run starts
     once out_of_time() or when not fits(its rate). A probe that fails cold (its block's `cold`, set by
-    measure) is run once more at its rate, and the second run judges it: the cold block is kept with
+    measure) where start-up may explain it (start_up_may_explain) is run once more at its rate, and the second run judges it: the cold block is kept with
     `repeated_warm`. Each probe records its requests, arrival window and duration (the block's
     `arrival_window_s`, when measure sets it)."""
     blocks: list[dict] = []
@@ -264,7 +278,7 @@ async def capacity_and_sweep(measure: Callable[[float, str, float | None], Await
         block = await measure(rate, "probe", None)
         blocks.append(block)
         passed = probe_passes(block, target, queue)
-        if not passed and block.get("cold") and not out_of_time() and fits(rate):
+        if not passed and start_up_may_explain(block) and not out_of_time() and fits(rate):
             # a cold fail may be start-up alone (an unsteady warm-up, a slow first quarter): the rate is run
             # once more on the now warm server and that run judges it; the cold one stays in the results,
             # marked as repeated, and bounds nothing

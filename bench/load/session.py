@@ -150,6 +150,7 @@ def mark_cold(block: dict, reason: str | None) -> None:
     """Adds a cold reason found outside the run's records (its arm's warm-up) to the block."""
     if reason:
         block["cold"] = True
+        block["cold_warmup"] = True
         block["cold_reason"] = "; ".join(r for r in (reason, block.get("cold_reason")) if r)
 
 
