@@ -49,7 +49,10 @@ def _search(url: str, out, *flags, ttft_ms: int = 300) -> tuple[dict, list[dict]
     assert server_idle(httpx.get(f"{url}/health").json())
     assert generator.main(COMMON + ["--base-url", url, "--goodput", f"ttft:{ttft_ms}", "--out", str(out), *flags]) == 0
     run = json.loads((out / "results.json").read_text())
-    return run["arms"][0]["capacity"], [b for b in run["results"] if b["phase"] == "probe"]
+    # the probes as judged: a cold fail run again (a stall of this shared host can make a first quarter slow)
+    # is judged by its second run
+    judged = [b for b in run["results"] if b["phase"] == "probe" and not b.get("repeated_warm")]
+    return run["arms"][0]["capacity"], judged
 
 
 def test_long_probes_find_the_capacity_and_the_old_short_probe_does_not(fake, tmp_path):
