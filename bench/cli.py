@@ -43,6 +43,8 @@ SUBCOMMANDS = {
     "defaults": ("pdserve.bench.load.defaults", "is a default configuration within a margin of the best one, from "
                  "capacity searches"),
     "plan": ("pdserve.bench.load.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
+    "trace": ("pdserve.bench.load.trace", "the steps a server's workers ran (--step-trace), by make, beside what the "
+              "planner's profile predicts for each"),
     "offload": ("pdserve.bench.transfer.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
 

@@ -107,6 +107,11 @@ class EngineConfig:
     # the host schedules and launches step N+1 while step N runs, reading N's tokens back a step late
     # (workers/engine/overlap.py); None: on CUDA
     overlap: bool | None = None
+    # a directory: each worker writes a JSON line per step to <dir>/steps-<worker id>.jsonl from ready on
+    # (workers/engine/step_trace.py; `pdserve-bench trace` reads them)
+    step_trace: str | None = flag(None, "write a line per engine step (its rows, forward path, host and device "
+                                  "milliseconds) to DIR/steps-<worker id>.jsonl; `pdserve-bench trace` reads them",
+                                  metavar="DIR")
     # torch's thread count is the process's: the worker CLI sets it before the engine loads
     threads: int | None = flag(None, "CPU threads for torch (default: torch's choice)")
 
@@ -131,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"decode_graphs must be all or lazy, got {self.decode_graphs!r}")
         if self.decode_graph_forward not in DECODE_GRAPH_FORWARDS:
             raise ValueError(f"decode_graph_forward must be cut or layers, got {self.decode_graph_forward!r}")
+        if self.step_trace:  # a worker may start elsewhere than its launcher's directory
+            self.step_trace = os.path.abspath(self.step_trace)
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")

@@ -10,10 +10,13 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_pdserve():
+def tiny_pdserve(tmp_path_factory):
     """One tiny pdserve (router + prefill, decode and colocated workers) for the live tests that only
-    send requests and compare answers, so they do not each pay for a start."""
+    send requests and compare answers, so they do not each pay for a start. Its workers trace their
+    steps into `step_trace` (test_step_trace.py reads them)."""
     from test_server_harness import TINY, Pdserve
 
-    with Pdserve(*TINY) as s:
+    trace = tmp_path_factory.mktemp("steps")
+    with Pdserve(*TINY, "--step-trace", str(trace)) as s:
+        s.step_trace = trace
         yield s

@@ -33,7 +33,7 @@ WORKER_FLAGS = {
     "--kv-checksum", "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-streams", "--log-level",
     "--max-batched-tokens", "--max-model-len", "--max-num-seqs", "--mode", "--model", "--no-chunked-prefill", "--no-compile", "--no-prefix-cache",
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
-    "--threads", "--transport", "--version", "--worker-config", "--worker-id"}
+    "--step-trace", "--threads", "--transport", "--version", "--worker-config", "--worker-id"}
 ROUTER_FLAGS = {
     "--allowed-hosts", "--body-timeout", "--chat-special-tokens", "--client-share", "--header-timeout",
     "--max-bodies-mb", "--max-connections", "--min-body-rate", "--send-timeout",  # the front door (server/guard.py,

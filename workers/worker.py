@@ -215,6 +215,11 @@ class Worker:
             log.info("%s", startup_line(cfg.worker_id, cfg.role, engine))
         self.engine = engine
         self.serving_work.mark(engine)
+        if cfg.engine.step_trace and hasattr(engine, "trace_steps"):  # from ready on: the warm-up is not traced
+            try:
+                log.info("%s: a line per step in %s", cfg.worker_id, engine.trace_steps(cfg.worker_id, cfg.role))
+            except OSError as e:
+                raise StartupError(f"--step-trace {cfg.engine.step_trace}: cannot write the step trace there: {e}")
         self._work_checked = time.monotonic()
         self.stats = StatsLine(cfg.worker_id, cfg.stats_interval_s)
         self.kv_report = KVReport(engine, cfg.worker_id) if hasattr(engine, "prefix_root") else None

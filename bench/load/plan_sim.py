@@ -84,6 +84,15 @@ class Profile:
         a, b, g = self.decode_coef
         return max(0.0, a + b * batch + g * context_sum)
 
+    def step_ms(self, rows: int, context_sum: int, chunks: list[tuple[int, int]], chunked: bool = False) -> float:
+        """A forward of `rows` decode rows over `context_sum` keys and prompt positions [start, end) of each
+        chunk: the decode step (its fixed cost included) or, with no rows, the fixed cost alone, plus the
+        chunks' tokens, plus chunk_step_ms for a colocated chunked step with prompt tokens (`chunked`). The
+        one rule the simulation and the served steps' comparison (bench/load/trace.py) both price by."""
+        ms = self.decode(rows, context_sum) if rows else self.fixed_ms
+        ms += sum(self.tokens(a, b) for a, b in chunks)
+        return ms + (self.chunk_step_ms if chunks and chunked else 0.0)
+
     @classmethod
     def from_points(cls, prefill: dict[int, float], decode: list[tuple[int, int, float]], kv_bytes_per_token: int = 0,
                     source: str = "", fixed_ms: float | None = 0.0) -> "Profile":
@@ -302,10 +311,8 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             return
         w.prefilled_last = not rows
         # the decode step pays the forward's fixed cost; a forward of prompts alone pays it itself
-        ms = (profile.decode(len(rows), sum(r.prompt + r.generated for r in rows)) if rows else profile.fixed_ms) \
-            + sum(profile.tokens(r.done_prefill, end) for r, end in chunks)
-        if chunks and w.role == "colocated" and split.chunk > 0:
-            ms += profile.chunk_step_ms
+        ms = profile.step_ms(len(rows), sum(r.prompt + r.generated for r in rows),
+                             [(r.done_prefill, end) for r, end in chunks], w.role == "colocated" and split.chunk > 0)
 
         def begin():
             w.busy, w.step, w.left_ms, w.since, w.overlapped = True, (rows, chunks), ms, now, False

@@ -48,11 +48,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from pdserve.protocol.control import CacheFigures, TierFigures
+from pdserve.protocol.control import CacheFigures
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine import overlap, tiering
 from pdserve.workers.engine.block_pool import blocks_for
 from pdserve.workers.engine.device import check_device, kv_budget_bytes, torch_dtype
+from pdserve.workers.engine.graphs import capture_at_start
 from pdserve.workers.engine.handoff import KVHandoff
 from pdserve.workers.engine.kv_cache import KVCache, KVLayout, blocks_for_budget, dtype_name
 from pdserve.workers.engine.outputs import PrefillResult, StepOutput, prompt_logprobs_complete, with_logprobs
@@ -64,6 +65,7 @@ from pdserve.workers.engine.runner import ModelRunner
 from pdserve.workers.engine.sampler import Sampler, SamplingError
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.start_times import StartTimes
+from pdserve.workers.engine.step_trace import StepTrace
 from pdserve.workers.engine.text import ModelText
 
 log = logging.getLogger("pdserve.engine")
@@ -113,6 +115,7 @@ class Engine:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._inflight: overlap.Inflight | None = None
         self._lazy_decode = False  # decode graphs left for idle time (warmup, EngineConfig.decode_graphs "lazy")
+        self.trace: StepTrace | None = None  # each step's line (step_trace.py), from trace_steps on
         self.handoff = KVHandoff(self, self.prompts, self.runner, self.sampler, self.scheduler, self.vocab_size)
         self.start.setup_s = setup + self._since(t)
 
@@ -140,24 +143,25 @@ class Engine:
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype_name(dtype), config.block_size, usable + 1)
 
     def warmup(self, decode: bool = True) -> float:
-        """CUDA: capture the decode graph of every (batch, block table) bucket (unless not `decode`: a
-        prefill worker never decodes) and the piecewise graphs ahead of traffic, largest first so the
-        shared memory pool is sized once; returns seconds spent (0 on CPU or with cuda_graphs off), and
-        records them by kind in `start`."""
-        graphs, mixed, start = self.runner.graphs, self.runner.mixed, self.start
-        spent = 0.0
+        """CUDA: capture the graphs ahead of traffic (graphs.capture_at_start; not the decode graphs where
+        not `decode`: a prefill worker never decodes), recorded by kind in `start`; the seconds spent (0 on
+        the CPU or with cuda_graphs off)."""
         with torch.inference_mode():
-            if graphs is not None and decode:
-                keys = graphs.capture_order()
-                self._lazy_decode = self.config.decode_graphs == "lazy"
-                spent += graphs.capture(keys[:1] if self._lazy_decode else keys)
-                start.decode_graphs, start.decode_graphs_s = len(graphs.capture_s), sum(graphs.capture_s.values(), 0.0)
-                start.decode_graphs_left = len(graphs.pending())
-            if mixed is not None:
-                spent += mixed.capture()
-                start.piecewise_graphs = len(mixed.capture_s) * mixed.cut.num_segments
-                start.piecewise_graphs_s = sum(mixed.capture_s.values(), 0.0)
+            spent, self._lazy_decode = capture_at_start(self.runner, self.start, decode, self.config.decode_graphs)
         return spent
+
+    def trace_steps(self, worker: str, role: str) -> str | None:
+        """From now on, a line for each step in EngineConfig.step_trace's directory (step_trace.py); the
+        file's path (None: no directory configured). A worker calls it once ready."""
+        if self.config.step_trace:
+            self.trace = self.handoff.trace = StepTrace.of_engine(self, worker, role)
+        return self.trace.path if self.trace is not None else None
+
+    def flush_trace(self) -> None:
+        """The step trace's lines to its file when no request is on the worker, or once they are due
+        (step_trace.FLUSH_S); the role's loop asks every turn."""
+        if self.trace is not None and (not self.requests or self.trace.due()):
+            self.trace.flush()
 
     def graphs_pending(self) -> bool:
         """Decode graphs the start left for idle time (EngineConfig.decode_graphs "lazy") remain."""
@@ -255,7 +259,9 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One step; with overlap (overlap.py) it is launched and the outputs returned are those of the
         step before it, read back while this one runs; without, this step's own."""
+        began = time.monotonic()
         work = self.scheduler.schedule()
+        scheduled = time.monotonic()
         old, self._inflight = self._inflight, None
         outs: list[StepOutput] = []
         if old is not None and not overlap.fed(work):  # a token this step needs must be on the host first
@@ -263,7 +269,7 @@ class Engine:
             work = [(r, n) for r, n in work if not r.finished]
         if work:
             try:
-                self._inflight = self._launch(work, old)
+                self._inflight = self._launch(work, old, began, scheduled)
             except Exception as e:
                 outs += self._settle(old) if old is not None else []
                 return outs + self._fail_step([(r, n) for r, n in work if not r.finished], e)
@@ -274,8 +280,11 @@ class Engine:
             outs += self._settle(now)
         return outs
 
-    def _launch(self, work: list[tuple[Request, int]], old: overlap.Inflight | None) -> overlap.Inflight:
-        """Run `work` and pick its tokens on the device; nothing waits for the device."""
+    def _launch(self, work: list[tuple[Request, int]], old: overlap.Inflight | None, began: float,
+                scheduled: float) -> overlap.Inflight:
+        """Run `work` and pick its tokens on the device; nothing waits for the device. began, scheduled:
+        when the step's scheduling began and ended (its trace line)."""
+        traced = self.trace.begin("step", work, began, scheduled) if self.trace is not None else None
         start = stamp_start(work)
         logits = self.runner.run(work, feed=overlap.feed(work, old))  # [len(done), vocab]; advances num_computed
         done = [r for r, _ in work if r.num_computed == r.num_tokens]
@@ -283,13 +292,19 @@ class Engine:
         kept = {i: logits[i].clone() for i, r in enumerate(done) if r.return_logits}  # a graph reuses its output
         for r in done:
             r.output_ids.append(overlap.PENDING)
-        return overlap.Inflight(work, done, picked, kept, start)
+        if traced is not None:
+            self.trace.launched(traced, self.runner.path)
+        return overlap.Inflight(work, done, picked, kept, start, traced=traced)
 
     def _settle(self, step: overlap.Inflight) -> list[StepOutput]:
         """The outputs of a launched step: its tokens read back (waiting for them if need be), each
         recorded (the one place a step's tokens are); then the blocks it held back go free."""
+        waiting = time.monotonic()
         results = self.sampler.results(step.picked, step.done) if step.done else []
-        stamp_end([r for r in step.done if not r.finished], step.start, time.monotonic())
+        read = time.monotonic()
+        if step.traced is not None and self.trace is not None:
+            self.trace.settled(step.traced, read - waiting)
+        stamp_end([r for r in step.done if not r.finished], step.start, read)
         outs = []
         for i, (r, (token, logprobs)) in enumerate(zip(step.done, results)):
             if r.finished:  # aborted or failed since: nothing more to say
@@ -421,15 +436,7 @@ class Engine:
 
     def cache_figures(self) -> CacheFigures:
         """The prefix cache and its tiers, cumulative (what a heartbeat carries)."""
-        b, tiers = self.blocks, self.tiers
-        if tiers is None:
-            return CacheFigures(queried_tokens=b.queried_tokens, gpu_hit_tokens=b.hit_tokens)
-        figures = {t.name: t.figures() for t in tiers.levels}
-        return CacheFigures(queried_tokens=b.queried_tokens, gpu_hit_tokens=b.hit_tokens,
-                            tier_hit_tokens=dict(tiers.reloaded_tokens),
-                            tiers={name: TierFigures(usage_bytes=s.bytes, capacity_bytes=s.capacity_bytes,
-                                                     offload_bytes=s.stored_bytes, reload_bytes=s.loaded_bytes)
-                                   for name, s in figures.items()})
+        return tiering.cache_figures(self.blocks, self.tiers)
 
     def close(self) -> None:
         """Let go of what outlives a dropped engine: a step in flight, the tiers' threads and files in flight."""
@@ -439,3 +446,5 @@ class Engine:
         if self.tiers is not None:
             self.tiers.close()
             self.prompts.tiers = None
+        if self.trace is not None:
+            self.trace.close()

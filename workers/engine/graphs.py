@@ -296,6 +296,10 @@ class MixedGraphs:
     def fits(self, tokens: int, keep: int) -> bool:
         return tokens <= self.max_tokens and keep <= self.max_keep
 
+    def graphed(self, tokens: int) -> bool:
+        """A step of this many tokens replays graphs (else its segments run directly)."""
+        return self.use_graphs and tokens <= self.graph_limit
+
     def slots(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V slots of a step of `tokens` rows: views of the buffer run() fills."""
         return self.k_slots[:tokens], self.v_slots[:tokens]
@@ -303,7 +307,7 @@ class MixedGraphs:
     def run(self, inp, feed=None) -> torch.Tensor:
         """The forward of a step, run in the runner's attention context over `slots` -> [K, vocab] logits."""
         t, kept = len(inp.ids), len(inp.keep)
-        graphed = self.use_graphs and t <= self.graph_limit
+        graphed = self.graphed(t)
         # graphs replay a bucket's rows; a step run directly (the CPU, or past the graph limit) takes its own
         # rows only (padding rows would multiply a decode step's matrix products on the CPU: 16 rows for one token)
         bucket = DecodeGraphs._bucket(t, self.buckets) if graphed else t
@@ -370,3 +374,23 @@ class MixedGraphs:
         torch.cuda.synchronize(self.runner.device)
         self.capture_s[bucket] = time.monotonic() - start
         return graphs
+
+
+def capture_at_start(runner, start, decode: bool, decode_graphs: str) -> tuple[float, bool]:
+    """A worker's graphs ahead of traffic, largest first so the shared memory pool is sized once: the decode
+    graph of every (batch, block table) bucket where `decode` (decode_graphs "lazy": the largest alone, the
+    others left for idle time), then the piecewise graphs; each kind's count and seconds recorded in `start`
+    (start_times.StartTimes). -> (seconds spent, decode graphs left for idle time)."""
+    graphs, mixed = runner.graphs, runner.mixed
+    spent, lazy = 0.0, False
+    if graphs is not None and decode:
+        keys = graphs.capture_order()
+        lazy = decode_graphs == "lazy"
+        spent += graphs.capture(keys[:1] if lazy else keys)
+        start.decode_graphs, start.decode_graphs_s = len(graphs.capture_s), sum(graphs.capture_s.values(), 0.0)
+        start.decode_graphs_left = len(graphs.pending())
+    if mixed is not None:
+        spent += mixed.capture()
+        start.piecewise_graphs = len(mixed.capture_s) * mixed.cut.num_segments
+        start.piecewise_graphs_s = sum(mixed.capture_s.values(), 0.0)
+    return spent, lazy

@@ -29,6 +29,7 @@ from pdserve.workers.engine.request import IllegalTransition, InvalidRequest, Re
 from pdserve.workers.engine.sampler import SamplingError
 
 if TYPE_CHECKING:
+    from pdserve.workers.engine.step_trace import StepTrace
     from pdserve.workers.engine.prompt_blocks import PromptBlocks
     from pdserve.workers.engine.runner import ModelRunner
     from pdserve.workers.engine.sampler import Sampler
@@ -58,6 +59,7 @@ class KVHandoff:
         self.sampler = sampler
         self.scheduler = scheduler
         self.vocab_size = vocab_size
+        self.trace: StepTrace | None = None  # the engine's step trace (Engine.trace_steps), when on
 
     def _held(self, request_id: str) -> Request:
         req = self.requests.get(request_id)
@@ -133,9 +135,18 @@ class KVHandoff:
             return out
         members = [reqs[i] for i in batch]
         computed_from = time.monotonic()
+        trace = self.trace
         try:
+            traced = trace.begin("prefill", [(r, r.num_tokens - r.num_computed) for r in members], start,
+                                 computed_from) if trace is not None else None
             logits = self.runner.prefill(members, on_layer)  # [len(members), vocab]
-            drawn = self.sampler.results(self.sampler.pick(logits, members), members)
+            picked = self.sampler.pick(logits, members)
+            if trace is not None:
+                trace.launched(traced, self.runner.path)
+            waiting = time.monotonic()
+            drawn = self.sampler.results(picked, members)
+            if trace is not None:
+                trace.settled(traced, time.monotonic() - waiting)
         except BaseException as e:
             for req in members:
                 self.record.fail(req.request_id, f"{type(e).__name__}: {e}")

@@ -54,6 +54,7 @@ class Inflight:
     start: float  # time.monotonic() at launch
     members: set[int] = field(default_factory=set)  # id() of every request in `work`
     deferred: list[list[int]] = field(default_factory=list)  # block lists freed once this step is read back
+    traced: dict | None = None  # its step trace line, completed when it is read back (step_trace.py)
 
     def __post_init__(self):
         self.members = {id(r) for r, _ in self.work}

@@ -65,6 +65,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = config.block_size
+        self.path: str | None = None  # the forward `run` took last (step_trace.py's `path`)
         self.scratch_block = kv.layout.num_blocks - 1  # padding rows of a graphed batch write here
         self.device = kv.device
         # decode attention through paged_kernel (CUDA), else the reference path; prefix chunks too with "triton"
@@ -141,13 +142,16 @@ class ModelRunner:
         asks = any(prompt_positions(r, n) for r, n in work)
         if (self.graphs is not None and on_layer is None and not asks
                 and all(n == 1 and r.num_computed for r, n in work)):
+            self.path = "decode-graph"
             logits = self.graphs.decode(work, feed)
         else:
             inp = step_inputs.build(work, self.block_size)
             if self.mixed is not None and not asks and self.mixed.fits(len(inp.ids), len(inp.keep)):
+                self.path = "piecewise-graph" if self.mixed.graphed(len(inp.ids)) else "piecewise"
                 with self.attend(inp, *self.mixed.slots(len(inp.ids)), on_layer):
                     logits = self.mixed.run(inp, feed)
             else:
+                self.path = "eager"
                 logits = self._run_eager(inp, on_layer, feed)
         for r, n in work:
             r.num_computed += n

@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import logging
 
+from pdserve.protocol.control import CacheFigures, TierFigures
 from pdserve.protocol.enums import TIERS, Tier
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine import kv_tiers
@@ -148,3 +149,15 @@ class Tiers:
 
     def close(self) -> None:
         self.host.close()
+
+
+def cache_figures(blocks, tiers: Tiers | None) -> CacheFigures:
+    """The prefix cache (`blocks`, prefix_cache.PrefixCache) and its tiers, cumulative: what a heartbeat carries."""
+    if tiers is None:
+        return CacheFigures(queried_tokens=blocks.queried_tokens, gpu_hit_tokens=blocks.hit_tokens)
+    figures = {t.name: t.figures() for t in tiers.levels}
+    return CacheFigures(queried_tokens=blocks.queried_tokens, gpu_hit_tokens=blocks.hit_tokens,
+                        tier_hit_tokens=dict(tiers.reloaded_tokens),
+                        tiers={name: TierFigures(usage_bytes=s.bytes, capacity_bytes=s.capacity_bytes,
+                                                 offload_bytes=s.stored_bytes, reload_bytes=s.loaded_bytes)
+                               for name, s in figures.items()})

@@ -52,6 +52,7 @@ class Role:
     def tick(self) -> None:
         self.advance()
         self.engine.capture_idle()  # no request on the worker: one decode graph the start left, if any
+        self.engine.flush_trace()  # no request on the worker, or lines long enough waiting: the step trace's file
         self._counts = self.engine.counts()
 
     def wait_ms(self, idle_ms: int) -> int:
