@@ -1,6 +1,8 @@
 # Sourced by bench/run_*_gpu.sh (not run alone): what every GPU script starts with, and the arms they
 # compare. Knobs: PYTHON (.venv/bin/python where there is one, else python3), MODEL (qwen2.5-7b),
-# DEVICES (cuda:0), KV_GB (16; a script sets its own default before sourcing this file).
+# DEVICES (cuda:0), KV_GB (16; a script sets its own default before sourcing this file), STEP_TRACE (1: the
+# scripts that start one server per folder trace its workers' steps into FOLDER/steps; 0: not), PROFILE (an
+# engine JSON of this GPU and code: the traces' steps priced by it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; fi
@@ -20,4 +22,17 @@ arm_spec() {
     disaggregated) echo "disaggregated=disaggregated:--no-colocated --prefill-workers 1 --decode-workers 1" ;;
     *) echo "ARM is colocated, colocated-unchunked or disaggregated, got '$1'" >&2; return 2 ;;
   esac
+}
+
+STEP_TRACE=${STEP_TRACE:-1}
+PROFILE=${PROFILE:-}
+# trace_flag FOLDER: pdserve's flag that traces its workers' steps into FOLDER/steps (nothing with STEP_TRACE=0)
+trace_flag() { if [ "$STEP_TRACE" = 1 ]; then echo "--step-trace $1/steps"; fi; }
+# trace_summary FOLDER: FOLDER/steps summarised by `pdserve-bench trace` into FOLDER/steps.md and steps.json
+trace_summary() {
+  if [ "$STEP_TRACE" != 1 ] || [ ! -d "$1/steps" ]; then return 0; fi
+  local prof=()
+  if [ -n "$PROFILE" ]; then prof=(--profile "$PROFILE"); fi
+  "$PYTHON" -m pdserve.bench.cli trace "$1/steps" "${prof[@]}" --out "$1/steps.json" > "$1/steps.md" \
+    || echo "the step trace of $1 was not summarised (exit $?)"
 }

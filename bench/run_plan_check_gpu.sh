@@ -55,10 +55,12 @@ fi
 ARM=${ARM:?set ARM (colocated, colocated-unchunked or disaggregated), or COMPARE=1}
 SPEC=$(arm_spec "$ARM" 1)
 # shellcheck disable=SC2086
-"$PYTHON" -m pdserve.bench.cli load --arm "$SPEC" --server-args "--model $MODEL --devices $DEVICES --kv-memory-gb $KV_GB" \
+"$PYTHON" -m pdserve.bench.cli load --arm "$SPEC" \
+  --server-args "--model $MODEL --devices $DEVICES --kv-memory-gb $KV_GB $(trace_flag "$OUT/$ARM")" \
   --capacity-search --goodput $GOODPUT --search-start-rate "$START_RATE" --search-precision 0.15 \
   --search-max-probes "$MAX_PROBES" --probe-seconds "$PROBE_SECONDS" \
   --probe-min-requests "$MIN_REQUESTS" --arm-budget "$ARM_BUDGET" \
   --sweep-factors '' "${WORKLOAD[@]}" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 4 \
   --request-timeout 600 --out "$OUT/$ARM" --no-progress
+PROFILE=${PROFILE:-${PROFILE_JSON:-}} trace_summary "$OUT/$ARM"
 echo "measured in $OUT/$ARM; COMPARE=1 $0 sets it beside the prediction"

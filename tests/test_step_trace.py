@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _lines(path) -> tuple[dict, list[dict]]:
-    return tr.read(path)
+    [segment] = tr.read(path)
+    return segment
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -82,6 +83,21 @@ def test_no_trace_without_the_flag_and_a_worker_name_cannot_leave_the_directory(
     assert engine.trace_steps("w", "colocated") is None and engine.trace is None
     assert trace_path(str(tmp_path), "../x/y") == str(tmp_path / "steps-.._x_y.jsonl")
     assert EngineConfig(step_trace="rel/dir").step_trace.startswith("/")  # a worker may start elsewhere
+
+
+def test_a_restarted_worker_appends_a_segment_of_its_own(tmp_path):
+    """pdserve restarts a dead worker under the same id: its trace is appended to, and read as two segments
+    (each step's times on its own segment's clock), not overwritten."""
+    for run in range(2):
+        engine = Engine(EngineConfig(model="tiny", num_blocks=64, step_trace=str(tmp_path)))
+        engine.trace_steps("decode-0", "colocated")
+        engine.generate([[5] * 10], SamplingParams(max_tokens=2 + run, ignore_eos=True))
+        engine.close()
+    segments = tr.read(tmp_path / "steps-decode-0.jsonl")
+    assert [sum(s["decode"] for s in steps) for _, steps in segments] == [1, 2]
+    assert [steps[0]["i"] for _, steps in segments] == [0, 0]
+    out = tr.report([str(tmp_path)], None)
+    assert [w["file"].endswith(suffix) for w, suffix in zip(out["workers"], (".jsonl", ".jsonl#1"))] == [True, True]
 
 
 def test_the_served_workers_each_write_their_steps(tiny_pdserve):

@@ -44,10 +44,10 @@ ALONE, SHARED = 0.1, 0.9  # a step's share of wall time beside the other worker'
 FIELDS = ("tokens", "schedule_ms", "launch_ms", "device_ms", "gap_ms", "wait_ms")
 
 
-def read(path: Path) -> tuple[dict, list[dict]]:
-    """A trace file -> (its header, its steps). A line cut short by a worker's death is left out."""
-    header: dict = {}
-    steps: list[dict] = []
+def read(path: Path) -> list[tuple[dict, list[dict]]]:
+    """A trace file -> its segments, (header, steps) each: a worker restarted under the same id appended a
+    header of its own. A line cut short by a worker's death is left out."""
+    segments: list[tuple[dict, list[dict]]] = []
     with open(path) as f:
         for line in f:
             try:
@@ -55,12 +55,12 @@ def read(path: Path) -> tuple[dict, list[dict]]:
             except ValueError:
                 continue
             if row.get("trace") == "pdserve steps":
-                header = row
-            elif "i" in row:
-                steps.append(row)
-    if not header:
+                segments.append((row, []))
+            elif "i" in row and segments:
+                segments[-1][1].append(row)
+    if not segments:
         raise ValueError(f"{path}: not a pdserve step trace (no header line)")
-    return header, steps
+    return segments
 
 
 def trace_files(paths: list[str]) -> list[Path]:
@@ -170,7 +170,8 @@ def summarize(header: dict, steps: list[dict], profile: Profile | None, shares: 
 
 
 def report(paths: list[str], profile: Profile | None) -> dict:
-    traces = [(f, *read(f)) for f in trace_files(paths)]
+    traces = [(f"{f}#{k}" if k else str(f), header, steps)
+              for f in trace_files(paths) for k, (header, steps) in enumerate(read(f))]
     workers = []
     for f, header, steps in traces:
         # the other workers on this device in the same run (their clocks' zero within a minute of this one's),

@@ -10,7 +10,8 @@ launched, or time-sliced with another process. This records that for every step 
 CUDA events and a dict, written in batches.
 
 The first line describes the trace: {"trace": "pdserve steps", "version", "worker", "device", "role",
-"model", "unix_time" (of t = 0)}. Then one line per step:
+"model", "unix_time" (of t = 0), and the settings that shape its steps}. Then one line per step (a worker
+restarted under the same id appends its own header and steps):
 
     i               the step's number on this worker
     kind            "step" (a colocated or decode worker's engine step) or "prefill" (a prefill
@@ -63,7 +64,8 @@ class StepTrace:
         directory = os.path.dirname(path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # appended to: a worker restarted under the same id (pdserve's supervision) adds a header and its steps
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.file = os.fdopen(fd, "w")
         self.path = path
         self.cuda = device.type == "cuda"
