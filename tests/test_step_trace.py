@@ -55,6 +55,7 @@ def test_every_token_a_step_computed_is_in_its_line(tmp_path, overlap):
         assert s["path"] == "piecewise"  # the CPU: the piecewise segments run directly, no graphs
         assert s["device_ms"] is None and s["gap_ms"] is None  # no CUDA events on the CPU
         assert s["launch_ms"] > 0 and s["schedule_ms"] >= 0 and s["wait_ms"] >= 0 and s["done_t"] >= s["t"]
+        assert s["startup_work"] == 0  # nothing compiles here (no torch.compile on the CPU by default)
     assert all(a["t"] <= b["t"] for a, b in zip(steps, steps[1:]))
 
 
@@ -76,6 +77,22 @@ def test_a_prefill_workers_batch_is_one_line_and_its_prompt_logprobs_run_eagerly
     assert [(s["kind"], s["chunks"], s["decode"], s["path"]) for s in steps] == [
         ("prefill", [[0, 40], [0, 17]], 0, "piecewise"), ("prefill", [[0, 12]], 0, "eager")]
     engine.close()
+
+
+def test_a_step_that_compiled_while_it_launched_says_so(tmp_path):
+    import torch
+
+    from pdserve.workers.engine.step_trace import StepTrace
+
+    count = [0]
+    trace = StepTrace(str(tmp_path / "steps-x.jsonl"), torch.device("cpu"), {"worker": "x"}, lambda: count[0])
+    for compiled in (2, 0):
+        entry = trace.begin("step", [], time.monotonic(), time.monotonic())
+        count[0] += compiled  # a compile or capture inside the launch
+        trace.launched(entry, "eager")
+        trace.settled(entry, 0.0)
+    trace.close()
+    assert [s["startup_work"] for s in _lines(tmp_path / "steps-x.jsonl")[1]] == [2, 0]
 
 
 def test_no_trace_without_the_flag_and_a_worker_name_cannot_leave_the_directory(tmp_path):

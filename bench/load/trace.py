@@ -12,7 +12,8 @@ worker it reports:
     device waiting for the host to launch, or other work between steps);
   - a row per make of step: decode-only steps by batch (1, 2-8, 9-32, 33+), steps with prompt tokens by
     those tokens (<= 1024, 1025-2048, 2049-4096, 4097-8192, more), with or without decode rows beside
-    them, and the forward path each took. Each row: steps, the medians of tokens, schedule_ms, launch_ms,
+    them, and the forward path each took. Each row: steps, those that compiled or captured something
+    while they launched (`startup_work`), the medians of tokens, schedule_ms, launch_ms,
     device_ms, gap_ms, wait_ms, and with --profile the medians of the predicted ms (plan_sim's
     Profile.step_ms, the same rule the simulation prices by) and of measured / predicted, per step;
   - where two traces come from workers on one device (1P:1D sharing a GPU), each step's share of its wall
@@ -150,6 +151,7 @@ def summarize(header: dict, steps: list[dict], profile: Profile | None, shares: 
     for key in sorted(groups, key=order):
         idx = groups[key]
         row = {"make": key[0], "path": key[1], "steps": len(idx),
+               "with_startup_work": sum(bool(steps[i].get("startup_work")) for i in idx),
                **{f"{f}_p50": _median([steps[i].get(f) for i in idx]) for f in FIELDS},
                "measured_ms_p50": _median([measured_ms(steps[i]) for i in idx]),
                "measured_ms_p90": float(np.percentile([measured_ms(steps[i]) for i in idx], 90))}
@@ -205,12 +207,12 @@ def render(out: dict) -> str:
             lines.append(f"  beside the other worker on {w['device']}: {b['steps_alone']} steps alone "
                          f"({_fmt(b['ratio_alone_p50'], 2)}x predicted), {b['steps_shared']} shared "
                          f"({_fmt(b['ratio_shared_p50'], 2)}x)")
-        head = ("make", "path", "steps", "tokens", "sched ms", "launch ms", "device ms", "gap ms", "wait ms",
+        head = ("make", "path", "steps", "compiling", "tokens", "sched ms", "launch ms", "device ms", "gap ms", "wait ms",
                 "measured p50", "p90", "predicted", "ratio")
         lines.append("  | " + " | ".join(head) + " |")
         lines.append("  |" + "---|" * len(head))
         for r in w["makes"]:
-            cells = [r["make"], r["path"], str(r["steps"]), _fmt(r["tokens_p50"], 0), _fmt(r["schedule_ms_p50"], 2),
+            cells = [r["make"], r["path"], str(r["steps"]), str(r["with_startup_work"]), _fmt(r["tokens_p50"], 0), _fmt(r["schedule_ms_p50"], 2),
                      _fmt(r["launch_ms_p50"], 2), _fmt(r["device_ms_p50"], 2), _fmt(r["gap_ms_p50"], 2),
                      _fmt(r["wait_ms_p50"], 2), _fmt(r["measured_ms_p50"], 2), _fmt(r["measured_ms_p90"], 2),
                      _fmt(r.get("predicted_ms_p50"), 2), _fmt(r.get("ratio_p50"), 2)]

@@ -121,6 +121,17 @@ class ServingWork:
                 "graphs": graphs - g0, "graphs_s": graphs_s - gs0}
 
 
+def work_count(engine) -> int:
+    """Compiles and captures so far in this process and engine, counted together (dynamo frames, Triton
+    compiles, graphs captured): a step during which it grew waited for start-up work (step_trace.py)."""
+    with _LOCK:
+        triton = len(_TRITON)
+    runner = getattr(engine, "runner", None)
+    graphs = sum(len(part.capture_s) for part in (getattr(runner, "graphs", None), getattr(runner, "mixed", None))
+                 if part is not None)
+    return ServingWork._dynamo()[0] + triton + graphs
+
+
 def describe(taken: dict) -> str:
     """`2 torch.compile frames 3.41 s; Triton _prefix_kernel 0.62 s; 3 graphs captured 0.48 s`."""
     parts = []

@@ -32,6 +32,8 @@ restarted under the same id appends its own header and steps):
                     device waiting for the host to launch it, or other work queued between (null for
                     the first step and on the CPU)
     wait_ms         host: blocked reading the step's tokens back
+    startup_work    compiles and graph captures while it launched (compiles.work_count: torch.compile
+                    frames, Triton compiles, graphs); 0 once the worker's start covered what it runs
     done_t          seconds since t = 0 when its outputs were recorded
 
 Written in batches (every FLUSH_STEPS steps or FLUSH_S seconds, whenever the worker has no request, and at
@@ -60,7 +62,7 @@ def trace_path(directory: str, worker: str) -> str:
 
 
 class StepTrace:
-    def __init__(self, path: str, device: torch.device, header: dict):
+    def __init__(self, path: str, device: torch.device, header: dict, work_count=lambda: 0):
         directory = os.path.dirname(path)
         if directory:
             os.makedirs(directory, exist_ok=True)
@@ -79,6 +81,7 @@ class StepTrace:
         self.flushed = self.t0
         self.last_end: torch.cuda.Event | None = None  # the previous step's end on the compute stream
         self.truncated = False
+        self.work_count = work_count  # compiles and captures so far (compiles.work_count)
 
     @classmethod
     def of_engine(cls, engine, worker: str, role: str) -> "StepTrace":
@@ -90,7 +93,9 @@ class StepTrace:
                   "max_batched_tokens": c.max_batched_tokens, "max_num_seqs": c.max_num_seqs,
                   "graph_tokens": max(mixed.graph_buckets, default=0) if mixed is not None else 0,
                   "overlap": engine.overlap}
-        return cls(trace_path(c.step_trace, worker), engine.device, header)
+        from pdserve.workers.engine.compiles import work_count
+
+        return cls(trace_path(c.step_trace, worker), engine.device, header, lambda: work_count(engine))
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -113,7 +118,7 @@ class StepTrace:
                 chunks.append([r.num_computed, r.num_computed + n])
         entry = {"i": self.steps, "kind": kind, "path": None, "t": round(began - self.t0, 6), "decode": decode,
                  "decode_ctx": ctx, "chunks": chunks, "tokens": decode + sum(b - a for a, b in chunks),
-                 "schedule_ms": round((scheduled - began) * 1e3, 3), "_launch": scheduled}
+                 "schedule_ms": round((scheduled - began) * 1e3, 3), "_launch": scheduled, "_work": self.work_count()}
         self.steps += 1
         if self.cuda:
             entry["_start"] = torch.cuda.Event(enable_timing=True)
@@ -127,6 +132,7 @@ class StepTrace:
             return
         entry["path"] = path
         entry["launch_ms"] = round((time.monotonic() - entry.pop("_launch")) * 1e3, 3)
+        entry["startup_work"] = self.work_count() - entry.pop("_work")
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
