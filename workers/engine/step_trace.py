@@ -143,6 +143,8 @@ class StepTrace:
         if entry is None:
             return
         start, end, prev = entry.pop("_start", None), entry.pop("_end", None), entry.pop("_prev", None)
+        if end is not None:  # recorded just after the tokens' copy, which has passed: a wait of microseconds at most
+            end.synchronize()
         entry["device_ms"] = round(start.elapsed_time(end), 3) if start is not None and end is not None else None
         entry["gap_ms"] = round(prev.elapsed_time(start), 3) if prev is not None and start is not None else None
         entry["wait_ms"] = round(wait_s * 1e3, 3)
