@@ -95,6 +95,51 @@ def test_a_step_that_compiled_while_it_launched_says_so(tmp_path):
     assert [s["startup_work"] for s in _lines(tmp_path / "steps-x.jsonl")[1]] == [2, 0]
 
 
+def test_device_and_gap_times_come_from_the_events_in_stream_order(tmp_path, monkeypatch):
+    """On CUDA a step's device_ms runs from its start event to its end event, and gap_ms from the previous
+    step's end to its start; with overlap step N+1 is begun before step N is settled. A stand-in for
+    torch.cuda.Event on a clock the test moves (the stream's time at each record)."""
+    import torch
+
+    from pdserve.workers.engine import step_trace
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            assert self.at is not None
+
+        def elapsed_time(self, other):
+            return (other.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    trace = step_trace.StepTrace(str(tmp_path / "steps-g.jsonl"), torch.device("cuda:0"), {"worker": "g"})
+    now = time.monotonic()
+    a = trace.begin("step", [], now, now)  # the stream reaches step A's start at 1.000 s, its end at 1.010
+    clock[0] = 1.000
+    a["_start"].record()
+    clock[0] = 1.010
+    trace.launched(a, "decode-graph")
+    b = trace.begin("step", [], now, now)  # B launched before A is read back; the stream idles 2 ms before it
+    clock[0] = 1.012
+    b["_start"].record()
+    trace.settled(a, 0.001)
+    clock[0] = 1.042
+    trace.launched(b, "piecewise-graph")
+    trace.settled(b, 0.0)
+    trace.close()
+    steps = _lines(tmp_path / "steps-g.jsonl")[1]
+    assert [(s["device_ms"], s["gap_ms"]) for s in steps] == [(pytest.approx(10.0), None),
+                                                                (pytest.approx(30.0), pytest.approx(2.0))]
+
+
 def test_no_trace_without_the_flag_and_a_worker_name_cannot_leave_the_directory(tmp_path):
     engine = Engine(EngineConfig(model="tiny", num_blocks=64))
     assert engine.trace_steps("w", "colocated") is None and engine.trace is None
