@@ -127,3 +127,31 @@ def test_the_colocated_arms_rank_as_measured():
         if workload == "mixed":
             assert predicted["chunk512"] < predicted["default"], predicted
     assert decided >= 2
+
+
+def test_with_overlap_a_request_that_arrives_during_a_step_joins_the_step_after_next():
+    """The engine overlaps its steps on CUDA (workers/engine/overlap.py): a colocated worker decides step N+1's
+    rows when step N begins. B arrives while A's prompt step runs: without overlap B's prompt is in the next step
+    (beside A's first decode row); with it, that step was decided before B arrived (A's decode row alone), and B
+    is in the one after. A request that finds the worker idle starts at once either way."""
+    prof = _profile(fixed_ms=5.0)
+    a_step = prof.step_ms(0, 0, [(0, 1024)], chunked=True)
+    reqs = lambda: [Req(0, 0.0, 1024, 3), Req(1, 0.001, 256, 2)]  # noqa: E731
+    plain = {r.index: r for r in simulate(Split(0, 1, chunk=2048), prof, reqs())}
+    prof.overlap = True
+    over = {r.index: r for r in simulate(Split(0, 1, chunk=2048), prof, reqs())}
+    assert plain[0].first_token * 1e3 == pytest.approx(a_step) == over[0].first_token * 1e3
+    with_a = prof.step_ms(1, 1025, [(0, 256)], chunked=True)  # B's prompt beside A's first decode row
+    assert plain[1].first_token * 1e3 == pytest.approx(a_step + with_a)
+    decode_a = prof.step_ms(1, 1025, [])
+    with_a2 = prof.step_ms(1, 1026, [(0, 256)], chunked=True)  # beside A's second decode row
+    assert over[1].first_token * 1e3 == pytest.approx(a_step + decode_a + with_a2)
+    # alone on an idle worker: no step to wait behind, with overlap or without
+    alone = simulate(Split(0, 1, chunk=2048), prof, [Req(0, 0.5, 256, 1)])[0]
+    assert (alone.first_token - 0.5) * 1e3 == pytest.approx(prof.step_ms(0, 0, [(0, 256)], chunked=True))
+
+
+def test_a_gpu_profile_overlaps_and_a_cpu_one_does_not():
+    gpu = Profile.from_engine_json(json.loads(ENGINE_JSON.read_text()))
+    cpu = json.loads((ROOT / "bench/results/plan-validation-cpu-2026-12-01/engine-tiny-cpu.json").read_text())
+    assert gpu.overlap and not Profile.from_engine_json(cpu).overlap and gpu.to_dict()["overlap"] is True

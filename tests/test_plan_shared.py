@@ -171,4 +171,13 @@ def test_a_colocated_arm_replays_and_a_stopped_probe_is_named_not_replayed(tmp_p
     ttft = sorted(r["ttft_s"] * 1e3 for r in block["requests"])
     assert got["runs"][0]["measured"]["ttft_p50"] == pytest.approx(float(np.percentile(ttft, 50)))
     assert all(r["simulated"]["ttft_p50"] > 0 for r in got["runs"])
+    # the workers' part of TTFT: the server's less the router's phases and the flights
+    row = block["requests"][0]
+    phases = row["timings"]["ttft_phases_ms"]
+    assert plan_shared.worker_ttft_ms(row) == pytest.approx(row["timings"]["ttft_ms"] - phases["parse"] - phases["route"]
+                                                            - phases["hops"] - phases["first_token_send"])
+    workers = [plan_shared.worker_ttft_ms(r) for r in block["requests"]]
+    assert got["runs"][0]["measured"]["worker_ttft_p50"] == pytest.approx(float(np.percentile(workers, 50)))
+    assert got["runs"][0]["measured"]["worker_ttft_p50"] < got["runs"][0]["measured"]["ttft_p50"]
+    assert plan_shared.worker_ttft_ms({"timings": None}) is None
     assert plan_shared.main([str(results), "--profile", str(engine), "--arm", "nobody", "--colocated", "0"]) == 2

@@ -31,6 +31,9 @@ import numpy as np
 from pdserve.bench.load.plan_sim import Profile, Req, Split, simulate
 
 _BEFORE_PREFILL = ("parse", "route", "inbox", "prefill_queue")  # the server's phases ahead of the forward
+# the router's phases and the messages' flights (protocol/phases.py): what the simulation, a model of the workers,
+# leaves out; a request's TTFT less these (and less the HTTP round trip) is its workers' part
+_ROUTER = ("parse", "route", "hops", "first_token_send")
 COLD_PACE = 1.5  # a run whose forwards alone took this many times the profile's did not run at its pace
 SAME_FORWARD_S = 0.002  # forwards of one prefill worker ending this close are one batched forward
 
@@ -57,8 +60,22 @@ def compare(block: dict, split: Split, profile: Profile, slos: dict[str, float])
     measured = outcome([r["ttft_s"] * 1e3 for r in rows], [r["tpot_s"] * 1e3 for r in rows], slos)
     simulated = outcome([(r.first_token - r.arrival) * 1e3 for r in done],
                         [(r.finish - r.first_token) * 1e3 / max(1, r.output - 1) for r in done], slos)
+    workers = [worker_ttft_ms(r) for r in rows]
+    if all(w is not None for w in workers):  # the workers' part of TTFT beside the simulated TTFT
+        measured["worker_ttft_p50"] = float(np.percentile(workers, 50))
+        simulated["worker_ttft_p50"] = simulated["ttft_p50"]
     return {"rate": block["request_rate"], "measured": measured, "simulated": simulated,
             "error": {k: simulated[k] / measured[k] - 1 if measured[k] else None for k in measured}}
+
+
+def worker_ttft_ms(row: dict) -> float | None:
+    """A request's TTFT on the workers: the server's ttft_ms less the router's phases and the messages' flights
+    (_ROUTER); None without the server's timings."""
+    t = row.get("timings") or {}
+    phases = t.get("ttft_phases_ms")
+    if t.get("ttft_ms") is None or not phases:
+        return None
+    return t["ttft_ms"] - sum(phases.get(k) or 0.0 for k in _ROUTER)
 
 
 def _forwards(rows: list[dict]) -> list[tuple[float, float, list[dict]]]:

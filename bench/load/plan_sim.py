@@ -64,6 +64,9 @@ class Profile:
     source: str = ""
     fixed_ms: float = 0.0  # what every forward pays whatever its tokens (0: all of a prefill is in its tokens)
     chunk_step_ms: float = 0.0  # what a chunked step with prompt tokens pays beyond its decodes and those tokens
+    # the engine overlaps its steps on this device (CUDA: workers/engine/overlap.py): a colocated or decode
+    # worker decides step N+1's rows when step N begins, so a request that arrives during step N joins N+2
+    overlap: bool = False
 
     def tokens(self, start: int, end: int) -> float:
         """Milliseconds prompt tokens [start, end) add to a forward, beyond its fixed cost."""
@@ -132,6 +135,8 @@ class Profile:
                       if d.get("kind", "uniform") == "uniform"]
             kv = int((data.get("config") or {}).get("kv_bytes_per_token") or 0)
             profile = cls.from_points(prefill, decode, kv, source, fixed_ms=None)
+            devices = (data.get("provenance") or {}).get("devices") or []
+            profile.overlap = any(str(d).startswith("cuda") for d in devices)
             on = (data.get("chunked") or {}).get("on")
             if on and on.get("prefill_steps"):
                 steps = int(on["prefill_steps"])
@@ -144,7 +149,7 @@ class Profile:
 
     def to_dict(self) -> dict:
         return {"source": self.source, "prefill_points": dict(zip(self.prefill_tokens, self.prefill_ms)),
-                "fixed_ms_per_forward": self.fixed_ms, "chunk_step_ms": self.chunk_step_ms,
+                "fixed_ms_per_forward": self.fixed_ms, "chunk_step_ms": self.chunk_step_ms, "overlap": self.overlap,
                 "decode_fit_ms": dict(zip(("alpha", "beta_per_row", "gamma_per_context_token"), self.decode_coef)),
                 "kv_bytes_per_token": self.kv_bytes_per_token}
 
@@ -216,6 +221,7 @@ class _Worker:
     since: float = 0.0
     version: int = 0  # a step-end event of an older version is stale (the GPU's share changed)
     prefilled_last: bool = False  # unchunked colocated: the last step was whole prompts (the next decodes)
+    began: float = 0.0  # when its current (or last) step began
     overlapped: bool = False  # shared: the step in flight has run beside the other worker's (paid the extra)
 
     def load(self) -> int:
@@ -266,11 +272,13 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             w.version += 1
             push(now + max(0.0, w.left_ms) / pace(w, running) / 1e3, "step", (w, w.version))
 
-    def whole_prompts(w: _Worker, room: int) -> list:
-        """A forward of whole prompts: the waiting ones in arrival order while their tokens fit
-        max_batched_tokens, at most `room` of them, the first whatever its length."""
+    def whole_prompts(w: _Worker, room: int, cutoff: float) -> list:
+        """A forward of whole prompts: the waiting ones that arrived by `cutoff`, in arrival order, while their
+        tokens fit max_batched_tokens, at most `room` of them, the first whatever its length."""
         batch, tokens = [], 0
         for r in w.waiting:
+            if r.arrival > cutoff:
+                break
             n = r.prompt - r.done_prefill
             if batch and (tokens + n > split.max_batched_tokens or len(batch) >= room):
                 break
@@ -281,11 +289,13 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
     def weight(position: int) -> float:
         return 1.0 + position / split.chunk_attention_tokens if split.chunk_attention_tokens else 1.0
 
-    def chunk_of(w: _Worker) -> list:
-        """A colocated chunked step's prompt tokens: the waiting prompts in order, each token at position p
-        counting weight(p) against `chunk` (workers/engine/scheduler.py)."""
+    def chunk_of(w: _Worker, cutoff: float) -> list:
+        """A colocated chunked step's prompt tokens: the waiting prompts in order (a new one once it arrived by
+        `cutoff`), each token at position p counting weight(p) against `chunk` (workers/engine/scheduler.py)."""
         chunks, budget = [], float(split.chunk)
         for r in w.waiting:
+            if not r.done_prefill and r.arrival > cutoff:
+                break
             n = min(r.prompt - r.done_prefill, round(budget / weight(r.done_prefill))) if budget >= 0.5 else 0
             if n <= 0:
                 break
@@ -293,30 +303,43 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             budget -= n * weight(r.done_prefill)
         return chunks
 
-    def start(w: _Worker, now: float) -> None:
+    def start(w: _Worker, now: float, after_step: bool = False) -> None:
+        """Begin the worker's next step at `now`, if it has one. With overlap (Profile.overlap) a colocated or
+        decode worker that just ended a step decided this one when that step began (w.began): what arrived
+        since joins the step after, unless this one would be empty (the engine then schedules it at once)."""
         if w.busy:
             return
-        while w.role == "decode" and w.waiting and len(w.running) < split.max_batch:
+        if after_step and profile.overlap and w.role != "prefill" and w.began < now:
+            if begin_step(w, now, w.began):
+                return
+        begin_step(w, now, now)
+
+    def begin_step(w: _Worker, now: float, cutoff: float) -> bool:
+        """The step of what arrived by `cutoff`; False: nothing to run."""
+        while w.role == "decode" and w.waiting and len(w.running) < split.max_batch \
+                and w.waiting[0].first_token <= cutoff:
             w.running.append(w.waiting.popleft())
         rows = list(w.running[:split.max_batch])
         chunks: list = []
         if w.role == "prefill" and w.waiting:
-            chunks = whole_prompts(w, split.max_num_seqs)
+            chunks = whole_prompts(w, split.max_num_seqs, cutoff)
         elif w.role == "colocated" and w.waiting and len(w.running) < split.max_batch:
             if split.chunk > 0:
-                chunks = chunk_of(w)
+                chunks = chunk_of(w, cutoff)
             elif not (w.prefilled_last and rows):  # unchunked: whole prompts in a step of their own
-                chunks, rows = whole_prompts(w, min(split.max_num_seqs, split.max_batch - len(w.running))), []
+                chunks = whole_prompts(w, min(split.max_num_seqs, split.max_batch - len(w.running)), cutoff)
+                rows = [] if chunks else rows
         if not rows and not chunks:
-            return
+            return False
         w.prefilled_last = not rows
         # the decode step pays the forward's fixed cost; a forward of prompts alone pays it itself
         ms = profile.step_ms(len(rows), sum(r.prompt + r.generated for r in rows),
                              [(r.done_prefill, end) for r, end in chunks], w.role == "colocated" and split.chunk > 0)
 
         def begin():
-            w.busy, w.step, w.left_ms, w.since, w.overlapped = True, (rows, chunks), ms, now, False
+            w.busy, w.step, w.left_ms, w.since, w.overlapped, w.began = True, (rows, chunks), ms, now, False, now
         reshare(w.gpu, now, begin)
+        return True
 
     def step_done(w: _Worker, now: float) -> None:
         rows, chunks = w.step
@@ -344,7 +367,7 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             else:
                 ms = split.transfer_fixed_ms + profile.kv_bytes_per_token * r.prompt / (split.link_gbps * 1e9) * 1e3
                 push(now + ms / 1e3, "kv", r)
-        start(w, now)
+        start(w, now, after_step=True)
 
     while events:
         now, _, kind, payload = heapq.heappop(events)
