@@ -22,6 +22,7 @@ import torch
 
 from pdserve.bench import cli
 from pdserve.settings.worker import EngineConfig
+from pdserve.workers.engine.engine import Engine
 from pdserve.workers.engine.graphs import decode_buckets
 from pdserve.workers.engine.start_times import PARTS
 from pdserve.workers.status_log import startup_line
@@ -86,6 +87,34 @@ def test_a_prefill_worker_without_warm_up_runs_no_request_and_captures_no_decode
     assert taken == ["piecewise"]
     engine.warmup()
     assert taken == ["piecewise", "decode", "piecewise"]
+
+
+def test_where_graphs_stop_short_of_the_longest_step_a_second_warm_up_runs_one_past_them(monkeypatch):
+    """CUDA's piecewise graphs stop at mixed_graph_tokens; longer steps run the segments directly. The warm-up
+    then runs a prompt just past the limit too, with the prefix cache off for it: nothing of it stays. On the
+    CPU (no graphs) it does not: every step runs the segments directly, as the first warm-up request did.
+    Here the CPU engine's piecewise path stands in for CUDA's, its graph limit set to 64 tokens."""
+    from pdserve.workers.engine.graphs import MixedGraphs
+    from pdserve.workers.warmup import long_warmup_tokens, warm_up
+
+    engine = Engine(EngineConfig(model="tiny", num_blocks=64))
+    assert long_warmup_tokens(engine) == 0  # the CPU: no graphs
+    monkeypatch.setattr(MixedGraphs, "graph_buckets", property(lambda self: [16, 32, 64]))
+    engine.runner.mixed.graph_limit = 64
+    assert long_warmup_tokens(engine) == 64 + 16 + 1
+    seen, generate = [], engine.generate
+
+    def spy(prompts, params=None):
+        seen.append((len(prompts[0]), engine.blocks.enabled))
+        return generate(prompts, params)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    warm_up(engine)
+    assert seen[1] == (81, False) and seen[0][1] is True and len(seen) == 2
+    assert engine.blocks.enabled and engine.requests == {} and engine.blocks.num_cached == 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    engine.runner.mixed.graph_limit = engine.runner.mixed.max_tokens  # graphs up to the longest step: no second
+    assert long_warmup_tokens(engine) == 0
 
 
 def test_a_line_before_the_start_is_over_says_nothing_of_it():

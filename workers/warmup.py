@@ -11,6 +11,12 @@ prefill took several times a later one's. Paid here, before "ready", no user req
 
 Prompt and tokens together stay inside one KV block: no full block is named, so the prefix cache
 holds nothing of it afterwards; its block goes back to the pool when it finishes.
+
+Where the piecewise graphs stop short of the longest step (CUDA: past mixed_graph_tokens, 1024, a step runs
+the compiled segments directly over its own rows), a second warm-up request of one prompt just past that
+limit runs such a step (long_warmup_tokens): whatever that path does the first time (a shape the compiled
+code has not seen, an allocation of its size) is done here, not in a served step. Its blocks are not named
+(the prefix cache is off for it), so it too leaves nothing.
 """
 
 from __future__ import annotations
@@ -49,4 +55,26 @@ def warm_up(engine) -> float:
     [req] = engine.generate([prompt], SamplingParams(max_tokens=steps, ignore_eos=True))
     if req.error is not None:
         raise RuntimeError(f"the warm-up request failed on this worker: {req.error}")
+    n = long_warmup_tokens(engine)
+    if n:
+        named, engine.blocks.enabled = engine.blocks.enabled, False  # nothing of it stays in the prefix cache
+        try:
+            [req] = engine.generate([[(17 + 31 * i) % engine.vocab_size for i in range(n)]],
+                                    SamplingParams(max_tokens=1, ignore_eos=True))
+        finally:
+            engine.blocks.enabled = named
+        if req.error is not None:
+            raise RuntimeError(f"the warm-up request of {n} tokens failed on this worker: {req.error}")
     return time.monotonic() - start
+
+
+def long_warmup_tokens(engine) -> int:
+    """The prompt of the second warm-up request: just past the piecewise graphs' limit (odd, and a block more),
+    where steps longer than the graphs run their segments directly; 0 where there is no such step (no graphs:
+    the CPU, where every step runs them directly, as the first warm-up request did) or no room for it."""
+    mixed = engine.runner.mixed
+    if mixed is None or not mixed.graph_buckets or mixed.max_tokens <= mixed.graph_limit:
+        return 0
+    n = min(mixed.graph_limit + engine.layout.block_size + 1, mixed.max_tokens)
+    fits = n < engine.max_model_len and -(-(n + 1) // engine.layout.block_size) <= engine.blocks.num_free
+    return n if fits else 0
