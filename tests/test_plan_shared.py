@@ -114,6 +114,27 @@ def test_sharing_reads_batched_forwards_and_leaves_cold_runs_out():
         sharing([_block(60.0)], prof)
 
 
+def test_a_batch_is_one_forward_and_a_request_is_busy_from_its_forwards_end():
+    """The requests of one batched forward share its prefill_ms (the batch's start and end stamps) while their
+    reconstructed ends spread with each one's HTTP latency; a request keeps the GPU busy from its forward's end
+    (transfer, adoption, decode steps) before its first token reaches the client."""
+    from pdserve.bench.load.plan_shared import _block_sharing, _forwards
+
+    # one batch: ends 10 ms apart on the client's clock, the same 40 ms forward; then a forward of its own 1 ms
+    # after it, 25 ms long
+    batch = [_record(0, 0.0, 512, 10.0, 40.0, [0.3]), _record(1, 0.01, 512, 10.0, 40.0, [0.3]),
+             _record(2, 0.02, 256, 30.0, 25.0, [0.3])]
+    assert [len(f[2]) for f in _forwards(batch)] == [2, 1]
+    prof = Profile.from_points({1024: 20.0, 4096: 80.0}, [(b, c, 5.0) for b in (1, 8) for c in (128, 1024)])
+    # X's forward ends at 1.0 s, its first token reaches the client at 1.2; Y's forward runs 1.05-1.10: beside
+    # X's transfer and first steps, not alone. Z's forward, after X ended, is alone.
+    rows = [_record(0, 0.9, 1024, 80.0, 20.0, [1.2, 1.25]), _record(1, 1.0, 1024, 50.0, 50.0, [1.3]),
+            _record(2, 2.0, 1024, 10.0, 20.0, [2.1])]
+    part = _block_sharing({"request_rate": 1.0, "requests": rows}, prof)
+    # X's forward and Z's are alone, at the profile's pace; Y's (2.5x) is not counted alone
+    assert part["alone"] == [pytest.approx(1.0), pytest.approx(1.0)]
+
+
 def test_the_reader_runs_on_a_results_json(recorded, tmp_path, capsys):
     out = tmp_path / "sharing.json"
     argv = [str(RUNS), "--profile", str(ENGINE_JSON), "--max-batched-tokens", "1"]

@@ -35,7 +35,11 @@ _BEFORE_PREFILL = ("parse", "route", "inbox", "prefill_queue")  # the server's p
 # leaves out; a request's TTFT less these (and less the HTTP round trip) is its workers' part
 _ROUTER = ("parse", "route", "hops", "first_token_send")
 COLD_PACE = 1.5  # a run whose forwards alone took this many times the profile's did not run at its pace
-SAME_FORWARD_S = 0.002  # forwards of one prefill worker ending this close are one batched forward
+# requests of one prefill worker whose forwards took the same time to this precision and ended this close on the
+# client's clock are one batched forward: at b051920 the reconstructed ends of one batch's requests spread up to
+# 21 ms (p90 7.6 ms), and a 2-ms window split batches into pieces, each priced as a forward of its own
+SAME_FORWARD_S = 0.05
+SAME_PREFILL_MS = 0.001
 
 
 def replay(block: dict) -> list[Req]:
@@ -83,9 +87,12 @@ def _forwards(rows: list[dict]) -> list[tuple[float, float, list[dict]]]:
     out: list = []
     for r in sorted(rows, key=lambda r: r["start_s"]):
         t = r["timings"]
-        end = r["start_s"] + (sum(t["ttft_phases_ms"][k] for k in _BEFORE_PREFILL) + t["prefill_ms"]) / 1e3
+        end = _forward_end(r)
+        # one forward: the same worker, the same prefill_ms (every request of a batch is stamped with the batch's
+        # start and end) and an end close by on the client's clock (each request's own HTTP latency offsets it)
         same = next((f for f in out if abs(f[1] - end) < SAME_FORWARD_S and f[2][0]["timings"].get(
-            "prefill_worker") == t.get("prefill_worker")), None)
+            "prefill_worker") == t.get("prefill_worker") and abs(
+            f[2][0]["timings"]["prefill_ms"] - t["prefill_ms"]) < SAME_PREFILL_MS), None)
         if same is None:
             out.append((end - t["prefill_ms"] / 1e3, end, [r]))
         else:
@@ -98,13 +105,23 @@ def _tokens(r: dict) -> np.ndarray:
     return r["start_s"] + r["ttft_s"] + np.concatenate([[0.0], np.cumsum(r["itls_s"])])
 
 
+def _forward_end(r: dict) -> float:
+    """The end of the request's prefill forward on the client's clock (its send time, the server's phases ahead of
+    the forward, the forward)."""
+    t = r["timings"]
+    return r["start_s"] + (sum(t["ttft_phases_ms"][k] for k in _BEFORE_PREFILL) + t["prefill_ms"]) / 1e3
+
+
 def _block_sharing(block: dict, profile: Profile) -> dict:
     rows = block["requests"]
     forwards = _forwards(rows)
     spans = [(r["start_s"] + r["ttft_s"], r["start_s"] + r["e2e_s"], r, _tokens(r)) for r in rows]
+    # a request keeps the GPU busy from its forward's end: its KV moves, the decode worker adopts it and steps,
+    # all before its first token reaches the client
+    busy = [(_forward_end(r), r["start_s"] + r["e2e_s"], r) for r in rows]
     covered, alone, inside, outside = [], [], [], []
     for a, b, batch in forwards:
-        others = [(s, e) for s, e, o, _ in spans if all(o is not r for r in batch)]
+        others = [(s, e) for s, e, o in busy if all(o is not r for r in batch)]
         tokens = sum(profile.tokens(0, int(r["prompt_len"])) for r in batch)
         wall = float(batch[0]["timings"]["prefill_ms"])
         if any(s <= a and e >= b for s, e in others):
