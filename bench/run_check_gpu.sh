@@ -12,7 +12,9 @@
 # $OUT/check-gpu.tgz.
 #
 #   bench/run_check_gpu.sh                       # every part
-#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk, decode, cut, lazy, fuse)
+#   PARTS=paths,start bench/run_check_gpu.sh     # some (paths, start, chunk, decode, cut, lazy, fuse, offline, engine)
+#   PARTS=offline,engine bench/run_check_gpu.sh  # the offline bench (default and unchunked, greedy and sampled,
+#                                                # ~5 min) and `pdserve-bench engine` with no flags (~2 min)
 #   PARTS=decode,fuse bench/run_check_gpu.sh     # the decode step with two gate/up products, then one
 #   PARTS=start,lazy bench/run_check_gpu.sh      # the start with every decode graph, then --decode-graphs lazy
 #   CHUNK_PROMPT=32k CHUNK_TOKENS=8192 bench/run_check_gpu.sh
@@ -79,5 +81,16 @@ if has cut; then
   part cut-decode 200 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths 1k --pairs 1 \
     --batches 1,32 --contexts 1k,16k --mixed-batch 0 --hf-decode-context 0 --chunk-decodes 0 --mixed-step '' \
     --repeats 20 --decode-graph-forward cut --out "$RESULTS/cut-decode.json"
+fi
+if has offline; then  # issue 33 item 4: greedy and sampled, the default config and unchunked, beside the floor and transformers
+  part offline 420 "$PYTHON" -m pdserve.bench.cli offline --model "$MODEL" --device "$DEVICE" --configs default,unchunked \
+    --out "$RESULTS/offline.json"
+fi
+if has engine; then  # issue 33 item 6: the engine bench's command with no flag at all, as a user first runs it
+  before=$(ls bench/results/engine-*.json 2>/dev/null | sort)
+  part engine-no-flags 480 "$PYTHON" -m pdserve.bench.cli engine
+  for f in $(ls bench/results/engine-*.json 2>/dev/null | sort); do  # the file it wrote, kept with the rest
+    if ! grep -qxF "$f" <<< "$before"; then cp "$f" "$RESULTS/engine-no-flags.json"; fi
+  done
 fi
 cat "$RESULTS/parts.txt"
