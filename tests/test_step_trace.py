@@ -140,6 +140,23 @@ def test_device_and_gap_times_come_from_the_events_in_stream_order(tmp_path, mon
                                                                 (pytest.approx(30.0), pytest.approx(2.0))]
 
 
+def test_a_trace_stops_at_its_bound_and_says_so(tmp_path, monkeypatch):
+    import torch
+
+    from pdserve.workers.engine import step_trace
+
+    monkeypatch.setattr(step_trace, "MAX_STEPS", 2)
+    trace = step_trace.StepTrace(str(tmp_path / "steps-b.jsonl"), torch.device("cpu"), {"worker": "b"})
+    for _ in range(4):
+        entry = trace.begin("step", [], time.monotonic(), time.monotonic())
+        trace.launched(entry, "eager")
+        trace.settled(entry, 0.0)
+    trace.close()
+    lines = (tmp_path / "steps-b.jsonl").read_text().splitlines()
+    assert len(_lines(tmp_path / "steps-b.jsonl")[1]) == 2
+    assert json.loads(lines[-1]) == {"truncated": True, "steps": 2} and len(lines) == 4
+
+
 def test_no_trace_without_the_flag_and_a_worker_name_cannot_leave_the_directory(tmp_path):
     engine = Engine(EngineConfig(model="tiny", num_blocks=64))
     assert engine.trace_steps("w", "colocated") is None and engine.trace is None

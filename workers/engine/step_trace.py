@@ -118,7 +118,8 @@ class StepTrace:
                 chunks.append([r.num_computed, r.num_computed + n])
         entry = {"i": self.steps, "kind": kind, "path": None, "t": round(began - self.t0, 6), "decode": decode,
                  "decode_ctx": ctx, "chunks": chunks, "tokens": decode + sum(b - a for a, b in chunks),
-                 "schedule_ms": round((scheduled - began) * 1e3, 3), "_launch": scheduled, "_work": self.work_count()}
+                 "schedule_ms": round((scheduled - began) * 1e3, 3), "_launch": time.monotonic(),
+                 "_work": self.work_count()}
         self.steps += 1
         if self.cuda:
             entry["_start"] = torch.cuda.Event(enable_timing=True)
