@@ -305,9 +305,14 @@ def test_pd_arms_start_a_prefill_and_a_decode_worker_and_are_judged_apart(tmp_pa
         "pd-chunk32768" + pair + "--worker-arg=--chunk-tokens=32768",
         "pd-pbatch1" + pair + "--worker-arg=--max-batched-tokens=1", "pd-layer" + pair]
     # the pairs' own pool (PD_KV 16 GiB a worker, not the long workload's 40) and transfer mode
-    assert [val(c, "--server-args") for c in ran] == [
+    # each server traces its steps into its own folder (STEP_TRACE, on by default): not a configuration flag
+    traced = [val(c, "--server-args").split(" --step-trace ") for c in ran]
+    assert [t[1] for t in traced] == [val(c, "--out") + "/steps" for c in ran]
+    assert [t[0] for t in traced] == [
         "--model qwen2.5-7b --devices cuda:0 --transport ipc --mode bulk --kv-memory-gb 16"] * 4 + [
         "--model qwen2.5-7b --devices cuda:0 --transport ipc --mode layer --kv-memory-gb 16"]
+    assert defaults._server_flags("python -m pdserve.server.cli --port 0 --step-trace /a/steps --model m") == \
+        defaults._server_flags("python -m pdserve.server.cli --model m --step-trace=/b/steps") == "--model m"
     # pd-default's own full search; every other pair one probe at pd-default's capacity (0.8) / 0.9, not the
     # colocated default's (0.95)
     assert (val(ran[0], "--search-start-rate"), val(ran[0], "--search-max-probes")) == ("0.8", "6")

@@ -62,8 +62,10 @@ SAME = ("server flags", "workload", "SLOs", "goodput target", "GPUs")
 
 
 def _server_flags(command: str | None) -> str:
-    """The server's flags of a command line, less the interpreter, the port and the parent pid."""
-    return re.sub(r"--(port|parent-pid) \S+ ?", "", (command or "").split("pdserve.server.cli", 1)[-1]).strip()
+    """The server's flags of a command line, less the interpreter, the port, the parent pid and the step trace's
+    folder (where a run writes, not how it serves: each folder of an arm traces into its own)."""
+    return re.sub(r"--(port|parent-pid|step-trace)[= ]\S+ ?", "",
+                  (command or "").split("pdserve.server.cli", 1)[-1]).strip()
 
 
 # pdserve's worker counts where its command gives none (server/cli.py, add_worker_arguments)
