@@ -28,11 +28,13 @@ STEP_TRACE=${STEP_TRACE:-1}
 PROFILE=${PROFILE:-}
 # trace_flag FOLDER: pdserve's flag that traces its workers' steps into FOLDER/steps (nothing with STEP_TRACE=0)
 trace_flag() { if [ "$STEP_TRACE" = 1 ]; then echo "--step-trace $1/steps"; fi; }
-# trace_summary FOLDER: FOLDER/steps summarised by `pdserve-bench trace` into FOLDER/steps.md and steps.json
+# trace_summary FOLDER: FOLDER/steps summarised by `pdserve-bench trace` into FOLDER/steps.md and steps.json, a
+# line per run of FOLDER/results.json among them
 trace_summary() {
   if [ "$STEP_TRACE" != 1 ] || [ ! -d "$1/steps" ]; then return 0; fi
   local prof=()
   if [ -n "$PROFILE" ]; then prof=(--profile "$PROFILE"); fi
+  if [ -f "$1/results.json" ]; then prof+=(--results "$1/results.json"); fi  # a line per run of the server
   "$PYTHON" -m pdserve.bench.cli trace "$1/steps" "${prof[@]}" --out "$1/steps.json" > "$1/steps.md" \
     || echo "the step trace of $1 was not summarised (exit $?)"
 }

@@ -254,6 +254,26 @@ def test_the_summary_groups_predicts_and_reads_sharing(tmp_path):
     assert "prefill-0 (prefill, cuda:0): 2 steps" in text and "| prompt 1-1024 + decodes | piecewise-graph |" in text
 
 
+def test_a_load_runs_wall_clock_window_splits_the_trace_by_run(tmp_path):
+    """--results: each run of the load bench (its wall_s window) gets the steps that began inside it."""
+    _write(tmp_path / "steps-colocated-0.jsonl", {"worker": "colocated-0", "role": "colocated", "unix_time": 1000.0}, [
+        {"t": 0.5, "done_t": 0.6, "device_ms": 100.0, "startup_work": 3}, {"t": 1.5, "done_t": 1.6, "device_ms": 50.0},
+        {"t": 12.0, "done_t": 12.1, "device_ms": 10.0}, {"t": 13.0, "done_t": 13.1, "device_ms": 10.0}])
+    results = {"results": [
+        {"arm": "default", "phase": "probe", "load_label": "rate 10/s", "cold": True, "wall_s": [1000.0, 1002.0]},
+        {"arm": "default", "phase": "probe", "load_label": "rate 5/s", "cold": False, "wall_s": [1011.0, 1014.0]},
+        {"arm": "old", "phase": "point", "load_label": "x"}]}  # written before wall_s: no window, no line
+    prof = Profile.from_points({512: 20.0, 1024: 40.0}, [(1, 100, 5.0), (8, 100, 6.0), (1, 400, 5.3), (8, 400, 8.4)],
+                               fixed_ms=2.0)
+    [w] = tr.report([str(tmp_path)], prof, [results])["workers"]
+    cold, warm = w["runs"]
+    assert (cold["run"], cold["steps"], cold["with_startup_work"], cold["cold"]) == ("default probe rate 10/s", 2, 1, True)
+    assert cold["device_busy_share"] == pytest.approx(0.150 / 2.0) and warm["steps"] == 2
+    assert warm["ratio_p50"] == pytest.approx(10.0 / prof.decode(1, 100))
+    assert "run default probe rate 10/s (cold): 2 steps, device busy 8%" in tr.render(tr.report([str(tmp_path)], prof,
+                                                                                               [results]))
+
+
 def test_beside_counts_overlap_exactly():
     steps = [{"t": 0.0, "done_t": 2.0}, {"t": 3.0, "done_t": 4.0}]
     other = [{"t": 0.5, "done_t": 1.0}, {"t": 1.5, "done_t": 3.5}, {"t": 9.0, "done_t": 10.0}]

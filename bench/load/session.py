@@ -245,6 +245,7 @@ class Session:
         return report.to_dict()
 
     async def measure(self, client, arm, point: LoadPoint, phase: str = "point", factor: float | None = None) -> dict:
+        started = time.time()  # wall clock: a server's step trace (bench/load/trace.py --results) is split by it
         if point.conversations:
             records, duration = await self.converse(client, arm.policy, point, f"{arm.label} {point.label}")
         else:
@@ -261,6 +262,7 @@ class Session:
                 watch.settle_s = await settle(client)
         block = result_block(records, duration, point, self.args, self.slos, self.percentiles, arm=arm.label,
                              policy=arm.policy, policy_runs="separate", phase=phase, factor=factor)
+        block["wall_s"] = [started, time.time()]
         if not point.conversations and point.kind == "rate":
             sends = [p.send_at_s for p in planned if p.send_at_s is not None]
             block["arrival_window_s"] = max(sends) - min(sends) if sends else None
@@ -416,12 +418,14 @@ async def run_interleaved(session: Session, arms, points) -> tuple[list[dict], l
                   "warmup": await session.warmup(client, arm.policy, session.samples(), arm.label)} for arm in arms]
         for point in points:
             planned = plan(session.samples(copies), policies if policies != [None] else None, point, a)
+            started = time.time()
             records, _ = await session.send(client, planned, point, point.label)
             for arm in arms:
                 mine = [r for r in records if r.policy == arm.policy]
                 blocks.append(result_block(mine, own_span(mine), point, a, session.slos, session.percentiles,
                                            arm=arm.label, policy=arm.policy, policy_runs="interleaved",
                                            n_policies=len(arms)))
+                blocks[-1]["wall_s"] = [started, time.time()]
                 session.first_run_cold(arm.label, blocks[-1])
     return infos, blocks
 

@@ -2,7 +2,7 @@
 each group's host and device time, and beside each step what the planner's profile says a step of that
 make costs.
 
-    pdserve-bench trace DIR [DIR|FILE ...] [--profile ENGINE_JSON] [--out summary.json]
+    pdserve-bench trace DIR [DIR|FILE ...] [--profile ENGINE_JSON] [--results RESULTS.json] [--out summary.json]
 
 DIR: a `--step-trace` directory (every steps-*.jsonl in it, and below it); FILE: one trace. For each
 worker it reports:
@@ -16,6 +16,9 @@ worker it reports:
     while they launched (`startup_work`), the medians of tokens, schedule_ms, launch_ms,
     device_ms, gap_ms, wait_ms, and with --profile the medians of the predicted ms (plan_sim's
     Profile.step_ms, the same rule the simulation prices by) and of measured / predicted, per step;
+  - with --results (a `pdserve-bench load` results.json of the same server), a line per run of it (a probe,
+    a point) over the steps that began during it, on the wall clock: its steps, the device's busy share, the
+    steps that waited for start-up work, measured / predicted: a cold first probe beside the warm ones;
   - where two traces come from workers on one device (1P:1D sharing a GPU), each step's share of its wall
     time (t to done_t) during which the other worker had a step in flight, and the measured / predicted
     ratio of the steps run alone (share < 10%) beside those run shared (> 90%).
@@ -171,7 +174,36 @@ def summarize(header: dict, steps: list[dict], profile: Profile | None, shares: 
     return out
 
 
-def report(paths: list[str], profile: Profile | None) -> dict:
+def runs_of(results: dict) -> list[dict]:
+    """The runs of a load results.json with their wall-clock window (`wall_s`, written since the step trace)."""
+    out = []
+    for b in results.get("results", []):
+        if b.get("wall_s"):
+            rate = b.get("request_rate")
+            label = f"{b.get('arm')} {b.get('phase')} {b.get('load_label') or rate}"
+            out.append({"run": label, "wall_s": b["wall_s"], "cold": b.get("cold"),
+                        "meets_goodput_target": b.get("meets_goodput_target")})
+    return out
+
+
+def by_run(header: dict, steps: list[dict], runs: list[dict], profile: Profile | None) -> list[dict]:
+    """Each run's steps (begun inside its wall-clock window) summed up."""
+    base = header.get("unix_time", 0.0)
+    out = []
+    for run in runs:
+        a, b = run["wall_s"]
+        mine = [s for s in steps if a <= base + s["t"] < b]
+        row = {**run, "steps": len(mine), "with_startup_work": sum(bool(s.get("startup_work")) for s in mine),
+               "device_busy_share": None, "ratio_p50": None}
+        if mine and mine[0].get("device_ms") is not None and b > a:
+            row["device_busy_share"] = sum(s["device_ms"] or 0.0 for s in mine) / 1e3 / (b - a)
+        if mine and profile is not None:
+            row["ratio_p50"] = _median([measured_ms(s) / p for s in mine if (p := predicted_ms(s, header, profile)) > 0])
+        out.append(row)
+    return out
+
+
+def report(paths: list[str], profile: Profile | None, results: list[dict] | None = None) -> dict:
     traces = [(f"{f}#{k}" if k else str(f), header, steps)
               for f in trace_files(paths) for k, (header, steps) in enumerate(read(f))]
     workers = []
@@ -184,6 +216,8 @@ def report(paths: list[str], profile: Profile | None) -> dict:
                  and abs(h.get("unix_time", 0.0) - base) < 60 for s in ss]
         shares = beside(steps, other) if other else None
         row = summarize(header, steps, profile, shares)
+        if results:
+            row["runs"] = by_run(header, steps, [r for res in results for r in runs_of(res)], profile)
         row["file"] = str(f)
         workers.append(row)
     return {"profile": profile.to_dict() if profile else None, "workers": workers}
@@ -207,6 +241,11 @@ def render(out: dict) -> str:
             lines.append(f"  beside the other worker on {w['device']}: {b['steps_alone']} steps alone "
                          f"({_fmt(b['ratio_alone_p50'], 2)}x predicted), {b['steps_shared']} shared "
                          f"({_fmt(b['ratio_shared_p50'], 2)}x)")
+        for r in w.get("runs") or []:
+            busy = "" if r["device_busy_share"] is None else f", device busy {r['device_busy_share']:.0%}"
+            ratio = "" if r["ratio_p50"] is None else f", {r['ratio_p50']:.2f}x predicted"
+            lines.append(f"  run {r['run']}{' (cold)' if r['cold'] else ''}: {r['steps']} steps{busy}{ratio}, "
+                         f"{r['with_startup_work']} waited for start-up work")
         head = ("make", "path", "steps", "compiling", "tokens", "sched ms", "launch ms", "device ms", "gap ms", "wait ms",
                 "measured p50", "p90", "predicted", "ratio")
         lines.append("  | " + " | ".join(head) + " |")
@@ -224,6 +263,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", help="--step-trace directories or steps-*.jsonl files")
     p.add_argument("--profile", default=None, help="a `pdserve-bench engine` JSON of the same model, device and code: "
                                                    "each step beside what it predicts")
+    p.add_argument("--results", action="append", default=[], metavar="RESULTS_JSON",
+                   help="a `pdserve-bench load` results.json of the same server: a line per run (repeatable)")
     p.add_argument("--out", default=None, help="the summary as JSON (with provenance)")
 
 
@@ -232,7 +273,8 @@ def run(args) -> int:
         profile = None
         if args.profile:
             profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile)
-        out = report(args.traces, profile)
+        results = [json.loads(Path(r).read_text()) for r in args.results]
+        out = report(args.traces, profile, results)
     except (OSError, ValueError) as e:
         print(f"pdserve-bench trace: {e}", file=sys.stderr)
         return 2
