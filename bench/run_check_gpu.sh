@@ -16,7 +16,7 @@
 #   PARTS=offline,engine bench/run_check_gpu.sh  # the offline bench (default and unchunked, greedy and sampled,
 #                                                # ~5 min) and `pdserve-bench engine` with no flags (~2 min)
 #   PARTS=decode,fuse bench/run_check_gpu.sh     # the decode step with two gate/up products, then one
-#   PARTS=start,lazy bench/run_check_gpu.sh      # the start with every decode graph, then --decode-graphs lazy
+#   PARTS=start,lazy bench/run_check_gpu.sh      # the start with every graph, then --graphs lazy
 #   CHUNK_PROMPT=32k CHUNK_TOKENS=8192 bench/run_check_gpu.sh
 source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES
 set +e  # every part runs; their exit codes are collected in RESULTS/parts.txt
@@ -60,12 +60,12 @@ if has decode; then
     --batches 1,32 --contexts 1k,16k --mixed-batch 0 --hf-decode-context 0 --chunk-decodes 0 --mixed-step '' \
     --repeats 20 --profile-decode "$RESULTS/decode-profile" --out "$RESULTS/decode.json"
 fi
-if has lazy; then  # decode graphs at start (the default) against the largest at start and the rest while idle
+if has lazy; then  # every graph at start (the default) against the largest of each kind at start, the rest while idle
   LAZY_CACHE=$(mktemp -d)
   part lazy-start-cold 240 "$PYTHON" -m pdserve.bench.cli start --model "$MODEL" --device "$DEVICE" \
-    --decode-graphs lazy --cache-dir "$LAZY_CACHE" --out "$RESULTS/lazy-start-cold.json"
+    --graphs lazy --cache-dir "$LAZY_CACHE" --out "$RESULTS/lazy-start-cold.json"
   part lazy-start-warm 150 "$PYTHON" -m pdserve.bench.cli start --model "$MODEL" --device "$DEVICE" \
-    --decode-graphs lazy --cache-dir "$LAZY_CACHE" --out "$RESULTS/lazy-start-warm.json"
+    --graphs lazy --cache-dir "$LAZY_CACHE" --out "$RESULTS/lazy-start-warm.json"
 fi
 if has fuse; then  # the decode step with one gate/up projection per MLP, against the decode part's (two)
   part fuse-decode 240 "$PYTHON" -m pdserve.bench.cli engine --model "$MODEL" --device "$DEVICE" --lengths 1k \

@@ -21,7 +21,7 @@ from pdserve.settings.flags import flag
 DTYPES = ("float32", "float16", "bfloat16")  # workers/engine/kv_cache.py maps each to its torch dtype
 ATTENTION = ("auto", "triton", "reference")
 DECODE_GRAPH_FORWARDS = ("cut", "layers")  # EngineConfig.decode_graph_forward
-DECODE_GRAPH_STARTS = ("all", "lazy")  # EngineConfig.decode_graphs
+GRAPH_STARTS = ("all", "lazy")  # EngineConfig.graphs
 MODEL_HELP = "smollm2-135m, tiny, qwen2.5-7b or a local checkpoint dir"  # the router's --model too
 # the colocated chunk budget when --chunk-tokens is not given, by device kind: CUDA's is the best of a capacity
 # sweep on an H200 (docs/results.md, "The colocated worker's defaults"); the CPU's keeps a 2-core machine's
@@ -96,14 +96,14 @@ class EngineConfig:
     # until `pdserve-bench start` and `engine` A/B the two there (bench/run_check_gpu.sh): a default is a
     # measured choice, and "cut" has run on the CPU only
     decode_graph_forward: str = "layers"
-    # when a decode or colocated worker captures its decode graphs (workers/engine/graphs.py): "all" at start,
-    # before it is ready; "lazy": the largest bucket at start (it compiles what the graphs run and sizes their
-    # memory pool), every other when the worker has no request (one per loop turn, largest first) or at the
-    # first step that needs it. "all" stays the default until `pdserve-bench start` and a load run A/B the two
-    # on a GPU (bench/run_check_gpu.sh PARTS=lazy)
-    decode_graphs: str = flag("all", "CUDA: capture every decode graph at start (all), or the largest at start "
-                              "and the others while the worker is idle or when a step first needs one (lazy)",
-                              choices=DECODE_GRAPH_STARTS)
+    # when a worker captures its CUDA graphs, decode graphs and piecewise ones alike (workers/engine/graphs.py):
+    # "all" at start, before it is ready; "lazy": of each kind the largest bucket at start (it compiles what that
+    # kind's graphs run and sizes their memory pool), every other when the worker has no request (one per loop
+    # turn, decode graphs first, largest first) or at the first step that needs it. "all" stays the default
+    # until `pdserve-bench start` and a load run A/B the two on a GPU (bench/run_check_gpu.sh PARTS=lazy)
+    graphs: str = flag("all", "CUDA: capture every graph at start (all), or of each kind (decode, piecewise) the "
+                       "largest at start and the others while the worker is idle or when a step first needs one "
+                       "(lazy)", choices=GRAPH_STARTS)
     # the host schedules and launches step N+1 while step N runs, reading N's tokens back a step late
     # (workers/engine/overlap.py); None: on CUDA
     overlap: bool | None = None
@@ -132,8 +132,8 @@ class EngineConfig:
             raise ValueError("a disk cache needs a host cache above it: give host_cache_gb too")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be auto, triton or reference, got {self.attention!r}")
-        if self.decode_graphs not in DECODE_GRAPH_STARTS:
-            raise ValueError(f"decode_graphs must be all or lazy, got {self.decode_graphs!r}")
+        if self.graphs not in GRAPH_STARTS:
+            raise ValueError(f"graphs must be all or lazy, got {self.graphs!r}")
         if self.decode_graph_forward not in DECODE_GRAPH_FORWARDS:
             raise ValueError(f"decode_graph_forward must be cut or layers, got {self.decode_graph_forward!r}")
         if self.step_trace:  # a worker may start elsewhere than its launcher's directory

@@ -28,8 +28,8 @@ from pdserve.settings.router import RouterConfig
 from pdserve.workers import cli as W
 
 WORKER_FLAGS = {
-    "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--decode-graphs", "--device",
-    "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--fuse-gate-up", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
+    "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--device",
+    "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--fuse-gate-up", "--graphs", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
     "--kv-checksum", "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-streams", "--log-level",
     "--max-batched-tokens", "--max-model-len", "--max-num-seqs", "--mode", "--model", "--no-chunked-prefill", "--no-compile", "--no-prefix-cache",
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
@@ -66,7 +66,7 @@ def test_every_flag_keeps_its_name_and_default():
                                                                                                  "127.0.0.1", 0)
     assert (args.handshake_timeout, args.stats_interval, args.router) == (30.0, 10.0, "tcp://127.0.0.1:7100")
     assert args.warmup and args.compile and args.prefix_cache and args.chunked_prefill and args.dtype is None
-    assert args.decode_graphs == "all"  # every decode graph before ready, until a GPU A/B says otherwise
+    assert args.graphs == "all"  # every graph before ready, until a GPU A/B says otherwise
     assert W.worker_config(args) == replace(WorkerConfig("decode", worker_id=args.worker_id),
                                             engine=EngineConfig(kv_shared=True))
     pd = server_cli.pdserve_parser().parse_args([])

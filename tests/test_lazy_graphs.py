@@ -1,7 +1,8 @@
-"""Decode graphs taken lazily (EngineConfig.decode_graphs "lazy"): the start captures the largest bucket only,
-the worker takes the others one at a time while it has no request, each with padding rows only, and the
-ready line says how many are left. The capture itself is CUDA-only: here a stand-in records what each
-capture would have captured (its bucket, and whether the graph's buffers held padding alone), on the CPU."""
+"""Graphs taken lazily (EngineConfig.graphs "lazy"): the start captures the largest bucket of each kind only
+(decode graphs, piecewise token buckets), the worker takes the others one at a time while it has no request
+(decode graphs first), each decode graph with padding rows only, and the ready line says how many are left.
+The capture itself is CUDA-only: here a stand-in records what each capture would have captured (its bucket,
+and whether a decode graph's buffers held padding alone), on the CPU."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from pdserve.workers.roles.base import Role
 
 def lazy_engine(monkeypatch, mode: str):
     engine = Engine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_blocks=64, max_num_seqs=8,
-                                 decode_graphs=mode))
-    engine.runner.build_forwards(replace(engine.config, decode_graphs=mode), engine.max_model_len,
+                                 graphs=mode))
+    engine.runner.build_forwards(replace(engine.config, graphs=mode), engine.max_model_len,
                                  decode_graphs=True, mixed_graphs=False, compile=False)
     taken = []
 
@@ -119,6 +120,67 @@ def test_the_loop_does_not_block_while_graphs_wait_for_idle_time(monkeypatch):
 
 
 def test_the_flag_is_checked():
-    with pytest.raises(ValueError, match="decode_graphs must be all or lazy"):
-        EngineConfig(decode_graphs="later")
-    assert torch.cuda.is_available() or EngineConfig().decode_graphs == "all"
+    with pytest.raises(ValueError, match="graphs must be all or lazy"):
+        EngineConfig(graphs="later")
+    assert torch.cuda.is_available() or EngineConfig().graphs == "all"
+
+
+def piecewise_engine(monkeypatch, mode: str):
+    """A lazy_engine whose piecewise path replays graphs too, its token buckets' capture a recording stand-in."""
+    from pdserve.workers.engine.graphs import MixedGraphs
+
+    engine, taken = lazy_engine(monkeypatch, mode)
+    mixed = engine.runner.mixed
+    mixed.use_graphs, mixed.graph_limit = True, 128  # buckets 16, 32, 64, 128 replayed as graphs
+
+    def capture(self, bucket):
+        taken.append((("piecewise", bucket), None))
+        self.graphs[bucket] = [SimpleNamespace(replay=lambda: None)] * self.cut.num_segments
+        self.capture_s[bucket] = 0.02
+        return self.graphs[bucket]
+
+    monkeypatch.setattr(MixedGraphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return engine, taken
+
+
+def test_a_lazy_start_takes_the_largest_piecewise_bucket_and_idle_time_the_rest_after_the_decode_graphs(monkeypatch):
+    engine, taken = piecewise_engine(monkeypatch, "lazy")
+    mixed, decode = engine.runner.mixed, engine.runner.graphs
+    assert mixed.graph_buckets == [16, 32, 64, 128] and mixed.pending() == [128, 64, 32, 16]
+    engine.warmup(decode=True)
+    order = decode.capture_order()
+    assert [k for k, _ in taken] == [order[0], ("piecewise", 128)]
+    s = engine.start
+    assert s.piecewise_buckets_left == 3 and s.piecewise_graphs == mixed.cut.num_segments
+    assert "(3 buckets more while idle)" in s.describe()
+    while engine.graphs_pending():
+        engine.capture_idle()
+    # the decode graphs first, then the piecewise buckets, largest first
+    assert [k for k, _ in taken[2:]] == order[1:] + [("piecewise", b) for b in (64, 32, 16)]
+    assert mixed.idle == {64, 32, 16} and mixed.pending() == [] and not engine.graphs_pending()
+    # idle captures held no step: not work while serving; a step's own capture is
+    work = ServingWork().start()
+    work.mark(engine)
+    assert work.take(engine) is None
+    del mixed.graphs[16], mixed.capture_s[16]
+    mixed.idle.discard(16)
+    mixed.capture([16])  # as a step of 16 tokens captures its bucket
+    assert work.take(engine)["graphs"] == 1
+
+
+def test_a_lazy_prefill_worker_takes_its_piecewise_buckets_while_idle(monkeypatch):
+    engine, taken = piecewise_engine(monkeypatch, "lazy")
+    engine.warmup(decode=False)  # a prefill worker: no decode graph at all
+    assert [k for k, _ in taken] == [("piecewise", 128)] and engine.graphs_pending()
+    while engine.graphs_pending():
+        engine.capture_idle()
+    assert [k for k, _ in taken] == [("piecewise", b) for b in (128, 64, 32, 16)]
+
+
+def test_all_takes_every_piecewise_bucket_at_start(monkeypatch):
+    engine, taken = piecewise_engine(monkeypatch, "all")
+    engine.warmup(decode=True)
+    assert [k for k, _ in taken][-4:] == [("piecewise", b) for b in (128, 64, 32, 16)]
+    assert engine.start.piecewise_buckets_left == 0 and not engine.graphs_pending()
+    assert "buckets more while idle" not in engine.start.describe()

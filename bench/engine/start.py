@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench import provenance
-from pdserve.settings.worker import DECODE_GRAPH_FORWARDS, DECODE_GRAPH_STARTS
+from pdserve.settings.worker import DECODE_GRAPH_FORWARDS, GRAPH_STARTS
 from pdserve.bench.engine import compile_watch
 
 TARGET_AFTER_LOAD_S = 20.0  # issue 33: ready within this long after the model is loaded
@@ -63,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-graph-forward", default=None, choices=DECODE_GRAPH_FORWARDS,
       help="what the decode graphs run: the piecewise path's segments (cut) or transformers' forward with "
            "compiled layers (layers); default: the engine's")
-    a("--decode-graphs", default=None, choices=DECODE_GRAPH_STARTS,
-      help="every decode graph at start (all), or the largest at start and the rest while idle (lazy); "
-           "default: the engine's")
+    a("--graphs", default=None, choices=GRAPH_STARTS,
+      help="every graph at start (all), or of each kind (decode, piecewise) the largest at start and the rest "
+           "while idle (lazy); default: the engine's")
     a("--cache-dir", default=None, metavar="DIR",
       help="Triton's and Inductor's compile caches in DIR (default: theirs); a run on an empty DIR starts cold")
     a("--profile", default=None, metavar="DIR", help="profile one decode graph's capture into DIR")
@@ -77,7 +77,7 @@ def engine_config(args: argparse.Namespace):
     from pdserve.settings.worker import EngineConfig
 
     fields = {k: getattr(args, k) for k in ("max_num_seqs", "max_model_len", "kv_memory_gb", "num_blocks",
-                                            "decode_graph_forward", "decode_graphs") if getattr(args, k) is not None}
+                                            "decode_graph_forward", "graphs") if getattr(args, k) is not None}
     return EngineConfig(model=args.model, device=args.device, **fields)
 
 
@@ -154,21 +154,22 @@ def run(args: argparse.Namespace) -> int:
     start = engine.start
     start.finish()
     compiled = watch.stop()
-    idle = None  # --decode-graphs lazy: the graphs the start left, taken as an idle worker takes them
+    idle = None  # --graphs lazy: the graphs the start left, taken as an idle worker takes them
     if engine.graphs_pending():
-        t, n = time.monotonic(), 0
+        t = time.monotonic()
         while engine.graphs_pending():
             if engine.has_work():  # a step still in flight (overlap) is settled first, as a worker's loop
                 engine.step()      # does: no capture is due while the engine has work
             else:
                 engine.capture_idle()
-                n += 1
-        idle = {"graphs": n, "s": time.monotonic() - t}
+        idle = {"decode_graphs": len(graphs.idle) if graphs is not None else 0,
+                "piecewise_buckets": len(engine.runner.mixed.idle) if engine.runner.mixed is not None else 0,
+                "s": time.monotonic() - t}
 
     rows = decode_rows(engine, profiled) if graphs is not None else []
     mixed = engine.runner.mixed
-    piecewise = [{"tokens": b, "graphs": mixed.cut.num_segments, "s": s} for b, s in mixed.capture_s.items()] \
-        if mixed is not None else []
+    piecewise = [{"tokens": b, "graphs": mixed.cut.num_segments, "s": s, "idle": b in mixed.idle}
+                 for b, s in mixed.capture_s.items()] if mixed is not None else []
     result = {
         "benchmark": "start",
         "provenance": provenance.finish(prov),
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                    "kv_blocks": engine.blocks.num_blocks, "block_size": engine.layout.block_size,
                    "compile": engine.config.compile, "cuda_graphs": graphs is not None,
                    "decode_graph_forward": engine.config.decode_graph_forward,
-                   "decode_graphs": engine.config.decode_graphs,
+                   "graphs": engine.config.graphs,
                    "decode_graphs_run_the_cut": graphs is not None and graphs.cut is not None,
                    "batch_buckets": graphs.batch_buckets if graphs is not None else [],
                    "block_buckets": graphs.block_buckets if graphs is not None else [],
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "ready_line": start.describe(),
         "decode_graphs": rows,
         "decode_summary": summarise(rows),
-        "decode_graphs_idle": idle,  # lazy: the graphs taken after ready, as an idle worker takes them (null: none)
+        "graphs_idle": idle,  # lazy: the graphs taken after ready, as an idle worker takes them (null: none)
         "piecewise_graphs": piecewise,
         "compile": compiled,
         "caches_at_start": caches,
@@ -215,9 +216,10 @@ def report(result: dict) -> str:
     if d["graphs"]:
         lines.append(f"  {d['compiling']} that compile the layers: {d['compiling_s']:.2f} s; the other "
                      f"{d['graphs'] - d['compiling']}: {d['other_s']:.2f} s")
-    if result.get("decode_graphs_idle"):
-        i = result["decode_graphs_idle"]
-        lines.append(f"  of which {i['graphs']} after ready, while idle (--decode-graphs lazy): {i['s']:.2f} s")
+    if result.get("graphs_idle"):
+        i = result["graphs_idle"]
+        lines.append(f"  after ready, while idle (--graphs lazy): {i['decode_graphs']} decode graphs and "
+                     f"{i['piecewise_buckets']} piecewise buckets in {i['s']:.2f} s")
     lines.append(f"piecewise graphs: {s['piecewise_graphs']} in {s['piecewise_graphs_s']:.2f} s")
     triton = "not timed" if k["triton_compiles"] is None else f"{k['triton_compiles']} in {k['triton_compile_s']:.2f} s"
     lines.append(f"compile: {k['dynamo_frames_compiled']} dynamo frames, {k['dynamo_recompiles']} recompiles; "

@@ -114,7 +114,7 @@ class Engine:
         # CUDA by default (on the CPU a step is done when launched: nothing to overlap)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._inflight: overlap.Inflight | None = None
-        self._lazy_decode = False  # decode graphs left for idle time (warmup, EngineConfig.decode_graphs "lazy")
+        self._lazy: list = []  # graph kinds with buckets left for idle time (warmup, EngineConfig.graphs "lazy")
         self.trace: StepTrace | None = None  # each step's line (step_trace.py), from trace_steps on
         self.handoff = KVHandoff(self, self.prompts, self.runner, self.sampler, self.scheduler, self.vocab_size)
         self.start.setup_s = setup + self._since(t)
@@ -147,40 +147,37 @@ class Engine:
         not `decode`: a prefill worker never decodes), recorded by kind in `start`; the seconds spent (0 on
         the CPU or with cuda_graphs off)."""
         with torch.inference_mode():
-            spent, self._lazy_decode = capture_at_start(self.runner, self.start, decode, self.config.decode_graphs)
+            spent, self._lazy = capture_at_start(self.runner, self.start, decode, self.config.graphs)
         return spent
 
     def trace_steps(self, worker: str, role: str) -> str | None:
-        """From now on, a line for each step in EngineConfig.step_trace's directory (step_trace.py); the
-        file's path (None: no directory configured). A worker calls it once ready."""
+        """From ready on, a line per step in EngineConfig.step_trace's folder (step_trace.py); the file's path."""
         if self.config.step_trace:
             self.trace = self.handoff.trace = StepTrace.of_engine(self, worker, role)
         return self.trace.path if self.trace is not None else None
 
     def flush_trace(self) -> None:
-        """The step trace's lines to its file when no request is on the worker, or once they are due
-        (step_trace.FLUSH_S); the role's loop asks every turn."""
+        """The step trace's lines to its file when no request is on the worker or once due (the role's loop)."""
         if self.trace is not None and (not self.requests or self.trace.due()):
             self.trace.flush()
 
     def graphs_pending(self) -> bool:
-        """Decode graphs the start left for idle time (EngineConfig.decode_graphs "lazy") remain."""
-        if self._lazy_decode and not self.runner.graphs.pending():
-            self._lazy_decode = False
-        return self._lazy_decode
+        """Graphs the start left for idle time (EngineConfig.graphs "lazy") remain."""
+        self._lazy = [g for g in self._lazy if g.pending()]
+        return bool(self._lazy)
 
     def idle_capture_due(self) -> bool:
-        """A decode graph the start left may be captured now: one remains and no request is on the worker."""
+        """A graph the start left may be captured now: one remains and no request is on the worker."""
         return self.graphs_pending() and not self.requests and not self.has_work()
 
     def capture_idle(self) -> float:
-        """Capture one decode graph the start left, if no request is on the worker; the seconds it took
-        (0: none captured). A worker's loop calls it between turns, so a request that arrives waits for one
-        capture at most."""
+        """Capture one graph the start left (a decode graph first, then a piecewise bucket), if no request is
+        on the worker; the seconds it took (0: none captured). A worker's loop calls it between turns, so a
+        request that arrives waits for one capture at most."""
         if not self.idle_capture_due():
             return 0.0
         with torch.inference_mode():
-            return self.runner.graphs.capture_idle()
+            return self._lazy[0].capture_idle()
 
     def validate(self, req: Request) -> None:
         n = len(req.prompt_ids)

@@ -30,10 +30,11 @@ once), so a wider table costs almost nothing; its width only sizes the kernel's 
 context, and a 32k-token context needs 8 table buckets. `capture(capture_order())` takes every
 graph ahead of traffic (a decode or colocated worker does at start), so no request pays for a
 capture; `capture_s` holds each graph's seconds (Engine.warmup reports them in the start's parts).
-With EngineConfig.decode_graphs "lazy" the start takes the first bucket only (the largest: it
-compiles what every graph runs and sizes the shared memory pool); the worker takes the others one
-at a time while it has no request (`capture_idle`, from its loop), and a step whose graph is not
-there yet captures it first, as before.
+With EngineConfig.graphs "lazy" the start takes the first bucket only (the largest: it compiles what
+every graph runs and sizes the shared memory pool); the worker takes the others one at a time while
+it has no request (`capture_idle`, from its loop), and a step whose graph is not there yet captures
+it first, as before. MixedGraphs' token buckets likewise: the largest at start, the rest while idle
+(after the decode graphs), a step of a bucket not taken yet capturing it.
 A capture costs one warm-up forward and the captured one, plus whatever that first forward
 compiles: on the first graph, the dense code's torch.compile (dynamic sizes) and the paged-attention
 kernels' Triton variants (with "layers", on the first graph of batch 1 the layers' code again).
@@ -186,8 +187,8 @@ class DecodeGraphs:
         return [key for key in self.capture_order() if key not in self.graphs]
 
     def capture_idle(self) -> float:
-        """Capture the next pending bucket while no request is on the worker (EngineConfig.decode_graphs
-        "lazy"): a step that arrives meanwhile waits for one capture at most. Seconds spent (0: none left)."""
+        """Capture the next pending bucket while no request is on the worker (EngineConfig.graphs "lazy"): a
+        step that arrives meanwhile waits for one capture at most. Seconds spent (0: none left)."""
         pending = self.pending()
         if not pending:
             return 0.0
@@ -286,6 +287,7 @@ class MixedGraphs:
         self.copied = torch.cuda.Event() if use_graphs else None
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_s: dict[int, float] = {}  # token bucket -> seconds its segments' capture took
+        self.idle: set[int] = set()  # the buckets captured while the worker had no request
         self.mempool = None
 
     @property
@@ -336,6 +338,19 @@ class MixedGraphs:
             graphs = self._capture(bucket)
         return [g.replay for g in graphs]
 
+    def pending(self) -> list[int]:
+        """The token buckets replayed as graphs and not captured yet, largest first."""
+        return [b for b in self.graph_buckets[::-1] if b not in self.graphs]
+
+    def capture_idle(self) -> float:
+        """Capture the next pending bucket while no request is on the worker (EngineConfig.graphs "lazy"):
+        a step that arrives meanwhile waits for one capture at most. Seconds spent (0: none left)."""
+        pending = self.pending()
+        if not pending:
+            return 0.0
+        self.idle.add(pending[0])
+        return self.capture(pending[:1])
+
     def capture(self, buckets: list[int] | None = None) -> float:
         """Capture the segments of these token buckets (default: every one up to the graph limit) ahead
         of traffic; seconds spent."""
@@ -376,21 +391,25 @@ class MixedGraphs:
         return graphs
 
 
-def capture_at_start(runner, start, decode: bool, decode_graphs: str) -> tuple[float, bool]:
-    """A worker's graphs ahead of traffic, largest first so the shared memory pool is sized once: the decode
-    graph of every (batch, block table) bucket where `decode` (decode_graphs "lazy": the largest alone, the
-    others left for idle time), then the piecewise graphs; each kind's count and seconds recorded in `start`
-    (start_times.StartTimes). -> (seconds spent, decode graphs left for idle time)."""
+def capture_at_start(runner, start, decode: bool, when: str) -> tuple[float, bool]:
+    """A worker's graphs ahead of traffic, largest first so each kind's shared memory pool is sized once: the
+    decode graph of every (batch, block table) bucket where `decode`, then the piecewise graphs of every token
+    bucket; with `when` "lazy" (EngineConfig.graphs) the largest of each kind alone, the others left for idle
+    time. Each kind's count and seconds are recorded in `start` (start_times.StartTimes).
+    -> (seconds spent, the kinds with buckets left for idle time, decode graphs first)."""
     graphs, mixed = runner.graphs, runner.mixed
-    spent, lazy = 0.0, False
+    lazy = when == "lazy"
+    spent = 0.0
     if graphs is not None and decode:
         keys = graphs.capture_order()
-        lazy = decode_graphs == "lazy"
         spent += graphs.capture(keys[:1] if lazy else keys)
         start.decode_graphs, start.decode_graphs_s = len(graphs.capture_s), sum(graphs.capture_s.values(), 0.0)
         start.decode_graphs_left = len(graphs.pending())
     if mixed is not None:
-        spent += mixed.capture()
+        buckets = mixed.pending()
+        spent += mixed.capture(buckets[:1] if lazy and buckets else None)
         start.piecewise_graphs = len(mixed.capture_s) * mixed.cut.num_segments
         start.piecewise_graphs_s = sum(mixed.capture_s.values(), 0.0)
-    return spent, lazy
+        start.piecewise_buckets_left = len(mixed.pending())
+    kinds = [graphs] if graphs is not None and decode else []
+    return spent, [g for g in kinds + [mixed] if g is not None and g.pending()] if lazy else []

@@ -33,9 +33,10 @@ class StartTimes:
     setup_s: float = 0.0  # the runner (fused Q/K/V, compile wrappers, graph buffers), scheduler, sampler
     decode_graphs: int = 0
     decode_graphs_s: float = 0.0
-    decode_graphs_left: int = 0  # left for idle time (EngineConfig.decode_graphs "lazy")
+    decode_graphs_left: int = 0  # left for idle time (EngineConfig.graphs "lazy")
     piecewise_graphs: int = 0  # token buckets x segments
     piecewise_graphs_s: float = 0.0
+    piecewise_buckets_left: int = 0  # token buckets left for idle time (EngineConfig.graphs "lazy")
     warmup_s: float = 0.0  # the warm-up request (0: none ran)
     total_s: float | None = None  # set by finish()
 
@@ -65,7 +66,9 @@ class StartTimes:
                 left = f" ({self.decode_graphs_left} more while idle)" if self.decode_graphs_left else ""
                 shown.append(f"{self.decode_graphs} decode graphs {s:.2f} s{left}")
             elif attr == "piecewise_graphs_s":
-                shown.append(f"{self.piecewise_graphs} piecewise graphs {s:.2f} s")
+                n = self.piecewise_buckets_left
+                left = f" ({n} buckets more while idle)" if n else ""
+                shown.append(f"{self.piecewise_graphs} piecewise graphs {s:.2f} s{left}")
             else:
                 shown.append(f"{name} {s:.2f} s")
         shown.append(f"other {self.other_s:.2f} s")
@@ -76,6 +79,7 @@ class StartTimes:
     def to_dict(self) -> dict:
         out = {attr: getattr(self, attr) for attr, _ in PARTS}
         out.update(decode_graphs=self.decode_graphs, decode_graphs_left=self.decode_graphs_left,
-                   piecewise_graphs=self.piecewise_graphs, total_s=self.total_s,
+                   piecewise_graphs=self.piecewise_graphs, piecewise_buckets_left=self.piecewise_buckets_left,
+                   total_s=self.total_s,
                    other_s=self.other_s, after_load_s=self.after_load_s)
         return out
