@@ -337,3 +337,27 @@ def test_profile_decode_profiles_the_first_decode_points_steps(tmp_path):
                    "--profile-decode", str(prof)])
     table = (prof / "by-self-cpu.txt").read_text()
     assert "aten::" in table and (prof / "trace.json").stat().st_size > 0
+
+
+def test_the_kernel_timeline_sums_a_profiled_runs_device_time():
+    """kernel_timeline reads torch.profiler's chrome trace: busy time is the union of the kernels (overlapping
+    streams count once), the rest of their span is gaps; kinds by name; per step where steps are given."""
+    from pdserve.bench.engine.kernel_timeline import render, summarize
+
+    k = lambda name, ts, dur, cat="kernel": {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X"}  # noqa: E731
+    trace = {"traceEvents": [
+        k("sm90_xmma_gemm_bf16", 0.0, 100.0), k("triton_red_fused_rms_norm_0", 102.0, 3.0),
+        k("_paged_attention_kernel", 110.0, 20.0), k("Memcpy HtoD (Pinned -> Device)", 125.0, 10.0, "gpu_memcpy"),
+        k("nvjet_tst_64x8_gemv", 140.0, 50.0), k("triton_poi_fused_silu_mul_1", 195.0, 4.0),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0}]}  # host events are not the device's
+    s = summarize(trace, steps=2)
+    assert s["kernels"] == 6 and s["span_us"] == 199.0
+    # busy: 100 + 3 + [110, 135) (the copy overlaps attention) + 50 + 4 = 182; gaps 2 + 5 + 5 + 5 = 17
+    assert s["busy_us"] == 182.0 and s["gap_us"] == 17.0
+    assert {k: v["kernels"] for k, v in s["by_kind"].items()} == {"gemm": 2, "fused": 2, "attention": 1, "copy": 1}
+    assert s["small_kernels"] == 2 and s["small_us"] == 7.0
+    assert s["per_step"] == {"kernels": 3.0, "busy_us": 91.0, "gap_us": 8.5, "small_kernels": 1.0}
+    assert s["top"][0]["name"] == "sm90_xmma_gemm_bf16" and s["top"][0]["kind"] == "gemm"
+    text = render(s)
+    assert "6 device kernels over 0.20 ms: busy 0.18 ms (91%)" in text and "per step (2): 3 kernels" in text
+    assert render(summarize({"traceEvents": []})) == "no device kernels in the trace (a CPU run)"

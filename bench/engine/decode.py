@@ -254,7 +254,7 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
             if len(steps) >= steady_steps + bound:
                 raise RuntimeError(f"{tag}: the {prompt}-token prompt took more than {bound} steps to prefill")
             if profile and sum(x["phase"] == "prefill" for x in steps) == 8:
-                profiled(engine, device, lambda: [step("prefill") for _ in range(6)], profile)
+                profiled(engine, device, lambda: [step("prefill") for _ in range(6)], profile, steps=6)
             else:
                 step("prefill")
         first_token = time.perf_counter()
@@ -289,9 +289,10 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
     }
 
 
-def profiled(engine, device: torch.device, fn, folder: str) -> None:
+def profiled(engine, device: torch.device, fn, folder: str, steps: int | None = None) -> None:
     """Run fn under torch.profiler (CPU and CUDA); write tables by self host time and by device time,
-    and a chrome trace, into folder."""
+    a chrome trace, and on CUDA the device's kernels summed up (kernel_timeline.py: busy time, the gaps
+    between kernels, kinds; per step where `steps`, the engine steps fn makes, is given) into folder."""
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
@@ -307,3 +308,11 @@ def profiled(engine, device: torch.device, fn, folder: str) -> None:
     if device.type == "cuda":
         (out / "by-device.txt").write_text(table.table(sort_by="self_cuda_time_total", row_limit=50))
     prof.export_chrome_trace(str(out / "trace.json"))
+    if device.type == "cuda":
+        import json
+
+        from pdserve.bench.engine.kernel_timeline import render, summarize
+
+        summary = summarize(json.loads((out / "trace.json").read_text()), steps)
+        (out / "kernels.json").write_text(json.dumps(summary, indent=1))
+        (out / "kernels.txt").write_text(render(summary) + "\n")
