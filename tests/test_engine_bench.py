@@ -361,3 +361,4 @@ def test_the_kernel_timeline_sums_a_profiled_runs_device_time():
     text = render(s)
     assert "6 device kernels over 0.20 ms: busy 0.18 ms (91%)" in text and "per step (2): 3 kernels" in text
     assert render(summarize({"traceEvents": []})) == "no device kernels in the trace (a CPU run)"
+    assert "(100%)" in render(summarize({"traceEvents": [k("triton_poi_0", 5.0, 0.0)]}))  # a span of 0

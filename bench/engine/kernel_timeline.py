@@ -70,8 +70,9 @@ def summarize(trace: dict, steps: int | None = None) -> dict:
 def render(s: dict) -> str:
     if not s["kernels"]:
         return "no device kernels in the trace (a CPU run)"
+    share = s["busy_us"] / s["span_us"] if s["span_us"] else 1.0
     lines = [f"{s['kernels']} device kernels over {s['span_us'] / 1e3:.2f} ms: busy {s['busy_us'] / 1e3:.2f} ms "
-             f"({s['busy_us'] / s['span_us']:.0%}), between kernels {s['gap_us'] / 1e3:.2f} ms; "
+             f"({share:.0%}), between kernels {s['gap_us'] / 1e3:.2f} ms; "
              f"{s['small_kernels']} under {SMALL_US:g} us ({s['small_us'] / 1e3:.2f} ms)"]
     if s.get("per_step"):
         p = s["per_step"]
