@@ -200,5 +200,12 @@ def test_a_colocated_arm_replays_and_a_stopped_probe_is_named_not_replayed(tmp_p
     workers = [plan_shared.worker_ttft_ms(r) for r in block["requests"]]
     assert got["runs"][0]["measured"]["worker_ttft_p50"] == pytest.approx(float(np.percentile(workers, 50)))
     assert got["runs"][0]["measured"]["worker_ttft_p50"] < got["runs"][0]["measured"]["ttft_p50"]
+    w = got["runs"][0]["workers"]  # by kind of prompt: the 5 req/s run's short prompts, and their prefill phase
+    short = [r for r in block["requests"] if r["kind"] == "short"]
+    assert w["by_kind"]["short"]["requests"] == len(short) == 225
+    assert w["by_kind"]["short"]["prefill_phase_p50"] == pytest.approx(
+        float(np.median([r["timings"]["prefill_ms"] for r in short])))
+    assert list(w["quantiles"]) == ["25", "50", "75", "90", "99"]  # JSON keys
+    assert w["quantiles"]["50"][0] == pytest.approx(got["runs"][0]["measured"]["worker_ttft_p50"])
     assert plan_shared.worker_ttft_ms({"timings": None}) is None
     assert plan_shared.main([str(results), "--profile", str(engine), "--arm", "nobody", "--colocated", "0"]) == 2

@@ -64,12 +64,30 @@ def compare(block: dict, split: Split, profile: Profile, slos: dict[str, float])
     measured = outcome([r["ttft_s"] * 1e3 for r in rows], [r["tpot_s"] * 1e3 for r in rows], slos)
     simulated = outcome([(r.first_token - r.arrival) * 1e3 for r in done],
                         [(r.finish - r.first_token) * 1e3 / max(1, r.output - 1) for r in done], slos)
+    out = {"rate": block["request_rate"], "measured": measured, "simulated": simulated}
     workers = [worker_ttft_ms(r) for r in rows]
     if all(w is not None for w in workers):  # the workers' part of TTFT beside the simulated TTFT
         measured["worker_ttft_p50"] = float(np.percentile(workers, 50))
         simulated["worker_ttft_p50"] = simulated["ttft_p50"]
-    return {"rate": block["request_rate"], "measured": measured, "simulated": simulated,
-            "error": {k: simulated[k] / measured[k] - 1 if measured[k] else None for k in measured}}
+        out["workers"] = workers_ttft(rows, workers, [(r.first_token - r.arrival) * 1e3 for r in done])
+    out["error"] = {k: simulated[k] / measured[k] - 1 if measured[k] else None for k in measured}
+    return out
+
+
+QUANTILES = (25, 50, 75, 90, 99)
+
+
+def workers_ttft(rows: list[dict], measured: list[float], simulated: list[float]) -> dict:
+    """The workers' TTFT measured beside the simulated one, the same requests: quantiles over all, and by kind of
+    request (the workload's short and long prompts) the median of each with the median `prefill` phase measured."""
+    out = {"quantiles": {q: [float(np.percentile(measured, q)), float(np.percentile(simulated, q))]
+                         for q in QUANTILES}, "by_kind": {}}
+    for kind in sorted({r.get("kind") or "all" for r in rows}):
+        idx = [i for i, r in enumerate(rows) if (r.get("kind") or "all") == kind]
+        p50 = [float(np.median([measured[i] for i in idx])), float(np.median([simulated[i] for i in idx]))]
+        out["by_kind"][kind] = {"requests": len(idx), "worker_ttft_p50": p50,
+                                "prefill_phase_p50": float(np.median([rows[i]["timings"]["prefill_ms"] for i in idx]))}
+    return out
 
 
 def worker_ttft_ms(row: dict) -> float | None:
@@ -250,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.colocated is not None:
         for c in out["runs"]:
             print(f"{c['rate']:>6g} req/s {out['split']}: " + _cells(c))
+            if c.get("workers"):
+                w = c["workers"]
+                kinds = "; ".join(f"{k} ({v['requests']}): p50 {v['worker_ttft_p50'][0]:.1f}/"
+                                  f"{v['worker_ttft_p50'][1]:.1f}, prefill phase p50 {v['prefill_phase_p50']:.1f}"
+                                  for k, v in w["by_kind"].items())
+                quantiles = " ".join(f"p{q} {m:.0f}/{s:.0f}" for q, (m, s) in w["quantiles"].items())
+                print(f"         workers' TTFT {quantiles}; {kinds}")
         print(f"(measured/simulated; left out, stopped or failed: {out['left_out_rates'] or 'none'})")
         return _write(args, out)
     s = out["sharing"]
