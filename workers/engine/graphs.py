@@ -96,7 +96,29 @@ def decode_buckets(max_num_seqs: int, max_blocks_per_seq: int, pool_blocks: int)
     return batches, _buckets(min(max_blocks_per_seq, pool_blocks), [16], lambda b: b * 2)
 
 
-class DecodeGraphs:
+class IdleCaptures:
+    """What both kinds of graphs share for EngineConfig.graphs "lazy": each kind has `pending()` (its buckets
+    not captured yet, in capture order), `capture(buckets)` and `idle` (the buckets taken while idle)."""
+
+    idle: set
+
+    def pending(self) -> list:
+        raise NotImplementedError
+
+    def capture(self, buckets: list) -> float:
+        raise NotImplementedError
+
+    def capture_idle(self) -> float:
+        """Capture the next pending bucket while no request is on the worker: a step that arrives meanwhile
+        waits for one capture at most. Seconds spent (0: none left)."""
+        pending = self.pending()
+        if not pending:
+            return 0.0
+        self.idle.add(pending[0])
+        return self.capture(pending[:1])
+
+
+class DecodeGraphs(IdleCaptures):
     def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int, cut=None):
         """cut: the model's layers.Cut (the piecewise path's), whose segments the graphs run; None: the
         layers forward (runner.forward)."""
@@ -186,15 +208,6 @@ class DecodeGraphs:
         """The buckets not captured yet, in capture order."""
         return [key for key in self.capture_order() if key not in self.graphs]
 
-    def capture_idle(self) -> float:
-        """Capture the next pending bucket while no request is on the worker (EngineConfig.graphs "lazy"): a
-        step that arrives meanwhile waits for one capture at most. Seconds spent (0: none left)."""
-        pending = self.pending()
-        if not pending:
-            return 0.0
-        self.idle.add(pending[0])
-        return self.capture(pending[:1])
-
     def capture(self, keys: list[tuple[int, int]]) -> float:
         """Capture the graphs of these (batch, blocks) buckets ahead of traffic, with padding rows only
         (they touch the scratch block alone); returns the seconds it took."""
@@ -243,7 +256,7 @@ class DecodeGraphs:
         return graph
 
 
-class MixedGraphs:
+class MixedGraphs(IdleCaptures):
     """Steps that carry prompt tokens (decodes and prompt chunks mixed, or prompt chunks alone), at
     most `max_tokens` tokens and `max_keep` kept rows: the model cut at attention (layers.Cut),
     each of its L + 1 dense segments captured once per token bucket and replayed, attention run
@@ -342,15 +355,6 @@ class MixedGraphs:
         """The token buckets replayed as graphs and not captured yet, largest first."""
         return [b for b in self.graph_buckets[::-1] if b not in self.graphs]
 
-    def capture_idle(self) -> float:
-        """Capture the next pending bucket while no request is on the worker (EngineConfig.graphs "lazy"):
-        a step that arrives meanwhile waits for one capture at most. Seconds spent (0: none left)."""
-        pending = self.pending()
-        if not pending:
-            return 0.0
-        self.idle.add(pending[0])
-        return self.capture(pending[:1])
-
     def capture(self, buckets: list[int] | None = None) -> float:
         """Capture the segments of these token buckets (default: every one up to the graph limit) ahead
         of traffic; seconds spent."""
@@ -391,7 +395,7 @@ class MixedGraphs:
         return graphs
 
 
-def capture_at_start(runner, start, decode: bool, when: str) -> tuple[float, bool]:
+def capture_at_start(runner, start, decode: bool, when: str) -> tuple[float, list[IdleCaptures]]:
     """A worker's graphs ahead of traffic, largest first so each kind's shared memory pool is sized once: the
     decode graph of every (batch, block table) bucket where `decode`, then the piecewise graphs of every token
     bucket; with `when` "lazy" (EngineConfig.graphs) the largest of each kind alone, the others left for idle
