@@ -84,10 +84,10 @@ class ServingWork:
     @staticmethod
     def _dynamo() -> tuple[int, float]:
         try:
-            from torch._dynamo.utils import compilation_time_metrics, counters
+            from torch._dynamo.utils import compilation_time_metrics
         except ImportError:
             return 0, 0.0
-        return counters["frames"]["ok"], sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+        return _dynamo_frames(), sum(compilation_time_metrics.get("_compile.compile_inner", ()))
 
     @staticmethod
     def _graphs(engine) -> tuple[int, float]:
@@ -121,15 +121,22 @@ class ServingWork:
                 "graphs": graphs - g0, "graphs_s": graphs_s - gs0}
 
 
+def _dynamo_frames() -> int:
+    """torch.compile's frames compiled so far in this process (0 without dynamo)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return counters["frames"]["ok"]
+
+
 def work_count(engine) -> int:
     """Compiles and captures so far in this process and engine, counted together (dynamo frames, Triton
-    compiles, graphs captured): a step during which it grew waited for start-up work (step_trace.py)."""
+    compiles, graphs captured as ServingWork counts them): a step during which it grew waited for start-up
+    work (step_trace.py, twice a traced step: no compile times summed here)."""
     with _LOCK:
         triton = len(_TRITON)
-    runner = getattr(engine, "runner", None)
-    graphs = sum(len(part.capture_s) for part in (getattr(runner, "graphs", None), getattr(runner, "mixed", None))
-                 if part is not None)
-    return ServingWork._dynamo()[0] + triton + graphs
+    return _dynamo_frames() + triton + ServingWork._graphs(engine)[0]
 
 
 def describe(taken: dict) -> str:
