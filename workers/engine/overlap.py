@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.workers.engine.request import PENDING, Request
+from pdserve.workers.engine.request import PENDING, Request, decode_row
 from pdserve.workers.engine.sampling_device import Picked
 
 __all__ = ["PENDING", "Inflight", "feed", "fed", "pop_pending"]
@@ -72,7 +72,7 @@ def feed(work: list[tuple[Request, int]], inflight: Inflight | None) -> tuple[li
     if inflight is None:
         return None
     rows, src = [], []
-    decodes = [r for r, n in work if n == 1 and r.num_computed]
+    decodes = [r for r, n in work if decode_row(r, n)]
     for i, r in enumerate(decodes):
         if r.output_ids and r.output_ids[-1] == PENDING:
             rows.append(i)
@@ -82,7 +82,7 @@ def feed(work: list[tuple[Request, int]], inflight: Inflight | None) -> tuple[li
 
 def fed(work: list[tuple[Request, int]]) -> bool:
     """Every token of `work` still on the device is a decode row's input (what `feed` can supply)."""
-    return all(n == 1 and r.num_computed for r, n in work if r.output_ids and r.output_ids[-1] == PENDING)
+    return all(decode_row(r, n) for r, n in work if r.output_ids and r.output_ids[-1] == PENDING)
 
 
 def pop_pending(req: Request) -> int:

@@ -222,6 +222,12 @@ class Request:
         return self.status is Status.FINISHED
 
 
+def decode_row(req: Request, n: int) -> bool:
+    """(req, n) of a step is a decode row: one position of a request that has computed before (its last
+    token's), not a prompt chunk."""
+    return n == 1 and req.num_computed > 0
+
+
 # ---- the engine's stamps: one pair for every way a step runs (synchronous, overlapped, prefill only) --
 
 

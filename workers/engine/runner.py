@@ -30,7 +30,7 @@ import torch
 from pdserve.settings.worker import EngineConfig
 from pdserve.workers.engine import attention, cpu_weights, fusion, step_inputs
 from pdserve.workers.engine.kv_cache import KVCache
-from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.request import Request, decode_row
 from pdserve.workers.engine.sampler import logprobs_of
 from pdserve.workers.engine.step_inputs import StepInputs, prompt_positions, to_device
 
@@ -141,7 +141,7 @@ class ModelRunner:
         still on the device, copied into their input on the device."""
         asks = any(prompt_positions(r, n) for r, n in work)
         if (self.graphs is not None and on_layer is None and not asks
-                and all(n == 1 and r.num_computed for r, n in work)):
+                and all(decode_row(r, n) for r, n in work)):
             self.path = "decode-graph"
             logits = self.graphs.decode(work, feed)
         else:

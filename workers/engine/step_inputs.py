@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.request import Request, decode_row
 
 
 def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -117,8 +117,8 @@ def build(work: list[tuple[Request, int]], block_size: int, table: np.ndarray | 
     every path's (eager, piecewise, decode graphs). table: where the decode rows' block table goes (a
     decode graph's buffer, its width the graph's), else a new array as wide as the longest."""
     bs = block_size
-    decodes = [r for r, n in work if n == 1 and r.num_computed]
-    chunks = [(r, n) for r, n in work if not (n == 1 and r.num_computed)]
+    decodes = [r for r, n in work if decode_row(r, n)]
+    chunks = [(r, n) for r, n in work if not decode_row(r, n)]
     nd = len(decodes)
     total = nd + sum(n for _, n in chunks)
     ids = np.empty(total, dtype=np.int64)

@@ -49,6 +49,8 @@ import time
 
 import torch
 
+from pdserve.workers.engine.request import decode_row
+
 FLUSH_STEPS = 256
 FLUSH_S = 2.0
 MAX_STEPS = 1_000_000  # about 200 MB of lines
@@ -111,7 +113,7 @@ class StepTrace:
             return None
         decode, ctx, chunks = 0, 0, []
         for r, n in work:
-            if n == 1 and r.num_computed:
+            if decode_row(r, n):
                 decode += 1
                 ctx += r.num_computed + 1
             else:
