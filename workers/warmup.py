@@ -50,22 +50,25 @@ def warm_up(engine) -> float:
     block = engine.layout.block_size
     steps = max(1, min(WARMUP_TOKENS, block - 2))
     n = max(1, min(block - steps - 1, engine.max_model_len - steps - 1))  # prompt + tokens fill no block
-    prompt = [(17 + 31 * i) % engine.vocab_size for i in range(n)]  # any in-vocabulary ids
     start = time.monotonic()
-    [req] = engine.generate([prompt], SamplingParams(max_tokens=steps, ignore_eos=True))
+    [req] = engine.generate([prompt_of(n, engine.vocab_size)], SamplingParams(max_tokens=steps, ignore_eos=True))
     if req.error is not None:
         raise RuntimeError(f"the warm-up request failed on this worker: {req.error}")
     n = long_warmup_tokens(engine)
     if n:
         named, engine.blocks.enabled = engine.blocks.enabled, False  # nothing of it stays in the prefix cache
         try:
-            [req] = engine.generate([[(17 + 31 * i) % engine.vocab_size for i in range(n)]],
-                                    SamplingParams(max_tokens=1, ignore_eos=True))
+            [req] = engine.generate([prompt_of(n, engine.vocab_size)], SamplingParams(max_tokens=1, ignore_eos=True))
         finally:
             engine.blocks.enabled = named
         if req.error is not None:
             raise RuntimeError(f"the warm-up request of {n} tokens failed on this worker: {req.error}")
     return time.monotonic() - start
+
+
+def prompt_of(n: int, vocab: int) -> list[int]:
+    """A warm-up prompt of n tokens: any in-vocabulary ids."""
+    return [(17 + 31 * i) % vocab for i in range(n)]
 
 
 def long_warmup_tokens(engine) -> int:
