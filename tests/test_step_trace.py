@@ -278,6 +278,10 @@ def test_beside_counts_overlap_exactly():
     steps = [{"t": 0.0, "done_t": 2.0}, {"t": 3.0, "done_t": 4.0}]
     other = [{"t": 0.5, "done_t": 1.0}, {"t": 1.5, "done_t": 3.5}, {"t": 9.0, "done_t": 10.0}]
     assert tr.beside(steps, other) == [pytest.approx(0.5 / 2 + 0.5 / 2), pytest.approx(0.5)]
+    # two other workers' steps overlapping each other count once: [0, 1] and [0.5, 1.5] cover 1.5 s of 2
+    assert tr.beside([{"t": 0.0, "done_t": 2.0}], [{"t": 0.0, "done_t": 1.0}, {"t": 0.5, "done_t": 1.5}]) == \
+        [pytest.approx(0.75)]
+    assert tr.beside(steps, []) == [0.0, 0.0]
 
 
 def test_the_cli_reads_a_directory_and_refuses_what_is_not_a_trace(tmp_path, capsys):

@@ -115,18 +115,26 @@ def _median(xs: list[float]) -> float | None:
 
 
 def beside(steps: list[dict], other: list[dict]) -> list[float]:
-    """Each step's share of its wall time (t .. done_t) during which a step of `other` was in flight."""
-    spans = sorted((s["t"], s["done_t"]) for s in other)
-    starts = [a for a, _ in spans]
-    out = []
-    for s in steps:
-        a, b = s["t"], s["done_t"]
-        covered = 0.0
-        # spans starting before b; those ending before a add nothing
-        for lo, hi in spans[:bisect.bisect_left(starts, b)]:
-            covered += max(0.0, min(b, hi) - max(a, lo))
-        out.append(min(1.0, covered / (b - a)) if b > a else 0.0)
-    return out
+    """Each step's share of its wall time (t .. done_t) during which a step of `other` was in flight: the
+    other steps' spans merged into disjoint intervals once, with their running total of time, so each step
+    costs two searches (several other workers' overlapping steps count once)."""
+    merged: list[list[float]] = []
+    for lo, hi in sorted((s["t"], s["done_t"]) for s in other):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    starts, ends = [a for a, _ in merged], [b for _, b in merged]
+    total = [0.0]
+    for lo, hi in merged:
+        total.append(total[-1] + hi - lo)
+
+    def covered_until(x: float) -> float:  # the merged intervals' time before x
+        i = bisect.bisect_right(starts, x)  # intervals starting at or before x
+        return total[i] - (max(0.0, ends[i - 1] - x) if i else 0.0)
+
+    return [(covered_until(s["done_t"]) - covered_until(s["t"])) / (s["done_t"] - s["t"])
+            if s["done_t"] > s["t"] else 0.0 for s in steps]
 
 
 def summarize(header: dict, steps: list[dict], profile: Profile | None, shares: list[float] | None = None) -> dict:
