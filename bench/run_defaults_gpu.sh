@@ -41,8 +41,8 @@
 # alone takes ~1.1 s on an H200: a 2-s TTFT would leave no room for any queue), KV pool 40 GiB. The pd-* arms'
 # pools are PD_KV GiB a worker on both (16: two workers' weights, ~15 GiB each, and two pools fit an H100's
 # 80 GB; the decode worker's 16 GiB hold ~290k tokens of qwen2.5-7b, ~14 of the long workload's prompts).
-# Arms already measured (RESULTS/<workload>/<arm>/results.json) are kept, not rerun: a sweep spans several
-# calls. MORE="arm:rate[,rate...] ..." probes arms again where their brackets left the verdict open: one
+# Arms already measured (RESULTS/<workload>/<arm>/results.json, or .json.gz) are kept, not rerun: a sweep spans
+# several calls. MORE="arm:rate[,rate...] ..." probes arms again where their brackets left the verdict open: one
 # probe per rate (a capacity search of one probe starting there), each with its own fresh server, into
 # RESULTS/<workload>/<arm>.more-<rate>/ (kept, not rerun, once measured), in the order given, after ARMS
 # (which MORE alone leaves empty); `defaults` merges every folder of an arm into one bracket, and names
@@ -113,8 +113,9 @@ server_args() {  # pdserve's flags before an arm's own (the colocated arms' as t
   if [ "$1" = pd-layer ]; then mode=layer; fi
   echo "--model $MODEL --devices $DEVICES --transport ipc --mode $mode --kv-memory-gb $kv"
 }
-capacity_of() {  # the highest passing rate of an arm measured in DIR (empty: none)
-  "$PYTHON" -c "import json,sys; c=json.load(open(sys.argv[1]))['arms'][0]['capacity']['capacity_rate']; print(c or '')" \
+capacity_of() {  # the highest passing rate of an arm measured in DIR (empty: none); results.json or .json.gz
+  "$PYTHON" -c "import sys; from pdserve.bench.load.report import read_results
+c = read_results(sys.argv[1])['arms'][0]['capacity']['capacity_rate']; print(c or '')" \
     "$DIR/$1/results.json" 2>/dev/null
 }
 more_probes() {  # MORE ("arm:rate[,rate...] ...") as "arm rate" lines, checked before anything runs
@@ -136,14 +137,14 @@ more_probes() {  # MORE ("arm:rate[,rate...] ...") as "arm rate" lines, checked 
 judge_kind() {  # KIND (colocated or pd): its arms' folders against its own default, into NAME.md and .json
   local kind=$1 default=$2 name=$3 title=$4 from=() d
   for d in "$DIR"/*/; do
-    if [ ! -f "$d/results.json" ]; then continue; fi
+    if ! results_of "$d" > /dev/null; then continue; fi
     if is_pd "$(basename "$d")"; then [ "$kind" = pd ] || continue; else [ "$kind" = colocated ] || continue; fi
     from+=(--from "$d")
   done
   if [ ${#from[@]} -eq 0 ]; then return 0; fi
-  if ! compgen -G "$DIR/$default*/results.json" > /dev/null; then echo "no $default arm measured in $DIR yet"; return 0; fi
+  if ! any_results "$DIR/$default"*/; then echo "no $default arm measured in $DIR yet"; return 0; fi
   local ref=()
-  if [ "$kind" = colocated ] && compgen -G "$DIR/unchunked*/results.json" > /dev/null; then ref=(--reference unchunked); fi
+  if [ "$kind" = colocated ] && any_results "$DIR"/unchunked*/; then ref=(--reference unchunked); fi
   "$PYTHON" -m pdserve.bench.cli defaults "${from[@]}" --default "$default" "${ref[@]}" --within "$WITHIN" \
     --title "$title" --out "$DIR" --name "$name"
 }
@@ -183,7 +184,7 @@ run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capaci
 
 T0=$SECONDS
 for arm in "${ARM_LIST[@]}"; do
-  if [ -f "$DIR/$arm/results.json" ]; then echo "arm $arm: measured already ($DIR/$arm), kept"; continue; fi
+  if results_of "$DIR/$arm" > /dev/null; then echo "arm $arm: measured already ($DIR/$arm), kept"; continue; fi
   if (( SECONDS - T0 + ARM_MIN_SECONDS > CALL_SECONDS )); then
     echo "arm $arm: not started, $((SECONDS - T0)) s of CALL_SECONDS $CALL_SECONDS gone"; continue
   fi
@@ -208,7 +209,7 @@ done
 for probe in "${MORE_PROBES[@]}"; do
   read -r arm rate <<< "$probe"
   folder="$DIR/$arm.more-$rate"
-  if [ -f "$folder/results.json" ]; then echo "arm $arm: probed at $rate already ($folder), kept"; continue; fi
+  if results_of "$folder" > /dev/null; then echo "arm $arm: probed at $rate already ($folder), kept"; continue; fi
   if (( SECONDS - T0 + ARM_MIN_SECONDS > CALL_SECONDS )); then
     echo "arm $arm: probe at $rate not started, $((SECONDS - T0)) s of CALL_SECONDS $CALL_SECONDS gone"; continue
   fi

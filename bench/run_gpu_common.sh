@@ -24,6 +24,22 @@ arm_spec() {
   esac
 }
 
+# results_of FOLDER: the path of FOLDER's load results, results.json or else results.json.gz (a large one is
+# committed gzipped; every reader takes either); fails, printing nothing, where FOLDER holds neither
+results_of() {
+  local f
+  for f in "$1/results.json" "$1/results.json.gz"; do
+    if [ -f "$f" ]; then echo "$f"; return 0; fi
+  done
+  return 1
+}
+# any_results FOLDER...: whether any of the FOLDERs (a glob's matches) holds load results
+any_results() {
+  local d
+  for d in "$@"; do if results_of "$d" > /dev/null; then return 0; fi; done
+  return 1
+}
+
 STEP_TRACE=${STEP_TRACE:-1}
 PROFILE=${PROFILE:-}
 # trace_flag FOLDER: pdserve's flag that traces its workers' steps into FOLDER/steps (nothing with STEP_TRACE=0)
@@ -32,9 +48,9 @@ trace_flag() { if [ "$STEP_TRACE" = 1 ]; then echo "--step-trace $1/steps"; fi; 
 # line per run of FOLDER/results.json among them
 trace_summary() {
   if [ "$STEP_TRACE" != 1 ] || [ ! -d "$1/steps" ]; then return 0; fi
-  local prof=()
+  local prof=() results
   if [ -n "$PROFILE" ]; then prof=(--profile "$PROFILE"); fi
-  if [ -f "$1/results.json" ]; then prof+=(--results "$1/results.json"); fi  # a line per run of the server
+  if results=$(results_of "$1"); then prof+=(--results "$results"); fi  # a line per run of the server
   "$PYTHON" -m pdserve.bench.cli trace "$1/steps" "${prof[@]}" --out "$1/steps.json" > "$1/steps.md" \
     || echo "the step trace of $1 was not summarised (exit $?)"
 }

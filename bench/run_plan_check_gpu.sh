@@ -38,13 +38,13 @@ if [ "${COMPARE:-0}" = 1 ]; then
   declare -A SPLIT=([colocated]="colocated x1 chunk 8192" [colocated-unchunked]="colocated x1 unchunked"
                     [disaggregated]="1P:1D sharing 1 GPU")
   for arm in colocated colocated-unchunked disaggregated; do
-    if [ -f "$OUT/$arm/results.json" ]; then MEASURED+=(--measured "${SPLIT[$arm]}=$OUT/$arm/results.json:$arm"); fi
+    if results=$(results_of "$OUT/$arm"); then MEASURED+=(--measured "${SPLIT[$arm]}=$results:$arm"); fi
   done
   if [ ${#MEASURED[@]} -eq 0 ]; then echo "no measured arm under $OUT: run ARM=... first"; exit 2; fi
-  if [ -f "$OUT/disaggregated/results.json" ]; then
+  if results=$(results_of "$OUT/disaggregated"); then
     # what the planner's shared GPU assumes (Split.shared_*), read from this GPU and this code: if it differs,
     # plan with --shared-slowdowns DECODE,PREFILL,EXTRA_MS from it
-    "$PYTHON" -m pdserve.bench.load.plan_shared "$OUT/disaggregated/results.json" --profile "$PROFILE_JSON" \
+    "$PYTHON" -m pdserve.bench.load.plan_shared "$results" --profile "$PROFILE_JSON" \
       --out "$OUT/sharing.json" || echo "sharing: not read (above); the plan goes on"
   fi
   # shellcheck disable=SC2086  # GOODPUT holds several words on purpose

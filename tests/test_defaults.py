@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.load import defaults
+from pdserve.bench.load.report import read_results, results_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,7 +279,8 @@ def test_the_committed_sweep_judges_as_it_did(tmp_path, workload):
     it had then; those added since are new), brackets and arms, one topology."""
     folder = COMMITTED / workload
     then = json.loads((folder / "defaults.json").read_text())
-    args = argparse.Namespace(from_dirs=sorted(str(d) for d in folder.iterdir() if (d / "results.json").is_file()),
+    # results.json, or results.json.gz where a large one was committed gzipped
+    args = argparse.Namespace(from_dirs=sorted(str(d) for d in folder.iterdir() if results_file(d)),
                               default="default", reference="unchunked", within=0.10, title=then["title"],
                               out=str(tmp_path), name="defaults")
     assert defaults.run(args) == 0
@@ -367,7 +369,7 @@ def test_the_scripts_colocated_arms_start_the_committed_sweeps_servers(tmp_path)
     ran = loads(calls)
     assert len(ran) == len(arms)
     for arm, c in zip(arms, ran):
-        committed = json.loads((COMMITTED / "long" / arm / "results.json").read_text())["arms"][0]["server"]["command"]
+        committed = read_results(COMMITTED / "long" / arm / "results.json")["arms"][0]["server"]["command"]
         spec = c[c.index("--arm") + 1]
         started = f"python -m pdserve.server.cli {c[c.index('--server-args') + 1]} {spec.split(':', 1)[1]}"
         assert spec.startswith(f"{arm}=colocated:")

@@ -13,6 +13,7 @@ from pdserve.bench.load import planner
 from pdserve.bench.load.metrics import parse_slos
 from pdserve.bench.load.plan_sim import Profile, Req, Split, simulate
 from pdserve.bench.load.planner import Workload, predict
+from pdserve.bench.load.report import read_results, results_files
 from pdserve.settings.worker import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +79,8 @@ def _measured_arms(workload: str) -> dict[str, dict]:
     """Each recorded arm of the chunk-budget sweep: its chunk budget, workload and SLOs, and its measured
     capacity search (highest passing and lowest failing probe, and which of them rest on a cold run)."""
     arms = {}
-    for path in sorted((DEFAULTS / workload).glob("*/results.json")):
-        run = json.loads(path.read_text())
+    for path in results_files(DEFAULTS / workload):  # results.json or, committed large, results.json.gz
+        run = read_results(path)
         [arm] = run["arms"]
         spec = " ".join(run["args"]["arm"])
         chunk = 0 if "--no-chunked-prefill" in spec else int(spec.split("--chunk-tokens=")[1].split()[0]) \

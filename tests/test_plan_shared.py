@@ -12,15 +12,16 @@ import pytest
 from pdserve.bench.load import plan_shared
 from pdserve.bench.load.plan_shared import compare, replay, sharing
 from pdserve.bench.load.plan_sim import Profile, Split, simulate
+from pdserve.bench.load.report import read_results
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "bench/results/load-h200-2026-12-01/results.json"
+RUNS = ROOT / "bench/results/load-h200-2026-12-01/results.json"  # committed gzipped: read as results.json.gz
 ENGINE_JSON = ROOT / "bench/results/engine-nvidia-h200-2026-12-01-4acfb30.json"
 
 
 @pytest.fixture(scope="module")
 def recorded():
-    return json.loads(RUNS.read_text()), Profile.from_engine_json(json.loads(ENGINE_JSON.read_text()))
+    return read_results(RUNS), Profile.from_engine_json(json.loads(ENGINE_JSON.read_text()))
 
 
 def _pd_runs(results: dict) -> list[dict]:
@@ -179,7 +180,7 @@ def test_a_colocated_arm_replays_and_a_stopped_probe_is_named_not_replayed(tmp_p
     """`--colocated CHUNK` replays a colocated arm's runs through that split (bench/results/defaults-gpu-b051920,
     the H200 default arm: its first probe stopped early and is left out by its rate); the measured side is the
     run's own outcome."""
-    results = ROOT / "bench/results/defaults-gpu-b051920/mixed/default/results.json"
+    results = ROOT / "bench/results/defaults-gpu-b051920/mixed/default/results.json.gz"
     engine = ROOT / "bench/results/engine-nvidia-h200-2026-12-06-b051920.json"
     out = tmp_path / "replay.json"
     assert plan_shared.main([str(results), "--profile", str(engine), "--arm", "default", "--colocated", "8192",
@@ -187,7 +188,7 @@ def test_a_colocated_arm_replays_and_a_stopped_probe_is_named_not_replayed(tmp_p
     got = json.loads(out.read_text())
     assert got["split"] == "colocated x1 chunk 8192" and got["left_out_rates"] == [10.0]
     assert [r["rate"] for r in got["runs"]] == [5.0, 7.5, 8.75, 9.375]
-    data = json.loads(results.read_text())
+    data = read_results(results)
     block = next(b for b in data["results"] if b["request_rate"] == 5.0)
     ttft = sorted(r["ttft_s"] * 1e3 for r in block["requests"])
     assert got["runs"][0]["measured"]["ttft_p50"] == pytest.approx(float(np.percentile(ttft, 50)))

@@ -224,13 +224,15 @@ def plot_map(atlas: dict, path: Path) -> Path:
 
 def merge_runs(dirs: list[str]) -> dict[str, dict]:
     """profile -> one results.json-like dict holding every arm found for it under DIR/<profile>/."""
+    from pdserve.bench.load.report import read_results, results_files
+
     merged: dict[str, dict] = {}
     for d in dirs:
-        found = sorted(Path(d).glob("*/results.json"))
+        found = results_files(d)
         if not found:
-            raise ValueError(f"{d}: no <profile>/results.json under it (an atlas --out folder)")
+            raise ValueError(f"{d}: no <profile>/results.json (or .json.gz) under it (an atlas --out folder)")
         for path in found:
-            run, profile = json.loads(path.read_text()), path.parent.name
+            run, profile = read_results(path), path.parent.name
             if profile not in merged:
                 merged[profile] = {**run, "arms": list(run["arms"]), "results": list(run["results"])}
                 continue
@@ -266,7 +268,7 @@ def run(args) -> int:
 
 def _measure(args) -> int:
     from pdserve.bench.load import calibrate, generator
-    from pdserve.bench.load.report import environment, write_json
+    from pdserve.bench.load.report import environment, read_results, results_file, write_json
 
     env = environment()
     try:
@@ -310,9 +312,9 @@ def _measure(args) -> int:
         argv = load_argv(args, defined[profile], rates[profile], arms, out / profile)
         print(f"atlas: {profile}: pdserve-bench load {shlex.join(argv)}", file=sys.stderr)
         codes[profile] = generator.main(argv)
-        results = out / profile / "results.json"
-        if results.is_file():
-            runs[profile] = json.loads(results.read_text())
+        results = results_file(out / profile)
+        if results is not None:
+            runs[profile] = read_results(results)
     if not runs:
         print("pdserve-bench atlas: no profile produced results (see the load runs' errors above)", file=sys.stderr)
         return 1

@@ -120,20 +120,21 @@ def calibrate(profiles: dict[str, list[str]], arms: list[str], slos: dict[str, d
               out, run_load, points: int = 4) -> dict:
     """One short load run per profile (run_load: the load bench's main) -> {"profiles": {profile: {"rates",
     "refused": {SLO pair: why}, "reach"}}, "note"}. Unreachable when no profile has a cell to measure."""
-    import json
     import shlex
     import sys
+
+    from pdserve.bench.load.report import read_results, results_file
 
     found = {}
     for profile, flags in profiles.items():
         argv = calibration_argv(flags, arms, out / profile, common)
         print(f"atlas: calibrating {profile}: pdserve-bench load {shlex.join(argv)}", file=sys.stderr)
         code = run_load(argv)
-        path = out / profile / "results.json"
-        if not path.is_file():
+        path = results_file(out / profile)
+        if path is None:
             raise Unreachable(f"the calibration run of profile {profile} measured nothing (exit {code}); its "
                               f"servers' logs are in {out / profile}")
-        arms_reach = reach(json.loads(path.read_text()))
+        arms_reach = reach(read_results(path))
         refused = refusals(arms_reach, slos)
         rates = grid(arms_reach, points) if len(refused) < len(slos) else []
         found[profile] = {"rates": rates, "refused": refused, "reach": {

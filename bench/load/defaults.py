@@ -43,11 +43,13 @@ import sys
 from pathlib import Path
 
 from pdserve.bench import provenance
+from pdserve.bench.load.report import read_results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="from_dirs", action="append", required=True, metavar="DIR",
-                   help="a `pdserve-bench load --capacity-search` output folder (results.json); repeat per arm")
+                   help="a `pdserve-bench load --capacity-search` output folder (results.json or results.json.gz); "
+                        "repeat per arm")
     p.add_argument("--default", required=True, help="the label of the arm that runs the default configuration")
     p.add_argument("--reference", default=None, help="an arm the default must not fall below (e.g. unchunked)")
     p.add_argument("--within", type=float, default=0.10, help="the margin to the best arm (default 0.10)")
@@ -95,7 +97,7 @@ def topology(command: str | None) -> str:
 
 def _folder_runs(d: str) -> list[dict]:
     """One record per arm of a `load --capacity-search` folder: its bracket, probes (each naming the folder)."""
-    run = json.loads((Path(d) / "results.json").read_text())
+    run = read_results(Path(d) / "results.json")  # or results.json.gz
     env = run.get("environment", {})
     out = []
     for arm in run["arms"]:

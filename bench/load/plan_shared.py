@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.load.plan_sim import Profile, Req, Split, simulate
+from pdserve.bench.load.report import read_results
 
 _BEFORE_PREFILL = ("parse", "route", "inbox", "prefill_queue")  # the server's phases ahead of the forward
 # the router's phases and the messages' flights (protocol/phases.py): what the simulation, a model of the workers,
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile)
-        results = json.loads(Path(args.results).read_text())
+        results = read_results(args.results)
         if args.colocated is not None:
             split = Split(0, 1, chunk=args.colocated, max_batched_tokens=args.max_batched_tokens)
             out = replay_report(results, profile, args.arm, split)

@@ -33,7 +33,7 @@ The model, stated so it can be checked against a measured run:
     an even half: a decode step takes shared_decode_slowdown (2.0) times its time alone, a prefill forward
     shared_prefill_slowdown (1.65) times, and a forward that overlaps decoding pays shared_prefill_extra_ms
     (9.1 ms) more once; each pays the fixed cost of its own forwards. Measured on the H200 by
-    bench/load/plan_shared.py from the 1P:1D runs in bench/results/load-h200-2026-12-01/results.json (87151ad,
+    bench/load/plan_shared.py from the 1P:1D runs in bench/results/load-h200-2026-12-01/results.json.gz (87151ad,
     one prompt a forward, decode batches 1-11; rates 4, 8, 16 and 8 req/s, the cold first run at 2 left out)
     against engine-nvidia-h200-2026-12-01-4acfb30.json: 4912 gaps between tokens inside a forward took 1.99x
     the profile's decode step (outside every forward 1.00x); 73 forwards with a request decoding throughout

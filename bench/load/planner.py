@@ -36,6 +36,7 @@ from pdserve.bench.load.capacity import Capacity, probe_passes, probe_requests, 
 from pdserve.bench.load.metrics import RequestRecord, meets_slos, parse_slos
 from pdserve.bench.load.plan_measure import measure_profile
 from pdserve.bench.load.plan_sim import Profile, Req, Split, simulate
+from pdserve.bench.load.report import read_results
 from pdserve.bench.load.workload import LengthDist, long_count
 
 
@@ -251,7 +252,7 @@ def compare(arms: list[dict], specs: list[str]) -> list[dict]:
         if planned is None:
             raise ValueError(f"--measured: no split {split!r} in this plan (its splits: "
                              f"{', '.join(a['split'] for a in arms)})")
-        run = json.loads(Path(path).read_text())
+        run = read_results(path)
         info = next((a for a in run.get("arms") or [] if a.get("label") == arm), None)
         if info is None or not info.get("capacity"):
             raise ValueError(f"--measured: {path} has no capacity search for arm {arm!r}")

@@ -7,7 +7,6 @@ for multi-turn runs TTFT per turn.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -272,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m pdserve.bench.load.plots RESULTS_JSON  (redraws the PNGs next to it)", file=sys.stderr)
         return 2
+    from pdserve.bench.load.report import read_results
+
     path = Path(argv[0])
-    for p in plot_all(json.loads(path.read_text())["results"], path.parent):
+    for p in plot_all(read_results(path)["results"], path.parent):
         print(p)
     return 0
 

@@ -6,6 +6,7 @@ saturation and cold marks)."""
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import importlib.metadata
 import json
 import os
@@ -71,6 +72,37 @@ def _git() -> dict:
 def write_json(path: Path, run: dict) -> None:
     # allow_nan=False: an inf or nan that slipped through is a bug to see, not invalid JSON to ship
     path.write_text(json.dumps(run, indent=1, allow_nan=False))
+
+
+# A run's results are written as results.json; a large one may be committed gzipped (results.json.gz, its
+# per-request records run to megabytes: docs/benchmarks.md). Every reader takes either form.
+RESULTS = "results.json"
+
+
+def results_file(folder: str | Path) -> Path | None:
+    """FOLDER's results: results.json, else results.json.gz; None where it holds neither."""
+    for name in (RESULTS, RESULTS + ".gz"):
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    return None
+
+
+def results_files(root: str | Path, pattern: str = "*") -> list[Path]:
+    """The results of each folder under ROOT matching PATTERN (a glob of one level), one a folder, plain
+    results.json preferred where both are there: what `ROOT.glob(PATTERN + "/results.json")` was, .gz too."""
+    return [f for d in sorted(Path(root).glob(pattern)) if d.is_dir() for f in [results_file(d)] if f]
+
+
+def read_results(path: str | Path) -> dict:
+    """A load run's results.json: PATH if it is there, else PATH.gz (so `X/results.json` reads a committed
+    `X/results.json.gz`); a PATH ending in .gz is read gzipped. Neither there: FileNotFoundError naming PATH."""
+    path = Path(path)
+    if not path.is_file() and path.suffix != ".gz" and Path(str(path) + ".gz").is_file():
+        path = Path(str(path) + ".gz")
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _fmt(value, digits: int = 1) -> str:

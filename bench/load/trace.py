@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.load.plan_sim import Profile
+from pdserve.bench.load.report import read_results
 
 DECODE_BATCHES = [(1, 1), (2, 8), (9, 32), (33, None)]
 PROMPT_TOKENS = [(1, 1024), (1025, 2048), (2049, 4096), (4097, 8192), (8193, None)]
@@ -272,7 +273,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="a `pdserve-bench engine` JSON of the same model, device and code: "
                                                    "each step beside what it predicts")
     p.add_argument("--results", action="append", default=[], metavar="RESULTS_JSON",
-                   help="a `pdserve-bench load` results.json of the same server: a line per run (repeatable)")
+                   help="a `pdserve-bench load` results.json (or .json.gz) of the same server: a line per run "
+                        "(repeatable)")
     p.add_argument("--out", default=None, help="the summary as JSON (with provenance)")
 
 
@@ -281,7 +283,7 @@ def run(args) -> int:
         profile = None
         if args.profile:
             profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile)
-        results = [json.loads(Path(r).read_text()) for r in args.results]
+        results = [read_results(r) for r in args.results]
         out = report(args.traces, profile, results)
     except (OSError, ValueError) as e:
         print(f"pdserve-bench trace: {e}", file=sys.stderr)
