@@ -207,4 +207,4 @@ def test_the_readme_begins_with_setup_and_serve_then_setup_and_test():
     first = bash_commands(ROOT / "README.md")[:2]
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     assert first[0].split("#")[0].strip() == "./scripts/setup.sh && .venv/bin/pdserve"
-    assert first[1].split("#")[0].strip() == ci[-1].strip() == "./scripts/setup.sh && .venv/bin/python -m pytest -q"
+    assert first[1].split("#")[0].strip() == ci[-1].strip() == "./scripts/setup.sh && .venv/bin/python -m pytest -q -n 2"
