@@ -16,7 +16,7 @@ import pytest
 from test_server_harness import TINY, Pdserve
 from test_server_router import colocated_echo, router, tokenizer  # noqa: F401  (tokenizer: a fixture)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]
 
 CONCURRENT = 48
 ADMITTED = 4

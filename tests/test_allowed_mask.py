@@ -75,6 +75,7 @@ def step_times(engine: Engine, companions: list[int] | None) -> list[float]:
     return times[1:]  # the decode steps (the first prefills all 17, and builds the masks)
 
 
+@pytest.mark.alone  # its bound is a timing
 def test_a_neighbour_with_a_vocabulary_of_allowed_ids_does_not_slow_a_request(engine):
     """The fastest decode step (the least disturbed by whatever else runs on the machine) of a plain
     request beside 16 that allow the whole vocabulary, against beside 16 that allow anything by

@@ -29,7 +29,7 @@ from pdserve.workers.transfer.base import PeerState
 from pdserve.workers.transfer.errors import TransferError
 from pdserve.workers.transfer.registry import make_receiver, make_sender
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]
 
 PROMPT = "Paged attention keeps the KV cache in fixed-size blocks " * 12  # ~130 tokens: a few blocks to move
 BURST_TOKENS = 400  # long enough that the burst is still running when /health is polled

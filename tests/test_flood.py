@@ -25,7 +25,7 @@ from test_server_harness import ROOT, Pdserve
 from test_server_router import FakeWorker
 from pdserve.settings.keys import keygen, load_worker_keys
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.alone]
 
 HEARTBEAT_S, MISSES = 0.25, 3
 DEADLINE_S = HEARTBEAT_S * MISSES

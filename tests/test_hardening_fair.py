@@ -32,7 +32,7 @@ from test_hardening_http import LONG_TEXT, closed_within, flood, live_router, po
 from test_server_harness import Pdserve
 from test_server_router import FakeWorker, colocated_echo, tokenizer  # noqa: F401  (tokenizer: a fixture)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
 
 KIB = 1024
 GOOD = b'{"prompt": "Hi", "max_tokens": 2}'  # the well-behaved client's request, from 127.0.0.1

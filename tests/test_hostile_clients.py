@@ -38,7 +38,7 @@ import pytest
 
 from test_server_harness import TINY, Pdserve
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.alone]
 
 MIB = 2**20
 ROUNDS = 3  # of: 2 requests alone, the attack starts, FILL_S, 3 requests beside it, the attack ends

@@ -110,6 +110,7 @@ def test_interleaved_two_policies_sweep(tmp_path):
     assert run["model"] == "fake-model" and run["slos_ms"] == {"ttft": 1000.0, "tpot": 100.0}
 
 
+@pytest.mark.alone  # its bound is a timing
 def test_separate_runs_each_policy_on_its_own_duration(tmp_path):
     """The default: each policy alone, on the same lengths and the same (scaled) schedule, points
     alternating ABBA; the disaggregated requests carry a 200 ms transfer here, so its runs last longer

@@ -64,11 +64,23 @@ def no_torch(tmp_path):
 
 @pytest.fixture()
 def taken():
-    """A port some other process listens on."""
-    with socket.socket() as s:
+    """A port some other process listens on, whose port below was free a moment ago (the plaintext case
+    names it as --kv-port: a neighbour holding it would answer for the wrong flag)."""
+    for _ in range(50):
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with socket.socket() as below:
+            try:
+                below.bind(("127.0.0.1", port - 1))
+            except OSError:
+                s.close()
+                continue
         s.listen()
-        yield s.getsockname()[1]
+        with s:
+            yield port
+        return
+    pytest.fail("no port with a free one below it in 50 tries")
 
 
 @pytest.mark.parametrize("flag", ["--devices", "--device"])
