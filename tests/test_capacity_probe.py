@@ -15,6 +15,8 @@ from pdserve.bench.load import generator
 from pdserve.bench.load.arms import READY
 from pdserve.bench.load.early_stop import server_idle
 
+pytestmark = pytest.mark.alone  # a fake server's latencies against SLOs: a neighbour's CPU burst reads as load
+
 # one prefill at a time, 12.5 ms each on the fake's own clock: 80 req/s at most. A fast fake keeps
 # the probes short: a 1 s probe at capacity holds 80 requests
 CAPACITY = 80.0

@@ -14,6 +14,8 @@ from pdserve.bench.load.capacity import capacity_and_sweep, is_steady, saturatio
 from pdserve.bench.load.metrics import RequestRecord
 from pdserve.client import Client, ClientError
 
+pytestmark = pytest.mark.alone  # a fake server's latencies against SLOs: a neighbour's CPU burst reads as load
+
 
 def _search(limit: float, start: float, **kw):
     seen = []

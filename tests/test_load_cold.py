@@ -13,6 +13,8 @@ from pdserve.bench.load.capacity import COLD_MIN_COMPARED, COLD_RATIO, early_slo
 from pdserve.bench.load.fake_server import FakeConfig, FakeServer
 from pdserve.bench.load.metrics import RequestRecord
 
+pytestmark = pytest.mark.alone  # a fake server's latencies against SLOs: a neighbour's CPU burst reads as load
+
 
 def _records(ttfts_ms, *, kind="short", itl_ms=None, out_len=4):
     recs = []
