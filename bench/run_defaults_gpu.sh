@@ -179,6 +179,7 @@ run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capaci
     "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 6 \
     --request-timeout 300 --out "$5" --no-progress --no-plots || echo "arm $1: load exited $?"
   trace_summary "$5"
+  compress_big "$5"
   if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi
 }
 

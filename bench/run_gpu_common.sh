@@ -54,3 +54,10 @@ trace_summary() {
   "$PYTHON" -m pdserve.bench.cli trace "$1/steps" "${prof[@]}" --out "$1/steps.json" > "$1/steps.md" \
     || echo "the step trace of $1 was not summarised (exit $?)"
 }
+# compress_big FOLDER: its results.json and step traces over 1 MB gzipped in place (results.json.gz, steps-*.jsonl.gz;
+# every reader takes either form), so that a folder committed to bench/results stays small
+compress_big() {
+  local f
+  while IFS= read -r -d '' f; do gzip -9 -n -f "$f"; done \
+    < <(find "$1" \( -name results.json -o -name 'steps-*.jsonl' \) -size +1M -print0 2>/dev/null)
+}

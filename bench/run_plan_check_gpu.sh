@@ -63,4 +63,5 @@ SPEC=$(arm_spec "$ARM" 1)
   --sweep-factors '' "${WORKLOAD[@]}" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 4 \
   --request-timeout 600 --out "$OUT/$ARM" --no-progress
 PROFILE=${PROFILE:-${PROFILE_JSON:-}} trace_summary "$OUT/$ARM"
+compress_big "$OUT/$ARM"
 echo "measured in $OUT/$ARM; COMPARE=1 $0 sets it beside the prediction"

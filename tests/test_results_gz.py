@@ -127,3 +127,41 @@ def test_the_atlas_and_the_planner_read_a_gzipped_results_json(tmp_path):
     now = planner.compare(planned, [f"s={tmp_path / 'packed' / 'long' / 'results.json'}:disagg"])
     assert [{**c, "results": None} for c in now] == [{**c, "results": None} for c in then]
     assert now[0]["measured_capacity_rate"] == 6.0 and now[0]["error"] == pytest.approx(0.5)
+
+
+def test_the_gpu_scripts_compress_what_is_large_and_a_gzipped_step_trace_reads_the_same(tmp_path):
+    """bench/run_gpu_common.sh's compress_big: a folder's results.json and steps-*.jsonl over 1 MB are gzipped in
+    place, smaller files and other names left alone; `pdserve-bench trace` reads the gzipped trace as the plain one."""
+    import os
+    import subprocess
+
+    from pdserve.bench.load import trace as tr
+    from test_step_trace import _write
+
+    folder = tmp_path / "arm"
+    (folder / "steps").mkdir(parents=True)
+    big = {"results": [{"request_rate": 1.0, "requests": [{"i": i, "ttft_ms": i * 0.5} for i in range(40000)]}]}
+    (folder / "results.json").write_text(json.dumps(big))
+    (folder / "summary.md").write_text("x" * 2_000_000)  # large, but not one of the two kinds
+    steps = [{"t": i * 0.01, "done_t": i * 0.01 + 0.005, "decode": 1 + i % 48, "decode_ctx": 100 * (1 + i % 48)}
+             for i in range(9000)]
+    _write(folder / "steps" / "steps-colocated-0.jsonl", {"worker": "colocated-0", "role": "colocated"}, steps)
+    _write(folder / "steps" / "steps-small-0.jsonl", {"worker": "small-0", "role": "decode", "device": "cuda:1"},
+           steps[:3])
+    assert (folder / "results.json").stat().st_size > 2**20
+    assert (folder / "steps" / "steps-colocated-0.jsonl").stat().st_size > 2**20
+    plain = tr.report([str(folder / "steps")], None)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", "-c", f'source bench/run_gpu_common.sh && compress_big "{folder}"'], cwd=root,
+                         capture_output=True, text=True, env={**os.environ, "PYTHON": "python3"}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
+        "results.json.gz", "steps/steps-colocated-0.jsonl.gz", "steps/steps-small-0.jsonl", "summary.md"]
+    assert read_results(folder / "results.json") == big
+    packed = tr.report([str(folder / "steps")], None)
+    assert [w.pop("file") for w in packed["workers"]] == [str(folder / "steps" / n) for n in (
+        "steps-colocated-0.jsonl.gz", "steps-small-0.jsonl")]
+    for w in plain["workers"]:
+        w.pop("file")
+    assert packed == plain  # every figure the same
+    assert len(plain["workers"]) == 2

@@ -4,7 +4,7 @@ make costs.
 
     pdserve-bench trace DIR [DIR|FILE ...] [--profile ENGINE_JSON] [--results RESULTS.json] [--out summary.json]
 
-DIR: a `--step-trace` directory (every steps-*.jsonl in it, and below it); FILE: one trace. For each
+DIR: a `--step-trace` directory (every steps-*.jsonl in it, and below it, or .jsonl.gz); FILE: one trace. For each
 worker it reports:
 
   - its span (first step's start to last step's end), the steps, and over the span the share of time its
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -51,9 +52,10 @@ FIELDS = ("tokens", "schedule_ms", "launch_ms", "device_ms", "gap_ms", "wait_ms"
 
 def read(path: Path) -> list[tuple[dict, list[dict]]]:
     """A trace file -> its segments, (header, steps) each: a worker restarted under the same id appended a
-    header of its own. A line cut short by a worker's death is left out."""
+    header of its own. A line cut short by a worker's death is left out. A file ending in .gz is read gzipped
+    (large traces are committed so, as large load results are)."""
     segments: list[tuple[dict, list[dict]]] = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
         for line in f:
             try:
                 row = json.loads(line)
@@ -72,7 +74,7 @@ def trace_files(paths: list[str]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(p.rglob("steps-*.jsonl"))
+            out += sorted([*p.rglob("steps-*.jsonl"), *p.rglob("steps-*.jsonl.gz")])
         elif p.is_file():
             out.append(p)
         else:
