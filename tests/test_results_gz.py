@@ -164,4 +164,9 @@ def test_the_gpu_scripts_compress_what_is_large_and_a_gzipped_step_trace_reads_t
     for w in plain["workers"]:
         w.pop("file")
     assert packed == plain  # every figure the same
+    # a trace there in both forms is read once, the plain file
+    (folder / "steps" / "steps-small-0.jsonl.gz").write_bytes(gzip.compress(
+        (folder / "steps" / "steps-small-0.jsonl").read_bytes()))
+    assert [w["file"] for w in tr.report([str(folder / "steps")], None)["workers"]] == [
+        str(folder / "steps" / n) for n in ("steps-colocated-0.jsonl.gz", "steps-small-0.jsonl")]
     assert len(plain["workers"]) == 2

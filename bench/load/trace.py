@@ -74,7 +74,8 @@ def trace_files(paths: list[str]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted([*p.rglob("steps-*.jsonl"), *p.rglob("steps-*.jsonl.gz")])
+            plain = set(p.rglob("steps-*.jsonl"))  # a worker's trace once: plain preferred, as results_file does
+            out += sorted(plain | {g for g in p.rglob("steps-*.jsonl.gz") if g.with_suffix("") not in plain})
         elif p.is_file():
             out.append(p)
         else:
