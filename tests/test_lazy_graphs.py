@@ -184,3 +184,32 @@ def test_all_takes_every_piecewise_bucket_at_start(monkeypatch):
     assert [k for k, _ in taken][-4:] == [("piecewise", b) for b in (128, 64, 32, 16)]
     assert engine.start.piecewise_buckets_left == 0 and not engine.graphs_pending()
     assert "buckets more while idle" not in engine.start.describe()
+
+
+def test_an_idle_capture_after_a_longer_step_runs_over_padding_rows(monkeypatch):
+    """A served step leaves its inputs in the piecewise buffer, its kept rows among them. A smaller bucket
+    captured while idle afterwards ran its warm-up forward over them: the head gathered a kept row past the
+    bucket's rows (on an H200 a device-side assert that ended the worker). An idle capture runs over
+    padding, as the start's does."""
+    from pdserve.workers.engine.graphs import MixedGraphs
+
+    engine, taken = piecewise_engine(monkeypatch, "lazy")
+    recorded = MixedGraphs._capture
+
+    def capture(self, bucket):  # the real capture's CPU half: its warm-up forward, then the recording
+        self.warm(bucket)
+        return recorded(self, bucket)
+
+    monkeypatch.setattr(MixedGraphs, "_capture", capture)
+    engine.warmup(decode=True)
+    mixed = engine.runner.mixed
+    assert mixed.pending() == [64, 32, 16]
+    req = Request("long", list(range(5, 105)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(req)
+    while engine.has_work():
+        engine.step()
+    assert req.error is None and int(mixed.cut.keep.max()) == 99  # the 100-token step's last row, past 64
+    while engine.graphs_pending():
+        engine.capture_idle()
+    assert [k for k, _ in taken if k[0] == "piecewise"] == [("piecewise", b) for b in (128, 64, 32, 16)]
+    assert not mixed.packed.any()

@@ -361,6 +361,13 @@ class MixedGraphs(IdleCaptures):
         if not self.use_graphs:
             return 0.0
         start = time.monotonic()
+        # Padding rows only, as at start: an idle capture follows served steps, whose inputs are still in the
+        # buffer, and a kept row of a longer step lies past a smaller bucket's rows (the head's gather in the
+        # capture's warm-up run indexed out of them: a device-side assert on CUDA). No step is in flight here
+        # (ahead of traffic, or idle); a step whose graph is missing captures it with _capture, its inputs kept.
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.packed.zero_()
         # largest first: the shared pool is sized once
         for b in (buckets or self.graph_buckets)[::-1]:
             if b not in self.graphs:
