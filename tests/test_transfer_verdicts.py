@@ -119,7 +119,9 @@ def test_the_profile_summary_of_a_gpu_trace():
               ("gpu_memcpy", dtod, 15, 30, {"bytes": 64 * MiB}), ("gpu_memcpy", dtod, 50, 30, {"bytes": 64 * MiB}),
               ("gpu_memcpy", dtod, 85, 30, {"bytes": 64 * MiB}),
               ("cuda_runtime", "cudaEventQuery", 40, 1, None), ("cuda_runtime", "cudaEventQuery", 118, 1, None),
-              ("cuda_runtime", "cudaEventQuery", 300, 1, None), ("python_function", "other", 0, 400, None))
+              ("cuda_runtime", "cudaEventQuery", 300, 1, None), ("python_function", "other", 0, 400, None),
+              ("python_function", "words", 4, 3, None), ("python_function", "_flush", 3, 40, None),
+              ("python_function", "select", 8, 1, None))
     s = summarize(t)
     g = s["gpu"]
     assert (g["ops"], g["memcpys"], g["kernels"], g["bytes"]) == (3, 3, 0, 192 * MiB)
@@ -130,7 +132,10 @@ def test_the_profile_summary_of_a_gpu_trace():
     assert s["cuda"]["synchronizations"] == {}
     assert s["latency_us"] == {"first_call_to_first_issue": 10, "first_issue_to_gpu": 5, "gpu_end_to_poll": 3}
     assert s["cpu_copies"]["counts"] == {"aten::copy_": 1}
+    # wholly between the first CUDA call (0) and the first copy call (10), longest first; not the enclosing ones
+    assert s["before_first_issue"] == [{"name": "words", "us": 3}, {"name": "select", "us": 1}]
     text = describe({"trace": "t.json.gz", **s})
+    assert "before the first copy call, the longest Python functions: words 3 us, select 1 us" in text
     assert "3 ops (3 memcpy, 0 kernels) moving 192.0 MiB (3 x 64.0 MiB)" in text
     assert "gaps 10 us, largest 5.0 us" in text and text.endswith("synchronisations: none")
     synced = summarize(trace(("cuda_runtime", "cudaStreamSynchronize", 5, 100, None)))
@@ -152,11 +157,18 @@ def test_the_issue_35_command_rehearsed_on_the_cpu(tmp_path):
     assert copies["listed"][0]["types"][:2] == ["long int", "long int"]  # 8-byte words, not the pool's dtype
     assert (tmp_path / "prof" / "transfer-trace.json.gz").stat().st_size > 0
     assert (tmp_path / "prof" / "transfer-profile.json").exists()
+    frag = result["profile_fragmented"]  # ipc-fragmented ran: profiled too, into its own folder
+    assert (frag["method"], frag["tokens"], frag["exact"]) == ("ipc-fragmented", 256, True) and frag["runs"] > 1
+    assert (tmp_path / "prof" / "fragmented" / "transfer-trace.json.gz").stat().st_size > 0
+    # the Python stacks are recorded: the host's functions between its first CUDA call and first copy call
+    # have no CUDA calls to bound them on the CPU, so only the field is checked here (a GPU trace's below)
+    assert "before_first_issue" in prof["summary"]
     text = (tmp_path / "transfer.md").read_text()
     for line in ("ipc bulk >= 90%", "ipc layer mode adds <= 0.5%", "ipc layer mode exposes 0.000 ms on the GPU clock: "
                  "not measured", "nixl bulk within 1.1x", "ipc-fragmented bulk within 1.2x of ipc bulk",
                  "nixl-fragmented bulk within 1.2x", "zmq-fragmented bulk within 1.2x", "zmq bulk >= 5 GB/s",
-                 "zmq-curve bulk >= 3 GB/s", "ipc bulk transfer at 256 tokens, profiled"):
+                 "zmq-curve bulk >= 3 GB/s", "ipc bulk transfer at 256 tokens, profiled",
+                 f"ipc-fragmented bulk transfer at 256 tokens ({frag['runs']} runs), profiled"):
         assert line in text, line
 
 

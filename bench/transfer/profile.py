@@ -13,6 +13,8 @@ finish() (the copies, the wait for them, the done notice and its ack) under the 
                    the transport asked of torch (the same on the CPU, where there is no GPU clock)
         latency_us the host around the copies: its first CUDA call (the ready event) -> its first copy call
                    -> the GPU running that copy; the last GPU op done -> the first event poll after it
+        before_first_issue  the Python functions that ran wholly between that first CUDA call and the first
+                   copy call (the profile records Python stacks), longest first: where the host's time went
     describe(summary) -> str         one paragraph for the markdown
 
 DIR gets the trace (transfer-trace.json.gz, open in Perfetto) and the summary (transfer-profile.json).
@@ -34,6 +36,7 @@ COPY_OPS = ("aten::copy_", "aten::index_select", "aten::index_copy_")
 ISSUES = ("cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
           "cuLaunchKernelEx")
 LISTED = 64  # ops listed one by one (the counts cover all)
+BEFORE = 8  # Python functions listed from before the first copy call
 
 
 def profiled(fn, out_dir: str | None, device: torch.device):
@@ -45,7 +48,7 @@ def profiled(fn, out_dir: str | None, device: torch.device):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         result = fn()
     raw = out / "transfer-trace.json"
     prof.export_chrome_trace(str(raw))
@@ -74,6 +77,11 @@ def summarize(trace: dict) -> dict:
     copies = [e for e in events if e.get("cat") == "cpu_op" and e["name"] in COPY_OPS]
     issued = [e for e in runtime if e["name"] in ISSUES]
     queries = [e for e in runtime if e["name"] == "cudaEventQuery"]
+    before = []
+    if issued and runtime:
+        a, b = runtime[0]["ts"], issued[0]["ts"]
+        inside = [e for e in events if e.get("cat") == "python_function" and e["ts"] >= a and e["ts"] + e["dur"] <= b]
+        before = [{"name": e["name"], "us": e["dur"]} for e in sorted(inside, key=lambda e: -e["dur"])[:BEFORE]]
     return {
         "gpu": {"ops": len(gpu), "memcpys": sum(e["cat"] == "gpu_memcpy" for e in gpu),
                 "kernels": sum(e["cat"] == "kernel" for e in gpu),
@@ -92,6 +100,7 @@ def summarize(trace: dict) -> dict:
             "gpu_end_to_poll": (next((q["ts"] - prev_end for q in queries if q["ts"] >= prev_end), None)
                                 if gpu else None),
         },
+        "before_first_issue": before,
     }
 
 
@@ -114,6 +123,10 @@ def describe(summary: dict) -> str:
                  f"{_us(lat['first_call_to_first_issue'])}, to the GPU running it {_us(lat['first_issue_to_gpu'])}, "
                  f"last GPU op done to the next event poll {_us(lat['gpu_end_to_poll'])}; CUDA calls "
                  + ", ".join(f"{k} x{n}" for k, n in list(c["calls"].items())[:8]))
+    before = summary.get("before_first_issue") or []
+    if before:
+        text += ("; before the first copy call, the longest Python functions: "
+                 + ", ".join(f"{b['name']} {b['us']:.0f} us" for b in before[:4]))
     return text + f"; synchronisations: {syncs}"
 
 

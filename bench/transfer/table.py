@@ -33,8 +33,9 @@ Methods beside the transports (bench/transfer/pools.py): zmq-curve (every KV byt
 bench's own keys in both processes) and <transport>-fragmented (both pools scattered first).
 
 `--profile-transfer DIR` (bench/transfer/profile.py): after the table, one more ipc bulk transfer at the
-longest length with its finish() under torch.profiler: the copies with their sizes and gaps on the GPU,
-the CUDA calls, any synchronisation; summarised in the JSON and markdown, the trace in DIR.
+longest length with its finish() under torch.profiler (and one ipc-fragmented, into DIR/fragmented, where
+that method ran): the copies with their sizes and gaps on the GPU, the CUDA calls, any synchronisation, the
+Python functions before the first copy; summarised in the JSON and markdown, the traces in DIR.
 
 GPU (the lead runs it):  pdserve-bench transfer                    (qwen2.5-7b, cuda, 1k 4k 16k 32k)
                          pdserve-bench transfer --decode-device cuda:1
@@ -97,8 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output path without suffix (default bench/results/...)")
     parser.add_argument("--profile-transfer", default=None, metavar="DIR",
                         help="after the table, one more ipc bulk transfer at the longest length with its finish() "
-                             "under torch.profiler: the copies, their sizes, gaps, CUDA calls and any "
-                             "synchronisation, in the JSON and markdown; the trace in DIR (needs ipc in --transports)")
+                             "under torch.profiler (and one ipc-fragmented, into DIR/fragmented, where that method "
+                             "ran): the copies, their sizes, gaps, CUDA calls, any synchronisation and the Python "
+                             "functions before the first copy, in the JSON and markdown; the traces in DIR (needs "
+                             "ipc in --transports)")
     parser.add_argument("--break", dest="fault", default=None,
                         help=f"tests only: our senders drop part of every request ({', '.join(FAULTS)})")
 
@@ -228,12 +231,16 @@ def run(args: argparse.Namespace) -> int:
             out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
         if args.profile_transfer:
             n = max(lengths)
-            log(f"{n} tokens: one ipc bulk transfer under torch.profiler -> {args.profile_transfer}")
-            run = one_run(f"profile-ipc-bulk-{n}", n, run_seed(args.seed, n, "ipc", "profile", 0), "ipc", "bulk",
-                          prefill, decode, profile=args.profile_transfer)
-            result["profile"] = {"method": "ipc", "mode": "bulk", "tokens": n, "exact": run.get("exact"),
-                                 "error": run.get("error"), "transfer_ms": run.get("transfer_ms"),
-                                 "copies": run.get("copies"), "summary": run.get("profile")}
+            for method, key, where in (("ipc", "profile", Path(args.profile_transfer)),
+                                       ("ipc-fragmented", "profile_fragmented", Path(args.profile_transfer) / "fragmented")):
+                if method not in transports:
+                    continue
+                log(f"{n} tokens: one {method} bulk transfer under torch.profiler -> {where}")
+                run = one_run(f"profile-{method}-bulk-{n}", n, run_seed(args.seed, n, method, "profile", 0), method,
+                              "bulk", prefill, decode, profile=str(where))
+                result[key] = {"method": method, "mode": "bulk", "tokens": n, "exact": run.get("exact"),
+                               "error": run.get("error"), "transfer_ms": run.get("transfer_ms"),
+                               "copies": run.get("copies"), "runs": run.get("runs"), "summary": run.get("profile")}
     finally:
         prefill.close()
         decode.close()

@@ -246,9 +246,9 @@ def markdown(result: dict) -> str:
         lines.append(f"- (figure) ipc bulk at {100 * p['fraction']:.0f}% of its copy pattern inside one pool "
                      f"({p['pattern']}, {p['pattern_gbps']:.1f} GB/s): the rest is the second process's memory "
                      "and the transfer's own steps (--profile-transfer shows them)")
-    prof = result.get("profile")
-    if prof:
-        lines += ["", f"ipc bulk transfer at {prof['tokens']} tokens, profiled: "
+    for prof in filter(None, (result.get("profile"), result.get("profile_fragmented"))):
+        runs = f" ({prof['runs']} runs)" if prof.get("runs") and prof["method"] != "ipc" else ""
+        lines += ["", f"{prof['method']} bulk transfer at {prof['tokens']} tokens{runs}, profiled: "
                   + (f"failed: {prof['error']}" if prof.get("error") else
                      f"{prof['transfer_ms']:.3f} ms under the profiler, {prof['copies']} copies, "
                      f"exact: {'yes' if prof['exact'] else 'NO'}; " + describe(prof["summary"]))]
