@@ -213,3 +213,46 @@ def test_an_idle_capture_after_a_longer_step_runs_over_padding_rows(monkeypatch)
         engine.capture_idle()
     assert [k for k, _ in taken if k[0] == "piecewise"] == [("piecewise", b) for b in (128, 64, 32, 16)]
     assert not mixed.packed.any()
+
+
+def test_every_capture_runs_in_thread_local_mode(monkeypatch):
+    """A worker's other threads query their own CUDA events while the loop may capture a graph (lazily, or a
+    step's missing bucket); in CUDA's default global capture mode such a query fails the capture. Both
+    kinds of capture ask for the thread-local mode: run here with torch.cuda's graph, streams and
+    synchronise replaced by recorders, the forwards themselves on the CPU."""
+    import contextlib
+
+    from pdserve.workers.engine.graphs import CAPTURE_MODE
+
+    modes = []
+
+    class Graph:
+        def pool(self):
+            return None
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+        modes.append(capture_error_mode)
+        yield
+
+    for name, value in (("graph", graph), ("CUDAGraph", Graph), ("Stream", Stream),
+                        ("stream", lambda s: contextlib.nullcontext()), ("current_stream", lambda device=None: Stream()),
+                        ("synchronize", lambda device=None: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    engine = Engine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_blocks=64, max_num_seqs=8))
+    engine.runner.build_forwards(engine.config, engine.max_model_len, decode_graphs=True, mixed_graphs=False,
+                                 compile=False)
+    decode, mixed = engine.runner.graphs, engine.runner.mixed
+    with torch.inference_mode():
+        decode.capture([(1, decode.block_buckets[0])])
+        mixed.use_graphs = True
+        mixed.capture([16])
+    assert CAPTURE_MODE == "thread_local"
+    assert modes == ["thread_local"] * (1 + mixed.cut.num_segments)

@@ -45,6 +45,12 @@ CPU); the positions sit at storage offset 0 of the input buffer, and the Cut's b
 than any step uses, because dynamo guards a storage offset and a view's base like sizes (duck sizing
 would tie them to the first batch, and the next batch would recompile). tests/test_decode_cut.py
 counts a start's compiles on the CPU.
+
+Captures run in CUDA's thread-local capture mode (CAPTURE_MODE): a worker's other threads (the transports'
+I/O threads, the KV tiers' copy threads) query and wait on their own events while the loop may capture a
+graph (lazily, or a step's missing bucket), and in the default global mode such a call from another thread
+fails the capture (PyTorch's own NCCL watchdog met that: pytorch/pytorch#104487, #148594). Thread-local mode
+still refuses what this thread must not do while capturing.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from pdserve.workers.engine.request import Request
 # would compile the layers' code a second time; a GEMM over 2 rows reads the same weight bytes as a
 # GEMV over 1, and attention (whose split of the context depends on the batch) still sees 1 row.
 MIN_ROWS = 2
+CAPTURE_MODE = "thread_local"  # see the module's docstring
 
 
 def _buckets(limit: int, start: list[int], step_fn) -> list[int]:
@@ -246,7 +253,7 @@ class DecodeGraphs(IdleCaptures):
             self._forward(batch, blocks)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=CAPTURE_MODE):
             out = self._forward(batch, blocks)
         self.mempool = graph.pool()
         self.graphs[(batch, blocks)] = graph
@@ -392,7 +399,7 @@ class MixedGraphs(IdleCaptures):
         graphs = []
         for i in range(cut.num_segments):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.mempool):
+            with torch.cuda.graph(g, pool=self.mempool, capture_error_mode=CAPTURE_MODE):
                 cut.segment(i, bucket)
             self.mempool = g.pool()
             graphs.append(g)
