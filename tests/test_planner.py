@@ -146,6 +146,25 @@ def test_a_probe_is_judged_on_its_queue():
     assert failed and all(b["goodput_fraction"] >= 0.9 and b["saturation"]["queue_growing"] for b in failed)
 
 
+def test_a_profile_that_prices_steps_at_nothing_stops_the_search_at_its_ceiling():
+    """A CI run's measured tiny profile (a loaded 2-core CPU: 256 prompt tokens no dearer than 64, decode cost
+    falling with context) fitted prompt tokens at 0 ms and long-context decode steps at 0 ms, so every probe
+    passed and the doubling search simulated millions of requests (600 s, killed). The search stops once a
+    probe would send more than MAX_PROBE_REQUESTS, the capacity a lower bound."""
+    from pdserve.bench.load.planner import MAX_PROBE_REQUESTS
+
+    prof = Profile.from_points({64: 7.12, 256: 6.70}, [(1, 128, 31.59), (4, 128, 12.02), (1, 256, 6.36),
+                                                      (4, 256, 9.55)], fixed_ms=None)
+    assert prof.tokens(0, 256) == 0.0 and prof.decode(8, 8 * 1000) == 0.0  # the degenerate fit, as it came
+    args = _args(input_len="uniform:64:256", output_len="8")
+    probe_seconds = 5.0
+    cap, probes = predict(Split(0, 2, chunk=512), prof, Workload(args), parse_slos(["ttft:5000", "tpot:2000"]),
+                          probe_seconds=probe_seconds)
+    assert cap.first_fail is None and cap.out_of_time and all(b["probe_passed"] for b in probes)
+    assert max(b["num_prompts"] for b in probes) <= MAX_PROBE_REQUESTS
+    assert cap.rate * 2 * probe_seconds > MAX_PROBE_REQUESTS  # stopped because the next probe would pass it
+
+
 def test_the_command_writes_its_plan(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 1024 + 512 * (i % 3),

@@ -223,11 +223,18 @@ class _Worker:
     prefilled_last: bool = False  # unchunked colocated: the last step was whole prompts (the next decodes)
     began: float = 0.0  # when its current (or last) step began
     overlapped: bool = False  # shared: the step in flight has run beside the other worker's (paid the extra)
+    queued: int = 0  # prompt tokens still to prefill over `waiting` (not decode): kept as they change, since
+                     # summing them at every arrival made an overloaded probe quadratic in its requests
 
     def load(self) -> int:
         if self.role == "decode":
             return len(self.running) + len(self.waiting)
-        return sum(r.prompt - r.done_prefill for r in self.waiting) + len(self.running)
+        return self.queued + len(self.running)
+
+    def enqueue(self, r: "Req") -> None:
+        self.waiting.append(r)
+        if self.role != "decode":
+            self.queued += r.prompt - r.done_prefill
 
 
 def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
@@ -353,6 +360,7 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
                 r.finish = now
                 w.running.remove(r)
         for r, end in chunks:
+            w.queued -= end - r.done_prefill
             r.done_prefill = end
             if end < r.prompt:
                 continue
@@ -373,7 +381,7 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
             w = min(front, key=_Worker.load)
-            w.waiting.append(payload)
+            w.enqueue(payload)
             start(w, now)
         elif kind == "step":
             w, version = payload
@@ -386,6 +394,6 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
                 r.finish = now
                 continue
             w = min(back, key=_Worker.load)
-            w.waiting.append(r)
+            w.enqueue(r)
             start(w, now)
     return requests

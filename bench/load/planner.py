@@ -150,6 +150,9 @@ def judge(done: list[Req], rate: float, slos: dict[str, float], target: float) -
     return block
 
 
+MAX_PROBE_REQUESTS = 50_000  # the most requests one simulated probe sends (see predict)
+
+
 def predict(split: Split, profile: Profile, workload: Workload, slos: dict[str, float], *, target: float = 0.9,
             probe_seconds: float = 60.0, min_requests: int = 200, precision: float = 0.03, max_probes: int = 16,
             seed: int = 0) -> tuple[Capacity, list[dict]]:
@@ -164,7 +167,13 @@ def predict(split: Split, profile: Profile, workload: Workload, slos: dict[str, 
         probes.append(block)
         return block["probe_passed"]
 
-    cap = asyncio.run(search_capacity(probe, start, max_probes=max_probes, precision=precision, target=target))
+    # A profile whose fit prices some steps at nothing (a noisy CPU measurement: prompt tokens free past the
+    # fixed cost, decode cost falling with context) passes every rate, and the doubling search's probes grew to
+    # millions of simulated requests (a CI run spent 600 s in one). Past MAX_PROBE_REQUESTS the search stops:
+    # the capacity reads as at least the last passing rate (out_of_time, first_fail none).
+    cap = asyncio.run(search_capacity(probe, start, max_probes=max_probes, precision=precision, target=target,
+                                      fits=lambda rate: probe_requests(rate, probe_seconds, min_requests)
+                                      <= MAX_PROBE_REQUESTS))
     for p, b in zip(cap.probes, probes):
         p.requests, p.arrivals_s, p.duration_s = b["num_prompts"], b["arrival_window_s"], b["duration"]
     return cap, probes
