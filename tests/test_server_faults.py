@@ -96,6 +96,8 @@ def test_unknown_routes_and_methods_get_error_objects(srv):
     assert r.status_code == 405 and "error" in r.json()
 
 
+@pytest.mark.alone  # its spread over both decode workers needs the requests to overlap at the router; beside
+# another test's burst on 2 cores they arrived one after another, and each went to the same decoder (CI, 56c101c)
 def test_16_concurrent_requests_of_mixed_policies(srv, reference):
     policies = ["colocated", "disaggregated", "auto"]
     jobs = [(PROMPTS[i % len(PROMPTS)], policies[i % 3], i % 2 == 0) for i in range(16)]
