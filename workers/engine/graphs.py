@@ -372,8 +372,8 @@ class MixedGraphs(IdleCaptures):
         # buffer, and a kept row of a longer step lies past a smaller bucket's rows (the head's gather in the
         # capture's warm-up run indexed out of them: a device-side assert on CUDA). No step is in flight here
         # (ahead of traffic, or idle); a step whose graph is missing captures it with _capture, its inputs kept.
-        if self.copied is not None:
-            self.copied.synchronize()
+        # The zeroing is ordered after the last step's copy into the buffer on the same stream, as DecodeGraphs'
+        # reset is: the host buffer is not touched, so no wait for that copy.
         self.packed.zero_()
         # largest first: the shared pool is sized once
         for b in (buckets or self.graph_buckets)[::-1]:
