@@ -96,8 +96,6 @@ def test_unknown_routes_and_methods_get_error_objects(srv):
     assert r.status_code == 405 and "error" in r.json()
 
 
-@pytest.mark.alone  # its spread over both decode workers needs the requests to overlap at the router; beside
-# another test's burst on 2 cores they arrived one after another, and each went to the same decoder (CI, 56c101c)
 def test_16_concurrent_requests_of_mixed_policies(srv, reference):
     policies = ["colocated", "disaggregated", "auto"]
     jobs = [(PROMPTS[i % len(PROMPTS)], policies[i % 3], i % 2 == 0) for i in range(16)]
@@ -123,7 +121,11 @@ def test_16_concurrent_requests_of_mixed_policies(srv, reference):
         if policy != "auto":
             assert t["policy"] == policy
     served = {t["worker"] for _, t in results}
-    assert {"colocated-0", "decode-0", "decode-1"} <= served, served  # least-loaded spreads over both decoders
+    # not both decoders: the router sends a prompt to the decoder that holds its KV (--routing kv, the
+    # default) unless that one is overloaded, and once the first of these ran one decoder holds all four
+    # prompts; whether 16 overlap enough to overload it is timing (CI's 2 cores: they did not). The load
+    # rule itself: tests/test_routing.py
+    assert "colocated-0" in served and served & {"decode-0", "decode-1"}, served
 
 
 def test_no_kv_blocks_leak(srv):
