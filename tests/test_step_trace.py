@@ -56,6 +56,8 @@ def test_every_token_a_step_computed_is_in_its_line(tmp_path, overlap):
         assert s["device_ms"] is None and s["gap_ms"] is None  # no CUDA events on the CPU
         assert s["launch_ms"] > 0 and s["schedule_ms"] >= 0 and s["wait_ms"] >= 0 and s["done_t"] >= s["t"]
         assert s["startup_work"] == 0  # nothing compiles here (no torch.compile on the CPU by default)
+        assert s["launch_cpu_ms"] >= 0 and s["launch_gc_ms"] >= 0 and s["launch_sync_ms"] == 0  # no device waits
+        assert s["launch_csw"] is None or (len(s["launch_csw"]) == 2 and min(s["launch_csw"]) >= 0)
     assert all(a["t"] <= b["t"] for a, b in zip(steps, steps[1:]))
 
 
@@ -93,6 +95,70 @@ def test_a_step_that_compiled_while_it_launched_says_so(tmp_path):
         trace.settled(entry, 0.0)
     trace.close()
     assert [s["startup_work"] for s in _lines(tmp_path / "steps-x.jsonl")[1]] == [2, 0]
+
+
+def test_a_launch_says_where_its_host_time_went(tmp_path):
+    """A launch that sleeps, collects garbage and waits on an event: its line tells the three apart from the
+    thread's own CPU time, and `pdserve-bench trace` shows them per make of step."""
+    import gc
+
+    import torch
+
+    from pdserve.workers.engine.step_trace import StepTrace, host_wait
+
+    class SlowEvent:  # a device wait of 30 ms, slept
+        def synchronize(self):
+            time.sleep(0.03)
+
+    trace = StepTrace(str(tmp_path / "steps-x.jsonl"), torch.device("cpu"), {"worker": "x", "role": "colocated"})
+    kinds = []
+    gc.disable()  # no collection but the one asked for (another thread's allocations could start one)
+    try:
+        for kind in ("sleep", "gc", "wait", "spin"):
+            entry = trace.begin("step", [], time.monotonic(), time.monotonic())
+            if kind == "sleep":
+                time.sleep(0.05)
+            elif kind == "gc":
+                garbage = [[i] for i in range(200_000)]  # a collection with something to walk
+                gc.collect()
+                del garbage
+            elif kind == "wait":
+                host_wait(SlowEvent())
+            else:
+                end = time.thread_time() + 0.03
+                while time.thread_time() < end:
+                    pass
+            trace.launched(entry, "eager")
+            trace.settled(entry, 0.0)
+            kinds.append(kind)
+    finally:
+        gc.enable()
+    trace.close()
+    lines = dict(zip(kinds, _lines(tmp_path / "steps-x.jsonl")[1]))
+    sleep, collected, waited, spun = lines["sleep"], lines["gc"], lines["wait"], lines["spin"]
+    assert sleep["launch_ms"] >= 50 and sleep["launch_cpu_ms"] < 0.5 * sleep["launch_ms"]
+    assert sleep["launch_gc_ms"] == 0 and sleep["launch_sync_ms"] == 0
+    assert collected["launch_gc_ms"] > 0 and collected["launch_gc_ms"] <= collected["launch_ms"]
+    assert waited["launch_sync_ms"] >= 30 and waited["launch_sync_ms"] <= waited["launch_ms"]
+    assert spun["launch_cpu_ms"] >= 30 and spun["launch_sync_ms"] == 0
+    if sleep["launch_csw"] is not None:  # Linux: the sleep gave the core up
+        assert sleep["launch_csw"][0] >= 1
+    out = tr.report([str(tmp_path)], None, [])
+    [row] = out["workers"][0]["makes"]
+    assert row["host"]["launch_sync_ms_p90"] > 0 and row["host"]["launch_ms_p90"] >= 30  # one step in four waited
+    text = tr.render(out)
+    assert "where the launches' host time went" in text and "| decode b1 | eager |" in text
+
+
+def test_a_trace_from_before_the_host_fields_reads_without_them(tmp_path):
+    (tmp_path / "steps-old.jsonl").write_text("\n".join(json.dumps(x) for x in (
+        {"trace": "pdserve steps", "version": 1, "worker": "old", "role": "colocated", "device": "cpu"},
+        {"i": 0, "kind": "step", "path": "eager", "t": 0.0, "decode": 1, "decode_ctx": 5, "chunks": [], "tokens": 1,
+         "schedule_ms": 0.1, "launch_ms": 2.0, "startup_work": 0, "device_ms": None, "gap_ms": None,
+         "wait_ms": 0.0, "done_t": 0.01})) + "\n")
+    out = tr.report([str(tmp_path)], None, [])
+    assert out["workers"][0]["makes"][0]["host"] is None
+    assert "host time went" not in tr.render(out)
 
 
 def test_device_and_gap_times_come_from_the_events_in_stream_order(tmp_path, monkeypatch):

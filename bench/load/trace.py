@@ -48,6 +48,8 @@ DECODE_BATCHES = [(1, 1), (2, 8), (9, 32), (33, None)]
 PROMPT_TOKENS = [(1, 1024), (1025, 2048), (2049, 4096), (4097, 8192), (8193, None)]
 ALONE, SHARED = 0.1, 0.9  # a step's share of wall time beside the other worker's steps
 FIELDS = ("tokens", "schedule_ms", "launch_ms", "device_ms", "gap_ms", "wait_ms")
+# where a launch's host time went (traces from 2026-12-07 on; older lines lack them): p50 and p90 each
+HOST_FIELDS = ("launch_ms", "launch_cpu_ms", "launch_gc_ms", "launch_sync_ms")
 
 
 def read(path: Path) -> list[tuple[dict, list[dict]]]:
@@ -113,6 +115,22 @@ def predicted_ms(step: dict, header: dict, profile: Profile) -> float:
     return profile.step_ms(step["decode"], step["decode_ctx"], [tuple(c) for c in step["chunks"]], chunked)
 
 
+def host_time(steps: list[dict]) -> dict | None:
+    """Where these steps' launches spent their host time: p50 and p90 of HOST_FIELDS, and the launching
+    thread's context switches per step, voluntary and involuntary (None: a trace without them)."""
+    if not any("launch_cpu_ms" in s for s in steps):
+        return None
+    out = {}
+    for f in HOST_FIELDS:
+        xs = [s[f] for s in steps if s.get(f) is not None]
+        out[f"{f}_p50"], out[f"{f}_p90"] = (float(np.percentile(xs, 50)), float(np.percentile(xs, 90))) if xs \
+            else (None, None)
+    csw = [s["launch_csw"] for s in steps if s.get("launch_csw") is not None]
+    out["voluntary_per_step"] = sum(c[0] for c in csw) / len(csw) if csw else None
+    out["involuntary_per_step"] = sum(c[1] for c in csw) / len(csw) if csw else None
+    return out
+
+
 def _median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return float(np.median(xs)) if xs else None
@@ -173,6 +191,7 @@ def summarize(header: dict, steps: list[dict], profile: Profile | None, shares: 
         if profile is not None:
             row["predicted_ms_p50"] = _median([predicted_ms(steps[i], header, profile) for i in idx])
             row["ratio_p50"] = _median([ratios[i] for i in idx])
+        row["host"] = host_time([steps[i] for i in idx])
         out["makes"].append(row)
     if profile is not None:
         out["ratio_p50"] = _median(ratios)
@@ -268,6 +287,20 @@ def render(out: dict) -> str:
                      _fmt(r["wait_ms_p50"], 2), _fmt(r["measured_ms_p50"], 2), _fmt(r["measured_ms_p90"], 2),
                      _fmt(r.get("predicted_ms_p50"), 2), _fmt(r.get("ratio_p50"), 2)]
             lines.append("  | " + " | ".join(cells) + " |")
+        hosts = [r for r in w["makes"] if r.get("host")]
+        if hosts:
+            lines.append("  where the launches' host time went (p50 / p90 ms; a launch well above its thread's CPU "
+                         "time waited or was preempted):")
+            head = ("make", "path", "launch", "thread CPU", "garbage collection", "device waits",
+                    "switches per step (vol. / invol.)")
+            lines.append("  | " + " | ".join(head) + " |")
+            lines.append("  |" + "---|" * len(head))
+            for r in hosts:
+                h = r["host"]
+                cells = [r["make"], r["path"]] + [f"{_fmt(h[f + '_p50'], 2)} / {_fmt(h[f + '_p90'], 2)}"
+                                                  for f in HOST_FIELDS]
+                cells.append(f"{_fmt(h['voluntary_per_step'], 1)} / {_fmt(h['involuntary_per_step'], 1)}")
+                lines.append("  | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -61,6 +61,7 @@ import torch
 
 from pdserve.workers.engine import attention, step_inputs
 from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.step_trace import host_wait
 
 # A decode graph's segments run over this many rows at least: batch 1 runs them over 2 rows (the
 # second padding) and its attention over 1. Dynamo specialises a size of 1, so segments over 1 row
@@ -175,7 +176,7 @@ class DecodeGraphs(IdleCaptures):
                self._bucket(max(len(r.block_ids) for r, _ in work), self.block_buckets))
         batch, blocks = key
         if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
+            host_wait(self.copied)  # the last step's copy out of `host` is done: rewrite it
         h = self.host_arrays
         self._stage(step_inputs.build(work, self.runner.block_size, table=h["table"][:, :blocks]), batch, blocks)
         nb, width = len(self.ids), self.table.shape[1]
@@ -335,7 +336,7 @@ class MixedGraphs(IdleCaptures):
         bucket = DecodeGraphs._bucket(t, self.buckets) if graphed else t
         n = self.max_tokens
         if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy out of `host` is done: rewrite it
+            host_wait(self.copied)  # the last step's copy out of `host` is done: rewrite it
         h = self.host_np
         h[:t], h[t:bucket] = inp.ids, 0
         h[n:n + t], h[n + t:n + bucket] = inp.positions, 0

@@ -32,6 +32,14 @@ restarted under the same id appends its own header and steps):
                     device waiting for the host to launch it, or other work queued between (null for
                     the first step and on the CPU)
     wait_ms         host: blocked reading the step's tokens back
+    launch_cpu_ms   host: CPU time the launching thread itself used during launch_ms (time.thread_time);
+                    launch_ms well above it: the thread waited (the GIL, a lock, a sleep) or was preempted
+    launch_gc_ms    host: Python's garbage collector during launch_ms (gc.callbacks)
+    launch_sync_ms  host: waits for the device during launch_ms (a graph's staging buffer, `host_wait`);
+                    CUDA may spin in them, so they count in launch_cpu_ms too
+    launch_csw      [voluntary, involuntary] context switches of the launching thread during launch_ms
+                    (getrusage(RUSAGE_THREAD); null where the platform has none): involuntary ones are
+                    the scheduler taking the core away
     startup_work    compiles and graph captures while it launched (compiles.work_count: torch.compile
                     frames, Triton compiles, graphs); 0 once the worker's start covered what it runs
     done_t          seconds since t = 0 when its outputs were recorded
@@ -43,8 +51,10 @@ close), at most MAX_STEPS steps
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import resource
 import time
 
 import torch
@@ -55,6 +65,47 @@ FLUSH_STEPS = 256
 FLUSH_S = 2.0
 MAX_STEPS = 1_000_000  # about 200 MB of lines
 VERSION = 1
+
+
+class _HostTime:
+    """Running totals of this process's host time that a step's launch may include: garbage collection
+    (a gc.callbacks hook, installed once a trace exists) and waits for the device (`host_wait`)."""
+
+    gc_s = 0.0
+    sync_s = 0.0
+    _gc_began: float | None = None
+    _hooked = False
+
+    @classmethod
+    def hook(cls) -> None:
+        if not cls._hooked:
+            gc.callbacks.append(cls._on_gc)
+            cls._hooked = True
+
+    @classmethod
+    def _on_gc(cls, phase: str, info: dict) -> None:
+        if phase == "start":
+            cls._gc_began = time.perf_counter()
+        elif cls._gc_began is not None:
+            cls.gc_s += time.perf_counter() - cls._gc_began
+            cls._gc_began = None
+
+
+def host_wait(event) -> None:
+    """event.synchronize(), its time counted as a wait for the device in the step trace (launch_sync_ms)."""
+    t = time.perf_counter()
+    event.synchronize()
+    _HostTime.sync_s += time.perf_counter() - t
+
+
+_THREAD_USAGE = getattr(resource, "RUSAGE_THREAD", None)  # Linux
+
+
+def _switches() -> tuple[int, int] | None:
+    if _THREAD_USAGE is None:
+        return None
+    u = resource.getrusage(_THREAD_USAGE)
+    return u.ru_nvcsw, u.ru_nivcsw
 
 
 def trace_path(directory: str, worker: str) -> str:
@@ -84,6 +135,7 @@ class StepTrace:
         self.last_end: torch.cuda.Event | None = None  # the previous step's end on the compute stream
         self.truncated = False
         self.work_count = work_count  # compiles and captures so far (compiles.work_count)
+        _HostTime.hook()
 
     @classmethod
     def of_engine(cls, engine, worker: str, role: str) -> "StepTrace":
@@ -121,7 +173,8 @@ class StepTrace:
         entry = {"i": self.steps, "kind": kind, "path": None, "t": round(began - self.t0, 6), "decode": decode,
                  "decode_ctx": ctx, "chunks": chunks, "tokens": decode + sum(b - a for a, b in chunks),
                  "schedule_ms": round((scheduled - began) * 1e3, 3), "_launch": time.monotonic(),
-                 "_work": self.work_count()}
+                 "_work": self.work_count(), "_host": (time.thread_time(), _HostTime.gc_s, _HostTime.sync_s,
+                                                        _switches())}
         self.steps += 1
         if self.cuda:
             entry["_start"] = torch.cuda.Event(enable_timing=True)
@@ -136,6 +189,12 @@ class StepTrace:
         entry["path"] = path
         entry["launch_ms"] = round((time.monotonic() - entry.pop("_launch")) * 1e3, 3)
         entry["startup_work"] = self.work_count() - entry.pop("_work")
+        cpu, gc_s, sync_s, csw = entry.pop("_host")
+        entry["launch_cpu_ms"] = round((time.thread_time() - cpu) * 1e3, 3)
+        entry["launch_gc_ms"] = round((_HostTime.gc_s - gc_s) * 1e3, 3)
+        entry["launch_sync_ms"] = round((_HostTime.sync_s - sync_s) * 1e3, 3)
+        now = _switches()
+        entry["launch_csw"] = None if csw is None else [now[0] - csw[0], now[1] - csw[1]]
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
