@@ -45,6 +45,8 @@ SUBCOMMANDS = {
     "plan": ("pdserve.bench.load.planner", "how to split N GPUs (colocated or xP:yD) for a workload and SLOs, from a measured profile"),
     "trace": ("pdserve.bench.load.trace", "the steps a server's workers ran (--step-trace), by make, beside what the "
               "planner's profile predicts for each"),
+    "spy": ("pdserve.bench.load.spy", "what a worker's threads were doing, from py-spy's sampled stacks (speedscope "
+            "JSON): per thread, and inside the engine's step launches"),
     "offload": ("pdserve.bench.transfer.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
 

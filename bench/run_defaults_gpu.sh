@@ -48,7 +48,7 @@
 # (which MORE alone leaves empty); `defaults` merges every folder of an arm into one bracket, and names
 # probes that disagree (a pass at or above a fail) instead of judging on them. Each folder is tarred into
 # $OUT/defaults-<workload>.tgz as soon as it ends (a call cut short still returns what finished).
-# Knobs: ARMS, MORE, START_RATE, PD_START_RATE (START_RATE), PRECISION (0.1), MAX_PROBES (6), OTHER_PROBES (1),
+# Knobs: SPY_SECONDS, SPY_AFTER (run_gpu_common.sh: the workers' stacks sampled with py-spy during an arm), ARMS, MORE, START_RATE, PD_START_RATE (START_RATE), PRECISION (0.1), MAX_PROBES (6), OTHER_PROBES (1),
 # REF_PROBES (3), WITHIN (0.10), PROBE_SECONDS (60), STEP_TRACE and PROFILE (run_gpu_common.sh: each folder's
 # steps/ and steps.md), CALL_SECONDS (no arm or MORE probe starts past it;
 # default 560), DEFAULT_BUDGET (330 s of probes for a default arm's search), ARM_MIN_SECONDS (150: the least
@@ -171,6 +171,7 @@ if [ "${JUDGE:-0}" = 1 ]; then judge colocated pd; exit 0; fi
 
 run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capacity search from START into FOLDER
   local spec; spec=$(load_arm "$1")
+  spy_workers "$5" &  # SPY_SECONDS: the workers' stacks, sampled during the probes (run_gpu_common.sh)
   # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
   "$PYTHON" -m pdserve.bench.cli load --arm "$spec" --server-args "$(server_args "$1") $(trace_flag "$5")" \
     --server-timeout 300 --capacity-search --goodput $GOODPUT --search-start-rate "$2" \
@@ -178,6 +179,7 @@ run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capaci
     --probe-min-requests 24 --arm-budget "$4" --sweep-factors '' \
     "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 6 \
     --request-timeout 300 --out "$5" --no-progress --no-plots || echo "arm $1: load exited $?"
+  wait  # the stacks' sampling, if any
   trace_summary "$5"
   compress_big "$5"
   if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi

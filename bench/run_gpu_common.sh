@@ -54,10 +54,37 @@ trace_summary() {
   "$PYTHON" -m pdserve.bench.cli trace "$1/steps" "${prof[@]}" --out "$1/steps.json" > "$1/steps.md" \
     || echo "the step trace of $1 was not summarised (exit $?)"
 }
+# spy_workers FOLDER: with SPY_SECONDS set, sample every pdserve worker process's Python stacks (py-spy, 100 a
+# second, waiting threads included, without pausing the process; SPY_NATIVE=1: native frames too, which
+# pauses it at each sample) for SPY_SECONDS, SPY_AFTER (40) seconds after the call, into
+# FOLDER/spy-<pid>.json (speedscope's format: https://www.speedscope.app), summarised in FOLDER/spy.md
+# (`pdserve-bench spy`: per thread, and inside the engine's step launches); run in
+# the background beside a load (`spy_workers F & ... ; wait`). Needs py-spy on PATH (a wheel in .whl/:
+# `pip download py-spy --no-deps --only-binary=:all: -d .whl`) and ptrace rights over the workers (root).
+# Why: a step trace says how long a launch took and whether its thread computed, waited or was preempted
+# (step_trace.py); the stacks say in what.
+spy_workers() {
+  if [ -z "${SPY_SECONDS:-}" ]; then return 0; fi
+  if ! command -v py-spy > /dev/null; then echo "SPY_SECONDS: no py-spy on PATH, no stacks sampled"; return 0; fi
+  sleep "${SPY_AFTER:-40}"
+  local pid pids how="--nonblocking"
+  if [ "${SPY_NATIVE:-0}" = 1 ]; then how="--native"; fi  # native frames too, pausing the process at each sample
+  pids=$(pgrep -f 'pdserve.workers.cli' || true)
+  if [ -z "$pids" ]; then echo "SPY_SECONDS: no pdserve worker running ${SPY_AFTER:-40} s in"; return 0; fi
+  mkdir -p "$1"
+  for pid in $pids; do
+    py-spy record --pid "$pid" $how --idle --rate 100 --duration "$SPY_SECONDS" --format speedscope \
+      --output "$1/spy-$pid.json" > "$1/spy-$pid.log" 2>&1 &
+  done
+  wait
+  compgen -G "$1/spy-*.json" > /dev/null && { "$PYTHON" -m pdserve.bench.cli spy "$1"/spy-*.json > "$1/spy.md" 2>&1 \
+    || echo "the stacks in $1 were not summarised (exit $?)"; }
+  return 0
+}
 # compress_big FOLDER: its results.json and step traces over 1 MB gzipped in place (results.json.gz, steps-*.jsonl.gz;
 # every reader takes either form), so that a folder committed to bench/results stays small
 compress_big() {
   local f
   while IFS= read -r -d '' f; do gzip -9 -n -f "$f"; done \
-    < <(find "$1" \( -name results.json -o -name 'steps-*.jsonl' \) -size +1M -print0 2>/dev/null)
+    < <(find "$1" \( -name results.json -o -name 'steps-*.jsonl' -o -name 'spy-*.json' \) -size +1M -print0 2>/dev/null)
 }
