@@ -51,7 +51,8 @@ import torch
 
 from pdserve.protocol import kv as P
 from pdserve.protocol.shm import POOL_NAME, SHM_PREFIX
-from pdserve.workers.transfer import block_copy
+from pdserve.workers.engine.step_inputs import to_device
+from pdserve.workers.transfer import block_copy, frames
 from pdserve.workers.transfer.block_copy import words
 from pdserve.workers.transfer.base import WRITING, TransferState
 from pdserve.workers.transfer.errors import TransferError
@@ -206,11 +207,17 @@ class IpcTransfer(SenderTransfer):
         self.copies += len(layers) * len(runs)
 
     def _block_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan's source and destination block ids, once per transfer, on the pool's device."""
+        """The plan's source and destination block ids, once per transfer, on the pool's device: built in NumPy
+        and uploaded through pinned memory on the current (side) stream, ordered before the copy that reads
+        them. (torch.tensor(list, device=cuda) copies from pageable memory, which waits for the stream first:
+        the host stood still until the prefill it follows was done, and a Python list of 1,000s of ids
+        cost more host time besides.)"""
         if self._index is None:
-            src = [s + i for s, _, n in self.plan.runs for i in range(n)]
-            dst = [d + i for _, d, n in self.plan.runs for i in range(n)]
-            self._index = (torch.tensor(src, device=self.src.device), torch.tensor(dst, device=self.dst.device))
+            runs = self.plan.runs
+            counts = [n for _, _, n in runs]
+            src = frames.block_ids([s for s, _, _ in runs], counts)
+            dst = frames.block_ids([d for _, d, _ in runs], counts)
+            self._index = (to_device(src, self.src.device), to_device(dst, self.dst.device))
         return self._index
 
 
