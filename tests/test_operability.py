@@ -166,6 +166,9 @@ def test_live_warm_up_startup_and_stats_lines_then_a_quiet_ctrl_c():
                f"{w['num_blocks'] * w['block_size']} tokens" in lines[startup]
         warmed = re.search(r"warm-up request ([\d.]+) s", lines[startup])  # warmed up before it registered
         assert warmed and float(warmed[1]) > 0, lines[startup]
+        frozen = next(i for i, line in enumerate(lines) if f"{wid}: " in line and "objects of the start frozen" in line)
+        assert startup < frozen < registered  # the start's objects frozen out of garbage collection before serving
+        assert int(re.search(r"(\d+) objects of the start frozen", lines[frozen])[1]) > 10_000, lines[frozen]
     stats = [line for line in lines if "generation throughput" in line]
     for wid in ("colocated-0", "decode-0"):
         assert any(f"{wid}: prompt throughput" in line and "generation throughput 0.0" not in line for line in stats), \

@@ -254,3 +254,35 @@ def test_decode_rows_mark_the_graphs_whose_forward_compiles():
     # graphs that run the cut's segments: batch 1 runs them over 2 rows, so only the first graph compiles
     graphs.cut = object()
     assert [r["compiles"] for r in decode_rows(engine, profiled=None)] == [True] + [False] * 5
+
+
+def test_the_start_is_frozen_out_of_garbage_collection_and_later_garbage_is_still_collected():
+    """freeze_start: the start's own cyclic garbage collected first, every live object frozen (a later full
+    collection walks none of them), a cycle made after it still collected; unfreeze_start undoes it."""
+    import gc
+    import weakref
+
+    from pdserve.workers.warmup import freeze_start, unfreeze_start
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    before = cycle()  # garbage of the start: a cycle nothing refers to
+    kept = Node()
+    kept.me = kept  # alive at the freeze
+    try:
+        frozen, took_ms = freeze_start()
+        assert before() is None  # collected, not frozen
+        assert frozen == gc.get_freeze_count() > 1000 and took_ms >= 0  # this process's modules, at least
+        assert not any(o is kept for o in gc.get_objects())  # frozen: no collection walks it
+        after = cycle()
+        gc.collect()
+        assert after() is None  # a later cycle: collected as ever
+    finally:
+        unfreeze_start()
+    assert gc.get_freeze_count() == 0 and any(o is kept for o in gc.get_objects())  # walked again

@@ -21,6 +21,7 @@ code has not seen, an allocation of its size) is done here, not in a served step
 
 from __future__ import annotations
 
+import gc
 import time
 
 WARMUP_TOKENS = 4  # decode steps after the prefill
@@ -81,3 +82,22 @@ def long_warmup_tokens(engine) -> int:
     n = min(mixed.graph_limit + engine.layout.block_size + 1, mixed.max_tokens)
     fits = n < engine.max_model_len and -(-(n + 1) // engine.layout.block_size) <= engine.blocks.num_free
     return n if fits else 0
+
+
+def freeze_start() -> tuple[int, float]:
+    """Collect the start's garbage, then move every object alive (the model's modules, compiled code, graphs,
+    the tokenizer: hundreds of thousands of them) into the collector's permanent generation, where no later
+    collection walks them -> (objects frozen, ms the full collection took). Why: a full collection walks every
+    tracked object; over SmolLM2's worker on this project's 2-core CPU (382,086 objects) it took 171 ms, a
+    pause of the worker's loop each time one ran while serving; after the freeze, 0.0 ms. Later objects (the
+    requests) are collected as before. `unfreeze_start` undoes it (a worker run inside another process)."""
+    began = time.perf_counter()
+    gc.collect()
+    took_ms = (time.perf_counter() - began) * 1e3
+    gc.freeze()
+    return gc.get_freeze_count(), took_ms
+
+
+def unfreeze_start() -> None:
+    """The frozen objects back under the collector (a worker that stops inside a process that goes on)."""
+    gc.unfreeze()
