@@ -9,6 +9,9 @@
 #   WORKLOAD=mixed ARMS=default,unchunked,chunk16384 bench/run_defaults_gpu.sh   # some arms (one call's worth)
 #   WORKLOAD=long ARMS=default,unchunked bench/run_defaults_gpu.sh
 #   WORKLOAD=long MORE="unchunked:1.05,1.15 default:1.0" bench/run_defaults_gpu.sh   # more probes of measured arms
+#   WORKLOAD=mixed MORE=auto bench/run_defaults_gpu.sh       # the probes the verdict names as deciding what
+#                                                            # is open, judged again after each round
+#                                                            # (AUTO_ROUNDS, 3; with ARMS: after those arms)
 #   WORKLOAD=mixed JUDGE=1 bench/run_defaults_gpu.sh         # only the verdicts, from the arms measured so far
 #                                                            # (else a call judges the kinds of arms it was given)
 #   WORKLOAD=mixed ARMS=pd-default,pd-seqs128,pd-seqs32,pd-chunk2048,pd-layer bench/run_defaults_gpu.sh
@@ -73,6 +76,9 @@ PD_KV=${PD_KV:-$(awk -v kv="$KV" 'BEGIN { print (kv + 0 < 16 ? kv : 16) }')}  # 
 PD_START_RATE=${PD_START_RATE:-$START_RATE}
 if [ -n "${WL_FLAGS:-}" ]; then read -r -a WL <<< "$WL_FLAGS"; fi  # another workload (the CPU dry run below)
 MORE=${MORE:-}
+AUTO_MORE=0
+if [ "$MORE" = auto ]; then AUTO_MORE=1; fi  # the probes the verdict names (pdserve-bench defaults' next_probes)
+AUTO_ROUNDS=${AUTO_ROUNDS:-3}
 if [ -n "$MORE" ]; then ARMS=${ARMS:-}; else ARMS=${ARMS:-default,unchunked,chunk16384,chunk2048,chunk512}; fi
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 PRECISION=${PRECISION:-0.1}
@@ -120,6 +126,7 @@ c = read_results(sys.argv[1])['arms'][0]['capacity']['capacity_rate']; print(c o
 }
 more_probes() {  # MORE ("arm:rate[,rate...] ...") as "arm rate" lines, checked before anything runs
   local spec arm rate rates specs
+  if [ "$AUTO_MORE" = 1 ]; then return 0; fi  # MORE=auto: the verdict names them, after the ARMS
   read -r -a specs <<< "$MORE"
   for spec in "${specs[@]}"; do
     arm=${spec%%:*}; rates=${spec#*:}
@@ -209,18 +216,43 @@ for arm in "${ARM_LIST[@]}"; do
   echo "arm $arm: start $start req/s, at most $probes probes, budget $budget s"
   run_load "$arm" "$start" "$probes" "$budget" "$DIR/$arm"
 done
-for probe in "${MORE_PROBES[@]}"; do
-  read -r arm rate <<< "$probe"
-  folder="$DIR/$arm.more-$rate"
-  if results_of "$folder" > /dev/null; then echo "arm $arm: probed at $rate already ($folder), kept"; continue; fi
+probe_more() {  # ARM RATE: one probe into DIR/ARM.more-RATE; fails where measured already or out of time
+  local arm=$1 rate=$2 folder="$DIR/$1.more-$2"
+  if results_of "$folder" > /dev/null; then echo "arm $arm: probed at $rate already ($folder), kept"; return 1; fi
   if (( SECONDS - T0 + ARM_MIN_SECONDS > CALL_SECONDS )); then
-    echo "arm $arm: probe at $rate not started, $((SECONDS - T0)) s of CALL_SECONDS $CALL_SECONDS gone"; continue
+    echo "arm $arm: probe at $rate not started, $((SECONDS - T0)) s of CALL_SECONDS $CALL_SECONDS gone"; return 1
   fi
   echo "arm $arm: one more probe at $rate req/s into $folder"
   run_load "$arm" "$rate" 1 "$((CALL_SECONDS - (SECONDS - T0) - 90))" "$folder"
+}
+for probe in "${MORE_PROBES[@]}"; do
+  read -r arm rate <<< "$probe"
+  probe_more "$arm" "$rate" || true
 done
+suggested() {  # the probes the last verdicts name as deciding what is open, "arm rate" a line
+  "$PYTHON" -c "import json, sys, pathlib
+for f in sys.argv[1:]:
+    if pathlib.Path(f).is_file():
+        for p in json.loads(pathlib.Path(f).read_text())['verdict'].get('next_probes') or []:
+            print(p['arm'], format(p['rate'], 'g'))" "$DIR/defaults.json" "$DIR/defaults-pd.json"
+}
+if [ "$AUTO_MORE" = 1 ]; then  # judge, probe what the verdict names, judge again: AUTO_ROUNDS at most
+  for _ in $(seq "$AUTO_ROUNDS"); do
+    judge colocated pd > /dev/null
+    mapfile -t NEXT < <(suggested)
+    if [ ${#NEXT[@]} -eq 0 ]; then echo "MORE=auto: no probe left that would decide a verdict"; break; fi
+    ran=0
+    for probe in "${NEXT[@]}"; do
+      read -r arm rate <<< "$probe"
+      if probe_more "$arm" "$rate"; then ran=1; fi
+    done
+    if [ $ran = 0 ]; then echo "MORE=auto: none of the probes named ran (measured already, or no time left)"; break; fi
+  done
+fi
 MORE_ARMS=()
 for probe in "${MORE_PROBES[@]}"; do MORE_ARMS+=("${probe%% *}"); done
-# shellcheck disable=SC2046  # the kinds are words on purpose
-judge $(kinds_of "${ARM_LIST[@]}" "${MORE_ARMS[@]}")
+if [ "$AUTO_MORE" = 1 ]; then judge colocated pd; else
+  # shellcheck disable=SC2046  # the kinds are words on purpose
+  judge $(kinds_of "${ARM_LIST[@]}" "${MORE_ARMS[@]}")
+fi
 if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi

@@ -388,3 +388,53 @@ def test_arms_are_checked_before_any_runs(tmp_path):
     done, calls = run_script(tmp_path, {"ARMS": "pd-seqs32"})
     assert done.returncode == 0 and loads(calls) == []
     assert "arm pd-seqs32: the pd-default arm has no capacity yet" in done.stdout
+
+
+def test_the_verdict_names_the_probes_that_would_decide_what_is_open(tmp_path):
+    """The long workload as the first session left it: the default [0.95, 1.0), unchunked 0.95 and chunk16384
+    1.0545 passed (one probe each, no fail). Each probe named lies inside its arm's open bracket and decides a
+    comparison one way; the MORE value runs them."""
+    root = long_today(tmp_path)
+    doc, md = judged(root)
+    named = [(p["arm"], p["rate"], p["decides"]) for p in doc["verdict"]["next_probes"]]
+    assert named == [
+        # 1.0 / 0.9, up: a pass of chunk16384's shows the default (failed 1.0) more than 10% below. Its fail at
+        # 0.95 / 0.9 = 1.0556 (down to 1.05) would decide the other way, but it passed 1.0545: not named
+        ("chunk16384", 1.12, "default below 90% of chunk16384 if it passes"),
+        ("unchunked", 1.05, "default >= 90% of unchunked if it fails"),
+        ("unchunked", 1.12, "default below 90% of unchunked if it passes"),
+        ("unchunked", 1.01, "default below 100% of unchunked if it passes"),  # the reference, no margin
+    ]
+    assert '(`MORE="chunk16384:1.12 unchunked:1.05,1.12,1.01"`)' in md
+    # two of them run: unchunked fails 1.05, chunk16384 passes 1.12; each decides its comparison
+    write_run(root / "unchunked.more-1.05", "unchunked", [(1.05, False)], date="2026-12-06T10:00:00+00:00")
+    write_run(root / "chunk16384.more-1.12", "chunk16384", [(1.12, True)], date="2026-12-06T10:03:00+00:00")
+    v = judged(root)[0]["verdict"]
+    assert v["default_within_margin_of"] == {"unchunked": True, "chunk16384": False} and v["refuted_by"] == ["chunk16384"]
+    # the reference ([0.95, 1.0) against [0.95, 1.05)) is still open; one probe could close it
+    assert v["default_at_least_reference"] is None
+    assert [(p["arm"], p["rate"]) for p in v["next_probes"]] == [("unchunked", 1.01)]
+
+
+def test_probes_that_disagree_name_no_next_probe(tmp_path):
+    root = long_today(tmp_path)
+    write_run(root / "default.more-0.9", "default", [(0.9, False)], date="2026-12-06T10:06:00+00:00")
+    v = judged(root)[0]["verdict"]
+    assert v["undecided"] and v["probes_disagree"] and v["next_probes"] == []
+
+
+def test_more_auto_runs_what_the_verdict_names_until_nothing_is_left(tmp_path):
+    long_today(tmp_path / "results" / "long")
+    done, calls = run_script(tmp_path, {"MORE": "auto", "AUTO_ROUNDS": "3"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = [(c[c.index("--arm") + 1].split("=")[0], c[c.index("--search-start-rate") + 1]) for c in loads(calls)]
+    # round 1, the four named above (the stub passes unchunked and chunk16384 up to 1.1, the default up to 0.97):
+    # chunk16384 fails 1.12, unchunked passes 1.05 and 1.01 and fails 1.12. Round 2 finds the default below
+    # unchunked (failed 1.0, unchunked passed 1.05) and nothing a probe could decide: it stops
+    assert ran == [("chunk16384", "1.12"), ("unchunked", "1.05"), ("unchunked", "1.12"), ("unchunked", "1.01")]
+    assert "MORE=auto: no probe left that would decide a verdict" in done.stdout
+    v = json.loads((tmp_path / "results/long/defaults.json").read_text())["verdict"]
+    assert v["default_at_least_reference"] is False and v["next_probes"] == []
+    assert v["undecided"] == ["chunk16384", "unchunked"]  # open, with no probe inside either bracket to run
+    judge = [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "defaults"]]
+    assert len(judge) == 3  # round 1, round 2, the last

@@ -233,6 +233,70 @@ def judge(arms: dict[str, dict], default: str, reference: str | None, within: fl
     return out
 
 
+def _floor2(x: float) -> float:
+    return math.floor(x * 100) / 100
+
+
+def _ceil2(x: float) -> float:
+    return math.ceil(x * 100 - 1e-9) / 100
+
+
+def next_probes(arms: dict[str, dict], verdict: dict) -> list[dict]:
+    """The probes that could decide each comparison the brackets leave open (rates to 0.01 req/s, rounded the
+    way that keeps them deciding), each inside its arm's open bracket (elsewhere it would decide nothing, or
+    disagree with a probe already run) and not probed already, per comparison in this order:
+      another arm X at the default's passing rate / share: a fail there shows the default within the margin;
+      the default at share x X's failing rate: a pass there shows the same;
+      the default just under share x X's passing rate: a fail there shows it more than the margin below;
+      X just over the default's failing rate / share: a pass there shows the same;
+      the default at X's passing rate, where the default has not failed yet (its bracket open above).
+    Comparisons whose probes disagree are left out: a probe more adds a vote, and the brackets take none.
+    bench/run_defaults_gpu.sh MORE=auto runs them."""
+    d_label = verdict["default"]
+    d = arms[d_label]
+    asks = [(x, 1 - verdict["within"]) for x in verdict["undecided"] if x not in verdict["probes_disagree"]]
+    if verdict.get("reference") and verdict.get("default_at_least_reference") is None \
+            and not verdict.get("reference_probes_disagree"):
+        asks.append((verdict["reference"], 1.0))
+    out: list[dict] = []
+    for x, share in asks:
+        a = arms[x]
+        a_low, a_high = a["low"] or 0.0, a["high"] if a["high"] is not None else math.inf
+        d_low, d_high = d["low"] or 0.0, d["high"] if d["high"] is not None else math.inf
+
+        def name(arm, rate, decides, low, high):  # a rate inside the arm's open bracket only: else it says nothing
+            if low < rate < high:
+                out.append({"arm": arm, "rate": rate, "decides": decides})
+
+        if d["low"] is not None:
+            name(x, _floor2(d_low / share), f"{d_label} >= {share:.0%} of {x} if it fails", a_low, a_high)
+        if a["high"] is not None:
+            name(d_label, _ceil2(share * a_high), f"{d_label} >= {share:.0%} of {x} if it passes", d_low, d_high)
+        if a["low"] is not None:
+            name(d_label, _floor2(share * a_low * 0.999), f"{d_label} below {share:.0%} of {x} if it fails",
+                 d_low, d_high)
+        if d["high"] is None and a["low"] is not None:
+            name(d_label, _ceil2(a_low), f"nothing alone ({d_label}'s bracket is open above): a pass raises it "
+                 f"to {x}'s passing rate", d_low, d_high)
+        if d["high"] is not None:
+            name(x, _ceil2(d_high / share * 1.001), f"{d_label} below {share:.0%} of {x} if it passes", a_low, a_high)
+    seen, unique = set(), []
+    for p in out:
+        probed = any(abs(q["rate"] - p["rate"]) <= 0.002 * p["rate"] for q in arms[p["arm"]]["probes"])
+        if (p["arm"], p["rate"]) not in seen and not probed:  # a rate probed already (to its rounding) says no more
+            seen.add((p["arm"], p["rate"]))
+            unique.append(p)
+    return unique
+
+
+def more_value(probes: list[dict]) -> str:
+    """bench/run_defaults_gpu.sh's MORE for these probes: "arm:rate,rate other:rate"."""
+    by: dict[str, list[str]] = {}
+    for p in probes:
+        by.setdefault(p["arm"], []).append(f"{p['rate']:g}")
+    return " ".join(f"{arm}:{','.join(rates)}" for arm, rates in by.items())
+
+
 def _rate(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
@@ -296,6 +360,9 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
                         {True: "**yes**", False: "**no**", None: "not decided by the brackets"}[
                             verdict["default_at_least_reference"]]))
     lines.append(f"- the best measured (highest passing rate): {verdict['best_measured']}")
+    if verdict.get("next_probes"):
+        lines.append(f"- probes that would decide what is open (`MORE=\"{more_value(verdict['next_probes'])}\"`): "
+                     + "; ".join(f"{p['arm']} at {p['rate']:g}: {p['decides']}" for p in verdict["next_probes"]))
     cold = [f"{k}: {c['run']} probe at {c['rate']:.3g}" for k, a in arms.items() for c in a["rests_on_cold"]]
     if cold:
         lines.append(f"- brackets resting on cold probes: {'; '.join(cold)}")
@@ -313,6 +380,7 @@ def run(args) -> int:
     try:
         arms = arms_from(args.from_dirs)
         verdict = judge(arms, args.default, args.reference, args.within)
+        verdict["next_probes"] = next_probes(arms, verdict)
     except (ValueError, OSError, KeyError) as e:
         print(f"pdserve-bench defaults: {e}", file=sys.stderr)
         return 2
