@@ -178,6 +178,8 @@ if [ "${JUDGE:-0}" = 1 ]; then judge colocated pd; exit 0; fi
 
 run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capacity search from START into FOLDER
   local spec; spec=$(load_arm "$1")
+  mkdir -p "$5"
+  "$PYTHON" -m pdserve.bench.load.host_cpu snapshot "$5/host-cpu.txt" before || true  # throttling, steal, load
   spy_workers "$5" &  # SPY_SECONDS: the workers' stacks, sampled during the probes (run_gpu_common.sh)
   # shellcheck disable=SC2086  # GOODPUT holds several words on purpose
   "$PYTHON" -m pdserve.bench.cli load --arm "$spec" --server-args "$(server_args "$1") $(trace_flag "$5")" \
@@ -187,6 +189,8 @@ run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capaci
     "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 6 \
     --request-timeout 300 --out "$5" --no-progress --no-plots || echo "arm $1: load exited $?"
   wait  # the stacks' sampling, if any
+  "$PYTHON" -m pdserve.bench.load.host_cpu snapshot "$5/host-cpu.txt" after || true
+  "$PYTHON" -m pdserve.bench.load.host_cpu summary "$5/host-cpu.txt" > "$5/host-cpu.md" || true
   trace_summary "$5"
   compress_big "$5"
   if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then tar czf "$OUT/defaults-$WORKLOAD.tgz" -C "$RESULTS" "$WORKLOAD"; fi

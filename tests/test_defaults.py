@@ -52,7 +52,7 @@ def write_run(folder: Path, label: str, probes: list[tuple[float, bool]], *, dat
                      "duration": 66.0 if ok else 35.0, "median_ttft_ms": 900.0, "p99_tpot_ms": 60.0}
                     for r, ok in probes],
     }
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)  # the script snapshots the host CPU into it first
     (folder / "results.json").write_text(json.dumps(run))
     return folder
 
