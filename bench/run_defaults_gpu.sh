@@ -21,7 +21,8 @@
 #
 # Colocated arms (one colocated worker alone on the GPU: --prefill-workers 0 --decode-workers 0
 # --colocated-workers 1, KV GiB of KV pool): default (no chunk flag: the worker's own default), chunkN
-# (--chunk-tokens N), unchunked (--no-chunked-prefill).
+# (--chunk-tokens N), unchunked (--no-chunked-prefill), threadsN (pdserve --threads N: each worker's CPU threads for
+# torch, where the default shares the machine's cores among the workers; pd-threadsN likewise for the pair).
 # Disaggregated arms (one prefill and one decode worker sharing the GPU: --no-colocated --prefill-workers 1
 # --decode-workers 1, PD_KV GiB of KV pool each): pd-default (the workers' own defaults: bulk transfer, 64
 # seats, the chunk budget of the device, the prefill batch of --max-batched-tokens), pd-chunkN (--chunk-tokens
@@ -94,7 +95,7 @@ RESULTS=${RESULTS:-bench/results/defaults-gpu}
 DIR="$RESULTS/$WORKLOAD"
 mkdir -p "$DIR"
 
-ARM_NAMES="default, unchunked, chunkN, pd-default, pd-chunkN, pd-seqsN, pd-pbatchN or pd-layer"
+ARM_NAMES="default, unchunked, chunkN, threadsN, pd-default, pd-chunkN, pd-seqsN, pd-pbatchN, pd-threadsN or pd-layer"
 arm_flags() {  # the workers' flags of an arm, on top of its kind's (load_arm)
   case $1 in
     default|pd-default|pd-layer) echo "" ;;
@@ -102,6 +103,7 @@ arm_flags() {  # the workers' flags of an arm, on top of its kind's (load_arm)
     chunk[0-9]*|pd-chunk[0-9]*) [[ ${1#*chunk} =~ ^[0-9]+$ ]] && echo "--worker-arg=--chunk-tokens=${1#*chunk}" ;;
     pd-seqs[0-9]*) [[ ${1#pd-seqs} =~ ^[0-9]+$ ]] && echo "--worker-arg=--max-num-seqs=${1#pd-seqs}" ;;
     pd-pbatch[0-9]*) [[ ${1#pd-pbatch} =~ ^[0-9]+$ ]] && echo "--worker-arg=--max-batched-tokens=${1#pd-pbatch}" ;;
+    threads[0-9]*|pd-threads[0-9]*) [[ ${1#*threads} =~ ^[0-9]+$ ]] && echo "--threads ${1#*threads}" ;;
     pd-unchunked) echo "pd-unchunked measures nothing: a prefill worker prefills each prompt whole whatever" \
                        "--no-chunked-prefill says (docs/benchmarks.md); an arm is $ARM_NAMES" >&2; return 2 ;;
     *) false ;;
