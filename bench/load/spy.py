@@ -12,20 +12,18 @@ Nothing here depends on the GPU: the files are read and counted.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections import Counter
 from pathlib import Path
 
-
+from pdserve.bench.load.report import read_results
 
 LAUNCH = "Engine._launch"  # a frame's name as py-spy writes it (Class.method)
 TOP = 12
 
 
 def read(path: Path) -> dict:
-    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
-        data = json.load(f)
+    data = read_results(path)  # any JSON file, gzipped where it ends in .gz
     if "profiles" not in data or "shared" not in data:
         raise ValueError(f"{path}: not a speedscope file (py-spy record --format speedscope)")
     return data

@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from pdserve.protocol import kv as P
+from pdserve.workers.engine.step_inputs import to_device
 from pdserve.workers.transfer import block_copy, frames
 from pdserve.workers.transfer.block_copy import words
 from pdserve.workers.transfer.peers import Peer
@@ -128,9 +129,7 @@ class ZmqTransfer(SenderTransfer):
             for f, o in zip(ids, offsets):
                 if f is not None:
                     flat[o:o + len(f)] = f
-            index = torch.from_numpy(flat)
-            if self.src.is_cuda:
-                index = index.pin_memory().to(self.src.device, non_blocking=True)  # on the side stream
+            index = to_device(flat, self.src.device)  # GPU: through pinned memory, on the side stream
             self.index = [None if f is None else index[o:o + len(f)] for f, o in zip(ids, offsets)]
         return self.index
 
