@@ -14,6 +14,7 @@
     pdserve-bench defaults  is the default configuration within a margin of the best measured one (bench/load/defaults.py)
     pdserve-bench plan      colocated or xP:yD for N GPUs, predicted from an engine profile (bench/load/planner.py)
     pdserve-bench offload   recompute vs reload per KV tier, every reload checked (bench/transfer/offload.py)
+    pdserve-bench ceilings  what the host moves before any transport code: copies, ZeroMQ loopback (bench/transfer/ceilings.py)
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`; parse_counts reads the token counts
 their flags share (`--lengths 1k,4k,16384`: 1k = 1024).
@@ -47,6 +48,8 @@ SUBCOMMANDS = {
               "planner's profile predicts for each"),
     "spy": ("pdserve.bench.load.spy", "what a worker's threads were doing, from py-spy's sampled stacks (speedscope "
             "JSON): per thread, and inside the engine's step launches"),
+    "ceilings": ("pdserve.bench.transfer.ceilings", "what this host moves before any transport code runs: host<->device "
+                 "copies per thread, ZeroMQ loopback plain and CURVE over N streams, the receiver's writes"),
     "offload": ("pdserve.bench.transfer.offload", "KV offload table: recompute vs reload from GPU, pinned and pageable host, disk, checked"),
 }
 
