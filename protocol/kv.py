@@ -2,7 +2,8 @@
 
 Sender -> receiver (DEALER -> ROUTER, one connection per worker pair):
     Hello       once per pair: protocol version, transport, host, KV layout
-    Begin       a request's transfer starts: which reserved blocks it will fill
+    Begin       a request's transfer starts: which reserved blocks it will fill (nixl: `stage`, whether it
+                asks for a staging grant)
     Chunk       zmq transport only: header of one data frame (the bytes follow as the next frame): the
                 runs of blocks it holds, in their order (at most MAX_FRAME_RUNS)
     Done        "kv done": all bytes landed; carries the first sampled token
@@ -11,11 +12,13 @@ Sender -> receiver (DEALER -> ROUTER, one connection per worker pair):
 Receiver -> sender:
     Welcome     handshake accepted: the receiver's layout and how to reach its pool (TransportInfo)
     Refused     handshake refused (version, transport, host or layout): `kind` says which
-    Accept / Reject   answer to Begin: only after Accept does the sender write into the blocks
+    Accept / Reject   answer to Begin: only after Accept does the sender write into the blocks (nixl: an
+                Accept may carry a StagingGrant, bytes of the receiver's staging region for this request)
     Ack         answer to Done (ok, or why the receiver could not take the request any more)
     Cancel      the receiver stopped waiting (deadline, or the router gave up): stop writing, then Abort
 
-NIXL notifications (sender agent -> receiver agent, through NIXL itself) carry an XferNote.
+NIXL notifications (sender agent -> receiver agent, through NIXL itself) carry an XferNote, or a StagedNote
+for a write into the request's staging grant (workers/transfer/staging.py).
 
 Every size, index and count is bounded at decode time (msgspec constraints: a frame outside them is a
 decode error, answered like any unreadable frame); the receiver then checks each against its own
@@ -79,13 +82,16 @@ class CudaIpcInfo(msgspec.Struct, tag="cuda_ipc"):
 
 
 class NixlInfo(msgspec.Struct, tag="nixl"):
-    """nixl: the receiver agent's metadata and where its registered pool starts."""
+    """nixl: the receiver agent's metadata, where its registered pool starts, and its staging region (a second
+    registered region on the pool's device, for fragmented requests; staging_bytes 0: none)."""
 
     agent: Name
     metadata: Annotated[bytes, msgspec.Meta(max_length=16 << 20)]
     base_addr: Annotated[int, msgspec.Meta(ge=0)]  # up to 2**64 - 1 (msgpack)
     device_id: Annotated[int, msgspec.Meta(ge=0, le=1024)]
     mem_type: Literal["DRAM", "VRAM"]
+    staging_addr: Annotated[int, msgspec.Meta(ge=0)] = 0
+    staging_bytes: Count = 0
 
 
 class ZmqInfo(msgspec.Struct, tag="zmq"):
@@ -127,10 +133,20 @@ class Begin(msgspec.Struct, tag="begin"):
     request_id: Id
     dst_blocks: BlockIds
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+    stage: bool = False  # nixl: the request's runs are many and short; grant it staging space if there is room
+
+
+class StagingGrant(msgspec.Struct, array_like=True, frozen=True):
+    """Bytes offset..offset+nbytes-1 of the receiver's staging region (NixlInfo) are the request's until it
+    ends: its blocks, layer-major, [layers, blocks, 2, block_size, heads, dim] in the order of dst_blocks."""
+
+    offset: Count
+    nbytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 
 
 class Accept(msgspec.Struct, tag="accept"):
     request_id: Id
+    staging: StagingGrant | None = None  # nixl, asked for and room: write through it; None: run by run
 
 
 class Reject(msgspec.Struct, tag="reject"):
@@ -192,12 +208,22 @@ class XferNote(msgspec.Struct, tag="note"):
     seq: Count
 
 
+class StagedNote(msgspec.Struct, tag="staged"):
+    """A staged write landed: bytes offset..offset+nbytes-1 of the receiver's staging region hold whole layers
+    of the request's grant; the receiver checks them against the grant, then scatters them into its blocks."""
+
+    request_id: Id
+    seq: Count
+    offset: Count
+    nbytes: Count
+
+
 ToReceiver = Hello | Begin | Chunk | Done | Abort
 ToSender = Welcome | Refused | Accept | Reject | Ack | Cancel
 
 _to_receiver = msgspec.msgpack.Decoder(ToReceiver)
 _to_sender = msgspec.msgpack.Decoder(ToSender)
-_note = msgspec.msgpack.Decoder(XferNote)
+_note = msgspec.msgpack.Decoder(XferNote | StagedNote)
 
 
 def decode_to_receiver(data: bytes) -> ToReceiver:
@@ -208,5 +234,5 @@ def decode_to_sender(data: bytes) -> ToSender:
     return _to_sender.decode(data)
 
 
-def decode_note(data: bytes) -> XferNote:
+def decode_note(data: bytes) -> XferNote | StagedNote:
     return _note.decode(data)

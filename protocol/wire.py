@@ -17,8 +17,9 @@ import msgspec
 # and failure kinds checked against their enums when a frame is decoded; 6: min_p, allowed_token_ids,
 # bad_words_ids, logit_bias, include_stop_str_in_output, skip_special_tokens in Sampling; 7: Timeline carries
 # the worker's stamps by name (the phases are rows: protocol/phases.py), PrefillDone no transfer_exposed_ms;
-# 8: a zmq data frame's Chunk names a list of runs (layer, dst_start, num_blocks), not one run
-PROTOCOL_VERSION = 8
+# 8: a zmq data frame's Chunk names a list of runs (layer, dst_start, num_blocks), not one run; 9: nixl staging
+# (NixlInfo's staging region, Begin.stage, Accept.staging, StagedNote)
+PROTOCOL_VERSION = 9
 
 
 class ProtocolError(ValueError):

@@ -176,10 +176,17 @@ class TransferConfig:
     plaintext: bool = flag(False, "zmq, decode and prefill: KV bytes unencrypted on a second port (--kv-port + 1), "
                            "for an isolated network only (SECURITY.md); the handshake stays CURVE",
                            name="--kv-plaintext")
+    # nixl, both sides: the staging region a fragmented request goes through (workers/transfer/staging.py)
+    staging_gb: float | None = flag(None, "nixl: GiB of staging memory on the KV pool's device, registered at start, "
+                                    "that a request of many short runs of blocks is gathered into and written "
+                                    "from whole (default: half the KV pool, at most 2 GiB; 0: none, such requests "
+                                    "go run by run)", name="--kv-staging-gb")
 
     def __post_init__(self):
         if not 1 <= self.streams <= 64:
             raise ValueError(f"--kv-streams must be 1..64, got {self.streams}")
+        if self.staging_gb is not None and self.staging_gb < 0:
+            raise ValueError(f"--kv-staging-gb must be >= 0, got {self.staging_gb}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if self.mode not in MODES:

@@ -30,7 +30,8 @@ from pdserve.workers import cli as W
 WORKER_FLAGS = {
     "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--device",
     "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--fuse-gate-up", "--graphs", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
-    "--kv-checksum", "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-streams", "--log-level",
+    "--kv-checksum", "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-staging-gb", "--kv-streams",
+    "--log-level",
     "--max-batched-tokens", "--max-model-len", "--max-num-seqs", "--mode", "--model", "--no-chunked-prefill", "--no-compile", "--no-prefix-cache",
     "--no-warmup", "--num-blocks", "--parent-pid", "--role", "--router", "--run-dir", "--stats-interval",
     "--step-trace", "--threads", "--transport", "--version", "--worker-config", "--worker-id"}
@@ -179,5 +180,5 @@ def test_a_worker_config_file_is_never_overwritten(tmp_path):
 def test_from_args_keeps_the_base_fields_that_have_no_flag():
     base = TransferConfig(cancel_grace_s=3.0)
     args = argparse.Namespace(transport="zmq", mode="layer", kv_host="10.0.0.2", kv_port=1, handshake_timeout=2.0,
-                              kv_streams=8, kv_plaintext=False, kv_checksum=False)
+                              kv_streams=8, kv_plaintext=False, kv_checksum=False, kv_staging_gb=None)
     assert from_args(TransferConfig, args, base=base) == TransferConfig("zmq", "layer", "10.0.0.2", 1, 2.0, 3.0)

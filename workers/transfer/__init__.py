@@ -9,11 +9,13 @@
     receiver.py   the decode side every transport shares: handshake, reservations, deadlines, arrivals
     endpoint.py   the I/O thread behind each of them (ZMQ sockets, CURVE)
     plan.py       a request's move as paired runs of blocks; NIXL descriptors
+    staging.py    nixl's staging for a fragmented request: when it stages, the regions' bookkeeping, the checks
+                  of a grant and of a staged write (integers only); nixl_staging.py moves its bytes
     block_copy.py blocks copied by index in one pass (a Triton kernel): ipc's fragmented requests on a GPU,
-                  zmq's frames of many runs
+                  zmq's frames of many runs, nixl's staged gathers and scatters
     frames.py     zmq's data frames: runs packed into frames (sender), a frame's header checked (receiver)
-    ipc.py, nixl.py, zmq.py   the transports (zmq_transfer.py: zmq's prefill side);  fake.py   a real one
-                  with a fault, for tests
+    ipc.py, nixl.py, zmq.py   the transports (zmq_transfer.py: zmq's prefill side; nixl_staging.py: nixl's
+                  staged path);  fake.py   a real one with a fault, for tests
     ucx_log.py    which UCX lane a NIXL transfer took
 
 How to add a transport `foo`
@@ -39,10 +41,11 @@ How to add a transport `foo`
            def _attach(self, peer, welcome): ...     # map / register the pool welcome.info names
 
    Optional hooks, where the transport needs them: on the Receiver _setup_transport/_teardown_transport,
-   _write_chunk (one_sided = False: the bytes come as frames), _progress (needs_progress = True);
-   on the Sender _detach, _setup_transport/_teardown_transport; on the transfer _move and _landed
-   (copies made on the caller's thread, as ipc), _writes_in_flight and _drop_writes (writes that
-   need checking, as nixl). The bases do the rest: the layer_done guard, Begin/Accept/Done/Ack/
+   _write_chunk (one_sided = False: the bytes come as frames), _progress (needs_progress = True),
+   _accept/_landed/_report (something granted per request, as nixl's staging); on the Sender _detach,
+   _setup_transport/_teardown_transport; on the transfer _move and _landed (copies made on the
+   caller's thread, as ipc), _writes_in_flight and _drop_writes (writes that need checking, as nixl),
+   begin/on_accept/let_go (asking for a grant, using it, giving back what it held). The bases do the rest: the layer_done guard, Begin/Accept/Done/Ack/
    Abort, deadlines, cancels, the queue of layers behind their CUDA events.
 4. Test: tests/test_transfer.py runs every test on every name in Transport (bytes across
    processes, refusals, deadlines, the fake's faults, killed peers), tests/test_transfer_engine.py

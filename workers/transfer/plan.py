@@ -9,7 +9,8 @@ consecutive (`block_pool.paired_runs`), never block by block:
            dst[l, d:d+n] <- src[l, s:s+n]  (contiguous bytes)
 
 NIXL gets one descriptor per (layer, run): `descriptors()` builds the (addr, len, dev) rows
-with numpy, so a request costs layers x runs rows whatever the pool size.
+with numpy, so a request costs layers x runs rows whatever the pool size; a request of many short
+runs goes through staging instead (staging.py: one descriptor per span of layers).
 """
 
 from __future__ import annotations

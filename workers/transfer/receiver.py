@@ -34,6 +34,11 @@ and where it needs them:
                                 before the arrival is reported)
     _progress()                 needs_progress = True (nixl): each loop; count each write's notification
                                 into exp.received: the arrival waits for Done.writes of them
+    _accept(exp, begin) -> P.Accept   the answer to an accepted Begin (nixl: with a staging grant when the
+                                Begin asks for one and there is room); whatever it holds for the request
+                                goes back in _report, the one place every transfer ends
+    _landed(exp) -> bool        the Done is in: have all its bytes landed (default: one-sided, once
+                                Done.writes notifications came; zmq and nixl's staging add their writes)
 
 Why this module keeps a table of its own (`_expected`) beside the engine's requests: it is not a
 second record of which requests exist or where they stand (that is the engine's Request.status,
@@ -184,6 +189,9 @@ class ChannelReceiver(Endpoint, KVReceiver):
 
     def _progress(self) -> None: ...
 
+    def _accept(self, exp: Expected, begin: P.Begin) -> P.Accept:
+        return P.Accept(exp.request_id)
+
     def _teardown_transport(self) -> None: ...
 
     # ---- the I/O thread ----------------------------------------------------------------------
@@ -286,7 +294,7 @@ class ChannelReceiver(Endpoint, KVReceiver):
             else:
                 exp.state, exp.sender, error = ReceiveState.ACCEPTED, ident, None
                 self._began.append(rid)
-        self._send(ident, P.Reject(rid, error) if error else P.Accept(rid))
+        self._send(ident, P.Reject(rid, error) if error else self._accept(exp, msg))
 
     def _on_chunk(self, ident: bytes, chunk: P.Chunk, data: memoryview) -> None:
         with self._lock:

@@ -196,6 +196,7 @@ class ChannelSender(Endpoint, KVSender):
             t.fail(TransferError(f"request {t.request_id}: decode worker at {p.address}: {reason}; free the "
                                  "request's prefill blocks and retry it on another decode worker"), reachable=False)
             t.discard()
+            t.let_go()
         p.transfers.clear()
         if p.remote is not None:
             self._detach(p)
@@ -230,7 +231,7 @@ class ChannelSender(Endpoint, KVSender):
                                  "request id"), reachable=False)
             return
         p.transfers[t.request_id] = t
-        self.send(p, P.Begin(t.request_id, dst_blocks, num_tokens))
+        self.send(p, t.begin(dst_blocks, num_tokens))
 
     def send(self, p: Peer, msg: msgspec.Struct, data=None) -> None:
         if data is None:
@@ -277,7 +278,7 @@ class ChannelSender(Endpoint, KVSender):
                     self.send(p, P.Abort(msg.request_id, "no transfer of this request is in flight"))
                 continue
             if isinstance(msg, P.Accept):
-                t.on_accept()
+                t.on_accept(msg.staging)
             elif isinstance(msg, P.Reject):
                 t.fail(TransferError(msg.error), reachable=False)
             elif isinstance(msg, P.Ack):
@@ -314,6 +315,7 @@ class ChannelSender(Endpoint, KVSender):
                 t.io_step()
                 if t.over:
                     p.transfers.pop(t.request_id, None)
+                    t.let_go()
                 else:
                     busy = busy or t.busy()
         return NOW_S if busy else IDLE_S

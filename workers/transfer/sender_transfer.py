@@ -34,6 +34,12 @@ deadlines, Begin/Done/Abort, the queue below and when each step may run):
                             after the last copy, for transports that copy on a stream) not complete.
                             polls_writes = True: the loop polls them without a nap (NIXL)
     _drop_writes()          optional, I/O thread: the peer is gone; release whatever is in flight
+    begin(dst_blocks, num_tokens) -> P.Begin   optional, I/O thread: the Begin to send (nixl: asking for a
+                            staging grant, with its own staging range taken)
+    on_accept(grant)        I/O thread: the receiver's Accept and the StagingGrant it carries (None: none);
+                            nixl checks and keeps it; the base moves the ladder
+    let_go()                optional, I/O thread, once: the transfer is over or its peer gone; give back what
+                            it holds besides its writes (nixl: its staging range)
 """
 
 from __future__ import annotations
@@ -240,7 +246,17 @@ class SenderTransfer(Transfer):
 
     # ---- I/O thread ------------------------------------------------------------------------
 
-    def on_accept(self) -> None:
+    def begin(self, dst_blocks: list[int], num_tokens: int) -> P.Begin:
+        return P.Begin(self.request_id, dst_blocks, num_tokens)
+
+    def on_accept(self, grant: P.StagingGrant | None = None) -> None:
+        if grant is not None:
+            self.fail(TransferError(f"request {self.request_id}: the decode worker at {self.peer} granted staging "
+                                    "space this transfer did not ask for; run the same pdserve version on both"))
+            return
+        self._accepted()
+
+    def _accepted(self) -> None:
         with self.lock:
             if self.state is TransferState.OPENED:
                 self._transition("accept")
@@ -322,6 +338,9 @@ class SenderTransfer(Transfer):
 
     def _drop_writes(self) -> None:
         """I/O thread: the peer is gone; let go of whatever is still in flight."""
+
+    def let_go(self) -> None:
+        """I/O thread, once the transfer is over or its peer gone: give back what it holds besides its writes."""
 
 
 def _wake() -> None: ...
