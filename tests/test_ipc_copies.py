@@ -166,6 +166,7 @@ def test_a_32k_bulk_request_is_one_contiguous_copy_per_layer_on_the_side_stream(
     assert [op for op in ops if op[0] != "event_query"] == [
         ("event_record", "compute"),  # the K/V are in the pool
         ("stream_wait_event", "side"),  # the side stream waits for that, the compute stream never waits
+        ("event_record", "side"),  # the copies' start on the GPU's clock (TransferStats.start_event)
         *copies,
         ("event_record", "side"),  # the last copy done: finish() polls it (event_query), no synchronize
     ]

@@ -177,12 +177,14 @@ class PrefillSide:
         self.engine.release(req.request_id)
         release(self.engine, fillers)
         done_event = stats.done_event
-        gpu_exposed = None
+        gpu_exposed = copy_gpu_ms = None
         if prefill_event is not None and done_event is not None:
             gpu_exposed = max(0.0, prefill_event.elapsed_time(done_event))
+        if stats.start_event is not None and done_event is not None:  # the copies alone, on the GPU's clock
+            copy_gpu_ms = stats.start_event.elapsed_time(done_event)
         return {"prefill_ms": prefill_ms, "transfer_ms": (stats.finished_at - stats.started_at) * 1e3,
                 "exposed_ms": max(0.0, stats.finished_at - prefill_end) * 1e3, "copies": stats.copies,
-                "exposed_gpu_ms": gpu_exposed, "ucx_lane": stats.ucx_lane, "runs": stats.runs,
+                "exposed_gpu_ms": gpu_exposed, "copy_gpu_ms": copy_gpu_ms, "ucx_lane": stats.ucx_lane, "runs": stats.runs,
                 "kv_bytes": stats.num_bytes, "first_token": result.first_token, "profile": profile,
                 "logits_sha": logits_digest(result.logits)}
 

@@ -132,6 +132,9 @@ class TransferStats:
     # ipc on GPU: a CUDA event recorded after the last copy; with one recorded at prefill end it gives
     # the exposed transfer on the GPU's own clock (None elsewhere)
     done_event: object | None = None
+    # ipc on GPU: a CUDA event recorded on the side stream once it waited for the KV, before the first copy;
+    # with done_event it times the copies alone on the GPU's clock (the host's issuing and polling left out)
+    start_event: object | None = None
     ucx_lane: dict | None = None  # nixl: the UCX lane the writes took (ucx_log.py), or why it is unknown
 
 

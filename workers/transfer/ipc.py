@@ -147,6 +147,7 @@ class IpcTransfer(SenderTransfer):
         self.stream: torch.cuda.Stream | None = sender.stream
         self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # the block ids, for many runs
+        self.start_event: torch.cuda.Event | None = None  # GPU: on the side stream before the first copy
 
     def _move(self, layers: list[int]) -> None:
         ready = self.mark()
@@ -186,6 +187,9 @@ class IpcTransfer(SenderTransfer):
             self._copies(layers)
             return
         self.stream.wait_event(ready)
+        if self.start_event is None:  # the copies' start on the GPU's clock: after the KV is ready
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record(self.stream)
         with torch.cuda.stream(self.stream):
             self._copies(layers)
         self.last_event = torch.cuda.Event(enable_timing=True)

@@ -201,7 +201,7 @@ class SenderTransfer(Transfer):
     def stats(self) -> TransferStats:
         return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, copies=self.copies,
                              layers_sent_before_finish=self.layers_before_finish, runs=len(self.plan.runs),
-                             done_event=self.last_event)
+                             done_event=self.last_event, start_event=getattr(self, "start_event", None))
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
