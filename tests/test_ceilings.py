@@ -14,7 +14,8 @@ def test_zmq_rows_on_cpu(tmp_path, capsys):
                      "--repeats", "1", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     rows = record["rows"]
-    assert [(r["stage"], r["curve"], r["write"]) for r in rows] == [("zmq", False, "none"), ("zmq", True, "none")]
+    assert [(r["stage"], r["curve"], r["write"]) for r in rows] == [
+        ("zmq", False, "none"), ("zmq", False, "memcpy"), ("zmq", True, "none"), ("zmq", True, "memcpy")]
     for r in rows:
         assert r["bytes"] == 16 << 20 and r["streams"] == 2
         assert 0 < r["min"] <= r["GBps"] <= r["max"]

@@ -13,7 +13,7 @@ reaches N% of what this host moves that way" instead of against a target alone:
              sides, as the transport sets them), plain and CURVE, the receiver one Python thread like the
              transport's I/O thread; `write` names what the receiver does with each frame: nothing, a pageable
              host-to-device copy on a writer thread (today's receiver), or a memcpy into a pinned buffer then an
-             asynchronous host-to-device copy (staged)
+             asynchronous host-to-device copy (staged); on the CPU, a memcpy on a writer thread (a CPU pool)
 
     pdserve-bench ceilings --device cuda:0 --streams 8 --mib 1792        # one H200 host: ~30 s
     pdserve-bench ceilings --device cpu --streams 2 --mib 256            # this project's CPU box: zmq rows only
@@ -164,6 +164,8 @@ def zmq_rows(device: str, streams: int, total: int, frame: int, repeats: int) ->
     writes = ["none"]
     if device.startswith("cuda"):
         writes += ["h2d pageable", "memcpy to pinned + h2d"]
+    else:  # a CPU pool: the receiver's write is a memcpy into it
+        writes += ["memcpy"]
     rows = []
     payload = np.ones(frame, dtype=np.uint8)
     n_frames = max(streams, total // frame)
@@ -225,6 +227,11 @@ class _Writer:
     def _write(self, msg) -> None:
         import torch
 
+        if self.how == "memcpy":  # a CPU pool's write: one copy into a buffer of this thread
+            if getattr(self.local, "host", None) is None:
+                self.local.host = np.ones(self.frame, dtype=np.uint8)
+            np.copyto(self.local.host[:len(msg.buffer)], np.frombuffer(msg.buffer, dtype=np.uint8))
+            return
         b = self._bufs()
         src = torch.frombuffer(msg.buffer, dtype=torch.uint8)
         with torch.cuda.stream(b.stream):
