@@ -154,3 +154,20 @@ def test_every_forward_runs_inside_one_attention_context_unset_after(monkeypatch
     assert attention.CURRENT.state is None  # and the context is unset all the same
     with pytest.raises(RuntimeError, match="outside attention.stepping"):
         attention.paged_attention(engine.model.model.layers[0].self_attn, None, None, None, None)
+
+
+def test_cuda_engines_keep_cudnn_attention_out_of_their_sdpa_calls(monkeypatch):
+    """cuDNN attention builds a graph per new prompt length on the host (attention.py's docstring): on CUDA the
+    runner turns it off for the process, on the CPU it leaves torch's settings alone."""
+    import torch
+
+    from pdserve.workers.engine import attention
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(on))
+    assert attention.steady_sdpa(torch.device("cuda", 0)) is True and calls == [False]
+    assert attention.steady_sdpa(torch.device("cpu")) is False and calls == [False]
+    seen = []
+    monkeypatch.setattr(attention, "steady_sdpa", lambda device: seen.append(device))
+    tiny()
+    assert seen == [torch.device("cpu")]  # every runner asks, with its own device

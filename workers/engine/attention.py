@@ -23,6 +23,15 @@ Per layer:
      key: flash attention on CUDA. (paged_kernel's prefill reads the pool in place instead;
      `attention="triton"` picks it; on the H200 flash was faster, see bench/engine/steps.py.) Fresh rows run SDPA over the chunk's own K/V
      (flash attention on CUDA), exactly as transformers' own prefill does.
+
+Which fused SDPA runs on CUDA is chosen once per worker process (`steady_sdpa`, called by the runner): flash, then
+memory-efficient, never cuDNN's. Recent torch on sm90/sm100 with a recent cuDNN puts cuDNN attention first, and
+cuDNN builds an execution graph for every new problem it meets (batch, heads, query and key lengths, strides),
+cached by that key: tens of ms of host time for each new prompt length. A benchmark that repeats its lengths
+never sees it; a server meets a new length nearly every prompt step. Measured on an H100 under the mixed load
+(bench/results/defaults-h100-b2d1e6e): prompt steps took 47-230 ms to launch, every ms of it the launching
+thread's own CPU time, with py-spy's samples inside a launch at the fresh rows' SDPA call (69%) and the plain
+prefill's (8%); decode steps, which call no SDPA, launched in ~1 ms.
 """
 
 from __future__ import annotations
@@ -88,6 +97,16 @@ def _kernels():
     except ImportError:
         return None
     return paged_kernel
+
+
+def steady_sdpa(device: torch.device) -> bool:
+    """On CUDA, keep cuDNN attention out of this process's SDPA calls (torch.backends.cuda.enable_cudnn_sdp,
+    process-wide: a worker process runs one engine), so prompts of any length run flash (or memory-efficient)
+    attention with no per-length set-up on the host (module docstring). Returns whether it changed anything."""
+    if device.type != "cuda" or not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
 
 
 def use_kernels(device: torch.device) -> bool:

@@ -74,6 +74,7 @@ class ModelRunner:
         compile_dense = config.compile and cuda
         cuda_graphs = config.cuda_graphs and cuda
         model.config._attn_implementation = attention.register()
+        attention.steady_sdpa(self.device)  # prompt lengths without cuDNN's per-length graph builds
         for sub in model.modules():  # some models keep a per-sub-module config
             cfg = getattr(sub, "config", None)
             if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
