@@ -451,3 +451,14 @@ def test_a_threads_arm_sets_the_workers_torch_threads(tmp_path):
     assert specs[1].startswith("pd-threads4=disaggregated:") and specs[1].endswith("--threads 4")
     assert defaults.topology("python -m pdserve.server.cli " + specs[0].split(":", 1)[1]) == \
         "1 colocated worker on (pdserve's default devices)"
+
+
+def test_the_default_alone_is_not_called_within_the_margin(tmp_path):
+    """A call that probed only the default (a diagnosis) has nothing to judge it against: the verdict says so
+    instead of "yes", and names no best arm."""
+    write_run(tmp_path / "default.more-11.56", "default", [(11.56, False)])
+    doc, md = judged(tmp_path, reference=None)
+    assert doc["verdict"]["default_within_margin_of"] == {}
+    assert doc["verdict"]["default_within_margin_of_all"] is None
+    assert "nothing to judge: no other arm of its topology was measured" in md
+    assert "**yes**" not in md and "the best measured" not in md

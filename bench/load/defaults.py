@@ -343,7 +343,9 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
                      f"{_probes(a)} | {mark} | `{_server_flags(a['command'])}` |")
     lines += ["", "**Verdict**:", ""]
     plain = [k for k in verdict["undecided"] if k not in why]
-    if verdict["refuted_by"]:
+    if not verdict["default_within_margin_of"]:  # the default alone: a probe of it, nothing to compare
+        said = "nothing to judge: no other arm of its topology was measured (a probe of the default alone)"
+    elif verdict["refuted_by"]:
         said = f"**no**: more than {verdict['within']:.0%} below {', '.join(verdict['refuted_by'])}"
     elif verdict["undecided"]:
         parts = [f"not decided ({why[k]}) against {k}" for k in sorted(why)]
@@ -359,7 +361,8 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
                      + (f"not decided ({ref_why})" if ref_why else
                         {True: "**yes**", False: "**no**", None: "not decided by the brackets"}[
                             verdict["default_at_least_reference"]]))
-    lines.append(f"- the best measured (highest passing rate): {verdict['best_measured']}")
+    if verdict["default_within_margin_of"]:
+        lines.append(f"- the best measured (highest passing rate): {verdict['best_measured']}")
     if verdict.get("next_probes"):
         lines.append(f"- probes that would decide what is open (`MORE=\"{more_value(verdict['next_probes'])}\"`): "
                      + "; ".join(f"{p['arm']} at {p['rate']:g}: {p['decides']}" for p in verdict["next_probes"]))
