@@ -147,7 +147,6 @@ class IpcTransfer(SenderTransfer):
         self.stream: torch.cuda.Stream | None = sender.stream
         self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # the block ids, for many runs
-        self.start_event: torch.cuda.Event | None = None  # GPU: on the side stream before the first copy
 
     def _move(self, layers: list[int]) -> None:
         ready = self.mark()

@@ -99,6 +99,7 @@ class SenderTransfer(Transfer):
         self.copies = 0
         self.writes = 0  # I/O thread: what the receiver counts (sum of _post's)
         self.last_event: torch.cuda.Event | None = None  # a timed CUDA event after the last copy, if any
+        self.start_event: torch.cuda.Event | None = None  # ipc on GPU: a timed one before the first copy
         self.layers_sent: set[int] = set()
         self.layers_before_finish = 0
         self.queue: collections.deque = collections.deque()  # I/O thread: (what, ready event) for _post
@@ -201,7 +202,7 @@ class SenderTransfer(Transfer):
     def stats(self) -> TransferStats:
         return TransferStats(self.plan.num_bytes, self.started_at, self.finished_at, copies=self.copies,
                              layers_sent_before_finish=self.layers_before_finish, runs=len(self.plan.runs),
-                             done_event=self.last_event, start_event=getattr(self, "start_event", None))
+                             done_event=self.last_event, start_event=self.start_event)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
