@@ -40,7 +40,7 @@ def test_space_hands_out_aligned_ranges_and_merges_them_back():
     a, b, c = space.take(10), space.take(ALIGN + 1), space.take(ALIGN)
     assert (a, b, c) == (0, ALIGN, 3 * ALIGN) and space.free_bytes == 0 and space.take(1) is None
     space.give(b)
-    assert space.take(3 * ALIGN) is None and space.take(2 * ALIGN) == ALIGN  # the freed range, first fit
+    assert space.take(3 * ALIGN) is None and space.take(2 * ALIGN) == ALIGN  # the freed range
     for offset in (a, ALIGN, c):
         space.give(offset)
     assert space.free_bytes == 4 * ALIGN and space.held == 0 and space.take(4 * ALIGN) == 0  # merged whole

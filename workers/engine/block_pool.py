@@ -61,10 +61,9 @@ class BlockPool:
             return []
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
-        fitting = [i for i, ln in enumerate(self._lengths) if ln >= n]
-        if fitting:
-            i = min(fitting, key=lambda j: self._lengths[j])
-            return self._take(i, n)
+        start = self.take_range(n)
+        if start is not None:
+            return list(range(start, start + n))
         out: list[int] = []
         while len(out) < n:
             i = max(range(len(self._lengths)), key=lambda j: self._lengths[j])
@@ -78,20 +77,36 @@ class BlockPool:
             return self._take(i, 1)[0]
         return self.allocate(1)[0]
 
+    def take_range(self, n: int) -> int | None:
+        """The start of n contiguous free blocks, taken from the smallest extent that holds them; None when
+        no extent does (nothing is taken). A range never becomes a list of ids here (staging.Space hands out
+        millions of units this way)."""
+        fitting = [i for i, ln in enumerate(self._lengths) if ln >= n]
+        if not fitting:
+            return None
+        return self._cut(min(fitting, key=lambda j: self._lengths[j]), n)
+
     def _take(self, i: int, n: int) -> list[int]:
+        start = self._cut(i, n)
+        return list(range(start, start + n))
+
+    def _cut(self, i: int, n: int) -> int:
+        """n blocks off the front of extent i; their start."""
         start, length = self._starts[i], self._lengths[i]
         if n == length:
             del self._starts[i], self._lengths[i]
         else:
             self._starts[i], self._lengths[i] = start + n, length - n
         self.num_free -= n
-        return list(range(start, start + n))
+        return start
 
     def free(self, blocks: list[int]) -> None:
         for start, length in runs(sorted(blocks)):
-            self._insert(start, length)
+            self.free_range(start, length)
 
-    def _insert(self, start: int, length: int) -> None:
+    def free_range(self, start: int, length: int) -> None:
+        """Blocks start..start+length-1 free again, merged with their free neighbours (ValueError: outside the
+        pool, or any of them free already)."""
         if start < 0 or start + length > self.num_blocks:
             raise ValueError(f"blocks {start}..{start + length - 1} outside pool of {self.num_blocks}")
         i = bisect.bisect_left(self._starts, start)

@@ -10,7 +10,8 @@ comes; nixl.py and nixl_staging.py do the moving, this module the arithmetic bot
                                       goes through staging
     region_bytes(cfg_gb, pool_bytes)  a side's staging region: --kv-staging-gb, or the default
     Space(nbytes)                     a staging region's bytes, handed out as aligned contiguous ranges
-      .take(nbytes) -> offset | None    a free range (first fit), or None: no room now (run by run then)
+      .take(nbytes) -> offset | None    a free range (the smallest extent that holds it), or None: no room now
+                                        (run by run then)
       .give(offset)                     that range free again;  .free_bytes, .held
     groups(layers, per_write)         the layers handed over, cut into staged writes of consecutive layers;
                                       per_write: layers_per_write(layer_bytes), about WRITE_BYTES of them (layer
@@ -43,7 +44,7 @@ layers, no layer twice) before any scatter reads staging or writes a block.
 
 from __future__ import annotations
 
-import bisect
+from pdserve.workers.engine.block_pool import BlockPool
 
 STAGE_RUNS = 4  # more runs than this ...
 STAGE_RUN_BYTES = {"VRAM": 4 * 2**20, "DRAM": 4 * 2**10}  # ... shorter than this on average (a run of one layer)
@@ -69,17 +70,20 @@ def region_bytes(cfg_gb: float | None, pool_bytes: int) -> int:
 
 
 class Space:
-    """A staging region's bytes (one side, its I/O thread only): free extents kept sorted and merged."""
+    """A staging region's bytes (one side, its I/O thread only), handed out in contiguous ranges of whole ALIGN
+    units: the KV pool's own extent bookkeeping (block_pool.BlockPool, a unit for a block), plus the size of
+    each range handed out."""
 
     def __init__(self, nbytes: int):
+        if nbytes < 0 or nbytes % ALIGN:
+            raise ValueError(f"a staging region is a multiple of {ALIGN} bytes, got {nbytes}")
         self.nbytes = nbytes
-        self._starts: list[int] = [0] if nbytes else []
-        self._lengths: list[int] = [nbytes] if nbytes else []
-        self._taken: dict[int, int] = {}  # offset -> bytes
+        self._units = BlockPool(nbytes // ALIGN) if nbytes else None
+        self._taken: dict[int, int] = {}  # offset -> units
 
     @property
     def free_bytes(self) -> int:
-        return sum(self._lengths)
+        return self._units.num_free * ALIGN if self._units else 0
 
     @property
     def held(self) -> int:
@@ -87,33 +91,21 @@ class Space:
         return len(self._taken)
 
     def take(self, nbytes: int) -> int | None:
-        """The offset of a free range of nbytes (rounded up to ALIGN), first fit; None if none is that long."""
+        """The offset of a free range of nbytes (rounded up to ALIGN), from the smallest free extent that holds
+        it; None if none is that long."""
         if nbytes <= 0:
             raise ValueError(f"a staging range needs a positive size, got {nbytes}")
-        size = -(-nbytes // ALIGN) * ALIGN
-        for i, length in enumerate(self._lengths):
-            if length >= size:
-                start = self._starts[i]
-                if length == size:
-                    del self._starts[i], self._lengths[i]
-                else:
-                    self._starts[i], self._lengths[i] = start + size, length - size
-                self._taken[start] = size
-                return start
-        return None
+        units = -(-nbytes // ALIGN)
+        start = self._units.take_range(units) if self._units else None
+        if start is None:
+            return None
+        self._taken[start * ALIGN] = units
+        return start * ALIGN
 
     def give(self, offset: int) -> None:
         """The range take() returned at offset is free again (merged with its free neighbours)."""
-        size = self._taken.pop(offset)  # KeyError: not a range of this space (a bug)
-        i = bisect.bisect_left(self._starts, offset)
-        self._starts.insert(i, offset)
-        self._lengths.insert(i, size)
-        if i + 1 < len(self._starts) and offset + size == self._starts[i + 1]:
-            self._lengths[i] += self._lengths.pop(i + 1)
-            del self._starts[i + 1]
-        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == offset:
-            self._lengths[i - 1] += self._lengths.pop(i)
-            del self._starts[i]
+        units = self._taken.pop(offset)  # KeyError: not a range of this space (a bug)
+        self._units.free_range(offset // ALIGN, units)
 
 
 def groups(layers: list[int], per_write: int) -> list[tuple[int, int]]:
