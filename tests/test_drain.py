@@ -65,7 +65,7 @@ def assert_clean_exit(srv: Pdserve, pids: dict, start: float, within: float) -> 
 
 def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_requests():
     with Pdserve(*TINY, "--drain-timeout", "60", "--retry-after", "4") as srv:
-        streams = [Stream(srv.url, {"prompt": f"Story {i}: once upon a time", "max_tokens": 300, "ignore_eos": True,
+        streams = [Stream(srv.url, {"prompt": f"Story {i}: once upon a time", "max_tokens": 1200, "ignore_eos": True,
                                     "stream": True, "policy": policy})
                    for i, policy in enumerate(["colocated", "disaggregated", "colocated", "disaggregated"])]
         for s in streams:
@@ -86,7 +86,7 @@ def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_requests():
         for s in streams:
             assert s.events[-1] == "[DONE]" and "error" not in s.events[-2], s.events[-2:]
             assert s.events[-2]["choices"][0]["finish_reason"] == "length", s.events[-2]
-            assert s.events[-2]["usage"]["completion_tokens"] == 300
+            assert s.events[-2]["usage"]["completion_tokens"] == 1200
         took = assert_clean_exit(srv, pids, start, 60)
         last = max(s.ended_at for s in streams) - start
         print(f"streams done {last:.1f}s after SIGTERM, pdserve exited after {took:.1f}s")
