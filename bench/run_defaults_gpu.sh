@@ -53,7 +53,10 @@
 # probes that disagree (a pass at or above a fail) instead of judging on them. Each folder is tarred into
 # $OUT/defaults-<workload>.tgz as soon as it ends (a call cut short still returns what finished).
 # Knobs: SPY_SECONDS, SPY_AFTER (run_gpu_common.sh: the workers' stacks sampled with py-spy during an arm), ARMS, MORE, START_RATE, PD_START_RATE (START_RATE), PRECISION (0.1), MAX_PROBES (6), OTHER_PROBES (1),
-# REF_PROBES (3), WITHIN (0.10), PROBE_SECONDS (60), STEP_TRACE and PROFILE (run_gpu_common.sh: each folder's
+# REF_PROBES (3), WITHIN (0.10), PROBE_SECONDS (60), PROBE_MIN_REQUESTS (a probe sends PROBE_SECONDS of arrivals or
+# this many requests, whichever is more: 24 on mixed, where a 60-s probe near capacity sends ~900; 120 on long,
+# where it sent ~60 at c77ebb5 and the 90% line's binomial spread was 2.3 requests, so the verdict between the
+# default and unchunked rested on one or two requests: `defaults` names probes within that noise), STEP_TRACE and PROFILE (run_gpu_common.sh: each folder's
 # steps/ and steps.md), CALL_SECONDS (no arm or MORE probe starts past it;
 # default 560), DEFAULT_BUDGET (330 s of probes for a default arm's search), ARM_MIN_SECONDS (150: the least
 # an arm or a MORE probe needs), RESULTS (bench/results/defaults-gpu), WL_FLAGS (the workload's load flags
@@ -68,9 +71,11 @@ source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES; KV_GB set 
 WORKLOAD=${WORKLOAD:?set WORKLOAD (mixed or long)}
 case $WORKLOAD in
   mixed) WL=(--input-len uniform:256:1024 --long-fraction 0.25 --long-input-len uniform:4096:8192)
-         GOODPUT=${GOODPUT:-ttft:2000 tpot:100}; START_RATE=${START_RATE:-10}; KV=${KV:-16} ;;
+         GOODPUT=${GOODPUT:-ttft:2000 tpot:100}; START_RATE=${START_RATE:-10}; KV=${KV:-16}
+         PROBE_MIN_REQUESTS=${PROBE_MIN_REQUESTS:-24} ;;
   long) WL=(--input-len uniform:8192:32000)
-        GOODPUT=${GOODPUT:-ttft:4000 tpot:100}; START_RATE=${START_RATE:-0.8}; KV=${KV:-40} ;;
+        GOODPUT=${GOODPUT:-ttft:4000 tpot:100}; START_RATE=${START_RATE:-0.8}; KV=${KV:-40}
+        PROBE_MIN_REQUESTS=${PROBE_MIN_REQUESTS:-120} ;;
   *) echo "WORKLOAD is mixed or long, got '$WORKLOAD'"; exit 2 ;;
 esac
 PD_KV=${PD_KV:-$(awk -v kv="$KV" 'BEGIN { print (kv + 0 < 16 ? kv : 16) }')}  # 16, or KV where smaller
@@ -187,7 +192,7 @@ run_load() {  # ARM START PROBES BUDGET FOLDER: a fresh server for ARM, a capaci
   "$PYTHON" -m pdserve.bench.cli load --arm "$spec" --server-args "$(server_args "$1") $(trace_flag "$5")" \
     --server-timeout 300 --capacity-search --goodput $GOODPUT --search-start-rate "$2" \
     --search-max-probes "$3" --search-precision "$PRECISION" --probe-seconds "$PROBE_SECONDS" \
-    --probe-min-requests 24 --arm-budget "$4" --sweep-factors '' \
+    --probe-min-requests "$PROBE_MIN_REQUESTS" --arm-budget "$4" --sweep-factors '' \
     "${WL[@]}" --output-len "$OUTPUT_LEN" --tokenizer "$MODEL" --warmup-batch 4 --warmup-max-batches 6 \
     --request-timeout 300 --out "$5" --no-progress --no-plots || echo "arm $1: load exited $?"
   wait  # the stacks' sampling, if any

@@ -462,3 +462,68 @@ def test_the_default_alone_is_not_called_within_the_margin(tmp_path):
     assert doc["verdict"]["default_within_margin_of_all"] is None
     assert "nothing to judge: no other arm of its topology was measured" in md
     assert "**yes**" not in md and "the best measured" not in md
+
+
+def with_counts(folder: Path, counts: dict[float, dict]) -> None:
+    """Give the probes of a write_run folder their request counts: rate -> {"sent": n, "within": k} for a probe
+    that ran out (num_prompts and its share), {"sent": n, "missed": m} for one stopped early, "queue": True for
+    a growing queue."""
+    path = folder / "results.json"
+    run = json.loads(path.read_text())
+    for b in run["results"]:
+        c = counts[b["request_rate"]]
+        if "missed" in c:
+            b["stopped_early"] = {"planned": 60, "sent": c["sent"], "missed": c["missed"], "reason": "x"}
+            b["goodput_fraction"] = 1 - (c["missed"] + 1) / 60  # the early stop's "at most", over the planned
+        else:
+            b["num_prompts"], b["goodput_fraction"] = c["sent"], c["within"] / c["sent"]
+            b["stopped_early"] = None  # it ran out
+        b["saturation"] = {"queue_growing": bool(c.get("queue"))}
+    path.write_text(json.dumps(run))
+
+
+def test_a_verdict_resting_on_a_probe_within_noise_says_so(tmp_path):
+    """The long workload at c77ebb5: the default failed 1.0 (stopped early: 7 of the 34 requests it had sent
+    missed, 27 within, 2 sd under the 90% line) and passed 0.95 (54 of 57); unchunked passed 1.05 with 57 of 63
+    (the line is 56.7, its binomial sd 2.4). "The default is below unchunked" rests on that pass: said, and the
+    pass is marked in its row; the default's fail is not (well under its line), nor a fail by a growing queue
+    with its share above the line, nor a pass with every request within."""
+    write_run(tmp_path / "default", "default", [(0.9, True), (1.0, False), (0.95, True), (1.2, False)])
+    with_counts(tmp_path / "default", {0.9: {"sent": 54, "within": 54}, 1.0: {"sent": 34, "missed": 7},
+                                       0.95: {"sent": 57, "within": 54},
+                                       1.2: {"sent": 72, "within": 66, "queue": True}})
+    write_run(tmp_path / "unchunked", "unchunked", [(1.05, True)], date="2026-12-05T18:54:22+00:00")
+    with_counts(tmp_path / "unchunked", {1.05: {"sent": 63, "within": 57}})
+    doc, md = judged(tmp_path)
+    v = doc["verdict"]
+    assert v["default_at_least_reference"] is False
+    assert [(p["arm"], p["rate"], p["passed"], p["within"], p["requests"]) for p in v["reference_rests_on_noise"]] \
+        == [("unchunked", 1.05, True, 57, 63)]
+    assert v["reference_rests_on_noise"][0]["sd"] == pytest.approx((63 * 0.09) ** 0.5)
+    assert v["rests_on_noise"] == {}  # within 10% of unchunked: undecided, so it rests on nothing
+    assert "1.05: pass (near the line: 57 of 63)" in md
+    assert "- **decided on probes within noise**: unchunked passed 1.05 with 57 of 63 requests within the SLOs " \
+           "(line 56.7, binomial sd 2.4)" in md
+    row = next(line for line in md.splitlines() if line.startswith("| default |"))
+    assert "near the line" not in row  # 27 of 34 (2 sd under), 54 of 57 (1.3 sd over), a growing queue, 54 of 54
+    probes = {p["rate"]: p for p in doc["arms"]["default"]["probes"]}
+    assert (probes[1.0]["requests"], probes[1.0]["within"]) == (34, 27)  # sent, less those seen to miss
+
+
+def test_probes_far_from_their_line_add_no_noise_statement(tmp_path):
+    """A verdict decided by probes well clear of their lines says nothing of noise: the default passes 15 with
+    all 900 within, chunk2048 fails 16.65 with 800 of 1000 within (10 sd under)."""
+    write_run(tmp_path / "default", "default", [(15.0, True), (16.25, False)])
+    with_counts(tmp_path / "default", {15.0: {"sent": 900, "within": 900}, 16.25: {"sent": 975, "within": 850}})
+    write_run(tmp_path / "chunk2048", "chunk2048", [(16.65, False)], date="2026-12-05T18:54:22+00:00")
+    with_counts(tmp_path / "chunk2048", {16.65: {"sent": 1000, "within": 800}})
+    doc, md = judged(tmp_path, reference=None)
+    assert doc["verdict"]["default_within_margin_of"] == {"chunk2048": True}
+    assert [(p["requests"], p["within"]) for p in doc["arms"]["chunk2048"]["probes"]] == [(1000, 800)]
+    assert doc["verdict"]["rests_on_noise"] == {} and "within noise" not in md and "near the line" not in md
+    # the same fail by 3 requests of 1000 (under one sd of 9.5) is named
+    with_counts(tmp_path / "chunk2048", {16.65: {"sent": 1000, "within": 897}})
+    doc, md = judged(tmp_path, reference=None)
+    assert [(p["arm"], p["rate"], p["within"]) for p in doc["verdict"]["rests_on_noise"]["chunk2048"]] == [
+        ("chunk2048", 16.65, 897)]
+    assert "chunk2048 failed 16.6 with 897 of 1000 requests within the SLOs (line 900.0, binomial sd 9.5)" in md
