@@ -28,6 +28,10 @@ Only the default needs a converged bracket: another arm needs one decisive probe
 capacity / (1 - within) (bench/run_defaults_gpu.sh starts each other arm's search there): failing it shows
 the default within the margin of that arm, however far below the arm's capacity lies.
 
+A verdict the brackets decide may still rest on a probe that passed or failed by about one request in a
+binomial spread of its line (bench/load/probe_noise.py): such probes are marked in their rows, and the verdict
+says when it rests on one (verdict.rests_on_noise, reference_rests_on_noise).
+
 Writes NAME.json (every arm's bracket, probes, folders, server command, topology, the verdicts, provenance)
 and NAME.md (the same as a table, with the command that made it); NAME is `--name`, defaults.
 """
@@ -43,6 +47,7 @@ import sys
 from pathlib import Path
 
 from pdserve.bench import provenance
+from pdserve.bench.load import probe_noise
 from pdserve.bench.load.report import read_results
 
 
@@ -115,7 +120,7 @@ def _folder_runs(d: str) -> list[dict]:
             "same": (_server_flags(server.get("command")), run.get("workload"), run.get("slos_ms"),
                      run.get("goodput_target"), (env.get("machine") or {}).get("gpus")),
             "probes": [{"rate": b["request_rate"], "passed": b.get("probe_passed"),
-                        "goodput_fraction": b.get("goodput_fraction"), **_counts(b),
+                        "goodput_fraction": b.get("goodput_fraction"), **probe_noise.counts(b),
                         "target": run.get("goodput_target"),
                         "queue_growing": bool((b.get("saturation") or {}).get("queue_growing")),
                         "stopped_early": bool(b.get("stopped_early")), "duration_s": b.get("duration"),
@@ -123,59 +128,6 @@ def _folder_runs(d: str) -> list[dict]:
                         "ttft_p50_ms": b.get("median_ttft_ms"), "tpot_p99_ms": b.get("p99_tpot_ms"),
                         "folder": str(d)} for b in blocks],
         })
-    return out
-
-
-def _counts(block: dict) -> dict:
-    """{"requests": n, "within": k}: of the n requests a probe sent, k met every SLO. A probe stopped early
-    (bench/load/early_stop.py) counts those it had sent and every one not yet seen to miss as within (the
-    reading most favourable to it: its share of "at most" is over the requests it planned and never sent).
-    Empty where the record lacks the counts."""
-    stopped = block.get("stopped_early")
-    if isinstance(stopped, dict):
-        if stopped.get("sent") is None or stopped.get("missed") is None:
-            return {}
-        return {"requests": int(stopped["sent"]), "within": int(stopped["sent"]) - int(stopped["missed"])}
-    n, frac = block.get("num_prompts"), block.get("goodput_fraction")
-    return {"requests": int(n), "within": round(frac * n)} if n and frac is not None else {}
-
-
-def near_line(p: dict) -> dict | None:
-    """A probe whose verdict lies within one binomial standard deviation of its goodput line, or None. Of n
-    requests a probe needs target x n within every SLO; were each to meet them by chance with probability
-    target, that count would spread by sqrt(n x target x (1 - target)) (2.3 requests of 57 at 90%), so a pass or
-    a fail by less says little about which side of the line the configuration lies (and requests that queue
-    behind one another miss together, so the true spread is wider). Judged only where the share decided the
-    probe: a fail with a growing queue is the queue's verdict, not the share's; and where the record has the
-    counts (_counts)."""
-    n, k, t = p.get("requests"), p.get("within"), p.get("target")
-    passed = bool(p.get("passed"))
-    if not n or k is None or not t or (not passed and p.get("queue_growing")) or passed != (k >= t * n):
-        return None
-    sd = math.sqrt(n * t * (1 - t))
-    if abs(k - t * n) >= sd:
-        return None
-    return {"rate": p["rate"], "passed": passed, "within": k, "requests": n, "line": t * n, "sd": sd,
-            "folder": p.get("folder")}
-
-
-def _deciding(a: dict, b: dict, result: bool | None) -> list[tuple[dict, str]]:
-    """The probes at_least(a, b, ...) rests on, with their arm's label: a's pass at its low and b's fail at its
-    high where it said True, a's fail at its high and b's pass at its low where False; none where undecided."""
-    if result is None:
-        return []
-    edges = [(a, True, a["low"]), (b, False, b["high"])] if result else [(a, False, a["high"]), (b, True, b["low"])]
-    return [(p, arm["label"]) for arm, passed, rate in edges if rate is not None
-            for p in arm["probes"] if bool(p.get("passed")) == passed and p["rate"] == rate]
-
-
-def _noise(a: dict, b: dict, result: bool | None) -> list[dict]:
-    """The probes a decided comparison rests on that lie within one binomial sd of their line (near_line)."""
-    out: list[dict] = []
-    for p, label in _deciding(a, b, result):
-        near = near_line(p)
-        if near is not None and not any(q["arm"] == label and q["rate"] == near["rate"] for q in out):
-            out.append({"arm": label, **near})
     return out
 
 
@@ -280,14 +232,15 @@ def judge(arms: dict[str, dict], default: str, reference: str | None, within: fl
         "refuted_by": sorted(k for k, v in vs.items() if v is False),
         "probes_disagree": why,  # label -> why its verdict is undecided whatever the brackets say
         # label -> the probes its decided verdict rests on that lie within one binomial sd of their line
-        "rests_on_noise": {k: near for k, v in vs.items() if (near := _noise(d, arms[k], v))},
+        "rests_on_noise": {k: near for k, v in vs.items() if (near := probe_noise.rests_on_noise(d, arms[k], v))},
     }
     if reference is not None:
         out["reference"] = reference
         out["reference_probes_disagree"] = _disagree(d, arms[reference])
         out["default_at_least_reference"] = None if out["reference_probes_disagree"] else \
             at_least(d, arms[reference], 1.0)
-        out["reference_rests_on_noise"] = _noise(d, arms[reference], out["default_at_least_reference"])
+        out["reference_rests_on_noise"] = probe_noise.rests_on_noise(d, arms[reference],
+                                                                     out["default_at_least_reference"])
     return out
 
 
@@ -362,7 +315,7 @@ def _rate(x) -> str:
 def _probes(a: dict) -> str:
     """Each probe as rate: pass/FAIL; an arm of several folders says which folder each came from."""
     def one(p):
-        near = near_line(p)
+        near = probe_noise.near_line(p)
         return (f"{p['rate']:.3g}: {'pass' if p['passed'] else 'FAIL'}{' (stopped)' if p['stopped_early'] else ''}"
                 f"{' (cold, run again)' if p.get('repeated_warm') else ''}"
                 + (f" (near the line: {near['within']} of {near['requests']})" if near else ""))
