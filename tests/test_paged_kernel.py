@@ -115,3 +115,18 @@ def test_decode_in_half_precision():
     want = attention.reference_decode(q.float(), pool.float(), table, ctx, 0.25)
     got = pk.paged_decode(q, pool, table, ctx, 0.25, max(lens), waves=8)
     assert got.dtype == torch.float16 and (got.float() - want).abs().max().item() < 2e-3
+
+
+@pytest.mark.parametrize("n", [1, 16, 37, 160])  # within a block, whole blocks, part of the last, many
+def test_gather_lays_out_a_requests_positions_in_order_in_one_copy_each(n):
+    """reference_prefix's gather: position i's K and V come from slot i % BS of block table[i // BS], bitwise,
+    nothing past n (NaN in the pool there), and each of K and V is one dense [n, KVH, D] copy (what SDPA reads,
+    transposed), not a view of the pool."""
+    pool, table = make_pool(3, [n, 200], seed=n)
+    k, v = attention.gather(pool, table[0], n)
+    assert k.shape == v.shape == (3, n, D)
+    want_k = torch.stack([pool[table[0, i // BS], 0, i % BS] for i in range(n)]).transpose(0, 1)
+    want_v = torch.stack([pool[table[0, i // BS], 1, i % BS] for i in range(n)]).transpose(0, 1)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)  # no NaN: the slots past n were not taken
+    for t in (k, v):
+        assert t.transpose(0, 1).is_contiguous() and t.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()

@@ -167,11 +167,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 # ---- reference path (CPU, and the oracle the kernels are tested against) --------------------
 
 def gather(pool_layer: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first n positions of the blocks in `table` ([max_blocks]) -> [KVH, n, D] each."""
-    block_size = pool_layer.shape[2]
-    blocks = pool_layer[table[: -(-n // block_size)]]  # [nb, 2, bs, KVH, D]
-    kv = blocks.transpose(0, 1).flatten(1, 2)[:, :n]  # [2, n, KVH, D]
-    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+    """K and V of the first n positions of the blocks in `table` ([max_blocks]) -> [KVH, n, D] each, views of
+    one copy of each: a block's K (V) is one contiguous row of the pool seen as [blocks, 2, row], so selecting
+    those rows lays the positions out in order, [n, KVH, D], as SDPA reads them (transposed, last dim dense).
+    (It once indexed whole blocks, K and V together, then copied them again to put K before V: the prefix's
+    KV read and written twice a layer.)"""
+    num_blocks, _, block_size, kv_heads, head_dim = pool_layer.shape
+    ids = table[: -(-n // block_size)]
+    rows = pool_layer.view(num_blocks, 2, -1)
+    k = rows[:, 0].index_select(0, ids).view(-1, kv_heads, head_dim)[:n]
+    v = rows[:, 1].index_select(0, ids).view(-1, kv_heads, head_dim)[:n]
+    return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def reference_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
