@@ -9,6 +9,8 @@ the rates."""
 import json
 import sys
 
+import pytest
+
 from pdserve.bench import cli
 from pdserve.bench.load.atlas import parse_rates
 from pdserve.bench.load.atlas_cells import capacity_on_grid, why_no_winner, winner
@@ -16,6 +18,7 @@ from pdserve.bench.load.atlas_cells import capacity_on_grid, why_no_winner, winn
 FAKE = f"{sys.executable} -m pdserve.bench.load.fake_server --port 0"
 
 
+@pytest.mark.alone  # a fake server's latencies against SLOs: a neighbour's CPU burst reads as load
 def test_the_atlas_maps_which_arm_wins_each_cell(tmp_path):
     out = tmp_path / "atlas"
     rc = cli.main(["atlas", "--server-command", FAKE,
@@ -93,6 +96,7 @@ def atlas_argv(out, *extra) -> list[str]:
             "--burstiness", "50", "--warmup-batch", "0", "--out", str(out), *extra]
 
 
+@pytest.mark.alone  # its winner rests on the fakes' latencies against the SLOs, as above
 def test_rates_auto_are_set_from_a_measured_calibration(tmp_path):
     """--rates auto (the default without a GPU): a short closed-loop run per arm first; the grid spans from below
     the slower arm's throughput to past the faster's, so the map has a winner (colo prefills 2.5 times as fast:
