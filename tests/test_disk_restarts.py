@@ -143,6 +143,40 @@ def test_workers_that_start_together_agree_on_the_folders_key(tmp_path):
     assert (tmp_path / KEY_FILE).stat().st_mode & 0o777 == 0o600
 
 
+def publishing(folder: Path, key: bytes) -> Path:
+    """The key as another worker leaves it between os.link and removing its temporary name: two links."""
+    tmp = folder / f".{KEY_FILE}.0123abcd.tmp-{os.getpid()}"
+    tmp.write_bytes(key)
+    tmp.chmod(0o600)
+    os.link(tmp, folder / KEY_FILE)
+    return tmp
+
+
+def test_a_worker_that_meets_the_key_mid_publication_waits_for_it(tmp_path, monkeypatch):
+    """The race the test above can lose: the key is linked but its temporary name not yet removed (two links,
+    which open_regular refuses). folder_key waits while that name is there and reads the key once it goes; a
+    publisher that died there leaves the two links for good, and the key is refused after the wait."""
+    from pdserve.workers.engine.kv_tiers import files
+
+    monkeypatch.setattr(files, "PUBLISH_WAIT_S", 0.5)
+    key = os.urandom(32)
+    tmp = publishing(tmp_path, key)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(folder_key(tmp_path)))
+    reader.start()
+    threading.Event().wait(0.1)  # the reader meets two links and waits
+    assert reader.is_alive() and not got
+    tmp.unlink()
+    reader.join(5)
+    assert got == [key]
+
+    stuck = tmp_path / "stuck"
+    stuck.mkdir(mode=0o700)
+    publishing(stuck, key)
+    with pytest.raises(OSError, match="one link"):
+        folder_key(stuck)
+
+
 def test_pdserve_workers_serve_after_a_restart_what_they_wrote_before(tmp_path):
     """Two starts of `pdserve`, each with the new CURVE keys it makes and the worker config it writes:
     the second start's worker serves the disk entries of the first (before: refused, and left on disk)."""

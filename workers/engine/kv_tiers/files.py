@@ -29,6 +29,8 @@ from pathlib import Path
 log = logging.getLogger("pdserve.kv_tiers")
 
 KEY_FILE = "kv.key"  # without a deployment key: the folder's own (0600), made once
+TMP_MARK = ".tmp-"  # in the temporary name a key is written under before it is linked to KEY_FILE
+PUBLISH_WAIT_S = 2.0  # how long a worker waits for another to finish publishing the key (folder_key)
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # no links; a FIFO opens without waiting, then is refused
 MAC = "sha256"  # HMAC; OpenSSL's SHA-256 runs at about 1 GiB/s a core and lets go of the GIL
 MAC_BYTES = 32
@@ -88,10 +90,12 @@ def open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
 def folder_key(directory: Path) -> bytes:
     """The folder's own MAC key (32 random bytes, 0600), made on first use and kept: entries written
     before a restart are served after it. Published whole (written under a temporary name, then linked
-    to KEY_FILE), so workers that start together over one folder agree on it."""
+    to KEY_FILE), so workers that start together over one folder agree on it. Between the link and the
+    temporary name's removal the key has two links, which open_regular refuses: a worker that meets it
+    then waits while a temporary name is still there (PUBLISH_WAIT_S), and reads the key once it is gone."""
     path = directory / KEY_FILE
     if not os.path.lexists(path):
-        tmp = directory / f".{KEY_FILE}.{uuid.uuid4().hex[:8]}.tmp-{os.getpid()}"
+        tmp = directory / f".{KEY_FILE}.{uuid.uuid4().hex[:8]}{TMP_MARK}{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             write_all(fd, memoryview(os.urandom(32)))
@@ -104,7 +108,7 @@ def folder_key(directory: Path) -> bytes:
             pass
         finally:
             tmp.unlink(missing_ok=True)
-    fd = open_regular(path)
+    fd = _open_published(directory, path)
     try:
         if os.fstat(fd).st_mode & 0o077:
             raise DiskTierError(f"disk tier key {path} is readable by others; remove it (the entries it "
@@ -115,6 +119,20 @@ def folder_key(directory: Path) -> bytes:
     if len(key) != 32:
         raise DiskTierError(f"disk tier key {path} is not 32 bytes; remove it (the entries it signed are refused)")
     return key
+
+
+def _open_published(directory: Path, path: Path) -> int:
+    """open_regular(path), waiting up to PUBLISH_WAIT_S while another worker is between linking the key and
+    removing its temporary name (a link of the key's under that name is what makes it two)."""
+    deadline = time.monotonic() + PUBLISH_WAIT_S
+    while True:
+        try:
+            return open_regular(path)
+        except OSError:
+            publishing = any(directory.glob(f".{KEY_FILE}.*{TMP_MARK}*"))
+            if not publishing or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def is_own_regular(path: Path) -> bool:
