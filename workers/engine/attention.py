@@ -166,18 +166,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 # ---- reference path (CPU, and the oracle the kernels are tested against) --------------------
 
-def gather(pool_layer: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first n positions of the blocks in `table` ([max_blocks]) -> [KVH, n, D] each, views of
-    one copy of each: a block's K (V) is one contiguous row of the pool seen as [blocks, 2, row], so selecting
-    those rows lays the positions out in order, [n, KVH, D], as SDPA reads them (transposed, last dim dense).
-    (It once indexed whole blocks, K and V together, then copied them again to put K before V: the prefix's
-    KV read and written twice a layer.)"""
-    num_blocks, _, block_size, kv_heads, head_dim = pool_layer.shape
-    ids = table[: -(-n // block_size)]
+def block_rows(pool_layer: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks `ids` ([m]), one copy of each, positions in order: [m * block_size, KVH, D]. A
+    block's K (V) is one contiguous row of the pool seen as [blocks, 2, row], so index_select copies whole rows."""
+    num_blocks, _, _, kv_heads, head_dim = pool_layer.shape
     rows = pool_layer.view(num_blocks, 2, -1)
-    k = rows[:, 0].index_select(0, ids).view(-1, kv_heads, head_dim)[:n]
-    v = rows[:, 1].index_select(0, ids).view(-1, kv_heads, head_dim)[:n]
-    return k.transpose(0, 1), v.transpose(0, 1)
+    return (rows[:, 0].index_select(0, ids).view(-1, kv_heads, head_dim),
+            rows[:, 1].index_select(0, ids).view(-1, kv_heads, head_dim))
+
+
+def gather(pool_layer: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first n positions of the blocks in `table` ([max_blocks]) -> [KVH, n, D] each: views of
+    block_rows' copies, as SDPA reads them (transposed, last dim dense)."""
+    k, v = block_rows(pool_layer, table[: -(-n // pool_layer.shape[2])])
+    return k[:n].transpose(0, 1), v[:n].transpose(0, 1)
 
 
 def reference_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, ctx_lens: torch.Tensor,
@@ -187,14 +189,11 @@ def reference_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Ten
     context instead of the table's width, and a batch whose contexts are all that long (batch 1)
     needs no mask."""
     batch, num_heads, head_dim = q.shape
-    num_blocks, _, block_size, kv_heads, _ = pool_layer.shape
+    _, _, block_size, kv_heads, _ = pool_layer.shape
     n = max(lengths) if lengths else table.shape[1] * block_size  # keys read per request
     nb = -(-n // block_size)
-    ids = table[:, :nb].reshape(-1)
-    # a block's K (V) is one contiguous row of a [blocks, 2, row] view: index_select copies whole rows
-    rows = pool_layer.view(num_blocks, 2, -1)
-    k = rows[:, 0].index_select(0, ids).view(batch, nb * block_size, kv_heads, head_dim)[:, :n]
-    v = rows[:, 1].index_select(0, ids).view(batch, nb * block_size, kv_heads, head_dim)[:, :n]
+    k, v = (x.view(batch, nb * block_size, kv_heads, head_dim)[:, :n]
+            for x in block_rows(pool_layer, table[:, :nb].reshape(-1)))
     mask = None
     if lengths is None or min(lengths) < n:
         mask = torch.arange(n, device=q.device)[None, :] < ctx_lens[:, None]  # [B, n]
