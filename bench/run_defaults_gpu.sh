@@ -56,9 +56,9 @@
 # REF_PROBES (3), WITHIN (0.10), PROBE_SECONDS (60), PROBE_MIN_REQUESTS (a probe sends PROBE_SECONDS of arrivals or
 # this many requests, whichever is more: 24 on mixed, where a 60-s probe near capacity sends ~900; 120 on long,
 # where it sent ~60 at c77ebb5 and the 90% line's binomial spread was 2.3 requests, so the verdict between the
-# default and unchunked rested on one or two requests: `defaults` names probes within that noise), STEP_TRACE and PROFILE (run_gpu_common.sh: each folder's
-# steps/ and steps.md), CALL_SECONDS (no arm or MORE probe starts past it;
-# default 560), DEFAULT_BUDGET (330 s of probes for a default arm's search), ARM_MIN_SECONDS (150: the least
+# default and unchunked rested on one or two requests: `defaults` names probes within that noise), STEP_TRACE
+# and PROFILE (run_gpu_common.sh: each folder's steps/ and steps.md), CALL_SECONDS (no arm or MORE probe starts
+# past it; default 560), DEFAULT_BUDGET (330 s of probes for a default arm's search), ARM_MIN_SECONDS (150: the least
 # an arm or a MORE probe needs), RESULTS (bench/results/defaults-gpu), WL_FLAGS (the workload's load flags
 # instead), KV, PD_KV (16, or KV where KV is given and smaller), GOODPUT, MODEL, DEVICES, PYTHON.
 # A CPU dry run of the script (tiny model, ~3 minutes on 2 cores; then the same line with

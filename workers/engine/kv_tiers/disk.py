@@ -36,8 +36,8 @@ from pdserve.protocol.enums import Tier
 from pdserve.workers.engine.kv_cache import KVLayout
 from pdserve.workers.engine.kv_tiers.base import LowerTier, TierSetting
 from pdserve.workers.engine.kv_tiers.disk_format import SUFFIX, DiskFile, header, layout_fields, survey
-from pdserve.workers.engine.kv_tiers.files import (folder_key, mac, open_regular, private_dir, read_all, read_gbps,
-                                                   run_with_deadline, write_all)
+from pdserve.workers.engine.kv_tiers.files import (TMP_MARK, folder_key, mac, open_regular, private_dir, read_all,
+                                                   read_gbps, run_with_deadline, write_all)
 from pdserve.workers.engine.kv_tiers.stats import TierStats
 
 log = logging.getLogger("pdserve.kv_tiers")
@@ -212,7 +212,7 @@ class DiskTier:
         macs = list(self._macs.map(lambda entry: mac(self._key, *entry), group))
         head = header(self._key, self._meta, [(h, m) for (h, _), m in zip(group, macs)])
         name = f"{uuid.uuid4().hex}{self.SUFFIX}"
-        tmp = self.dir / f".{name}.tmp-{os.getpid()}"
+        tmp = self.dir / f".{name}{TMP_MARK}{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             write_all(fd, memoryview(head))

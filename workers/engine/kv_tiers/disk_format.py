@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pdserve.workers.engine.kv_cache import KVLayout
-from pdserve.workers.engine.kv_tiers.files import MAC, MAC_BYTES, align, is_own_regular, open_regular
+from pdserve.workers.engine.kv_tiers.files import MAC, MAC_BYTES, TMP_MARK, align, is_own_regular, open_regular
 
 log = logging.getLogger("pdserve.kv_tiers")
 
@@ -120,7 +120,7 @@ def survey(folder: Path, key: bytes, meta: dict, entry_bytes: int) -> Survey:
     out = Survey()
     why: Counter[str] = Counter()
     now = time.time()
-    for tmp in folder.glob(".*.tmp-*"):
+    for tmp in folder.glob(f".*{TMP_MARK}*"):
         if is_own_regular(tmp) and _left_over(tmp, now):
             why["partial (its writer is gone)"] += _reclaim(tmp, out)
     paths = sorted((p for p in folder.glob("*" + SUFFIX) if is_own_regular(p)), key=lambda p: p.lstat().st_mtime)

@@ -29,7 +29,7 @@ from pathlib import Path
 log = logging.getLogger("pdserve.kv_tiers")
 
 KEY_FILE = "kv.key"  # without a deployment key: the folder's own (0600), made once
-TMP_MARK = ".tmp-"  # in the temporary name a key is written under before it is linked to KEY_FILE
+TMP_MARK = ".tmp-"  # a temporary file of ours is .NAME[.RANDOM].tmp-PID (an entry or the key, before its link)
 PUBLISH_WAIT_S = 2.0  # how long a worker waits for another to finish publishing the key (folder_key)
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # no links; a FIFO opens without waiting, then is refused
 MAC = "sha256"  # HMAC; OpenSSL's SHA-256 runs at about 1 GiB/s a core and lets go of the GIL
