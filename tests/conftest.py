@@ -22,6 +22,33 @@ def tiny_pdserve(tmp_path_factory):
         yield s
 
 
+@pytest.fixture(autouse=True)
+def _disk_tiers_closed():
+    """A disk tier runs a writer thread and a pool of MAC threads until it is closed; tests that make one and
+    drop it left them idle for the rest of their process (~35 threads after the tier tests). Every DiskTier a
+    test makes is closed after the test (close() may be called twice)."""
+    import sys
+
+    disk = sys.modules.get("pdserve.workers.engine.kv_tiers.disk")
+    if disk is None:  # nothing imported it: this test makes none at module level
+        yield
+        return
+    made = []
+    init = disk.DiskTier.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    disk.DiskTier.__init__ = recording
+    try:
+        yield
+    finally:
+        disk.DiskTier.__init__ = init
+        for tier in made:
+            tier.close()
+
+
 # --- `alone`: a test whose bound compares timings runs with no other test beside it -------------------------------
 # The suite runs in two processes (pytest-xdist, `-n 2`). A test that measures a latency against its own baseline
 # (a well-behaved client beside hostile ones, a decode worker beside a killed one) reads a neighbouring test's
