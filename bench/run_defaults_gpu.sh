@@ -21,8 +21,9 @@
 #
 # Colocated arms (one colocated worker alone on the GPU: --prefill-workers 0 --decode-workers 0
 # --colocated-workers 1, KV GiB of KV pool): default (no chunk flag: the worker's own default), chunkN
-# (--chunk-tokens N), unchunked (--no-chunked-prefill), threadsN (pdserve --threads N: each worker's CPU threads for
-# torch, where the default shares the machine's cores among the workers; pd-threadsN likewise for the pair).
+# (--chunk-tokens N), attnN (--chunk-attention-tokens N: 0, a chunk of --chunk-tokens at any depth of a prompt, as
+# peers count their budget), unchunked (--no-chunked-prefill), threadsN (pdserve --threads N: each worker's CPU
+# threads for torch, where the default shares the machine's cores among the workers; pd-threadsN likewise for the pair).
 # Disaggregated arms (one prefill and one decode worker sharing the GPU: --no-colocated --prefill-workers 1
 # --decode-workers 1, PD_KV GiB of KV pool each): pd-default (the workers' own defaults: bulk transfer, 64
 # seats, the chunk budget of the device, the prefill batch of --max-batched-tokens), pd-chunkN (--chunk-tokens
@@ -100,12 +101,13 @@ RESULTS=${RESULTS:-bench/results/defaults-gpu}
 DIR="$RESULTS/$WORKLOAD"
 mkdir -p "$DIR"
 
-ARM_NAMES="default, unchunked, chunkN, threadsN, pd-default, pd-chunkN, pd-seqsN, pd-pbatchN, pd-threadsN or pd-layer"
+ARM_NAMES="default, unchunked, chunkN, attnN, threadsN, pd-default, pd-chunkN, pd-seqsN, pd-pbatchN, pd-threadsN or pd-layer"
 arm_flags() {  # the workers' flags of an arm, on top of its kind's (load_arm)
   case $1 in
     default|pd-default|pd-layer) echo "" ;;
     unchunked) echo "--worker-arg=--no-chunked-prefill" ;;
     chunk[0-9]*|pd-chunk[0-9]*) [[ ${1#*chunk} =~ ^[0-9]+$ ]] && echo "--worker-arg=--chunk-tokens=${1#*chunk}" ;;
+    attn[0-9]*) [[ ${1#attn} =~ ^[0-9]+$ ]] && echo "--worker-arg=--chunk-attention-tokens=${1#attn}" ;;
     pd-seqs[0-9]*) [[ ${1#pd-seqs} =~ ^[0-9]+$ ]] && echo "--worker-arg=--max-num-seqs=${1#pd-seqs}" ;;
     pd-pbatch[0-9]*) [[ ${1#pd-pbatch} =~ ^[0-9]+$ ]] && echo "--worker-arg=--max-batched-tokens=${1#pd-pbatch}" ;;
     threads[0-9]*|pd-threads[0-9]*) [[ ${1#*threads} =~ ^[0-9]+$ ]] && echo "--threads ${1#*threads}" ;;

@@ -60,7 +60,9 @@ class EngineConfig:
                                     "request's next token")
     # a prompt token at position p counts 1 + p / chunk_attention_tokens against chunk_tokens (scheduler.py);
     # 0: every token counts 1
-    chunk_attention_tokens: int = 16384
+    chunk_attention_tokens: int = flag(16384, "with chunked prefill: a prompt token at position p counts 1 + p / "
+                                       "this against --chunk-tokens, so a chunk deep in a long prompt holds fewer "
+                                       "tokens (0: every token counts 1, the chunk is --chunk-tokens at any depth)")
     prefix_cache: bool = flag(True, "recompute every prompt in full (default: reuse the KV of full blocks a "
                               "previous prompt began with)")  # prefix_cache.py; host and disk tiers: kv_tiers/
     host_cache_gb: float = flag(0.0, "host memory (pinned on CUDA) that keeps the KV of finished requests' blocks "
@@ -126,6 +128,9 @@ class EngineConfig:
             raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
         if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0 or (self.chunk_tokens or 1) <= 0:
             raise ValueError("max_num_seqs, max_batched_tokens and chunk_tokens must be positive")
+        if self.chunk_attention_tokens < 0:
+            raise ValueError(f"chunk_attention_tokens must be >= 0 (0: every prompt token counts 1), got "
+                             f"{self.chunk_attention_tokens}")
         if self.host_cache_gb < 0 or self.disk_cache_gb <= 0:
             raise ValueError("host_cache_gb must be >= 0 and disk_cache_gb positive")
         if self.disk_cache_dir and not self.host_cache_gb:

@@ -221,7 +221,7 @@ def test_more_probes_measured_arms_once_per_rate_and_the_judge_merges_them(tmp_p
 
 def test_more_is_checked_before_anything_runs_and_honours_call_seconds(tmp_path):
     long_today(tmp_path / "results" / "long")
-    for bad, says in (("unchunked", "MORE takes arm:rate"), ("chunky:1", "an arm is default, unchunked, chunkN, threadsN, pd-default"),
+    for bad, says in (("unchunked", "MORE takes arm:rate"), ("chunky:1", "an arm is default, unchunked, chunkN, attnN, threadsN, pd-default"),
                       ("unchunked:1.05,0", "a rate is a number"), ("default:fast", "a rate is a number")):
         done, calls = run_script(tmp_path, {"MORE": bad})
         assert done.returncode == 2 and says in done.stdout + done.stderr and calls == [], (bad, done.stderr)
@@ -379,7 +379,7 @@ def test_the_scripts_colocated_arms_start_the_committed_sweeps_servers(tmp_path)
 def test_arms_are_checked_before_any_runs(tmp_path):
     long_today(tmp_path / "results" / "long")
     for bad, says in (("pd-default,pd-unchunked", "pd-unchunked measures nothing: a prefill worker prefills"),
-                      ("pd-default,pd-seqs12x", "an arm is default, unchunked, chunkN, threadsN, pd-default"),
+                      ("pd-default,pd-seqs12x", "an arm is default, unchunked, chunkN, attnN, threadsN, pd-default"),
                       ("pd-pbatch", "got 'pd-pbatch'"),
                       ("pd-chunk", "got 'pd-chunk'"), ("chunk64,chunk6a4", "got 'chunk6a4'")):
         done, calls = run_script(tmp_path, {"ARMS": bad})
@@ -438,6 +438,18 @@ def test_more_auto_runs_what_the_verdict_names_until_nothing_is_left(tmp_path):
     assert v["undecided"] == ["chunk16384", "unchunked"]  # open, with no probe inside either bracket to run
     judge = [c for c in calls if c[:3] == ["-m", "pdserve.bench.cli", "defaults"]]
     assert len(judge) == 3  # round 1, round 2, the last
+
+
+def test_an_attn_arm_sets_how_a_chunk_counts_its_prefix(tmp_path):
+    """attnN: --chunk-attention-tokens N on the colocated default's worker (0: a chunk of --chunk-tokens at any
+    depth of a prompt), an arm like any other; a malformed one is refused before anything runs."""
+    long_today(tmp_path / "results/long")
+    done, calls = run_script(tmp_path, {"MORE": "attn0:1.05"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    [spec] = [c[c.index("--arm") + 1] for c in loads(calls)]
+    assert spec.startswith("attn0=colocated:") and spec.endswith("--worker-arg=--chunk-attention-tokens=0")
+    done, calls = run_script(tmp_path, {"ARMS": "attn"})
+    assert done.returncode == 2 and "got 'attn'" in done.stderr and calls == []
 
 
 def test_a_threads_arm_sets_the_workers_torch_threads(tmp_path):

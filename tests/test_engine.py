@@ -329,6 +329,27 @@ def test_a_prompt_alone_in_chunks_equals_one_prefill():
     assert silent == 61 // 8 and req.output_ids == whole.output_ids
 
 
+def test_a_chunk_counts_its_prefix_unless_told_not_to():
+    """--chunk-attention-tokens: a prompt token at position p counts 1 + p / it against the chunk budget, so the
+    chunks shrink along a long prompt; 0 counts every token 1 (a chunk of --chunk-tokens at any depth). The
+    tokens are the unchunked run's either way."""
+    prompt = prompts_of_lengths(reference("tiny").tokenizer, [200])[0]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    [whole] = make_engine("tiny", chunked_prefill=False).generate([prompt], params)
+    silent = {}
+    for attention in (0, 64):
+        engine = make_engine("tiny", chunk_tokens=32, chunk_attention_tokens=attention)
+        req = Request(f"attention-{attention}", prompt, params)
+        engine.add_request(req)
+        silent[attention] = 0
+        while not req.output_ids:
+            silent[attention] += not engine.step()
+        engine.run_until_done([req])
+        assert req.output_ids == whole.output_ids
+    # 0: 32 tokens a step, 6 steps without a token then the last 8; 64: 32, 21, 17, 15, ... tokens a step
+    assert silent[0] == 200 // 32 and silent[64] > silent[0] + 3
+
+
 @pytest.mark.parametrize("name", ["tiny", "smollm2-135m"])
 def test_fused_projections_give_the_same_tokens_and_logits(name):
     """The CUDA engine's one-projection attention and one gate/up projection per MLP (fusion.py)

@@ -28,7 +28,7 @@ from pdserve.settings.router import RouterConfig
 from pdserve.workers import cli as W
 
 WORKER_FLAGS = {
-    "--advertise-host", "--attention", "--block-size", "--chunk-tokens", "--config", "--control", "--device",
+    "--advertise-host", "--attention", "--block-size", "--chunk-attention-tokens", "--chunk-tokens", "--config", "--control", "--device",
     "--disk-cache-dir", "--disk-cache-gb", "--dtype", "--fuse-gate-up", "--graphs", "--handshake-timeout", "--help", "--host-cache-gb", "--keys",
     "--kv-checksum", "--kv-host", "--kv-memory-gb", "--kv-plaintext", "--kv-port", "--kv-staging-gb", "--kv-streams",
     "--log-level",
