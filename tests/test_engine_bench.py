@@ -362,3 +362,34 @@ def test_the_kernel_timeline_sums_a_profiled_runs_device_time():
     assert "6 device kernels over 0.20 ms: busy 0.18 ms (91%)" in text and "per step (2): 3 kernels" in text
     assert render(summarize({"traceEvents": []})) == "no device kernels in the trace (a CPU run)"
     assert "(100%)" in render(summarize({"traceEvents": [k("triton_poi_0", 5.0, 0.0)]}))  # a span of 0
+
+
+def test_the_chunked_scenarios_profile_holds_the_prompts_steps(monkeypatch, tmp_path):
+    """--profile: the chunked run's window starts at its first chunk over a prefix and the unchunked run's at its
+    prompt's step; each ends with the prompt's first token (six steps at most), so no decode-only step after it
+    is profiled as the prompt's (with 8192-token chunks a 32k prompt takes 8 steps: a window from step 8 on held
+    decode steps only)."""
+    import torch
+
+    from pdserve.bench.engine import decode as dec
+    from pdserve.workers.engine.engine import Engine
+
+    windows = []
+
+    def recording(engine, device, fn, folder, steps=None):
+        fn()
+        windows.append((folder, steps() if callable(steps) else steps))
+
+    monkeypatch.setattr(dec, "profiled", recording)
+    scenario = dict(decodes=2, context=32, prompt=256, steady_steps=2, after_steps=1, seed=0, max_prefill_steps=12)
+    for chunked, start in ((True, 1), (False, 0)):
+        engine = Engine(EngineConfig(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                     chunked_prefill=chunked, chunk_tokens=64, chunk_attention_tokens=0,
+                                     prefix_cache=False))  # the second run computes the same prompt again
+        plain = dec.chunked_scenario(engine, torch.device("cpu"), tag=f"plain-{chunked}", **scenario)
+        seen = dec.chunked_scenario(engine, torch.device("cpu"), tag=f"prof-{chunked}", profile=str(tmp_path),
+                                    profile_from=start, **scenario)
+        assert seen["prefill_steps"] == plain["prefill_steps"]  # the window ran no step past the first token
+        # chunked: 4 chunks of 64 (+ the step that reads the last one back), the first outside the window
+        assert windows[-1] == (str(tmp_path), min(6, plain["prefill_steps"] - start))
+    assert windows[0][1] >= 3  # the chunks over a prefix are in it

@@ -220,11 +220,13 @@ def chunked_steps_bound(prompt: int, chunk_tokens: int) -> int:
 
 
 def chunked_scenario(engine, device: torch.device, decodes: int, context: int, prompt: int, steady_steps: int,
-                     after_steps: int, seed: int, max_prefill_steps: int, tag: str, profile: str | None = None) -> dict:
+                     after_steps: int, seed: int, max_prefill_steps: int, tag: str, profile: str | None = None,
+                     profile_from: int = 1) -> dict:
     """`decodes` requests decoding at `context`, then a `prompt`-token request arrives. Token times are
     the host clock at each step's return (tokens are on the host then). `profile`: a folder where
-    torch.profiler's tables and trace of prefill steps 8-13 go (those steps' times are then the
-    profiler's, not the figures to quote)."""
+    torch.profiler's tables and trace of the prompt's steps go, from its prefill step `profile_from` on
+    (0: its first; 1: the first chunk with a prefix when chunked) until its first token, six at most
+    (those steps' times are then the profiler's, not the figures to quote)."""
     bound = max_prefill_steps
     reqs = adopt_batch(engine, [context] * decodes, f"{tag}-bg", steady_steps + bound + after_steps + 4, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -244,6 +246,13 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
                 token_times[o.request_id].append(now)
         steps.append({"phase": phase, "ms": ms, "decodes": sum(o.request_id in token_times for o in outs)})
 
+    def prompt_steps(most: int) -> None:  # the prompt's steps until its first token is on the host, `most` at most
+        prompt_steps.count = 0
+        while prompt_steps.count < most and not (long.output_ids and long.output_ids[0] >= 0):
+            step("prefill")
+            prompt_steps.count += 1
+    prompt_steps.count = 0
+
     try:
         last[0] = time.perf_counter()
         for _ in range(steady_steps):
@@ -253,8 +262,9 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
         while not (long.output_ids and long.output_ids[0] >= 0):  # its first token on the host (not one in flight)
             if len(steps) >= steady_steps + bound:
                 raise RuntimeError(f"{tag}: the {prompt}-token prompt took more than {bound} steps to prefill")
-            if profile and sum(x["phase"] == "prefill" for x in steps) == 8:
-                profiled(engine, device, lambda: [step("prefill") for _ in range(6)], profile, steps=6)
+            if profile and sum(x["phase"] == "prefill" for x in steps) == profile_from:
+                profiled(engine, device, lambda: prompt_steps(6), profile, steps=lambda: prompt_steps.count)
+                profile = None
             else:
                 step("prefill")
         first_token = time.perf_counter()
@@ -289,10 +299,11 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
     }
 
 
-def profiled(engine, device: torch.device, fn, folder: str, steps: int | None = None) -> None:
+def profiled(engine, device: torch.device, fn, folder: str, steps=None) -> None:
     """Run fn under torch.profiler (CPU and CUDA); write tables by self host time and by device time,
     a chrome trace, and on CUDA the device's kernels summed up (kernel_timeline.py: busy time, the gaps
-    between kernels, kinds; per step where `steps`, the engine steps fn makes, is given) into folder."""
+    between kernels, kinds; per step where `steps`, the engine steps fn makes, is given: a number, or a
+    function that says it once fn has run) into folder."""
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
@@ -313,6 +324,6 @@ def profiled(engine, device: torch.device, fn, folder: str, steps: int | None = 
 
         from pdserve.bench.engine.kernel_timeline import render, summarize
 
-        summary = summarize(json.loads((out / "trace.json").read_text()), steps)
+        summary = summarize(json.loads((out / "trace.json").read_text()), steps() if callable(steps) else steps)
         (out / "kernels.json").write_text(json.dumps(summary, indent=1))
         (out / "kernels.txt").write_text(render(summary) + "\n")

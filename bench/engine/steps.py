@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--mixed-step", default="32,1k,5k,512",
       help="decodes,context,prefix,chunk of the mixed-step point (wall vs GPU-busy time); '' skips it")
     a("--profile", default=None, metavar="DIR",
-      help="also profile six prefill steps of the chunked scenario (chunking on) into DIR: tables and a trace")
+      help="also profile the chunked scenario's prompt steps into DIR (tables and a trace): chunked, its chunks "
+           "over a prefix (from its second step, six at most); unchunked, its prompt's step, into DIR/unchunked")
     a("--profile-decode", default=None, metavar="DIR",
       help="also profile the first decode point's steps (another run, untimed) into DIR: tables and a trace")
     a("--decode-graph-forward", default=None, choices=DECODE_GRAPH_FORWARDS,
@@ -311,9 +312,11 @@ def run(args: argparse.Namespace) -> int:
         dec.chunked_scenario(engine, device, tag=f"rehearsal-{on}", **chunk)  # untimed: shapes, graphs, compiles
         chunked["on" if on else "off"] = {"chunked_prefill": on, "chunk_tokens": chunk_tokens if on else None,
                                           **chunk, **dec.chunked_scenario(engine, device, tag=f"chunk-{on}", **chunk)}
-        if on and args.profile:  # a third run, profiled, whose times are not the ones reported
-            log(f"chunked scenario profiled into {args.profile}")
-            dec.chunked_scenario(engine, device, tag="profiled", profile=args.profile, **chunk)
+        if args.profile:  # a third run, profiled, whose times are not the ones reported: chunked, its chunks over
+            # a prefix (from its second step); unchunked, the prompt's step, into DIR/unchunked
+            folder = args.profile if on else str(Path(args.profile) / "unchunked")
+            log(f"chunked scenario profiled into {folder}")
+            dec.chunked_scenario(engine, device, tag="profiled", profile=folder, profile_from=1 if on else 0, **chunk)
     del engine
     free(device)
     log("roofline copies (end)")
