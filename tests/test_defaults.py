@@ -539,3 +539,19 @@ def test_probes_far_from_their_line_add_no_noise_statement(tmp_path):
     assert [(p["arm"], p["rate"], p["within"]) for p in doc["verdict"]["rests_on_noise"]["chunk2048"]] == [
         ("chunk2048", 16.65, 897)]
     assert "chunk2048 failed 16.6 with 897 of 1000 requests within the SLOs (line 900.0, binomial sd 9.5)" in md
+
+
+def test_the_best_measured_is_the_highest_pass_and_none_without_one(tmp_path):
+    """Arms that share the highest passing rate are named as sharing it, the higher first fail first (the mixed
+    workload at c77ebb5: default [15, 16.2), unchunked [15, 16.27)); where no arm passed a probe (the long one at
+    cbdb184: default and attn0 both failed 1.0) none is called the best."""
+    write_run(tmp_path / "tie" / "default", "default", [(15.0, True), (16.2, False)])
+    write_run(tmp_path / "tie" / "unchunked", "unchunked", [(15.0, True), (16.27, False)])
+    write_run(tmp_path / "tie" / "chunk2048", "chunk2048", [(16.65, False)])
+    doc, md = judged(tmp_path / "tie")
+    assert doc["verdict"]["best_measured"] == "unchunked" and doc["verdict"]["best_measured_ties"] == ["default"]
+    assert "unchunked, its passing rate shared by default" in md
+    write_run(tmp_path / "none" / "default", "default", [(1.0, False)])
+    write_run(tmp_path / "none" / "attn0", "attn0", [(1.0, False)], flags="--worker-arg=--chunk-attention-tokens=0")
+    doc, md = judged(tmp_path / "none", reference=None)
+    assert doc["verdict"]["best_measured"] is None and "none (no arm passed a probe)" in md

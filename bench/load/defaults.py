@@ -223,9 +223,14 @@ def judge(arms: dict[str, dict], default: str, reference: str | None, within: fl
     why = {label: w for label, w in why.items() if w}
     vs = {label: None if label in why else at_least(d, a, 1 - within)
           for label, a in arms.items() if label != default}
-    best = max(arms, key=lambda k: (arms[k]["low"] or 0.0, -(arms[k]["high"] or math.inf)))
+    # the highest passing rate; among arms that share it, the highest first fail (none: higher still). No arm
+    # passed a probe: none is best (the first arm in order was named so, whatever its fail)
+    passed = [k for k in arms if arms[k]["low"]]
+    best = max(passed, key=lambda k: (arms[k]["low"], arms[k]["high"] or math.inf), default=None)
+    tied = sorted(k for k in passed if k != best and arms[k]["low"] == arms[best]["low"]) if best else []
     out = {
         "default": default, "topology": d["topology"], "within": within, "best_measured": best,
+        "best_measured_ties": tied,
         "default_within_margin_of": vs,
         "default_within_margin_of_all": all(v is True for v in vs.values()) if vs else None,
         "undecided": sorted(k for k, v in vs.items() if v is None),
@@ -375,7 +380,11 @@ def render(arms: dict[str, dict], verdict: dict, title: str | None, command: str
                         {True: "**yes**", False: "**no**", None: "not decided by the brackets"}[
                             verdict["default_at_least_reference"]]))
     if verdict["default_within_margin_of"]:
-        lines.append(f"- the best measured (highest passing rate): {verdict['best_measured']}")
+        best, tied = verdict["best_measured"], verdict.get("best_measured_ties") or []
+        lines.append("- the best measured (highest passing rate): " + (
+            "none (no arm passed a probe)" if best is None else
+            f"{best}, its passing rate shared by {', '.join(tied)} (the first fails decide the order)" if tied else
+            best))
     if verdict.get("next_probes"):
         lines.append(f"- probes that would decide what is open (`MORE=\"{more_value(verdict['next_probes'])}\"`): "
                      + "; ".join(f"{p['arm']} at {p['rate']:g}: {p['decides']}" for p in verdict["next_probes"]))
