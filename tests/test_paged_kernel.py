@@ -118,11 +118,12 @@ def test_decode_in_half_precision():
 
 
 @pytest.mark.parametrize("n", [1, 16, 37, 160])  # within a block, whole blocks, part of the last, many
-def test_gather_lays_out_a_requests_positions_in_order_in_one_copy_each(n):
-    """reference_prefix's gather: position i's K and V come from slot i % BS of block table[i // BS], bitwise,
-    nothing past n (NaN in the pool there), and each of K and V is one dense [n, KVH, D] copy (what SDPA reads,
-    transposed), not a view of the pool."""
-    pool, table = make_pool(3, [n, 200], seed=n)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_lays_out_a_requests_positions_in_order_in_one_copy_each(n, dtype):
+    """reference_prefix's gather: position i's K and V come from slot i % BS of block table[i // BS], bitwise
+    (rows copied as 8-byte words), nothing past n (NaN in the pool there), and each of K and V is one dense
+    [n, KVH, D] copy (what SDPA reads, transposed), not a view of the pool."""
+    pool, table = make_pool(3, [n, 200], seed=n, dtype=dtype)
     k, v = attention.gather(pool, table[0], n)
     assert k.shape == v.shape == (3, n, D)
     want_k = torch.stack([pool[table[0, i // BS], 0, i % BS] for i in range(n)]).transpose(0, 1)
@@ -130,3 +131,14 @@ def test_gather_lays_out_a_requests_positions_in_order_in_one_copy_each(n):
     assert torch.equal(k, want_k) and torch.equal(v, want_v)  # no NaN: the slots past n were not taken
     for t in (k, v):
         assert t.transpose(0, 1).is_contiguous() and t.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()
+
+
+def test_block_rows_copies_rows_whose_bytes_are_no_whole_words():
+    """A block's row of 1 x 1 x 3 half-precision values is 6 bytes: no 8-byte view, the rows are copied in
+    their own dtype, the same K and V."""
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(5, 2, 1, 1, 3, generator=g).to(torch.float16)
+    ids = torch.tensor([3, 0, 4])
+    k, v = attention.block_rows(pool, ids)
+    assert k.dtype == v.dtype == torch.float16
+    assert torch.equal(k, pool[ids, 0].reshape(-1, 1, 3)) and torch.equal(v, pool[ids, 1].reshape(-1, 1, 3))

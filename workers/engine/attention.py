@@ -167,12 +167,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 # ---- reference path (CPU, and the oracle the kernels are tested against) --------------------
 
 def block_rows(pool_layer: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the blocks `ids` ([m]), one copy of each, positions in order: [m * block_size, KVH, D]. A
-    block's K (V) is one contiguous row of the pool seen as [blocks, 2, row], so index_select copies whole rows."""
+    """K and V of the blocks `ids` ([m]), one copy of each, positions in order: [m * block_size, KVH, D]. The
+    pool seen as rows, row 2b block b's K and 2b + 1 its V (contiguous: a dense source, no per-element stride
+    arithmetic in index_select), each row as 8-byte words where its bytes allow (a quarter of bf16's elements
+    to index): whole rows copied, bit for bit."""
     num_blocks, _, _, kv_heads, head_dim = pool_layer.shape
-    rows = pool_layer.view(num_blocks, 2, -1)
-    return (rows[:, 0].index_select(0, ids).view(-1, kv_heads, head_dim),
-            rows[:, 1].index_select(0, ids).view(-1, kv_heads, head_dim))
+    rows = pool_layer.view(num_blocks * 2, -1)
+    if rows.shape[1] * rows.element_size() % 8 == 0:
+        rows = rows.view(torch.int64)
+    k, v = rows.index_select(0, ids * 2), rows.index_select(0, ids * 2 + 1)
+    return (k.view(pool_layer.dtype).view(-1, kv_heads, head_dim),
+            v.view(pool_layer.dtype).view(-1, kv_heads, head_dim))
 
 
 def gather(pool_layer: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
