@@ -244,3 +244,22 @@ def test_slos_a_request_alone_misses_are_named_not_searched_into_a_bracket_of_no
     assert all(a["probes"] == [] and a["predicted_capacity_rate"] is None for a in result["arms"])  # not searched
     fast = plan(_profile(20.0, alpha=5.0, beta=1.0), Workload(_args()), _args(goodput=["ttft:1000", "tpot:100"]))
     assert fast["alone"]["misses"] == {} and fast["recommended"] is not None
+
+
+def test_a_prediction_is_the_median_of_its_draws_beside_their_range():
+    """--seeds N: each split is searched over N draws of the lengths and arrivals (seeds --seed .. --seed + N - 1);
+    its prediction is the median draw's search, its range the draws' lowest and highest; one draw is the
+    prediction of --seed alone."""
+    prof = _profile(25.0, alpha=5.0, beta=0.01)
+    args = _args(input_len="uniform:1024:4096", output_len="8", goodput=["ttft:500", "tpot:200"], gpus=1, seeds=3,
+                 shared_slowdowns=None)
+    three = {a["split"]: a for a in plan(prof, Workload(args), args)["arms"]}
+    for seed in range(3):
+        alone = _args(**{**vars(args), "seed": seed, "seeds": 1})
+        for a in plan(prof, Workload(alone), alone)["arms"]:
+            assert three[a["split"]]["capacity_by_seed"][seed] == a["predicted_capacity_rate"]
+    for a in three.values():
+        rates = a["capacity_by_seed"]
+        assert a["seeds"] == [0, 1, 2] and a["predicted_capacity_rate"] == sorted(rates)[1]
+        assert a["seed_range"] == [min(rates), max(rates)]
+    assert len({r for a in three.values() for r in a["capacity_by_seed"]}) > 3  # the draws differ

@@ -88,6 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--probe-min-requests", type=int, default=200)
     s.add_argument("--search-precision", type=float, default=0.03)
     s.add_argument("--search-max-probes", type=int, default=16)
+    s.add_argument("--seeds", type=int, default=5,
+                   help="draws of the workload's lengths and arrivals (--seed, --seed + 1, ...): each split's "
+                        "prediction is the median capacity over them, beside their range (a probe's verdict moves "
+                        "with its arrivals' bursts; on one H100 ten draws spread a long-prompt workload's capacity "
+                        "-23%% to +21%% around its median; default 5)")
     s.add_argument("--measured", action="append", default=None, metavar="SPLIT=RESULTS.json:ARM",
                    help="a measured capacity to set beside a split's prediction: the capacity search of ARM in "
                         "a `pdserve-bench load --capacity-search` results.json, e.g. "
@@ -202,19 +207,27 @@ def shared_slowdowns(text: str | None) -> dict:
 def plan(profile: Profile, workload: Workload, args) -> dict:
     slos = parse_slos(args.goodput)
     lone = alone(profile, workload, slos, args.goodput_target)
+    seeds = [args.seed + i for i in range(max(1, getattr(args, "seeds", 1)))]
+    workloads = [workload] + [Workload(argparse.Namespace(**{**vars(args), "seed": s})) for s in seeds[1:]]
     arms = []
     for split in splits_for(args.gpus, args):
         # a request alone already over an SLO: no rate passes, and a search would halve towards zero
-        cap, probes = (Capacity(None, None, args.search_precision, args.goodput_target), []) if lone["misses"] else \
-            predict(split, profile, workload, slos, target=args.goodput_target, probe_seconds=args.probe_seconds,
+        runs = [(Capacity(None, None, args.search_precision, args.goodput_target), [])] if lone["misses"] else [
+            predict(split, profile, w, slos, target=args.goodput_target, probe_seconds=args.probe_seconds,
                     min_requests=args.probe_min_requests, precision=args.search_precision,
-                    max_probes=args.search_max_probes, seed=args.seed)
+                    max_probes=args.search_max_probes, seed=s) for w, s in zip(workloads, seeds)]
+        # the median draw's search is the prediction (the lower middle of an even count); no passing rate counts
+        # as the lowest
+        cap, probes = sorted(runs, key=lambda r: r[0].rate or 0.0)[(len(runs) - 1) // 2]
+        rates = [c.rate for c, _ in runs]
         at = next((b for b in probes if b["request_rate"] == cap.rate), {})
         arms.append({"split": split.label, "prefill_workers": split.prefill, "decode_workers": split.decode,
                      "colocated": split.prefill == 0, "chunk": split.chunk if split.prefill == 0 else None,
                      "shared_slowdowns": [split.shared_decode_slowdown, split.shared_prefill_slowdown,
                                           split.shared_prefill_extra_ms] if split.shared else None,
                      "predicted_capacity_rate": cap.rate, "per_gpu": None if cap.rate is None else cap.rate / split.gpus,
+                     "seeds": seeds[:len(runs)], "capacity_by_seed": rates,
+                     "seed_range": [min((r or 0.0) for r in rates), max((r or 0.0) for r in rates)],
                      "at_capacity": {k: at.get(k) for k in ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")}, **cap.to_dict()})
     best = recommend(arms, args.search_precision)
     return {"benchmark": "plan", "gpus": args.gpus, "workload": workload.text, "slos_ms": slos,
@@ -271,6 +284,9 @@ def compare(arms: list[dict], specs: list[str]) -> list[dict]:
                     "measured_capacity_rate": measured, "measured_bracket": cap.get("bracket"),
                     "measured_probe_seconds": cap.get("probe_seconds"),
                     "error": None if not predicted or not measured else predicted / measured - 1,
+                    "predicted_seed_range": planned.get("seed_range"),
+                    "measured_within_seed_range": None if measured is None or not planned.get("seed_range") else
+                    planned["seed_range"][0] <= measured <= planned["seed_range"][1],
                     "measured_command": run.get("command"), "measured_workload": run.get("workload")})
     return out
 
@@ -306,16 +322,23 @@ def run(args) -> int:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
     print(f"{args.gpus} GPU(s), {workload.text}, SLOs {result['slos_ms']} (>= {args.goodput_target:.0%})")
-    print(f"{'split':<28} {'predicted req/s':>16} {'per GPU':>9}  bracket")
+    n = len(result["arms"][0]["seeds"]) if result["arms"] else 1
+    print(f"{'split':<28} {'predicted req/s':>16} {'per GPU':>9}  {f'over {n} draws':>14}  bracket")
     for a in result["arms"]:
         rate = f"{a['capacity_rate']:.3g}" if a["capacity_rate"] is not None else \
             "none (alone)" if result["alone"]["misses"] else "< lowest probe"
         per = "-" if a["per_gpu"] is None else f"{a['per_gpu']:.3g}"
-        print(f"{a['split']:<28} {rate:>16} {per:>9}  {a['bracket']}")
+        spread = "{:.3g}-{:.3g}".format(*a["seed_range"])
+        print(f"{a['split']:<28} {rate:>16} {per:>9}  {spread:>14}  {a['bracket']}")
+    if n > 1:
+        print(f"(the median of {n} draws of the workload's lengths and arrivals, seeds {args.seed}-{args.seed + n - 1}; "
+              "a single probe's verdict moves within such a range)")
     for v in result["validation"]:
         err = "-" if v["error"] is None else f"{v['error']:+.0%}"
+        inside = {True: "; within the draws' range", False: "; outside the draws' range", None: ""}[
+            v["measured_within_seed_range"]]
         print(f"validated: {v['split']}: predicted {v['predicted_capacity_rate'] or 0:.3g}, measured "
-              f"{v['measured_capacity_rate']} req/s (bracket {v['measured_bracket']}), error {err}")
+              f"{v['measured_capacity_rate']} req/s (bracket {v['measured_bracket']}), error {err}{inside}")
     misses = result["alone"]["misses"]
     if misses:
         print(f"no split meets the SLOs at any rate: a request alone on one worker is already over them (p"
