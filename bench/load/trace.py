@@ -311,20 +311,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", action="append", default=[], metavar="RESULTS_JSON",
                    help="a `pdserve-bench load` results.json (or .json.gz) of the same server: a line per run "
                         "(repeatable)")
+    p.add_argument("--prompt-cost", action="store_true",
+                   help="also each trace's prompt steps: device time a token, a fit of a step's device time "
+                        "(per token, per query-key pair, per step, per decode row) and, with --profile, each "
+                        "step's excess over the profile's unchunked prefill by its chunk's prefix "
+                        "(bench/load/prompt_cost.py)")
     p.add_argument("--out", default=None, help="the summary as JSON (with provenance)")
 
 
 def run(args) -> int:
     try:
-        profile = None
-        if args.profile:
-            profile = Profile.from_engine_json(json.loads(Path(args.profile).read_text()), source=args.profile)
+        engine = json.loads(Path(args.profile).read_text()) if args.profile else None
+        profile = None if engine is None else Profile.from_engine_json(engine, source=args.profile)
         results = [read_results(r) for r in args.results]
         out = report(args.traces, profile, results)
+        if getattr(args, "prompt_cost", False):
+            from pdserve.bench.load import prompt_cost
+
+            out["prompt_cost"] = {path: prompt_cost.report([s for f in trace_files([path]) for _, ss in read(f)
+                                                            for s in ss], engine) for path in args.traces}
     except (OSError, ValueError) as e:
         print(f"pdserve-bench trace: {e}", file=sys.stderr)
         return 2
     print(render(out))
+    for path, cost in (out.get("prompt_cost") or {}).items():
+        print(prompt_cost.render(path, cost))
     if args.out:
         from pdserve.bench.provenance import collect
 
