@@ -89,6 +89,8 @@ def test_a_neighbour_with_a_vocabulary_of_allowed_ids_does_not_slow_a_request(en
     print(f"plain request's fastest decode step beside 16 others (ms): allowed_token_ids of the whole vocabulary "
           f"{fastest['whole']:.1f}, not set {fastest['none']:.1f}")
     # rebuilt each step from the Python lists (the kept state cleared before each step) it measured 84.8
-    # against 6.6 ms, 12.8x; stacking the kept masks and applying them costs 1.25-1.53x a 5-ms step on this
-    # 2-core machine (a clean-clone CI run measured 7.1 against 4.6 ms): the bound sits between the two
-    assert fastest["whole"] < 2.2 * fastest["none"], fastest
+    # against 6.6 ms, +78 ms a step; stacking the kept masks and applying them adds 1.2-2.5 ms on this 2-core
+    # machine (4.2-5.2 against 2.7-3.2 ms), and a clean-clone CI run read 8.6 against 3.0 (+5.6; 2.9x, past the
+    # ratio bound this test had, 2.2x, once the plain step got faster). The bound is on what the masks add a
+    # step, between the two
+    assert fastest["whole"] - fastest["none"] < 15.0, fastest
