@@ -45,13 +45,14 @@ PROFILE=${PROFILE:-}
 # trace_flag FOLDER: pdserve's flag that traces its workers' steps into FOLDER/steps (nothing with STEP_TRACE=0)
 trace_flag() { if [ "$STEP_TRACE" = 1 ]; then echo "--step-trace $1/steps"; fi; }
 # trace_summary FOLDER: FOLDER/steps summarised by `pdserve-bench trace` into FOLDER/steps.md and steps.json, a
-# line per run of FOLDER/results.json among them
+# line per run of FOLDER/results.json among them, and the prompt steps priced (--prompt-cost: device time a
+# prompt token, a fit of a step's cost, with PROFILE each step beside its unchunked prefill by prefix)
 trace_summary() {
   if [ "$STEP_TRACE" != 1 ] || [ ! -d "$1/steps" ]; then return 0; fi
   local prof=() results
   if [ -n "$PROFILE" ]; then prof=(--profile "$PROFILE"); fi
   if results=$(results_of "$1"); then prof+=(--results "$results"); fi  # a line per run of the server
-  "$PYTHON" -m pdserve.bench.cli trace "$1/steps" "${prof[@]}" --out "$1/steps.json" > "$1/steps.md" \
+  "$PYTHON" -m pdserve.bench.cli trace "$1/steps" "${prof[@]}" --prompt-cost --out "$1/steps.json" > "$1/steps.md" \
     || echo "the step trace of $1 was not summarised (exit $?)"
 }
 # spy_workers FOLDER: with SPY_SECONDS set, sample every pdserve worker process's Python stacks (py-spy, 100 a
