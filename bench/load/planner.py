@@ -91,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seeds", type=int, default=5,
                    help="draws of the workload's lengths and arrivals (--seed, --seed + 1, ...): each split's "
                         "prediction is the median capacity over them, beside their range (a probe's verdict moves "
-                        "with its arrivals' bursts; on one H100 ten draws spread a long-prompt workload's capacity "
-                        "-23%% to +21%% around its median; default 5)")
+                        "with its arrivals' bursts; with an H100 profile ten draws spread a long-prompt workload's "
+                        "capacity from 0.66 to 1.04 req/s around a median of 0.83; default 5)")
     s.add_argument("--measured", action="append", default=None, metavar="SPLIT=RESULTS.json:ARM",
                    help="a measured capacity to set beside a split's prediction: the capacity search of ARM in "
                         "a `pdserve-bench load --capacity-search` results.json, e.g. "
