@@ -142,3 +142,8 @@ def test_block_rows_copies_rows_whose_bytes_are_no_whole_words():
     k, v = attention.block_rows(pool, ids)
     assert k.dtype == v.dtype == torch.float16
     assert torch.equal(k, pool[ids, 0].reshape(-1, 1, 3)) and torch.equal(v, pool[ids, 1].reshape(-1, 1, 3))
+    # whole words a row, but a layer of the pool that starts 2 bytes into a word (a view at an odd offset)
+    flat = torch.randn(1 + 5 * 2 * 4, generator=g).to(torch.float16)
+    layer = flat[1:].view(5, 2, 1, 1, 4)
+    k, v = attention.block_rows(layer, ids)
+    assert torch.equal(k, layer[ids, 0].reshape(-1, 1, 4)) and torch.equal(v, layer[ids, 1].reshape(-1, 1, 4))

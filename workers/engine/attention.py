@@ -173,8 +173,8 @@ def block_rows(pool_layer: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tenso
     to index): whole rows copied, bit for bit."""
     num_blocks, _, _, kv_heads, head_dim = pool_layer.shape
     rows = pool_layer.view(num_blocks * 2, -1)
-    if rows.shape[1] * rows.element_size() % 8 == 0:
-        rows = rows.view(torch.int64)
+    if (rows.shape[1] * rows.element_size()) % 8 == 0 and (rows.storage_offset() * rows.element_size()) % 8 == 0:
+        rows = rows.view(torch.int64)  # (a view of another dtype needs whole words from its storage's start on)
     k, v = rows.index_select(0, ids * 2), rows.index_select(0, ids * 2 + 1)
     return (k.view(pool_layer.dtype).view(-1, kv_heads, head_dim),
             v.view(pool_layer.dtype).view(-1, kv_heads, head_dim))
