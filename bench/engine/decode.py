@@ -247,11 +247,10 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
         steps.append({"phase": phase, "ms": ms, "decodes": sum(o.request_id in token_times for o in outs)})
 
     def prompt_steps(most: int) -> None:  # the prompt's steps until its first token is on the host, `most` at most
-        prompt_steps.count = 0
-        while prompt_steps.count < most and not (long.output_ids and long.output_ids[0] >= 0):
+        for _ in range(most):
+            if long.output_ids and long.output_ids[0] >= 0:
+                return
             step("prefill")
-            prompt_steps.count += 1
-    prompt_steps.count = 0
 
     try:
         last[0] = time.perf_counter()
@@ -263,7 +262,8 @@ def chunked_scenario(engine, device: torch.device, decodes: int, context: int, p
             if len(steps) >= steady_steps + bound:
                 raise RuntimeError(f"{tag}: the {prompt}-token prompt took more than {bound} steps to prefill")
             if profile and sum(x["phase"] == "prefill" for x in steps) == profile_from:
-                profiled(engine, device, lambda: prompt_steps(6), profile, steps=lambda: prompt_steps.count)
+                start = len(steps)
+                profiled(engine, device, lambda: prompt_steps(6), profile, steps=lambda: len(steps) - start)
                 profile = None
             else:
                 step("prefill")

@@ -21,14 +21,13 @@ import numpy as np
 PREFIX_BINS = [(0, 0), (1, 8192), (8193, 16384), (16385, 24576), (24577, None)]
 
 
-def prompt_steps(steps: list[dict]) -> list[dict]:
-    """Steps with prompt tokens and a device time (a CUDA worker's trace)."""
-    return [s for s in steps if s.get("chunks") and s.get("device_ms") is not None
-            and sum(b - a for a, b in s["chunks"]) > 0]
-
-
 def _tokens(s: dict) -> int:
     return sum(b - a for a, b in s["chunks"])
+
+
+def prompt_steps(steps: list[dict], min_tokens: int = 1) -> list[dict]:
+    """Steps of at least `min_tokens` prompt tokens with a device time (a CUDA worker's trace)."""
+    return [s for s in steps if s.get("chunks") and s.get("device_ms") is not None and _tokens(s) >= min_tokens]
 
 
 def _pairs(s: dict) -> float:
@@ -53,7 +52,7 @@ def summary(steps: list[dict]) -> dict | None:
 
 def fit(steps: list[dict], min_tokens: int = 1025) -> dict | None:
     """Least squares of device ms on (tokens / 1e3, pairs / 1e6, 1, decode rows) over steps of >= min_tokens."""
-    ps = [s for s in prompt_steps(steps) if _tokens(s) >= min_tokens]
+    ps = prompt_steps(steps, min_tokens)
     if len(ps) < 8:
         return None
     x = np.array([[_tokens(s) / 1e3, _pairs(s) / 1e6, 1.0, s["decode"]] for s in ps])
@@ -81,7 +80,7 @@ def excess_by_prefix(steps: list[dict], ref: dict, decode_row_ms: float, min_tok
     """Each step of >= min_tokens prompt tokens beside the reference (plus decode_row_ms a decode row), binned by
     the deepest prefix its chunks start at: steps, mean excess ms, mean prompt tokens, mean device ms."""
     rows = []
-    ps = [s for s in prompt_steps(steps) if _tokens(s) >= min_tokens]
+    ps = prompt_steps(steps, min_tokens)
     for lo, hi in PREFIX_BINS:
         sel = [s for s in ps if lo <= _prefix(s) and (hi is None or _prefix(s) <= hi)]
         if not sel:

@@ -325,7 +325,7 @@ def run(args) -> int:
         profile = None if engine is None else Profile.from_engine_json(engine, source=args.profile)
         results = [read_results(r) for r in args.results]
         out = report(args.traces, profile, results)
-        if getattr(args, "prompt_cost", False):
+        if args.prompt_cost:
             from pdserve.bench.load import prompt_cost
 
             out["prompt_cost"] = {path: prompt_cost.report([s for f in trace_files([path]) for _, ss in read(f)
