@@ -2,8 +2,8 @@
 # The crossover atlas on GPUs, one (profile, arm) piece per call so that each call stays under ten
 # minutes, then one call that merges the pieces into atlas.json and atlas.png (pdserve-bench atlas --from).
 # Every run lasts >= RUN_SECONDS (60) of Poisson arrivals; every arm gets its own fresh pdserve, the same
-# seeded prompt lengths and arrival schedule; the SLO pairs (tight: TPOT 25 ms, loose: 100 ms; TTFT 2 s)
-# are judged on the same runs.
+# seeded prompt lengths and arrival schedule; the SLO pairs (tight: TTFT 2 s, TPOT 25 ms; loose: TTFT 2 s, TPOT
+# 100 ms; quick: TTFT 500 ms, TPOT 100 ms) are judged on the same runs, at the merge.
 #
 #   PROFILE=short ARM=colocated bench/run_atlas_gpu.sh      # one piece: ~30 s start + rates x ~65 s
 #   PROFILE=short ARM=disaggregated bench/run_atlas_gpu.sh
@@ -39,7 +39,7 @@ fi
 PROFILE=${PROFILE:?set PROFILE (short, long or mixed) and ARM (colocated, disaggregated, colocated-unchunked)}
 ARM=${ARM:?set ARM (colocated, disaggregated or colocated-unchunked)}
 case $PROFILE in
-  short) RATES=${RATES:-12,24,48} ;;
+  short) RATES=${RATES:-16,32,64} ;;
   long) RATES=${RATES:-1.5,3,4.5} ;;
   mixed) RATES=${RATES:-8,12,16} ;;
   *) echo "PROFILE is short, long or mixed, got '$PROFILE'"; exit 2 ;;
