@@ -18,8 +18,9 @@
 # MIN_REQUESTS (24), RATES (per profile below: three rates at and below the planner's one-GPU predictions
 # from the engine profile of 4acfb30, which were short 66-79, long 3.0-5.1, mixed 8.1-15 req/s; a
 # prediction missed a CPU measurement by +187%, so the grid reaches below; move it when a cell's bracket
-# says the grid ran out; the mixed grid reaches 16 since the colocated default measured 13.8-15 req/s on one
-# H100 at 6ff38c7, bench/results/defaults-gpu), TRANSPORT (ipc),
+# says the grid ran out; the mixed grid spans 5-15 since the colocated default measured [15, 16.2) req/s on one
+# H100 (bench/results/defaults-h100-c77ebb5) and a prefill and a decode worker sharing one H200 [7.5, 8.44)
+# (defaults-gpu-b051920)), TRANSPORT (ipc),
 # SERVER_EXTRA, PYTHON, OUT (bench/results/atlas-gpu).
 source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES, KV_GB; arm_spec
 TRANSPORT=${TRANSPORT:-ipc}
@@ -41,7 +42,7 @@ ARM=${ARM:?set ARM (colocated, disaggregated or colocated-unchunked)}
 case $PROFILE in
   short) RATES=${RATES:-16,32,64} ;;
   long) RATES=${RATES:-1.5,3,4.5} ;;
-  mixed) RATES=${RATES:-8,12,16} ;;
+  mixed) RATES=${RATES:-5,10,15} ;;
   *) echo "PROFILE is short, long or mixed, got '$PROFILE'"; exit 2 ;;
 esac
 IFS=, read -r -a DEVICE_LIST <<< "$DEVICES"
