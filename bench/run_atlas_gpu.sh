@@ -3,13 +3,16 @@
 # minutes, then one call that merges the pieces into atlas.json and atlas.png (pdserve-bench atlas --from).
 # Every run lasts >= RUN_SECONDS (60) of Poisson arrivals; every arm gets its own fresh pdserve, the same
 # seeded prompt lengths and arrival schedule; the SLO pairs (tight: TTFT 2 s, TPOT 25 ms; loose: TTFT 2 s, TPOT
-# 100 ms; quick: TTFT 500 ms, TPOT 100 ms) are judged on the same runs, at the merge.
+# 100 ms; quick: TTFT 500 ms, TPOT 100 ms; smooth: TTFT 2 s, no gap over 100 ms) are judged on the same runs,
+# at the merge.
 #
 #   PROFILE=short ARM=colocated bench/run_atlas_gpu.sh      # one piece: ~30 s start + rates x ~65 s
 #   PROFILE=short ARM=disaggregated bench/run_atlas_gpu.sh
 #   ... (long, mixed)
 #   MERGE=1 bench/run_atlas_gpu.sh                          # atlas.json + atlas.png from every piece in OUT
-#   OUT=$OUT/atlas PROFILE=long ARM=colocated bench/run_atlas_gpu.sh   # on the device machine
+#   OUT=/tmp/atlas TAR=$OUT/atlas-long.tgz PROFILE=long ARM=colocated bench/run_atlas_gpu.sh
+#                                         # on the device machine: OUT tarred into TAR after the piece (the device
+#                                         # returned no file of pieces/<arm>/<profile>/ written under $OUT itself)
 #
 # one GPU (DEVICES=cuda:0, the default): colocated = one colocated worker alone; disaggregated = a
 # prefill and a decode worker sharing the GPU. Two (DEVICES=cuda:0,cuda:1): two colocated workers;
@@ -53,3 +56,4 @@ SPEC=$(arm_spec "$ARM" "${#DEVICE_LIST[@]}")
   --tokenizer "$MODEL" --output-len "$OUTPUT_LEN" --run-seconds "$RUN_SECONDS" --min-requests "$MIN_REQUESTS" \
   --out "$OUT/pieces/$ARM"
 echo "piece in $OUT/pieces/$ARM/$PROFILE; MERGE=1 $0 builds the atlas"
+if [ -n "${TAR:-}" ]; then tar czf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "$OUT tarred into $TAR"; fi

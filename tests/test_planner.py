@@ -194,6 +194,35 @@ def test_a_prediction_beside_a_measured_capacity(tmp_path):
             compare(arms, [bad])
 
 
+def test_a_prediction_beside_fixed_rate_runs(tmp_path):
+    """An arm that ran fixed rates (an atlas piece) is judged on its grid under the plan's SLOs: its capacity is
+    the highest rate below which every rate passed, and the prediction's error is read against that bracket."""
+    def request(ttft_s: float) -> dict:  # 11 tokens 10 ms apart after the first: TPOT 10 ms
+        return {"success": True, "ttft_s": ttft_s, "tpot_s": 0.01, "itls_s": [0.01] * 10, "e2e_s": ttft_s + 0.1}
+
+    def point(rate: float, slow: int, growing: bool = False) -> dict:  # `slow` of 10 requests take 3 s to start
+        return {"arm": "pd", "phase": "point", "request_rate": rate, "saturation": {"queue_growing": growing},
+                "requests": [request(3.0 if i < slow else 0.2) for i in range(10)]}
+
+    run = tmp_path / "results.json"
+    run.write_text(json.dumps({"command": "pdserve-bench atlas ...", "workload": "w", "args": {"run_seconds": 45},
+                               "arms": [{"label": "pd"}],
+                               "results": [point(5, 0), point(10, 1), point(15, 0, growing=True)]}))
+    arms = [{"split": "1P:1D sharing 1 GPU", "predicted_capacity_rate": 12.0, "seed_range": [9.0, 14.0]}]
+    [v] = compare(arms, [f"1P:1D sharing 1 GPU={run}:pd"], {"ttft": 2000.0, "tpot": 100.0}, 0.9)
+    assert v["measured_bracket"] == [10, 15] and v["bracket_error"] == 0.0  # 12 lies in [10, 15)
+    assert v["error"] == pytest.approx(0.2) and v["measured_probe_seconds"] == 45
+    # a 95% target: 10 req/s (one request of ten over the TTFT) fails, 5 passes
+    [v] = compare(arms, [f"1P:1D sharing 1 GPU={run}:pd"], {"ttft": 1000.0, "tpot": 100.0}, 0.95)
+    assert v["measured_bracket"] == [5, 10] and v["bracket_error"] == pytest.approx(12.0 / 10 - 1)
+    # every rate failing: no capacity, the bracket below the lowest rate
+    [v] = compare(arms, [f"1P:1D sharing 1 GPU={run}:pd"], {"ttft": 100.0, "tpot": 100.0}, 0.9)
+    assert v["measured_capacity_rate"] is None and v["measured_bracket"] == [None, 5]
+    assert v["error"] is None and v["bracket_error"] == pytest.approx(12.0 / 5 - 1)
+    with pytest.raises(ValueError):
+        compare(arms, [f"1P:1D sharing 1 GPU={run}:other"], {"ttft": 2000.0}, 0.9)
+
+
 def test_the_planner_measures_a_profile_itself(tmp_path, capsys):
     """--measure runs `pdserve-bench engine` on the tiny model first (a smaller grid than its CPU default) and plans
     from it; SLOs loose enough for a loaded 2-core CPU (torch's threads oversubscribed there make a tiny decode

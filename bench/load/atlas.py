@@ -4,7 +4,8 @@
         --tokenizer qwen2.5-7b --rates 'short=2,4,8,12,16,24;long=0.5,1,2,3,4;mixed=1,2,4,6,8,12'
 
 The grid: prompt profiles (short, long, mixed) x SLO pairs (tight: TTFT 2 s, TPOT 25 ms; loose: TTFT 2 s,
-TPOT 100 ms; quick: TTFT 500 ms, TPOT 100 ms) x offered rates, for each arm on equal hardware: each arm its own fresh server, one after the
+TPOT 100 ms; quick: TTFT 500 ms, TPOT 100 ms; smooth: TTFT 2 s, no gap between tokens over 100 ms) x offered
+rates, for each arm on equal hardware: each arm its own fresh server, one after the
 other (`pdserve-bench load --arm`), on the same seeded prompt lengths and arrival schedule. One GPU
 (--devices cuda:0): a colocated worker alone vs a prefill and a decode worker sharing the GPU; two
 (--devices cuda:0,cuda:1): two colocated workers vs prefill on one, decode on the other. --arm replaces
@@ -46,7 +47,8 @@ PROFILES = {  # name -> the load bench's workload flags
 }
 SLO_PAIRS = {"tight": {"ttft": 2000.0, "tpot": 25.0},  # a steady stream of tokens: decode free of prefill
              "loose": {"ttft": 2000.0, "tpot": 100.0},  # a chat service's limits
-             "quick": {"ttft": 500.0, "tpot": 100.0}}  # a fast first token: no queue, no transfer to wait for
+             "quick": {"ttft": 500.0, "tpot": 100.0},  # a fast first token: no queue, no transfer to wait for
+             "smooth": {"ttft": 2000.0, "itl": 100.0}}  # no gap between two tokens over 100 ms: no stall for a prompt
 DEFAULT_RATES = "short=2,4,8,12,16,24,32;long=0.5,1,2,3,4,6;mixed=1,2,4,6,8,12,16"
 
 
@@ -94,8 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "\"long=--input-len uniform:1024:2048\" (a small model's context is shorter)")
     p.add_argument("--output-len", default="64")
     p.add_argument("--slo", type=_slo, action="append", default=None, metavar="NAME=ttft:MS,tpot:MS",
-                   help="an SLO pair (repeat; default tight=ttft:2000,tpot:25, loose=ttft:2000,tpot:100 and "
-                        "quick=ttft:500,tpot:100)")
+                   help="an SLO pair (repeat; default tight=ttft:2000,tpot:25, loose=ttft:2000,tpot:100, "
+                        "quick=ttft:500,tpot:100 and smooth=ttft:2000,itl:100, ITL a request's longest gap)")
     p.add_argument("--rates", default=None,
                    help="req/s: '1,2,4', per profile 'short=2,4;long=1,2', or 'auto': a short run of every arm per "
                         "profile first, and rates from LOW x the slowest arm's throughput to HIGH x the fastest's "

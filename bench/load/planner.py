@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.settings.worker import EngineConfig
+from pdserve.bench.load.atlas_cells import capacity_on_grid, judge_run
 from pdserve.bench.load.capacity import Capacity, probe_passes, probe_requests, saturation, search_capacity
 from pdserve.bench.load.metrics import RequestRecord, meets_slos, parse_slos
 from pdserve.bench.load.plan_measure import measure_profile
@@ -96,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--measured", action="append", default=None, metavar="SPLIT=RESULTS.json:ARM",
                    help="a measured capacity to set beside a split's prediction: the capacity search of ARM in "
                         "a `pdserve-bench load --capacity-search` results.json, e.g. "
-                        "'colocated x1 chunk 512=load/results.json:colocated' (repeat)")
+                        "'colocated x1 chunk 512=load/results.json:colocated', or, where ARM ran fixed rates (an "
+                        "atlas piece), its capacity on that grid under this plan's SLOs (repeat)")
     s.add_argument("--out", default=None, help="write the plan as JSON here")
 
 
@@ -261,9 +263,43 @@ def recommend(arms: list[dict], precision: float) -> str | None:
     return pick["split"]
 
 
-def compare(arms: list[dict], specs: list[str]) -> list[dict]:
-    """Each --measured spec: the split's predicted capacity beside the arm's measured one, and the error
-    (predicted / measured - 1). A split label not in the plan, or an arm without a capacity, is an error."""
+def measured_capacity(run: dict, arm: str, slos: dict[str, float], target: float) -> dict | None:
+    """ARM's measured capacity in a load results.json: its capacity search's, or else, where it ran fixed rates
+    (an atlas piece), its capacity on that grid judged under `slos` (bench/load/atlas_cells.py). None: neither."""
+    info = next((a for a in run.get("arms") or [] if a.get("label") == arm), None)
+    if info is None:
+        return None
+    if info.get("capacity"):
+        cap = info["capacity"]
+        return {"capacity_rate": cap["capacity_rate"], "bracket": cap.get("bracket"),
+                "probe_seconds": cap.get("probe_seconds"), "from": "capacity search"}
+    points = [b for b in run.get("results") or [] if b.get("arm") == arm and b.get("phase") == "point"]
+    if not points:
+        return None
+    grid = capacity_on_grid([judge_run(b, slos, target) for b in points])
+    return {"capacity_rate": grid["capacity_rate"], "bracket": grid["bracket"],
+            "probe_seconds": (run.get("args") or {}).get("run_seconds"),
+            "from": f"fixed rates {sorted(b['request_rate'] for b in points)} judged under {slos}"}
+
+
+def bracket_error(predicted: float | None, bracket: list | None) -> float | None:
+    """0 where the prediction lies in the measured bracket [highest pass, lowest fail); else its error against
+    the nearer end (below the pass: predicted / pass - 1; at or above the fail: predicted / fail - 1)."""
+    if predicted is None or not bracket:
+        return None
+    low, high = bracket
+    if low is not None and predicted < low:
+        return predicted / low - 1
+    if high is not None and predicted >= high:
+        return predicted / high - 1
+    return 0.0
+
+
+def compare(arms: list[dict], specs: list[str], slos: dict[str, float] | None = None,
+            target: float = 0.9) -> list[dict]:
+    """Each --measured spec: the split's predicted capacity beside the arm's measured one, the error
+    (predicted / measured - 1) and the error against the measured bracket (bracket_error). A split label not
+    in the plan, or an arm without a capacity, is an error."""
     out = []
     for spec in specs:
         split, eq, rest = spec.partition("=")
@@ -275,15 +311,15 @@ def compare(arms: list[dict], specs: list[str]) -> list[dict]:
             raise ValueError(f"--measured: no split {split!r} in this plan (its splits: "
                              f"{', '.join(a['split'] for a in arms)})")
         run = read_results(path)
-        info = next((a for a in run.get("arms") or [] if a.get("label") == arm), None)
-        if info is None or not info.get("capacity"):
-            raise ValueError(f"--measured: {path} has no capacity search for arm {arm!r}")
-        cap = info["capacity"]
+        cap = measured_capacity(run, arm, slos or {}, target)
+        if cap is None:
+            raise ValueError(f"--measured: {path} has no capacity search or fixed-rate runs for arm {arm!r}")
         predicted, measured = planned["predicted_capacity_rate"], cap["capacity_rate"]
         out.append({"split": split, "results": path, "arm": arm, "predicted_capacity_rate": predicted,
-                    "measured_capacity_rate": measured, "measured_bracket": cap.get("bracket"),
-                    "measured_probe_seconds": cap.get("probe_seconds"),
+                    "measured_capacity_rate": measured, "measured_bracket": cap["bracket"],
+                    "measured_probe_seconds": cap["probe_seconds"], "measured_from": cap["from"],
                     "error": None if not predicted or not measured else predicted / measured - 1,
+                    "bracket_error": bracket_error(predicted, cap["bracket"]),
                     "predicted_seed_range": planned.get("seed_range"),
                     "measured_within_seed_range": None if measured is None or not planned.get("seed_range") else
                     planned["seed_range"][0] <= measured <= planned["seed_range"][1],
@@ -317,7 +353,7 @@ def run(args) -> int:
     from pdserve.bench.provenance import collect
     result = {"provenance": collect([]), **plan(profile, workload, args)}
     try:
-        result["validation"] = compare(result["arms"], args.measured or [])
+        result["validation"] = compare(result["arms"], args.measured or [], result["slos_ms"], args.goodput_target)
     except (ValueError, OSError) as e:
         print(f"pdserve-bench plan: {e}", file=sys.stderr)
         return 2
@@ -337,8 +373,10 @@ def run(args) -> int:
         err = "-" if v["error"] is None else f"{v['error']:+.0%}"
         inside = {True: "; within the draws' range", False: "; outside the draws' range", None: ""}[
             v["measured_within_seed_range"]]
+        berr = "-" if v["bracket_error"] is None else f"{v['bracket_error']:+.0%}"
         print(f"validated: {v['split']}: predicted {v['predicted_capacity_rate'] or 0:.3g}, measured "
-              f"{v['measured_capacity_rate']} req/s (bracket {v['measured_bracket']}), error {err}{inside}")
+              f"{v['measured_capacity_rate']} req/s (bracket {v['measured_bracket']}, {v['measured_from']}), "
+              f"error {err}, against the bracket {berr}{inside}")
     misses = result["alone"]["misses"]
     if misses:
         print(f"no split meets the SLOs at any rate: a request alone on one worker is already over them (p"
