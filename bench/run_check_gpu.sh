@@ -4,7 +4,7 @@
 # cold and then warm on the same compile caches (pdserve-bench start), and a long prompt arriving beside
 # running decodes, chunked against unchunked, with the prompt's steps profiled (chunks over a prefix; the whole
 # prompt's step in chunk-profile/unchunked), and decode at batch 1 (1k, 16k
-# contexts) with its steps at 1k profiled (pdserve-bench engine). The part "cut" (not in the default set: a
+# contexts) with its batch-1 steps at 1k and 16k profiled (pdserve-bench engine). The part "cut" (not in the default set: a
 # call of its own, ~7 minutes) A/Bs what the decode graphs run: a cold and a warm start with
 # --decode-graph-forward cut on caches of their own, and the decode part's points with it, beside the
 # default's (layers) start and decode parts.

@@ -329,14 +329,17 @@ def test_per_token_time_excludes_the_first_token():
         per_token_ms([1.0])
 
 
-def test_profile_decode_profiles_the_first_decode_points_steps(tmp_path):
+def test_profile_decode_profiles_the_first_point_and_every_batch_1_point(tmp_path):
+    """Points (1, 64), (2, 64), (1, 128), (2, 128): the first into the folder, (1, 128) into b1-128, no batch 2."""
     prof = tmp_path / "decode-prof"
-    run(tmp_path, ["--model", "tiny", "--device", "cpu", "--lengths", "64", "--pairs", "1", "--batches", "1",
-                   "--contexts", "64", "--mixed-batch", "0", "--repeats", "1", "--warmup", "0",
+    run(tmp_path, ["--model", "tiny", "--device", "cpu", "--lengths", "64", "--pairs", "1", "--batches", "1,2",
+                   "--contexts", "64,128", "--mixed-batch", "0", "--repeats", "1", "--warmup", "0",
                    "--hf-decode-context", "0", "--chunk-decodes", "0", "--mixed-step", "",
                    "--profile-decode", str(prof)])
-    table = (prof / "by-self-cpu.txt").read_text()
-    assert "aten::" in table and (prof / "trace.json").stat().st_size > 0
+    for folder in (prof, prof / "b1-128"):
+        table = (folder / "by-self-cpu.txt").read_text()
+        assert "aten::" in table and (folder / "trace.json").stat().st_size > 0
+    assert sorted(p.name for p in prof.iterdir() if p.is_dir()) == ["b1-128"]
 
 
 def test_the_kernel_timeline_sums_a_profiled_runs_device_time():

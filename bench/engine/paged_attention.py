@@ -17,6 +17,8 @@ mixed lengths; and, with --engine, greedy tokens of the whole model through the 
 through the reference path, --engine-steps steps at each --engine-contexts.
 
 GPU:  pdserve-bench attention --device cuda --sweep --engine
+      pdserve-bench attention --device cuda --sweep --graph 28 --batch 1 --context 16384 \
+          --shapes 1x1024,1x4096,1x32768,8x16384 --no-flex        # the split count at small batch, launch-free
 CPU (the reference only; the kernels need CUDA or TRITON_INTERPRET=1):  tests cover it.
 """
 
@@ -50,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--shapes", default=None, help="more batch x context points, e.g. 8x16384,64x4096")
     p.add_argument("--sweep", action="store_true", help="time several kernel configs, not only the default")
+    p.add_argument("--graph", type=int, default=0, metavar="N",
+                   help="time each arm as a CUDA graph of N calls (rotating pools), replayed: a call's time is the "
+                        "replay's / N, with no host launch in it, as in the engine's decode graphs (one call a "
+                        "layer: 28 for qwen2.5-7b). Without it each call is timed alone, launch included: at batch 1 "
+                        "that is mostly the launch (b1 x 1k read 0.136 ms a call on the H200, 2 MiB of K+V)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--no-timing", action="store_true", help="only the correctness checks (kernels, and --engine)")
     p.add_argument("--engine", action="store_true", help="also compare greedy tokens of qwen2.5-7b, kernels vs reference")
@@ -73,12 +80,26 @@ def timed(fn, repeats: int, warmup: int = 3) -> dict:
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)}
 
 
-def timed_interleaved(arms: dict, rounds: int, repeats: int) -> dict:
+def graphed(fn, calls: int):
+    """fn(0), ..., fn(calls - 1) captured in one CUDA graph (run once first: compiles and allocations outside the
+    capture) -> a function of one argument (ignored) that replays it."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # captured on a side stream of its own, as the engine's decode graphs are
+        for i in range(calls):
+            fn(i)
+    return lambda i: graph.replay()
+
+
+def timed_interleaved(arms: dict, rounds: int, repeats: int, per: int = 1) -> dict:
     """Each arm timed `repeats` times per round, arms in a shuffled order every round; an arm's
     figure is the median over rounds of its per-round medians (min-max across rounds beside it),
-    so every arm sees the same clocks and drift favours none."""
-    got = ab.interleave({k: (lambda i, fn=fn: timed(fn, repeats, warmup=1)["median_ms"]) for k, fn in arms.items()},
-                        rounds=rounds, seed=0, warmup=1)
+    so every arm sees the same clocks and drift favours none. per: the calls one run of an arm makes
+    (a graph of them, graphed()): its figures are per call."""
+    got = ab.interleave({k: (lambda i, fn=fn: timed(fn, repeats, warmup=1)["median_ms"] / per)
+                         for k, fn in arms.items()}, rounds=rounds, seed=0, warmup=1)
     return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "rounds": len(v)}
             for k, v in got.results.items()}
 
@@ -121,7 +142,8 @@ def kernel_timings(args, dev) -> dict:
     configs = [DEFAULT_CONFIG]
     if args.sweep:
         configs += [dict(waves=w, block_n=bn, num_warps=4, num_stages=ns, heads_first=hf)
-                    for w in (2, 4, 8) for bn in (32, 64, 128) for ns in (2, 3) for hf in (False, True)]
+                    for w in (0.5, 1, 2, 4, 8) for bn in (32, 64, 128) for ns in (2, 3) for hf in (False, True)
+                    if dict(waves=w, block_n=bn, num_warps=4, num_stages=ns, heads_first=hf) != DEFAULT_CONFIG]
     for cfg in configs:
         name = "ours " + ",".join(f"{k}={v}" for k, v in cfg.items())
         try:  # compile first: a config the compiler refuses (e.g. shared memory) is reported, not fatal
@@ -130,9 +152,22 @@ def kernel_timings(args, dev) -> dict:
             out.setdefault("refused", {})[name] = repr(e)[:200]
             continue
         arms[name] = lambda i, cfg=cfg: pk.paged_decode(q, pools[i % n_pools], tables[i % n_pools], lens, scale, CTX, **cfg)
-    rows = timed_interleaved(arms, args.rounds, args.repeats)
-    rows["copy_same_bytes_read_write"]["note"] = "reads and writes the K+V bytes: its GB/s counts both"
+        out.setdefault("splits", {})[name] = pk.decode_split(B, KVH, CTX, dev, cfg["waves"], cfg["block_n"])
+    out["timed_as"] = f"a CUDA graph of {args.graph} calls, replayed" if args.graph else "each call alone"
+    if args.graph:
+        for name in list(arms):
+            try:
+                arms[name] = graphed(arms[name], args.graph)
+            except Exception as e:  # an arm that cannot be captured is reported, not timed another way
+                out.setdefault("not_graphed", {})[name] = repr(e)[:200]
+                del arms[name]
+    rows = timed_interleaved(arms, args.rounds, args.repeats, max(1, args.graph))
+    if "copy_same_bytes_read_write" in rows:
+        rows["copy_same_bytes_read_write"]["note"] = "reads and writes the K+V bytes: its GB/s counts both"
     del contig, dst
+    for name, (split_len, num_splits) in out.get("splits", {}).items():
+        if name in rows:
+            rows[name].update(split_len=split_len, num_splits=num_splits)
     ours = {k: v for k, v in rows.items() if k.startswith("ours")}
     best_name = min(ours, key=lambda k: ours[k]["median_ms"])
     best = dict(ours[best_name], name=best_name)
@@ -311,11 +346,13 @@ def run(args) -> int:
 
 
 def table_of(t: dict) -> None:
-    print(f"\n| batch {t['batch']} x {t['context']} keys, {t['kv_bytes'] / 2**30:.2f} GiB K+V | median ms | GB/s |")
+    print(f"\n| batch {t['batch']} x {t['context']} keys, {t['kv_bytes'] / 2**30:.2f} GiB K+V, {t['timed_as']} "
+          f"| median ms a call | GB/s |")
     print("|---|---:|---:|")
     for name, row in t["rows"].items():
         if "median_ms" in row:
-            print(f"| {name} | {row['median_ms']:.3f} | {row['GBps']:.0f} |")
+            splits = f" ({row['num_splits']} splits of {row['split_len']})" if "num_splits" in row else ""
+            print(f"| {name}{splits} | {row['median_ms']:.4f} | {row['GBps']:.0f} |")
         else:
             print(f"| {name} | error | {row['error'][:60]} |")
     print(f"ours (default) {t['ours_default_TBps']} TB/s, best {t['ours_best_TBps']} ({t['ours_best']['name']}); "

@@ -87,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="also profile the chunked scenario's prompt steps into DIR (tables and a trace): chunked, its chunks "
            "over a prefix (from its second step, six at most); unchunked, its prompt's step, into DIR/unchunked")
     a("--profile-decode", default=None, metavar="DIR",
-      help="also profile the first decode point's steps (another run, untimed) into DIR: tables and a trace")
+      help="also profile decode steps (another run of the point, untimed), tables and a trace: the first point's "
+           "into DIR, and every further point at batch 1 into DIR/b1-<context> (the batch-1 points are the ones "
+           "furthest from their roofline)")
     a("--decode-graph-forward", default=None, choices=DECODE_GRAPH_FORWARDS,
       help="what the decode graphs run: cut (the piecewise segments) or layers (transformers' forward); "
            "default: the engine's")
@@ -179,6 +181,15 @@ def decode_points(args, batches: list[int], contexts: list[int]) -> list[dict]:
         points.append({"kind": "mixed", "batch": args.mixed_batch, "context": None,
                        "contexts": dec.mixed_contexts(args.mixed_batch, low, high, args.seed), "range": [low, high]})
     return points
+
+
+def profiled_points(points: list[dict], folder: str | None) -> list[tuple[str, dict]]:
+    """(folder, point) for each decode point --profile-decode profiles: the first into `folder`, then every
+    further batch-1 point into folder/b1-<context>; none without a folder."""
+    if not folder or not points:
+        return []
+    return [(folder, points[0])] + [(str(Path(folder) / f"b1-{p['context'] or p['range']}"), p)
+                                    for p in points[1:] if p["batch"] == 1]
 
 
 def make_engine(loaded, device: torch.device, dtype: torch.dtype, **fields):
@@ -289,12 +300,11 @@ def run(args: argparse.Namespace) -> int:
         log(f"decode batch {p['batch']}, {p['kind']} context {p['context'] or p['range']}")
         p["ours_ms"] = dec.decode_point(engine, p["contexts"], device, args.warmup, args.repeats,
                                         seed=args.seed + i, tag=f"decode-{i}")
-    if points and args.profile_decode:  # a further run of the first point, profiled, whose times are not reported
-        p = points[0]
-        log(f"decode batch {p['batch']} profiled into {args.profile_decode}")
+    for folder, p in profiled_points(points, args.profile_decode):  # further runs, profiled, times not reported
+        log(f"decode batch {p['batch']}, context {p['context'] or p['range']}, profiled into {folder}")
         dec.profiled(engine, device, lambda: dec.decode_point(engine, p["contexts"], device, 2, 10,
                                                                 seed=args.seed, tag="decode-profiled"),
-                     args.profile_decode, steps=13)  # the first launch (overlapped: nothing back), then 12 read
+                     folder, steps=13)  # the first launch (overlapped: nothing back), then 12 read
     mixed_step = None
     if mixed_shape:
         b, ctx, pre, n = mixed_shape
