@@ -232,7 +232,8 @@ def test_prefill_whose_draw_fails_reports_it_and_frees_blocks(reference, monkeyp
     d = Shell("decode", engine(), TransferConfig(transport="zmq"))  # a live peer: the prefill starts
     try:
         monkeypatch.setattr(p.engine.sampler, "_draw", lambda rows, reqs: 1 / 0)
-        p.role.handle(P.Prefill("bad", prompt, P.Sampling(temperature=0.5), "d", d.role.kv_address, [0, 1], 5.0))
+        # one destination block for its one block of prompt: the transfer opens at the forward's first layer
+        p.role.handle(P.Prefill("bad", prompt, P.Sampling(temperature=0.5), "d", d.role.kv_address, [0], 5.0))
         assert p.role.queue_depth() == 1
         pump([p], lambda: p.sent, 5.0)
         [failed] = p.take(P.RequestFailed)
