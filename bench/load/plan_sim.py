@@ -4,7 +4,8 @@ requests through colocated workers or a prefill pool and a decode pool.
     Profile.from_engine_json(data)   a forward's fixed cost, the prompt tokens' cost by position and the
                                      decode step time by batch x context, from `pdserve-bench engine`'s JSON
     Split(prefill, decode, ...)      a deployment: colocated (prefill 0) with N workers, or xP:yD
-    simulate(split, profile, requests)   each request's first-token and finish time
+    simulate(split, profile, requests)   each request's first-token and finish time, and its longest gap
+                                         between two tokens (an ITL SLO judges a request by that)
 
 The model, stated so it can be checked against a measured run:
   - every forward pays a fixed cost (fixed_ms: the weights read once, the layers launched), whatever its
@@ -207,6 +208,8 @@ class Req:
     generated: int = 0
     first_token: float | None = None
     finish: float | None = None
+    last_token: float | None = None  # when its latest token came
+    max_gap_s: float = 0.0  # its longest wait between two tokens (the load bench's ITL SLO judges that)
 
 
 @dataclass
@@ -356,6 +359,8 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
         reshare(w.gpu, now, end)
         for r in rows:
             r.generated += 1
+            r.max_gap_s = max(r.max_gap_s, now - r.last_token)
+            r.last_token = now
             if r.generated >= r.output:
                 r.finish = now
                 w.running.remove(r)
@@ -367,7 +372,7 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
             w.waiting.remove(r)
             r.generated = 1  # the prefill samples the first token
             if w.role == "colocated":
-                r.first_token = now
+                r.first_token = r.last_token = now
                 if r.output <= 1:
                     r.finish = now
                 else:
@@ -389,7 +394,7 @@ def simulate(split: Split, profile: Profile, requests: list[Req]) -> list[Req]:
                 step_done(w, now)
         else:  # "kv": the first token with it; the decode worker takes it at its next step
             r = payload
-            r.first_token = now
+            r.first_token = r.last_token = now
             if r.output <= 1:
                 r.finish = now
                 continue

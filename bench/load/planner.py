@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "python -m pdserve.bench.load.plan_shared reads them from a load run)")
     s = p.add_argument_group("search")
     s.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                   help="the SLOs (required), e.g. ttft:2000 tpot:25")
+                   help="the SLOs (required), e.g. ttft:2000 tpot:25; itl:MS judges a request by its longest gap "
+                        "between two tokens, as the load bench does")
     s.add_argument("--goodput-target", type=float, default=0.9)
     s.add_argument("--probe-seconds", type=float, default=60.0, help="simulated seconds of arrivals per probe")
     s.add_argument("--probe-min-requests", type=int, default=200)
@@ -141,9 +142,10 @@ def requests_at(workload: Workload, rate: float, n: int, seed: int) -> list[Req]
 
 def judge(done: list[Req], rate: float, slos: dict[str, float], target: float) -> dict:
     """The simulated run as a load-bench block: goodput fraction and the saturation signals."""
+    # itls_s holds each request's longest gap alone: an ITL SLO judges a request by its longest gap
     records = [RequestRecord(r.index, None, r.prompt, r.output, output_len=r.output, scheduled_s=r.arrival,
                              start_s=r.arrival, ttft_s=r.first_token - r.arrival, e2e_s=r.finish - r.arrival,
-                             success=True) for r in done]
+                             itls_s=[r.max_gap_s] if r.output > 1 else [], success=True) for r in done]
     met = sum(meets_slos(r, slos) for r in records)
     block = {"request_rate": rate, "num_prompts": len(records), "goodput_fraction": met / len(records),
              "saturation": saturation(records, max(r.finish for r in done), rate),
@@ -239,15 +241,16 @@ def plan(profile: Profile, workload: Workload, args) -> dict:
 
 
 def alone(profile: Profile, workload: Workload, slos: dict[str, float], target: float) -> dict:
-    """A request with a worker to itself (no queue, no other row): its TTFT (its prefill), TPOT (one-row decode
-    steps at its mean context) and E2E, at the goodput target's quantile over the workload's lengths; `misses`:
+    """A request with a worker to itself (no queue, no other row): its TTFT (its prefill), TPOT and longest gap
+    (one-row decode steps at its mean context) and E2E, at the goodput target's quantile over the workload's lengths; `misses`:
     the SLOs those values are already over, which no split can meet at any rate."""
     lengths = workload.lengths(200)
     ttft = np.array([profile.prefill(0, p) for p, _ in lengths])
     tpot = np.array([profile.decode(1, p + o // 2) for p, o in lengths])
     e2e = ttft + tpot * np.array([max(0, o - 1) for _, o in lengths])
     q = 100 * target
-    values = {m: float(np.percentile(v, q)) for m, v in (("ttft", ttft), ("tpot", tpot), ("e2el", e2e))}
+    # alone, a request's longest gap between tokens is one of its decode steps (nothing else runs beside it)
+    values = {m: float(np.percentile(v, q)) for m, v in (("ttft", ttft), ("tpot", tpot), ("itl", tpot), ("e2el", e2e))}
     return {"quantile": q, "ms": values, "misses": {m: values[m] for m, limit in slos.items() if values[m] > limit}}
 
 
@@ -337,8 +340,6 @@ def run(args) -> int:
             raise ValueError("give the SLOs the split must meet: --goodput ttft:MS tpot:MS")
         workload = Workload(args)
         Split(1, 1, shared=True, **shared_slowdowns(args.shared_slowdowns))  # refused here, not mid-plan
-        if "itl" in parse_slos(args.goodput):
-            raise ValueError("the planner's simulation has no per-token gaps: give its SLOs as ttft, tpot or e2el")
         engine_json = json.loads(Path(args.profile).read_text()) if args.profile else None
         profile = Profile.from_engine_json(engine_json, source=args.profile) if engine_json is not None \
             else measure_profile(args.measure, args.device, args.measure_args, args.measure_memory_gb)
