@@ -4,10 +4,12 @@ the JSON's shape, positive figures, and every derived figure recomputed from the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
 import pytest
+import torch
 
 from pdserve.bench import cli
 from pdserve.bench.engine import steps
@@ -396,3 +398,45 @@ def test_the_chunked_scenarios_profile_holds_the_prompts_steps(monkeypatch, tmp_
         # chunked: 4 chunks of 64 (+ the step that reads the last one back), the first outside the window
         assert windows[-1] == (str(tmp_path), min(6, plain["prefill_steps"] - start))
     assert windows[0][1] >= 3  # the chunks over a prefix are in it
+
+
+def test_the_attention_benchs_graphs_rotate_their_inputs(monkeypatch):
+    """--graph N: each graph captures N calls on inputs of its own, consecutive replays read other inputs (none
+    finds the last one's in L2), as many graphs as it takes to touch every input once, at most MAX_GRAPHS. CUDA's
+    graph calls replaced by a recorder: which inputs each capture and each replay touched."""
+    from pdserve.bench.engine import paged_attention as pa
+
+    touched, capturing = [], []
+
+    class Graph:
+        def __init__(self):
+            self.calls = []
+
+        def replay(self):
+            touched.append(list(self.calls))
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        capturing.append(g)
+        yield
+        capturing.pop()
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    eager = []
+
+    def call(i):
+        (capturing[-1].calls if capturing else eager).append(i)
+
+    replay = pa.graphed(call, 4, 10)  # 10 inputs, 4 calls a graph: 3 graphs
+    assert eager == list(range(10))  # every input's call once before any capture
+    for i in range(4):
+        replay(i)
+    assert touched == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0, 1, 2, 3]]  # (the caller reads i % inputs)
+    touched.clear()
+    many = pa.graphed(call, 2, 1000)
+    for i in range(pa.MAX_GRAPHS + 1):
+        many(i)
+    assert len({tuple(t) for t in touched}) == pa.MAX_GRAPHS and touched[0] == touched[-1]
