@@ -9,6 +9,7 @@
 #   PROFILE=short ARM=colocated bench/run_atlas_gpu.sh      # one piece: ~30 s start + rates x ~65 s
 #   PROFILE=short ARM=disaggregated bench/run_atlas_gpu.sh
 #   ... (long, mixed)
+#   PROFILE=short,mixed ARM=disaggregated bench/run_atlas_gpu.sh   # several pieces, one after the other
 #   MERGE=1 bench/run_atlas_gpu.sh                          # atlas.json + atlas.png from every piece in OUT
 #   OUT=/tmp/atlas TAR=$OUT/atlas-long.tgz PROFILE=long ARM=colocated bench/run_atlas_gpu.sh
 #                                         # on the device machine: OUT tarred into TAR after the piece (the device
@@ -25,6 +26,7 @@
 # H100 (bench/results/defaults-h100-c77ebb5) and a prefill and a decode worker sharing one H200 [7.5, 8.44)
 # (defaults-gpu-b051920)), TRANSPORT (ipc),
 # SERVER_EXTRA, PYTHON, OUT (bench/results/atlas-gpu).
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # (the common part changes the directory)
 source "$(dirname "$0")/run_gpu_common.sh"  # PYTHON, MODEL, DEVICES, KV_GB; arm_spec
 TRANSPORT=${TRANSPORT:-ipc}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
@@ -42,6 +44,14 @@ fi
 
 PROFILE=${PROFILE:?set PROFILE (short, long or mixed) and ARM (colocated, disaggregated, colocated-unchunked)}
 ARM=${ARM:?set ARM (colocated, disaggregated or colocated-unchunked)}
+if [[ $PROFILE == *,* || $ARM == *,* ]]; then  # several pieces, one after the other (TAR after each)
+  [[ -z "${RATES:-}" || $PROFILE != *,* ]] || { echo "RATES is per profile: give one PROFILE with it"; exit 2; }
+  rc=0
+  for p in ${PROFILE//,/ }; do
+    for a in ${ARM//,/ }; do PROFILE=$p ARM=$a "$SELF" || rc=1; done
+  done
+  exit $rc
+fi
 case $PROFILE in
   short) RATES=${RATES:-16,32,64} ;;
   long) RATES=${RATES:-1.5,3,4.5} ;;
@@ -56,4 +66,4 @@ SPEC=$(arm_spec "$ARM" "${#DEVICE_LIST[@]}")
   --tokenizer "$MODEL" --output-len "$OUTPUT_LEN" --run-seconds "$RUN_SECONDS" --min-requests "$MIN_REQUESTS" \
   --out "$OUT/pieces/$ARM"
 echo "piece in $OUT/pieces/$ARM/$PROFILE; MERGE=1 $0 builds the atlas"
-if [ -n "${TAR:-}" ]; then tar czf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "$OUT tarred into $TAR"; fi
+if [ -n "${TAR:-}" ] && [ -d "$OUT" ]; then tar czf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "$OUT tarred into $TAR"; fi

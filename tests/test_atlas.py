@@ -9,7 +9,9 @@ five clean-clone runs left colo's top run queued (ITL p99 115-243 ms, its latene
 tie; a stall of that length is a fifth of a run here, and colo drains its queue at half its capacity."""
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +148,31 @@ def test_a_cell_no_arm_won_says_why(tmp_path):
     assert "colo at best 0% within them at 8/s (ttft <= 5 ms: 0%)" in why
     assert cells["loose"]["winner"] != "neither"
     assert f"- short x instant: **neither**: {why}" in (out / "atlas.md").read_text()
+
+
+def test_the_gpu_script_runs_several_pieces_and_tars_them(tmp_path):
+    """bench/run_atlas_gpu.sh with PROFILE=short,long ARM=colocated: one piece after the other, each with its own
+    profile's grid, OUT tarred into TAR after each; RATES with several profiles is refused (it is per profile).
+    PYTHON is a stand-in that writes a piece's folder where --out says and records its --profiles and --rates."""
+    import subprocess
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    stub = tmp_path / "python"
+    stub.write_text('#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do case $1 in --out) out=$2;; --profiles) p=$2;; '
+                    '--rates) r=$2;; esac; shift; done\nmkdir -p "$out/$p" && echo "$r" > "$out/$p/rates.txt"\n')
+    stub.chmod(0o755)
+    out, tar = tmp_path / "atl", tmp_path / "atl.tgz"
+    env = {**os.environ, "PYTHON": str(stub), "OUT": str(out), "TAR": str(tar), "PROFILE": "short,long",
+           "ARM": "colocated"}
+    run = subprocess.run(["bash", str(root / "bench/run_atlas_gpu.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    pieces = out / "pieces" / "colocated"
+    assert (pieces / "short" / "rates.txt").read_text().strip() == "16,32,64"
+    assert (pieces / "long" / "rates.txt").read_text().strip() == "1.5,3,4.5"
+    with tarfile.open(tar) as t:
+        assert {"atl/pieces/colocated/short/rates.txt", "atl/pieces/colocated/long/rates.txt"} <= set(t.getnames())
+    refused = subprocess.run(["bash", str(root / "bench/run_atlas_gpu.sh")], env={**env, "RATES": "1,2"},
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "RATES is per profile" in refused.stdout
