@@ -149,23 +149,22 @@ class IpcTransfer(SenderTransfer):
         self.stream: torch.cuda.Stream | None = sender.stream
         self.pending: list[tuple[int | slice, torch.cuda.Event | None]] = []  # waiting for the Accept
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # the block ids, for many runs
-        # (destination, source) views of each run, by layer (-1: all layers, one strided copy), made
-        # here, before the K/V are ready: on the H200 the views of a 32k transfer's 28 per-layer copies, made
-        # between the ready event and the copies, held the side stream idle ~0.3 ms of the 1.3 ms it took
-        self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        if len(plan.runs) <= INDEX_RUNS:
-            bulk_at_once = not self.layered and (self.stream is None or plan.num_bytes < PER_LAYER_COPY_BYTES)
-            for layer in ([slice(None)] if bulk_at_once else range(plan.num_layers)):
-                self._run_views(layer)
+        # many runs on one device: by block index (block_copy); else a copy per run
+        self._by_index = len(plan.runs) > INDEX_RUNS and self.src.device == self.dst.device
+        # Bulk. Measured on an H200 (bench/results/transfer-*.json): a contiguous copy_ between two
+        # processes' pools costs ~40 us of fixed latency (copy engine) but streams at ~1.9 TB/s;
+        # one strided copy_ of pool[:, a:b] for all layers is a single kernel with no such
+        # latency but ran at ~0.9 TB/s (bf16 elements). So: one strided copy for small requests, one
+        # copy per layer for large ones (crossover between 224 MiB and 896 MiB of KV).
+        self._all_at_once = not self.layered and (self.stream is None or plan.num_bytes < PER_LAYER_COPY_BYTES)
+        # (destination, source) views of each run, by layer (-1: all layers, one strided copy), made here,
+        # before the K/V are ready: on the H200 the views of a 32k transfer's 28 per-layer copies, made between
+        # the ready event and the copies, held the side stream idle ~0.3 ms of the 1.3 ms it took
+        self._views = {} if self._by_index else self._run_views()
 
     def _move(self, layers: list[int]) -> None:
         ready = self.mark()
-        if not self.layered and (self.stream is None or self.plan.num_bytes < PER_LAYER_COPY_BYTES):
-            # Bulk. Measured on an H200 (bench/results/transfer-*.json): a contiguous copy_ between two
-            # processes' pools costs ~40 us of fixed latency (copy engine) but streams at ~1.9 TB/s;
-            # one strided copy_ of pool[:, a:b] for all layers is a single kernel with no such
-            # latency but ran at ~0.9 TB/s (bf16 elements). So: one strided copy for small requests, one
-            # copy per layer for large ones (crossover between 224 MiB and 896 MiB of KV).
+        if self._all_at_once:
             self.pending.append((slice(None), ready))
         else:
             self.pending += [(layer, ready) for layer in layers]
@@ -207,30 +206,26 @@ class IpcTransfer(SenderTransfer):
     def _copies(self, layers: list[int | slice]) -> None:
         """One copy_ per run and layer (their views made beforehand, _run_views), or by block index when the runs
         are many (on the current stream)."""
-        runs = self.plan.runs
-        if len(runs) > INDEX_RUNS and self.src.device == self.dst.device:
+        if self._by_index:
             src, dst = words(self.src), words(self.dst)
             src_ids, dst_ids = self._block_index()
             for first, count in layer_spans(layers, src.shape[0]):  # the layers ready together
                 self.copies += block_copy.copy(src[first:first + count], dst[first:first + count], src_ids, dst_ids)
             return
         for layer in layers:
-            for d, s in self._run_views(layer):
+            for d, s in self._views[-1 if isinstance(layer, slice) else layer]:
                 d.copy_(s, non_blocking=True)
-        self.copies += len(layers) * len(runs)
+        self.copies += len(layers) * len(self.plan.runs)
 
-    def _run_views(self, layer: int | slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) of each run at `layer` (slice(None): every layer), as 8-byte words; made once a
-        transfer, outside inference mode (a view made inside it, in a layer hook of the prefill's forward, is an
-        inference tensor that copy_ outside it may not write)."""
-        key = -1 if isinstance(layer, slice) else layer  # (a slice is no dict key before Python 3.12)
-        views = self._views.get(key)
-        if views is None:
-            with torch.inference_mode(False):
-                src, dst = words(self.src), words(self.dst)
-                views = [(dst[layer, d:d + n], src[layer, s:s + n]) for s, d, n in self.plan.runs]
-            self._views[key] = views
-        return views
+    def _run_views(self) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(destination, source) of each run, as 8-byte words, for every layer _copies will be asked for: all of
+        them at once (key -1; a slice is no dict key before Python 3.12) or each layer. Made outside inference
+        mode: a view made inside it (the transfer opens in a layer hook of the prefill's forward) is an inference
+        tensor that copy_ outside it may not write."""
+        with torch.inference_mode(False):
+            src, dst = words(self.src), words(self.dst)
+            layers = [(-1, slice(None))] if self._all_at_once else [(i, i) for i in range(self.plan.num_layers)]
+            return {key: [(dst[at, d:d + n], src[at, s:s + n]) for s, d, n in self.plan.runs] for key, at in layers}
 
     def _block_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The plan's source and destination block ids, once per transfer, on the pool's device: built in NumPy
