@@ -213,11 +213,11 @@ def test_a_prediction_beside_a_measured_capacity(tmp_path):
         {"label": "colo", "capacity": {"capacity_rate": 8.0, "bracket": [8.0, 9.0], "probe_seconds": 60.0}},
         {"label": "broken", "error": "did not start"}]}))
     arms = [{"split": "colocated x1 chunk 512", "predicted_capacity_rate": 10.0}]
-    [v] = compare(arms, [f"colocated x1 chunk 512={run}:colo"])
+    [v] = compare(arms, [f"colocated x1 chunk 512={run}:colo"], {"ttft": 2000.0}, 0.9)
     assert v["error"] == pytest.approx(0.25) and v["measured_bracket"] == [8.0, 9.0]
     for bad in (f"1P:1D={run}:colo", f"colocated x1 chunk 512={run}:broken", "colocated x1 chunk 512"):
         with pytest.raises(ValueError):
-            compare(arms, [bad])
+            compare(arms, [bad], {"ttft": 2000.0}, 0.9)
 
 
 def test_a_prediction_beside_fixed_rate_runs(tmp_path):

@@ -123,8 +123,9 @@ def test_the_atlas_and_the_planner_read_a_gzipped_results_json(tmp_path):
     assert atlas.merge_runs([str(tmp_path / "packed")])["long"]["arms"][0]["label"] == "disagg"
     # --measured SPLIT=X/results.json:ARM where only X/results.json.gz is there
     planned = [{"split": "s", "predicted_capacity_rate": 9.0}]
-    then = planner.compare(planned, [f"s={tmp_path / 'plain' / 'long' / 'results.json'}:disagg"])
-    now = planner.compare(planned, [f"s={tmp_path / 'packed' / 'long' / 'results.json'}:disagg"])
+    slos = {"ttft": 2000.0}
+    then = planner.compare(planned, [f"s={tmp_path / 'plain' / 'long' / 'results.json'}:disagg"], slos, 0.9)
+    now = planner.compare(planned, [f"s={tmp_path / 'packed' / 'long' / 'results.json'}:disagg"], slos, 0.9)
     assert [{**c, "results": None} for c in now] == [{**c, "results": None} for c in then]
     assert now[0]["measured_capacity_rate"] == 6.0 and now[0]["error"] == pytest.approx(0.5)
 

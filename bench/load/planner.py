@@ -298,8 +298,7 @@ def bracket_error(predicted: float | None, bracket: list | None) -> float | None
     return 0.0
 
 
-def compare(arms: list[dict], specs: list[str], slos: dict[str, float] | None = None,
-            target: float = 0.9) -> list[dict]:
+def compare(arms: list[dict], specs: list[str], slos: dict[str, float], target: float) -> list[dict]:
     """Each --measured spec: the split's predicted capacity beside the arm's measured one, the error
     (predicted / measured - 1) and the error against the measured bracket (bracket_error). A split label not
     in the plan, or an arm without a capacity, is an error."""
@@ -314,7 +313,7 @@ def compare(arms: list[dict], specs: list[str], slos: dict[str, float] | None = 
             raise ValueError(f"--measured: no split {split!r} in this plan (its splits: "
                              f"{', '.join(a['split'] for a in arms)})")
         run = read_results(path)
-        cap = measured_capacity(run, arm, slos or {}, target)
+        cap = measured_capacity(run, arm, slos, target)
         if cap is None:
             raise ValueError(f"--measured: {path} has no capacity search or fixed-rate runs for arm {arm!r}")
         predicted, measured = planned["predicted_capacity_rate"], cap["capacity_rate"]
