@@ -234,9 +234,13 @@ def by_run(header: dict, steps: list[dict], runs: list[dict], profile: Profile |
     return out
 
 
-def report(paths: list[str], profile: Profile | None, results: list[dict] | None = None) -> dict:
+def report(paths: list[str], profile: Profile | None, results: list[dict] | None = None,
+           segments: dict[Path, list[tuple[dict, list[dict]]]] | None = None) -> dict:
+    """segments: each trace file under `paths` read already ({file: read(file)}); else they are read here."""
+    if segments is None:
+        segments = {f: read(f) for f in trace_files(paths)}
     traces = [(f"{f}#{k}" if k else str(f), header, steps)
-              for f in trace_files(paths) for k, (header, steps) in enumerate(read(f))]
+              for f, segs in segments.items() for k, (header, steps) in enumerate(segs)]
     workers = []
     for f, header, steps in traces:
         # the other workers on this device in the same run (their clocks' zero within a minute of this one's),
@@ -324,12 +328,16 @@ def run(args) -> int:
         engine = json.loads(Path(args.profile).read_text()) if args.profile else None
         profile = None if engine is None else Profile.from_engine_json(engine, source=args.profile)
         results = [read_results(r) for r in args.results]
-        out = report(args.traces, profile, results)
+        segments = {f: read(f) for f in trace_files(args.traces)}  # each file read once, for both reports
+        out = report(args.traces, profile, results, segments)
         if args.prompt_cost:
             from pdserve.bench.load import prompt_cost
 
-            out["prompt_cost"] = {path: prompt_cost.report([s for f in trace_files([path]) for _, ss in read(f)
-                                                            for s in ss], engine) for path in args.traces}
+            def under(path: str) -> list[dict]:  # the steps of the traces given as `path` (a file, or a folder)
+                top = Path(path)
+                return [s for f, segs in segments.items() if f == top or top in f.parents for _, ss in segs for s in ss]
+
+            out["prompt_cost"] = {path: prompt_cost.report(under(path), engine) for path in args.traces}
     except (OSError, ValueError) as e:
         print(f"pdserve-bench trace: {e}", file=sys.stderr)
         return 2
