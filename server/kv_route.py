@@ -1,7 +1,7 @@
 """KV-aware worker choice: each candidate priced by the TTFT it would give a request, in milliseconds,
 from what the workers report (their block names, server/kv_index.py; their measured costs, KVCosts).
 
-    price(worker, tiers, prompt_tokens, ms_per_token) -> Estimate
+    price(worker, tiers, prompt_tokens, fallback) -> Estimate
         queue     tokens ahead of it there x its prefill ms per token: the prompt tokens the router sent
                   it (less what it expected cached) that have no first token yet: exact and immediate,
                   where the queue a heartbeat reports (KVCosts.queued_tokens, in /health) is up to an
@@ -20,8 +20,10 @@ that, the request goes where it is recomputed. Prices within 10% of the cheapest
 but the fixed ms any prefill costs) plus one block's compute are a tie: it goes to the worker chosen less
 often (round robin among equals), then to the less loaded.
 
-A worker that has not measured its prefill speed yet is priced at the others' (their median); when
-none has, tokens count as 1 ms each: the choice then follows cached tokens and queues alone.
+A worker that has not measured its prefill speed yet is priced at the others' line (the median of their
+ms per token, and of their fixed ms: a worker that registered later pays what any prefill costs like the
+others, or a whole prompt recomputed there would look cheaper than a few new tokens on the worker holding
+the rest); when none has, tokens count as 1 ms each: the choice then follows cached tokens and queues alone.
 """
 
 from __future__ import annotations
@@ -58,17 +60,24 @@ def in_flight(w) -> int:
     return len(w.inflight)
 
 
-def ms_per_token(workers) -> float | None:
-    """The median prefill speed the workers measured (None: none has)."""
-    seen = [w.costs.prefill_ms_per_token for w in workers
+def prefill_line(workers) -> tuple[float, float] | None:
+    """(ms per token, fixed ms per prefill) of the workers that measured theirs: the median of each (None:
+    none has)."""
+    seen = [(w.costs.prefill_ms_per_token, w.costs.prefill_ms_fixed) for w in workers
             if w.costs is not None and w.costs.prefill_ms_per_token is not None]
-    return statistics.median(seen) if seen else None
+    if not seen:
+        return None
+    return statistics.median(s for s, _ in seen), statistics.median(f for _, f in seen)
 
 
-def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) -> Estimate:
+def price(w, tiers: list[str], prompt_tokens: int, fallback: tuple[float, float] | None) -> Estimate:
+    """`fallback`: the line (prefill_line) a worker that has not measured its own is priced at."""
     c = w.costs
     own = c.prefill_ms_per_token if c is not None else None
-    per_token = own if own is not None else (fallback_ms if fallback_ms is not None else UNMEASURED_MS_PER_TOKEN)
+    if own is not None:
+        per_token, fixed = own, c.prefill_ms_fixed
+    else:
+        per_token, fixed = fallback if fallback is not None else (UNMEASURED_MS_PER_TOKEN, 0.0)
     bs = w.info.block_size
     # the engine computes at least the last prompt token: a whole-prompt hit still prefills one
     usable = min(len(tiers), max(0, prompt_tokens - 1) // bs)
@@ -91,7 +100,6 @@ def price(w, tiers: list[str], prompt_tokens: int, fallback_ms: float | None) ->
     uncached = prompt_tokens - sum(cached.values())
     ahead = sum(w.pending.values())
     load_ms = in_flight(w) * bs * per_token
-    fixed = c.prefill_ms_fixed if c is not None and own is not None else 0.0
     ttft = fixed + (ahead + uncached) * per_token + reload_ms + load_ms
     return Estimate(w, ttft, {t: n for t, n in cached.items() if n}, uncached, own is not None, per_token,
                     ahead * per_token, fixed)
@@ -107,7 +115,7 @@ def choose(workers: list, index: KVIndex, prompt_ids: list[int]) -> Estimate:
     within TIE of the cheapest are a tie (noise in measured speeds must not send every cold prompt to
     one worker), which goes to the one chosen less often, then to the less loaded."""
     candidates = not_overloaded(workers)
-    fallback = ms_per_token(workers)
+    fallback = prefill_line(workers)
     names: dict[tuple[bytes, int], list[bytes]] = {}  # per naming (root, block size): once per request
     estimates = []
     for w in candidates:

@@ -109,6 +109,26 @@ def test_host_tier_prefix_goes_where_reload_beats_recompute(host_gbps, where):
     assert plan.worker.pending == {"r1": e.uncached_tokens}  # ahead of the next request until token 1
 
 
+def test_a_worker_not_measured_yet_pays_the_fixed_ms_of_the_others():
+    # a fitted a line with a fixed part; b has not measured yet (it registered later): b is priced at the
+    # others' line, fixed ms included; without it, recomputing the whole prompt on b looked cheaper than
+    # a's 16 new tokens by a's fixed ms alone, and a conversation's turn left the worker holding it
+    a = colocated("a", P.KVCosts(bytes_per_token=1000, prefill_ms_per_token=0.015, prefill_ms_fixed=7.4))
+    b = colocated("b", P.KVCosts(bytes_per_token=1000))
+    history = list(range(6000, 6176))  # 11 full blocks on a
+    pool = Pool(a, b)
+    pool.kv.apply("a", events("a", 0, [("gpu", block_names(history, BS, ROOT))], reset=True))
+    pool.kv.apply("b", events("b", 0, reset=True))
+    cfg = RouterConfig(model="tiny")
+    metrics = Metrics("tiny")
+    planner = Planner(cfg, pool, Admission(cfg, pool, metrics), metrics)
+    plan = planner.plan(Job("turn", history + list(range(16)), P.Sampling(max_tokens=1), "colocated"))
+    assert plan.worker.id == "a" and plan.estimate.cached == {"gpu": 176}
+    b_price = planner.plan(Job("cold", list(range(7000, 7192)), P.Sampling(max_tokens=1), "colocated")).estimate
+    assert b_price.worker.id == "b" and not b_price.measured  # a has a request ahead now: the cold one goes to b
+    assert b_price.fixed_ms == 7.4 and b_price.ttft_ms == pytest.approx(7.4 + 192 * 0.015)
+
+
 # ---- live: multi-turn conversations on two colocated workers -------------------------------------------
 
 CONVERSATIONS, TURNS = 8, 3
@@ -123,6 +143,7 @@ def conversation_turns(srv, rounds: int = TURNS) -> tuple[float, set[str], list[
     histories = [[(c * 997 + i * 31) % 900 + 5 for i in range(160)] for c in range(CONVERSATIONS)]
     history_tokens = cached = 0
     served, later = set(), []
+    held: dict[str, set[tuple[int, int]]] = {}  # worker -> (conversation, block) its pool holds: all it served
 
     def send(prompt):
         r = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
@@ -137,14 +158,17 @@ def conversation_turns(srv, rounds: int = TURNS) -> tuple[float, set[str], list[
             times = list(pool.map(send, [list(h) for h in histories]))
             for c, t in enumerate(times):
                 served.add(t["worker"])
+                held.setdefault(t["worker"], set()).update((c, b) for b in range(len(histories[c]) // BS))
                 if turn:
                     full = (len(histories[c]) - NEW) // BS * BS  # what the turn before could leave cached
                     history_tokens += full
                     cached += min(full, t["cached_tokens"] or 0)
                     later.append(t)
-            blocks = sum(len(h) // BS for h in histories)  # the workers' reports carry the new blocks
-            srv.wait_for(lambda h: sum(w.get("kv_blocks_indexed", 0) for w in h["workers"]) >= blocks,
-                         timeout=20, what="the workers' block reports")
+            # the router's index lists every block on the worker that served it (from the first token on,
+            # then the workers' reports): per worker, as a sum over both would pass with one's names missing
+            # while the other holds a conversation twice (served there by the load rule)
+            srv.wait_for(lambda h: all(w.get("kv_blocks_indexed", 0) >= len(held.get(w["id"], ()))
+                                       for w in h["workers"]), timeout=20, what="the workers' block reports")
     return cached / history_tokens, served, later
 
 
