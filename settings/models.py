@@ -38,6 +38,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
 
 
+def compile_cache_dir() -> Path:
+    """Where a worker keeps Inductor's compiled code (the Triton kernels it generates included): beside the
+    models, not Inductor's default under /tmp, which a reboot or a tmp cleaner empties."""
+    return cache_root() / "compile" / "inductor"
+
+
 def smollm2_cache_dir() -> Path:
     return cache_root() / "models" / "smollm2-135m"
 

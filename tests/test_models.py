@@ -211,3 +211,17 @@ def test_qwen25_7b_loader_path_on_a_shrunk_config(monkeypatch):
     with torch.no_grad():
         logits = model(ids).logits[0, -1].float()
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_a_worker_keeps_inductors_compiled_code_in_pdserves_cache(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from pdserve.workers.cli import keep_compiled_code
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    want = tmp_path / "compile" / "inductor"
+    assert keep_compiled_code() == str(want)
+    assert cache_dir() == str(want) and want.is_dir()  # where Inductor writes (its Triton kernels beneath)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice wins
+    assert keep_compiled_code() == str(tmp_path / "mine") and cache_dir() == str(tmp_path / "mine")

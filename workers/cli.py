@@ -65,6 +65,15 @@ def worker_config(args, base: WorkerConfig | None = None, keys=None) -> WorkerCo
     return from_args(WorkerConfig, args, base=base, engine=engine, transfer=transfer, keys=keys)
 
 
+def keep_compiled_code() -> str:
+    """Inductor's on-disk cache in pdserve's (settings.models.compile_cache_dir), so that a worker restarted
+    after /tmp was emptied starts warm (a GPU worker compiles its layers once a machine: ~10 s of its start
+    on empty caches). A TORCHINDUCTOR_CACHE_DIR already set wins. Returns the directory in use."""
+    from pdserve.settings.models import compile_cache_dir
+
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+
+
 def set_threads(n: int | None) -> None:
     if n:
         import torch
@@ -135,6 +144,7 @@ def serve(argv: list[str]) -> int:
     from pdserve.workers.worker import Worker
 
     set_threads(cfg.engine.threads)
+    keep_compiled_code()
     try:
         worker = Worker(cfg)
     except StartupError as e:
@@ -171,6 +181,7 @@ def generate(argv: list[str]) -> int:
         print(f"pdserve-worker generate: {problem}", file=sys.stderr)
         return 2
     set_threads(cfg.threads)
+    keep_compiled_code()
     from pdserve.workers.engine.engine import Engine
 
     engine = Engine(cfg)
