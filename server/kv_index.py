@@ -16,7 +16,10 @@ Fed by what the workers say only, so it may be stale, never wrong: a name it lis
 evicted costs that request a recompute (the worker looks its own cache up; the index only steers). The
 router's own guess when it chooses a worker is never indexed: a request the worker refuses (or that
 fails before its first token) leaves nothing behind. A lost report (a gap in `seq`) forgets the
-worker's names until its next full report (`reset`).
+worker's names until its next full report (`reset`). A full report replaces the worker's names with its
+snapshot, except those accepted since its last report came: the report and the first token travel on
+different sockets, so a snapshot taken just before a prefill ended can arrive after that request's first
+token (its next report would list them again; meanwhile a conversation's next turn would miss).
 
 Bounded in bytes: at most max_bytes (MAX_BYTES, 512 MiB: ~3M entries), counted as ENTRY_BYTES per
 (name, worker) entry, the most one takes as measured with tracemalloc (tests/test_kv_index.py): the
@@ -43,6 +46,7 @@ MAX_BYTES = 512 * 2**20  # the index's memory: ~3M (name, worker) entries, a 16-
 ENTRY_BYTES = 176  # one (name, worker) entry at most, as measured (tests/test_kv_index.py), with a margin
 REAP_SLICE = 4096  # forgotten entries freed per reap() call: a millisecond or two
 EVICT_SLACK = 64  # past the bound, 1/64 of it goes at once
+MAX_FRESH = 65536  # names accepted between two reports of a worker kept for a full report (~8 MiB at most)
 
 
 def best_tier(bits: int) -> str | None:
@@ -57,6 +61,7 @@ class KVIndex:
         self._held: dict[str, dict[bytes, int]] = {}
         self._seq: dict[str, int] = {}  # worker id -> the seq of its last report
         self._dying: list[dict[bytes, int]] = []  # forgotten, not freed yet (reap)
+        self._fresh: dict[str, dict[bytes, None]] = {}  # worker id -> names accepted since its last report
         self.entries = 0  # (name, worker) pairs held, all workers
         self.lost_reports = 0  # gaps seen (each forgot a worker's names)
 
@@ -72,6 +77,7 @@ class KVIndex:
 
     def apply(self, worker_id: str, ev: P.KVEvents) -> None:
         last = self._seq.get(worker_id)
+        fresh = self._fresh.pop(worker_id, ())
         if ev.reset:
             self.forget(worker_id)
         elif last is None or ev.seq != last + 1:  # a report was lost (or this one came before the reset)
@@ -94,6 +100,8 @@ class KVIndex:
                     self.entries -= 1
         for group in ev.stored:
             self._add(worker_id, group.tier, group.names)
+        if ev.reset and fresh:  # (see the top: a full report's snapshot may predate them)
+            self._add(worker_id, "gpu", fresh)
 
     def accepted(self, worker_id: str, names: list[bytes]) -> None:
         """This worker took a request of a prompt of these block names (its first token, or its prefill
@@ -102,6 +110,9 @@ class KVIndex:
         report."""
         if self.reporting(worker_id):
             self._add(worker_id, "gpu", names)
+            fresh = self._fresh.setdefault(worker_id, {})
+            if len(fresh) < MAX_FRESH:  # (a worker that reports nothing new, fully cached prompts: bounded)
+                fresh.update(dict.fromkeys(names))
 
     def _add(self, worker_id: str, tier: str, names) -> None:
         bit = BIT[tier]
@@ -127,6 +138,7 @@ class KVIndex:
     def forget(self, worker_id: str) -> None:
         """Its names are gone for every lookup now; their memory goes in reap()'s slices."""
         self._seq.pop(worker_id, None)
+        self._fresh.pop(worker_id, None)
         held = self._held.pop(worker_id, None)
         if held:
             self.entries -= len(held)

@@ -153,3 +153,28 @@ def test_forgetting_a_worker_with_many_names_keeps_health_answering(tokenizer): 
               f"{max(latencies, default=0) * 1e3:.1f} ms over {len(latencies)} requests while they were freed")
         assert max(latencies, default=0) < 0.2, latencies
         assert pool.kv.dying == 0 and pool.kv.entries == 0 and pool.kv.names_of("c0") == 0
+
+
+def test_a_full_report_keeps_the_names_accepted_since_the_last_report():
+    """A full report's snapshot can predate a request whose first token came first (they travel on different
+    sockets): the names accepted since the worker's last report stay; older ones follow the snapshot."""
+    ix = KVIndex()
+    ix.register("w")
+    old, new, snap = ([os.urandom(16) for _ in range(3)] for _ in range(3))
+
+    def report(seq: int, names: list[bytes], reset: bool = False) -> P.KVEvents:
+        return P.KVEvents("w", seq, reset, [P.TierNames("gpu", names)] if names else [])
+
+    ix.accepted("w", old)  # before the first report, which lists them
+    ix.apply("w", report(0, snap + old, reset=True))
+    ix.accepted("w", new)  # its first token came before the next full report, whose snapshot lacks them
+    ix.apply("w", report(1, snap, reset=True))
+    assert ix.held("w", snap + new) == ["gpu"] * 6
+    assert ix.held("w", old) == []  # accepted before the last report: the snapshot decides (evicted since)
+    ix.apply("w", report(2, [], reset=True))  # a later full report: its snapshot decides for `new` too
+    assert ix.held("w", new) == [] and ix.entries == 0
+    ix.accepted("w", new)
+    ix.forget("w")  # a worker forgotten keeps nothing it had accepted
+    ix.register("w")
+    ix.apply("w", report(0, [], reset=True))
+    assert ix.held("w", new) == [] and ix.entries == 0
